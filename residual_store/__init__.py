@@ -1,0 +1,39 @@
+"""residual-store: split JAX forward from backward, with typed, storable residuals."""
+
+from residual_store.backward import backward
+from residual_store.cache import CacheInfo
+from residual_store.context import ResidualContext, ResidualSpec
+from residual_store.errors import (
+    BackwardUnavailableError,
+    ContextNotFoundError,
+    CorruptContextError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    RecomputeWarning,
+    ResidualStoreError,
+    ResidualStoreWarning,
+    SignatureMismatchError,
+    StoreFullError,
+)
+from residual_store.split import Split, split
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "split",
+    "Split",
+    "backward",
+    "ResidualContext",
+    "ResidualSpec",
+    "CacheInfo",
+    "ResidualStoreError",
+    "SignatureMismatchError",
+    "InvalidArgumentError",
+    "ContextNotFoundError",
+    "InvalidKeyError",
+    "CorruptContextError",
+    "StoreFullError",
+    "BackwardUnavailableError",
+    "ResidualStoreWarning",
+    "RecomputeWarning",
+]

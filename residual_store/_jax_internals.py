@@ -1,0 +1,275 @@
+"""Every use of JAX internals in residual-store lives here, and nowhere else.
+
+Each function below names the assumption it makes about JAX; ``tests/test_jax_internals.py``
+checks every one of them against the installed JAX, so an upgrade that breaks one fails loudly
+with the assumption's name instead of producing wrong names or silent recomputation.
+
+Assumptions (the tests refer to them by these tags):
+
+* ``EVAL_JAXPR``: ``jax._src.core.eval_jaxpr(jaxpr, consts, *args)`` evaluates an open jaxpr,
+  binding each equation with its own params and source information.
+* ``EQN_SOURCE``: ``eqn.source_info`` can be summarised to a user frame (file, line) with
+  ``jax.extend.source_info_util.user_frame``.
+* ``SUBJAXPR_OUTVARS``: a higher-order equation (``jit``, ``scan``, ``checkpoint``/``remat``,
+  ``while``, ``cond``, custom derivative calls) whose inner jaxpr has as many outputs as the
+  equation has, maps output *i* of the equation to output *i* of the inner jaxpr; and, for
+  ``jit``/``checkpoint``/``scan``/``custom_*`` calls, inner input *j* is fed by the equation's
+  input ``j`` (after its constants, as laid out in the params).
+* ``NAME_PRIMITIVE``: ``jax.ad_checkpoint.checkpoint_name`` binds a primitive named ``name``
+  whose ``name`` param is the label.
+* ``CUSTOM_VJP_THUNK``: a ``custom_vjp_call`` equation carries ``fwd_jaxpr_thunk`` (a memoized
+  ``WrappedFun`` returning ``(jaxpr, consts)`` given one "non-zero" flag per non-constant input)
+  and ``num_consts``; with ``defvjp(..., optimize_remat=True)`` that jaxpr is a single
+  ``remat_opt`` equation.
+* ``REMAT_PRIMITIVE``: ``jax.checkpoint`` binds a primitive named ``checkpoint`` or ``remat2``
+  (the name changed across versions) whose body is ``params["jaxpr"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info_util
+
+__all__: list[str] = []  # private module
+
+REMAT_PRIMITIVE_NAMES = frozenset({"checkpoint", "remat2", "remat"})
+NAME_PRIMITIVE = "name"
+CUSTOM_VJP_PRIMITIVE = "custom_vjp_call"
+REMAT_OPT_PRIMITIVE = "remat_opt"
+
+_HEX_ADDRESS = re.compile(r"0x[0-9a-fA-FX]+")
+
+
+def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
+    """Evaluates an open jaxpr on ``consts`` and ``args`` (assumption ``EVAL_JAXPR``)."""
+    return _core.eval_jaxpr(jaxpr, list(consts), *args)
+
+
+# --------------------------------------------------------------------------------------------
+# Where a residual came from
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where one output of a jaxpr was produced.
+
+    ``primitive`` is the producing primitive's name (``None`` when the output is an input of the
+    outermost jaxpr or a literal), ``label`` a ``checkpoint_name`` label if one was applied,
+    ``file``/``line`` the user's source line, ``scopes`` the higher-order primitives it sits in
+    (outermost first), ``invar`` the index of the outer input it forwards, if it does;
+    ``per_iteration`` marks a loop's inputs stacked over its iterations (e.g. a scan carry).
+    """
+
+    primitive: str | None
+    label: str | None = None
+    file: str | None = None
+    line: int | None = None
+    scopes: tuple[str, ...] = ()
+    invar: int | None = None
+    per_iteration: bool = False
+
+
+def _user_frame(eqn: Any) -> tuple[str | None, int | None]:
+    """The user's (file basename, line) for an equation (assumption ``EQN_SOURCE``)."""
+    try:
+        frame = _source_info_util.user_frame(eqn.source_info.traceback)
+    except Exception:  # noqa: BLE001 - a missing frame only costs a less precise name.
+        return None, None
+    if frame is None:
+        return None, None
+    return os.path.basename(frame.file_name), frame.start_line
+
+
+def _inner_jaxprs(eqn: Any) -> list[Any]:
+    """Open jaxprs in an equation's params (``ClosedJaxpr`` unwrapped), in param order."""
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, _core.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, _core.Jaxpr):
+                found.append(item)
+    return found
+
+
+def _body_for_outputs(eqn: Any) -> Any | None:
+    """The inner jaxpr whose outputs are the equation's outputs (``SUBJAXPR_OUTVARS``)."""
+    name = eqn.primitive.name
+    params = eqn.params
+    if name == "while":
+        body = params.get("body_jaxpr")
+        return body.jaxpr if body is not None else None
+    if name == "cond":
+        branches = params.get("branches") or ()
+        return branches[-1].jaxpr if branches else None
+    for inner in _inner_jaxprs(eqn):
+        if len(inner.outvars) == len(eqn.outvars):
+            return inner
+    return None
+
+
+# Value-preserving ops that remat and partial evaluation insert around saved values: a residual
+# produced by one of them is named after its operand (e.g. the checkpoint_name label).
+_TRANSPARENT_PRIMITIVES = frozenset({"reduce_precision", "optimization_barrier", "copy", "copy_p"})
+_LOOP_PRIMITIVES = frozenset({"scan", "while", "fori_loop"})
+
+
+def _inputs_map_one_to_one(eqn: Any, body: Any) -> bool:
+    name = eqn.primitive.name
+    return name not in _LOOP_PRIMITIVES and name != "cond" and len(body.invars) == len(eqn.invars)
+
+
+def _producers(jaxpr: Any) -> dict[Any, Any]:
+    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def _origin_of(jaxpr: Any, atom: Any, scopes: tuple[str, ...], depth: int = 0) -> Origin:
+    if isinstance(atom, _core.Literal):
+        return Origin(primitive="literal", scopes=scopes)
+    if depth > 64:
+        return Origin(primitive=None, scopes=scopes)
+    eqn = _producers(jaxpr).get(atom)
+    if eqn is None:
+        index = next((i for i, v in enumerate(jaxpr.invars) if v is atom), None)
+        return Origin(primitive=None, scopes=scopes, invar=index)
+    name = eqn.primitive.name
+    if name == NAME_PRIMITIVE:
+        file, line = _user_frame(eqn)
+        return Origin(name, label=str(eqn.params.get("name")), file=file, line=line, scopes=scopes)
+    if name in _TRANSPARENT_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
+        return _origin_of(jaxpr, eqn.invars[eqn.outvars.index(atom)], scopes, depth + 1)
+    body = _body_for_outputs(eqn)
+    if body is not None:
+        inner = _origin_of(body, body.outvars[eqn.outvars.index(atom)], scopes + (name,), depth + 1)
+        if inner.invar is not None and _inputs_map_one_to_one(eqn, body):
+            return _origin_of(jaxpr, eqn.invars[inner.invar], scopes, depth + 1)
+        if inner.primitive is not None:
+            if inner.file is None:  # e.g. inside jnp's own jitted helpers: use the call site
+                file, line = _user_frame(eqn)
+                inner = dataclasses.replace(inner, file=file, line=line)
+            return inner
+        if inner.invar is not None and name in _LOOP_PRIMITIVES:
+            file, line = _user_frame(eqn)
+            return Origin(name, label=None, file=file, line=line, scopes=scopes, per_iteration=True)
+    file, line = _user_frame(eqn)
+    return Origin(name, file=file, line=line, scopes=scopes)
+
+
+def output_origins(closed_jaxpr: Any, indices: Sequence[int]) -> list[Origin]:
+    """The :class:`Origin` of each listed output of ``closed_jaxpr``, looking inside nested jaxprs."""
+    jaxpr = closed_jaxpr.jaxpr
+    return [_origin_of(jaxpr, jaxpr.outvars[i], ()) for i in indices]
+
+
+# --------------------------------------------------------------------------------------------
+# custom_vjp under remat (upstream jax issue 21303)
+
+
+def _walk(jaxpr: Any, under_remat: bool) -> Iterator[tuple[Any, bool]]:
+    for eqn in jaxpr.eqns:
+        yield eqn, under_remat
+        inner_remat = under_remat or eqn.primitive.name in REMAT_PRIMITIVE_NAMES
+        for inner in _inner_jaxprs(eqn):
+            yield from _walk(inner, inner_remat)
+
+
+def _custom_vjp_is_remat_optimized(eqn: Any) -> bool:
+    """Whether a ``custom_vjp_call``'s fwd was wrapped by ``optimize_remat`` (``CUSTOM_VJP_THUNK``).
+
+    The thunk is memoized by JAX and is the one JAX itself calls when differentiating, so asking
+    for it here does not trace the user's fwd a second time.
+    """
+    thunk = eqn.params["fwd_jaxpr_thunk"]
+    n_args = len(eqn.invars) - eqn.params.get("num_consts", 0)
+    fwd_jaxpr, _ = thunk.call_wrapped(*([True] * n_args))
+    return any(e.primitive.name == REMAT_OPT_PRIMITIVE for e in fwd_jaxpr.eqns)
+
+
+def unoptimized_remat_custom_vjps(closed_jaxpr: Any) -> list[str]:
+    """Descriptions (``"name at file:line"``) of ``custom_vjp`` calls under remat whose fwd is
+    not remat-optimized, in the order they appear."""
+    found = []
+    for eqn, under_remat in _walk(closed_jaxpr.jaxpr, False):
+        if under_remat and eqn.primitive.name == CUSTOM_VJP_PRIMITIVE:
+            if not _custom_vjp_is_remat_optimized(eqn):
+                file, line = _user_frame(eqn)
+                where = f" at {file}:{line}" if file else ""
+                found.append(f"{eqn.params.get('name', 'custom_vjp')}{where}")
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# A process-independent fingerprint of a jaxpr
+
+
+def _code_digest(obj: Any, seen: set[int], depth: int = 0) -> str:
+    """A digest of the code behind a callable param (functions, partials, ``WrappedFun``)."""
+    if depth > 8 or id(obj) in seen:
+        return ""
+    seen.add(id(obj))
+    parts = [type(obj).__qualname__]
+    for attr in ("f", "func", "__func__", "callback_func", "__wrapped__", "callback"):
+        inner = getattr(obj, attr, None)
+        if inner is not None and inner is not obj and _is_code_like(inner):
+            parts.append(_code_digest(inner, seen, depth + 1))
+    for cell in getattr(obj, "__closure__", None) or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if _is_code_like(content):
+            parts.append(_code_digest(content, seen, depth + 1))
+    code = getattr(obj, "__code__", None)
+    if code is None and not isinstance(obj, type) and hasattr(type(obj), "__call__"):
+        code = getattr(type(obj).__call__, "__code__", None)
+    if code is not None:
+        parts.append(code_fingerprint(code))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def _is_code_like(obj: Any) -> bool:
+    """Callables, and JAX's ``WrappedFun`` (which holds a function in ``.f`` but is not callable)."""
+    return callable(obj) or (hasattr(obj, "f") and hasattr(obj, "transforms"))
+
+
+def code_fingerprint(code: Any) -> str:
+    """A digest of a code object: bytecode, names and constants, nested code included."""
+    h = hashlib.sha256()
+    h.update(code.co_code)
+    h.update(repr((code.co_name, code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            h.update(code_fingerprint(const).encode())
+        else:
+            h.update(_HEX_ADDRESS.sub("0x?", repr(const)).encode())
+    return h.hexdigest()
+
+
+def callable_fingerprint(fun: Any) -> str:
+    """A process-independent digest of a Python callable's code (closures and wrappers followed)."""
+    return _code_digest(fun, set())
+
+
+def jaxpr_fingerprint(closed_jaxpr: Any) -> bytes:
+    """Bytes that identify a jaxpr's computation across processes.
+
+    The printed jaxpr (with memory addresses scrubbed) plus a digest of the code of every
+    callable in equation params (custom_vjp bwd, callbacks), which the printout shows only by
+    name. Constant *values* are not included: the caller hashes ``closed_jaxpr.consts``.
+    """
+    text = _HEX_ADDRESS.sub("0x?", str(closed_jaxpr.jaxpr))
+    seen: set[int] = set()
+    digests = []
+    for eqn, _ in _walk(closed_jaxpr.jaxpr, False):
+        for key in sorted(eqn.params):
+            value = eqn.params[key]
+            if _is_code_like(value) and not isinstance(value, (_core.Jaxpr, _core.ClosedJaxpr)):
+                digests.append(f"{eqn.primitive.name}.{key}={_code_digest(value, seen)}")
+    return (text + "\n" + "\n".join(digests)).encode()

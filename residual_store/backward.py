@@ -1,0 +1,195 @@
+"""Backward executables: one per signature, compiled ahead of time, found by signature.
+
+A :class:`Backward` turns ``(residuals, cotangent)`` into gradients. It validates the cotangent
+against the output avals it was made for, compiles its flat function once
+(``jax.jit(...).lower(...).compile()``) and reuses the executable for every later context of its
+signature. Backwards register themselves by signature, so :func:`backward` works on any context
+this process can find a backward for: one made by ``rs.split`` here, or (with a store) one whose
+serialized backward was loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from residual_store.context import ResidualContext
+from residual_store.errors import (
+    BackwardUnavailableError,
+    InvalidArgumentError,
+    SignatureMismatchError,
+)
+
+__all__ = ["Backward", "backward", "register_backward", "lookup_backward"]
+
+FlatBackward = Callable[[Sequence[Any], Sequence[Any]], Sequence[Any]]
+
+
+def _is_float(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, np.inexact)
+
+
+def _describe_aval(x: Any) -> str:
+    dtype = getattr(x, "dtype", None)
+    shape = getattr(x, "shape", None)
+    if dtype is None or shape is None:
+        return type(x).__name__
+    return f"{dtype}{list(shape)}"
+
+
+class Backward:
+    """The backward of one signature: cotangent checks, a lazily compiled flat executable.
+
+    Args:
+      signature: the signature it serves.
+      flat_fn: ``flat_fn(residuals, float_cotangents) -> gradient leaves``; traceable by JAX.
+      out_tree: the structure of the forward's differentiated output (the cotangent's structure).
+      out_avals: one ``ShapeDtypeStruct`` per output leaf; non-float leaves take no cotangent.
+      grad_tree: the structure of the returned gradients.
+      on_compile: called after each compile (used to count compiles per split).
+    """
+
+    def __init__(
+        self,
+        *,
+        signature: str,
+        flat_fn: FlatBackward,
+        out_tree: Any,
+        out_avals: Sequence[jax.ShapeDtypeStruct],
+        grad_tree: Any,
+        on_compile: Callable[[], None] | None = None,
+    ) -> None:
+        self.signature = signature
+        self.out_tree = out_tree
+        self.out_avals = tuple(out_avals)
+        self.grad_tree = grad_tree
+        self._flat_fn = flat_fn
+        self._float_leaves = tuple(i for i, a in enumerate(self.out_avals) if _is_float(a.dtype))
+        self._on_compile = on_compile
+        self._compiled: Any = None
+        self._lock = threading.Lock()
+        self.compiles = 0
+
+    # -- cotangents -------------------------------------------------------------------------
+
+    def _cotangent_leaves(self, cotangent: Any) -> list[Any]:
+        if cotangent is None:
+            if len(self.out_avals) == 1 and self._float_leaves == (0,) and self.out_avals[0].shape == ():
+                return [np.ones((), self.out_avals[0].dtype)]
+            raise SignatureMismatchError(
+                "cotangent=None is allowed only for a scalar floating output; this output is "
+                f"{self._describe_out()}: pass a cotangent of that structure"
+            )
+        try:
+            leaves = self.out_tree.flatten_up_to(cotangent)
+        except (ValueError, TypeError) as err:
+            raise SignatureMismatchError(
+                f"cotangent structure does not match the output: expected {self._describe_out()}, "
+                f"got {jax.tree.structure(cotangent)} ({err})"
+            ) from None
+        checked = []
+        for i in self._float_leaves:
+            leaf, aval = leaves[i], self.out_avals[i]
+            if isinstance(leaf, (int, float)) and not isinstance(leaf, bool) and aval.shape == ():
+                leaf = np.asarray(leaf, aval.dtype)
+            shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+            if shape is None or tuple(shape) != tuple(aval.shape) or dtype != aval.dtype:
+                raise SignatureMismatchError(
+                    f"cotangent leaf {i} must be {aval.dtype}{list(aval.shape)} like the output, "
+                    f"got {_describe_aval(leaf)}"
+                )
+            checked.append(leaf)
+        return checked
+
+    def _describe_out(self) -> str:
+        leaves = ", ".join(f"{a.dtype}{list(a.shape)}" for a in self.out_avals)
+        return f"{self.out_tree} with leaves [{leaves}]"
+
+    # -- execution --------------------------------------------------------------------------
+
+    def _compile(self, residuals: Sequence[Any], cts: Sequence[Any]) -> Any:
+        with self._lock:
+            if self._compiled is None:
+                self._compiled = jax.jit(self._flat_fn).lower(list(residuals), list(cts)).compile()
+                self.compiles += 1
+                if self._on_compile is not None:
+                    self._on_compile()
+            return self._compiled
+
+    def drop_compiled(self) -> None:
+        """Forgets the executable (the split's cache evicted it); the next call compiles again."""
+        with self._lock:
+            self._compiled = None
+
+    def __call__(self, ctx: ResidualContext, cotangent: Any = None) -> Any:
+        """Gradients for ``ctx`` and ``cotangent``, shaped like the differentiated arguments."""
+        if not isinstance(ctx, ResidualContext):
+            raise InvalidArgumentError(
+                f"backward expects a rs.ResidualContext, got {type(ctx).__name__}"
+            )
+        if ctx.spec.signature != self.signature:
+            raise SignatureMismatchError(
+                f"context has signature {ctx.spec.signature}, this backward is for "
+                f"{self.signature}: the context comes from another function or other input avals"
+            )
+        cts = self._cotangent_leaves(cotangent)
+        residuals = list(ctx.residuals)
+        compiled = self._compiled or self._compile(residuals, cts)
+        try:
+            grads = compiled(residuals, cts)
+        except (TypeError, ValueError) as err:
+            self._check_residuals(ctx)
+            raise SignatureMismatchError(f"the backward rejected its inputs: {err}") from err
+        return jax.tree.unflatten(self.grad_tree, grads)
+
+    def _check_residuals(self, ctx: ResidualContext) -> None:
+        for i, (x, aval) in enumerate(zip(ctx.residuals, ctx.spec.avals)):
+            if getattr(x, "shape", None) != tuple(aval.shape) or getattr(x, "dtype", None) != aval.dtype:
+                raise SignatureMismatchError(
+                    f"residual {i} ({ctx.spec.names[i]}) must be {aval.dtype}{list(aval.shape)}, "
+                    f"got {_describe_aval(x)}"
+                )
+
+
+_REGISTRY: dict[str, Backward] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_backward(bwd: Backward) -> None:
+    """Makes ``bwd`` the backward that :func:`backward` uses for its signature in this process."""
+    with _REGISTRY_LOCK:
+        _REGISTRY[bwd.signature] = bwd
+
+
+def lookup_backward(signature: str) -> Backward | None:
+    """The registered backward for ``signature``, or ``None``."""
+    return _REGISTRY.get(signature)
+
+
+def backward(ctx: ResidualContext, cotangent: Any = None) -> Any:
+    """Runs the backward of any context this process has a backward for.
+
+    Gradients come back shaped like the differentiated arguments (a tuple when ``argnums`` was a
+    tuple). ``cotangent`` matches the forward's output (not its aux); ``None`` means 1 for a
+    scalar floating output.
+
+    Example:
+      >>> import jax.numpy as jnp, residual_store as rs
+      >>> fwd = rs.split(lambda w: jnp.sum(w ** 2))
+      >>> loss, ctx = fwd(jnp.arange(3.0))
+      >>> rs.backward(ctx)
+      Array([0., 2., 4.], dtype=float32)
+    """
+    if not isinstance(ctx, ResidualContext):
+        raise InvalidArgumentError(f"backward expects a rs.ResidualContext, got {type(ctx).__name__}")
+    bwd = lookup_backward(ctx.spec.signature)
+    if bwd is None:
+        raise BackwardUnavailableError(
+            f"no backward for signature {ctx.spec.signature} in this process: make the context "
+            "with rs.split here, or load it from a rs.Store that saved its backward"
+        )
+    return bwd(ctx, cotangent)

@@ -1,0 +1,156 @@
+"""Typed residuals: :class:`ResidualSpec` says what each saved array is, :class:`ResidualContext`
+holds the arrays.
+
+A context is what a split forward hands back instead of ``jax.vjp``'s opaque closure. It is a
+registered pytree (leaves: the residual arrays; auxiliary data: the spec), so it passes through
+``jax.jit``, ``jax.tree.map`` and ``jax.device_put`` like any other pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+__all__ = ["ResidualSpec", "ResidualContext", "ResidualKind"]
+
+ResidualKind = Literal["input", "constant", "intermediate"]
+"""``input``: a primal argument itself (weights, the batch); ``constant``: an array the function
+closes over; ``intermediate``: a value computed by the forward."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualSpec:
+    """What a context's residuals are, without the arrays: hashable, cheap, process-independent.
+
+    Attributes:
+      signature: the digest naming the forward/backward pair (see :mod:`residual_store.signature`).
+      avals: one ``jax.ShapeDtypeStruct`` per residual leaf.
+      names: where each leaf came from: ``"input params['w1']"``, ``"tanh model.py:12"``, or a
+        ``checkpoint_name`` label.
+      input_paths: for leaves that *are* a primal input, its key path (``"params['w1']"``);
+        ``None`` for constants and intermediates.
+      kinds: ``"input"``, ``"constant"`` or ``"intermediate"`` per leaf.
+    """
+
+    signature: str
+    avals: tuple[jax.ShapeDtypeStruct, ...]
+    names: tuple[str, ...]
+    input_paths: tuple[str | None, ...]
+    kinds: tuple[ResidualKind, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.avals)
+        if not (len(self.names) == len(self.input_paths) == len(self.kinds) == n):
+            raise ValueError(
+                f"ResidualSpec fields disagree in length: {n} avals, {len(self.names)} names, "
+                f"{len(self.input_paths)} input paths, {len(self.kinds)} kinds"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all residual leaves, as the avals describe them."""
+        return sum(_aval_nbytes(a) for a in self.avals)
+
+
+def _aval_nbytes(aval: Any) -> int:
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        size = int(np.prod(aval.shape, dtype=np.int64))
+        key_shape = jax.eval_shape(lambda k: jax.random.key_data(k), aval).shape
+        return size and int(np.prod(key_shape, dtype=np.int64)) * 4
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _leaf_nbytes(x: Any) -> int:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return int(jax.random.key_data(x).nbytes)
+    return int(x.nbytes)
+
+
+@jax.tree_util.register_pytree_node_class
+class ResidualContext:
+    """The residuals of one forward call, typed and named; feed it to ``rs.backward``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, residual_store as rs
+      >>> fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+      >>> loss, ctx = fwd(jnp.ones((3, 2)), jnp.ones((4, 3)))
+      >>> ctx.spec.names[0], ctx.spec.kinds[0]
+      ('input x', 'input')
+      >>> grads = rs.backward(ctx)
+    """
+
+    __slots__ = ("_residuals", "_spec")
+
+    def __init__(self, residuals: Sequence[Any], spec: ResidualSpec) -> None:
+        residuals = tuple(residuals)
+        if len(residuals) != len(spec.avals):
+            raise ValueError(
+                f"a ResidualContext for signature {spec.signature} needs {len(spec.avals)} "
+                f"residual arrays, got {len(residuals)}"
+            )
+        self._residuals = residuals
+        self._spec = spec
+
+    @property
+    def residuals(self) -> tuple[Any, ...]:
+        """The residual arrays, one per ``spec.avals`` entry."""
+        return self._residuals
+
+    @property
+    def spec(self) -> ResidualSpec:
+        """The :class:`ResidualSpec`: signature, avals, names, input paths, kinds."""
+        return self._spec
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this context holds, each distinct array counted once.
+
+        Inputs (weights) are held by reference, not copied; :meth:`describe` splits the total.
+        """
+        seen: set[int] = set()
+        total = 0
+        for x in self._residuals:
+            if id(x) not in seen and hasattr(x, "dtype"):
+                seen.add(id(x))
+                total += _leaf_nbytes(x)
+        return total
+
+    def describe(self) -> str:
+        """A readable table: one row per residual with name, shape, dtype, bytes and kind."""
+        rows = [("#", "name", "shape", "dtype", "bytes", "kind")]
+        for i, (aval, name, kind) in enumerate(
+            zip(self._spec.avals, self._spec.names, self._spec.kinds)
+        ):
+            shape = "(" + ", ".join(str(d) for d in aval.shape) + ")"
+            rows.append((str(i), name, shape, str(aval.dtype), f"{_aval_nbytes(aval):,}", kind))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        held = {k: 0 for k in ("input", "constant", "intermediate")}
+        for aval, kind in zip(self._spec.avals, self._spec.kinds):
+            held[kind] += _aval_nbytes(aval)
+        lines.append(
+            f"signature {self._spec.signature}: {self.nbytes:,} bytes held "
+            f"({held['intermediate']:,} intermediate, {held['input']:,} input and "
+            f"{held['constant']:,} constant bytes by reference)"
+        )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"ResidualContext(signature={self._spec.signature!r}, "
+            f"residuals={len(self._residuals)}, nbytes={self.nbytes})"
+        )
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], ResidualSpec]:
+        return self._residuals, self._spec
+
+    @classmethod
+    def tree_unflatten(cls, spec: ResidualSpec, residuals: Sequence[Any]) -> ResidualContext:
+        obj = object.__new__(cls)
+        obj._residuals = tuple(residuals)
+        obj._spec = spec
+        return obj

@@ -1,0 +1,70 @@
+"""The exception hierarchy and the library's warning categories.
+
+Every error that residual-store raises on purpose derives from :class:`ResidualStoreError`, so
+``except rs.ResidualStoreError`` catches all of them. Each concrete error also derives from the
+built-in exception a Python user would expect (``ValueError``, ``KeyError``, ``TypeError``), so
+code written against the built-ins keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ResidualStoreError",
+    "SignatureMismatchError",
+    "InvalidArgumentError",
+    "ContextNotFoundError",
+    "InvalidKeyError",
+    "CorruptContextError",
+    "StoreFullError",
+    "BackwardUnavailableError",
+    "ResidualStoreWarning",
+    "RecomputeWarning",
+]
+
+
+class ResidualStoreError(Exception):
+    """Base class of every error raised on purpose by residual-store."""
+
+
+class SignatureMismatchError(ResidualStoreError, ValueError):
+    """A context, cotangent or argument list does not match the signature it is used with."""
+
+
+class InvalidArgumentError(ResidualStoreError, TypeError):
+    """An argument is of a kind that cannot be traced or differentiated (named in the message)."""
+
+
+class ContextNotFoundError(ResidualStoreError, KeyError):
+    """No context is stored under the given key."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidKeyError(ResidualStoreError, ValueError):
+    """A store key breaks the key rules (1 to 128 of ``[A-Za-z0-9._-]``, not starting with ``.``)."""
+
+
+class CorruptContextError(ResidualStoreError):
+    """Stored data failed verification: checksum, truncation, a missing array, a bad manifest."""
+
+
+class StoreFullError(ResidualStoreError):
+    """The disk or a budget cannot take a context; the store is left as it was before the write."""
+
+
+class BackwardUnavailableError(ResidualStoreError):
+    """No backward is available for a context's signature in this process."""
+
+
+class ResidualStoreWarning(UserWarning):
+    """Base category of the warnings residual-store emits."""
+
+
+class RecomputeWarning(ResidualStoreWarning):
+    """The traced function will recompute work that a kernel author can avoid.
+
+    Emitted once per signature when a ``jax.custom_vjp`` sits under ``jax.checkpoint`` (remat)
+    without ``defvjp(..., optimize_remat=True)``: its fwd then runs once in the forward and again
+    in the backward.
+    """

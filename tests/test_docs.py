@@ -1,0 +1,39 @@
+"""The README's and docs' Python examples and the public docstrings' examples run as written."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pathlib
+import re
+
+import pytest
+
+import residual_store
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CODE_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+def _blocks():
+    for path in DOC_FILES:
+        for i, block in enumerate(CODE_BLOCK.findall(path.read_text())):
+            yield pytest.param(block, id=f"{path.name}#{i}")
+
+
+@pytest.mark.parametrize("code", list(_blocks()))
+def test_markdown_python_blocks_run(code):
+    exec(compile(code, "<doc>", "exec"), {"__name__": "__doc_example__"})
+
+
+@pytest.mark.parametrize("name", ["split", "backward", "context"])
+def test_docstring_examples(name):
+    module = importlib.import_module(f"residual_store.{name}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_public_names_are_exported():
+    for name in residual_store.__all__:
+        assert hasattr(residual_store, name), name

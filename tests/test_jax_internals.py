@@ -1,0 +1,104 @@
+"""Each assumption residual_store._jax_internals makes about JAX, checked by name.
+
+When one of these fails after a JAX upgrade, the test name says which assumption broke; fix
+``residual_store/_jax_internals.py`` (the only module that touches JAX internals).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from residual_store import _jax_internals as ji
+
+
+def test_assumption_EVAL_JAXPR():
+    closed = jax.make_jaxpr(lambda x, y: (jnp.sin(x) * y, x + 1))(1.0, 2.0)
+    out = ji.eval_jaxpr(closed.jaxpr, closed.consts, 0.5, 3.0)
+    assert jnp.allclose(out[0], jnp.sin(0.5) * 3.0) and jnp.allclose(out[1], 1.5)
+
+
+def test_assumption_EQN_SOURCE():
+    closed = jax.make_jaxpr(lambda x: jnp.tanh(x))(1.0)
+    origin = ji.output_origins(closed, [0])[0]
+    assert origin.primitive == "tanh"
+    assert origin.file == "test_jax_internals.py" and isinstance(origin.line, int)
+
+
+def test_assumption_NAME_PRIMITIVE():
+    closed = jax.make_jaxpr(lambda x: checkpoint_name(jnp.sin(x), "my_label"))(1.0)
+    assert closed.jaxpr.eqns[-1].primitive.name == ji.NAME_PRIMITIVE
+    assert ji.output_origins(closed, [0])[0].label == "my_label"
+
+
+def test_assumption_SUBJAXPR_OUTVARS():
+    def f(x):
+        y = jax.jit(lambda a: checkpoint_name(jnp.cos(a), "inside_jit"))(x)
+        carry, ys = jax.lax.scan(lambda c, a: (c + a, jnp.exp(a)), 0.0, x)
+        passthrough = jax.jit(lambda a, b: b)(y, x)
+        return y, ys, passthrough
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3))
+    jit_origin, scan_origin, through = ji.output_origins(closed, [0, 1, 2])
+    assert jit_origin.label == "inside_jit" and jit_origin.scopes == ("jit",)
+    assert scan_origin.primitive == "exp" and scan_origin.scopes == ("scan",)
+    assert through.primitive is None and through.invar == 0
+
+
+def test_assumption_REMAT_PRIMITIVE():
+    closed = jax.make_jaxpr(jax.checkpoint(lambda x: jnp.sin(x)))(1.0)
+    eqn = closed.jaxpr.eqns[0]
+    assert eqn.primitive.name in ji.REMAT_PRIMITIVE_NAMES
+    assert "jaxpr" in eqn.params
+
+
+def _custom(optimize_remat):
+    @jax.custom_vjp
+    def k(x):
+        return jnp.sin(x)
+
+    k.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (g * c,), optimize_remat=optimize_remat)
+    return k
+
+
+def test_assumption_CUSTOM_VJP_THUNK():
+    for optimize, expected in ((False, 1), (True, 0)):
+        closed = jax.make_jaxpr(jax.checkpoint(_custom(optimize)))(1.0)
+        eqn = closed.jaxpr.eqns[0].params["jaxpr"].eqns[0]
+        assert eqn.primitive.name == ji.CUSTOM_VJP_PRIMITIVE
+        assert "fwd_jaxpr_thunk" in eqn.params and "num_consts" in eqn.params
+        assert len(ji.unoptimized_remat_custom_vjps(closed)) == expected
+    # Not under remat: nothing to warn about.
+    assert ji.unoptimized_remat_custom_vjps(jax.make_jaxpr(_custom(False))(1.0)) == []
+
+
+def test_vjp_is_a_pytree_with_input_residuals_by_identity():
+    """rs.split relies on jax.vjp returning a pytree whose leaves include the primal inputs
+    themselves (same tracer objects) for residuals that are inputs."""
+    box = {}
+
+    def fwd(w, x):
+        out, vjp = jax.vjp(lambda w: jnp.sum(jnp.tanh(x @ w)), w)
+        leaves, treedef = jax.tree.flatten(vjp)
+        box["identity"] = [leaf is x for leaf in leaves]
+        return out, leaves
+
+    jax.jit(fwd).trace(jnp.ones((3, 2)), jnp.ones((4, 3)))
+    assert any(box["identity"])
+
+
+def test_jaxpr_fingerprint_is_address_free_and_sees_rule_code():
+    import re
+
+    first = ji.jaxpr_fingerprint(jax.make_jaxpr(jax.checkpoint(_custom(False)))(1.0))
+    again = ji.jaxpr_fingerprint(jax.make_jaxpr(jax.checkpoint(_custom(False)))(1.0))
+    assert not re.search(rb"0x[0-9a-f]{6,}", first)
+    assert first == again
+
+    @jax.custom_vjp
+    def k(x):
+        return jnp.sin(x)
+
+    k.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (2 * g * c,))  # another bwd body
+    assert ji.jaxpr_fingerprint(jax.make_jaxpr(jax.checkpoint(k))(1.0)) != first
