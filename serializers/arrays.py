@@ -1,0 +1,835 @@
+"""Arrays as zarr v3 arrays: through tensorstore, and a fast path for local folders.
+
+On-disk format (one format, two writers). Every array is a zarr v3 array folder::
+
+    <path>/zarr.json      metadata, compact JSON with sorted keys
+    <path>/c/0/0          the single chunk: the whole array, C order, little endian
+    <path>/c              ... for a 0-d array
+    (no chunk file)       ... for an array with a zero-length dimension
+
+The chunk grid has one chunk that is the whole array (``chunk_shape`` = ``shape``,
+with 0 replaced by 1), the chunk key encoding is zarr's ``"default"`` (``"c"``
+followed by ``"/0"`` per dimension, which is what tensorstore writes), and the
+only codec is ``"bytes"`` (``"endian": "little"`` for items wider than a byte), so
+the chunk file is exactly the array's raw bytes: no compression, no header. Its
+checksum (:mod:`serializers.checksums`) is the checksum of the array in memory.
+
+Two writers produce byte-identical chunk files and the same metadata, and each
+reader reads what either wrote (the tests check this):
+
+* The tensorstore path (:func:`write_array`, :func:`read_array` and their
+  ``_async`` / batch forms) works on any tensorstore kvstore spec (``file``,
+  ``memory``, cloud drivers). It writes chunks equal to the fill value too
+  (``store_data_equal_to_fill_value``) and reads with ``fill_missing_data_reads``
+  off, so a missing chunk is an error, never zeros. A ``memory`` kvstore lives in
+  a tensorstore :class:`~tensorstore.Context`: pass the same ``context`` to write
+  and read, or rely on :func:`default_context`, one context shared per process.
+* The fast path (:func:`write_array_local`, :func:`read_array_local`) is for a
+  plain local folder. It writes the chunk with ``os.write`` straight from the
+  array's buffer (no copy), ``zarr.json`` after it, and fsyncs files and folders
+  when asked; it reads the chunk with one ``readv`` into a 64-byte aligned buffer
+  (:func:`aligned_empty`), so a later ``jax.device_put`` on CPU can use the memory
+  in place. Sizes are checked against the expected shape before reading.
+
+Errors: a missing, truncated or oversized chunk, missing or mismatching
+metadata -> :class:`~serializers.errors.CorruptDataError` naming the file.
+``ENOSPC``/``EFBIG``/``EDQUOT`` while writing -> :class:`~serializers.errors.
+DiskFullError`, after removing what that write had created.
+
+Data types: ``bool``, ``int8``-``int64``, ``uint8``-``uint64``, ``float16``,
+``float32``, ``float64``, ``complex64``, ``complex128``, and from ``ml_dtypes``
+``bfloat16``, the ``float8_*`` types tensorstore knows, ``float4_e2m1fn``,
+``int2`` and ``int4`` (stored one element per byte, as in memory). Plain
+``zarr`` (3.1) reads the numpy types as they are; it does not know the
+``ml_dtypes`` ones and refuses to open their metadata until
+:func:`register_zarr_dtypes` has taught it the floating ones (``int2``/``int4``
+stay tensorstore-only). The host is assumed little endian (x86, ARM).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+
+from serializers.errors import CorruptDataError, DiskFullError, UnsupportedDTypeError
+from serializers.manifest import is_safe_relpath
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "KvStoreSpec",
+    "zarr_dtype_name",
+    "numpy_dtype",
+    "chunk_shape",
+    "chunk_key",
+    "zarr_metadata",
+    "encode_zarr_metadata",
+    "default_context",
+    "local_root",
+    "aligned_empty",
+    "write_array",
+    "write_array_async",
+    "write_arrays",
+    "read_array",
+    "read_array_async",
+    "read_arrays",
+    "write_array_local",
+    "write_arrays_local",
+    "read_array_local",
+    "register_zarr_dtypes",
+]
+
+KvStoreSpec = Mapping[str, Any]
+"""A tensorstore kvstore spec, e.g. ``{"driver": "file", "path": "/data/store"}``."""
+
+PathLike = str | os.PathLike[str]
+Shape = Sequence[int]
+DTypeLike = str | np.dtype | type
+
+ALIGNMENT: Final[int] = 64
+"""Byte alignment of buffers returned by :func:`aligned_empty` and the fast reader."""
+
+_METADATA_KEY: Final[str] = "zarr.json"
+_DISK_FULL_ERRNOS: Final[frozenset[int]] = frozenset(
+    {errno.ENOSPC, errno.EFBIG} | ({errno.EDQUOT} if hasattr(errno, "EDQUOT") else set())
+)
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def _supported_dtypes() -> dict[str, np.dtype]:
+    names = [
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    ]  # fmt: skip
+    out = {n: np.dtype(n) for n in names}
+    ml_names = [
+        "bfloat16", "float8_e3m4", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
+        "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn", "int2", "int4",
+    ]  # fmt: skip
+    for n in ml_names:  # the zarr3 data types tensorstore supports, where ml_dtypes has them
+        if hasattr(ml_dtypes, n):
+            out[n] = np.dtype(getattr(ml_dtypes, n))
+    return out
+
+
+SUPPORTED_DTYPES: Final[Mapping[str, np.dtype]] = _supported_dtypes()
+"""zarr v3 ``data_type`` name -> numpy dtype, for every dtype this module stores."""
+
+
+def zarr_dtype_name(dtype: DTypeLike) -> str:
+    """Returns the zarr v3 ``data_type`` of a numpy dtype (either byte order).
+
+    Raises:
+      UnsupportedDTypeError: for a dtype with no zarr v3 name here (strings,
+        objects, datetimes, structured, ``uint4``...).
+    """
+    try:
+        d = np.dtype(dtype)
+    except TypeError:  # e.g. "key<fry>", which the caller stores as its key data
+        raise UnsupportedDTypeError(f"{dtype!r} is not a numpy dtype") from None
+    want = SUPPORTED_DTYPES.get(d.name)
+    if want is None or d.type is not want.type:
+        raise UnsupportedDTypeError(
+            f"dtype {d} cannot be stored as a zarr v3 array; supported: "
+            f"{', '.join(SUPPORTED_DTYPES)}"
+        )
+    return d.name
+
+
+def numpy_dtype(dtype: DTypeLike) -> np.dtype:
+    """Returns the native numpy dtype for a zarr v3 name (or any dtype-like)."""
+    if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES:
+        return SUPPORTED_DTYPES[dtype]
+    return SUPPORTED_DTYPES[zarr_dtype_name(dtype)]
+
+
+def _fill_value(name: str) -> Any:
+    """The fill value written in metadata, spelled as tensorstore spells it."""
+    if name == "bool":
+        return False
+    if name.startswith("complex"):
+        return [0.0, 0.0]
+    if "float" in name:  # float16..64, bfloat16, float8_*, float4_*
+        return 0.0
+    return 0
+
+
+# --------------------------------------------------------------------------- format
+
+
+def chunk_shape(shape: Shape) -> tuple[int, ...]:
+    """The shape of the single chunk: ``shape``, with zero-length dims as 1."""
+    return tuple(max(1, int(d)) for d in shape)
+
+
+def chunk_key(shape: Shape) -> str | None:
+    """The key of the single chunk inside the array folder.
+
+    ``"c/0/0"`` for a 2-d array, ``"c"`` for a 0-d array, ``None`` when the array
+    has no elements (then no chunk is stored).
+    """
+    if any(int(d) == 0 for d in shape):
+        return None
+    return "c" + "/0" * len(shape)
+
+
+def zarr_metadata(shape: Shape, dtype: DTypeLike) -> dict[str, Any]:
+    """The ``zarr.json`` contents for an array of ``shape`` and ``dtype``.
+
+    Identical to what tensorstore's zarr3 driver writes for the same array.
+    """
+    name = zarr_dtype_name(dtype)
+    bytes_codec: dict[str, Any] = {"name": "bytes"}
+    if SUPPORTED_DTYPES[name].itemsize > 1:
+        bytes_codec = {"configuration": {"endian": "little"}, "name": "bytes"}
+    return {
+        "chunk_grid": {
+            "configuration": {"chunk_shape": list(chunk_shape(shape))},
+            "name": "regular",
+        },
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [bytes_codec],
+        "data_type": name,
+        "fill_value": _fill_value(name),
+        "node_type": "array",
+        "shape": [int(d) for d in shape],
+        "zarr_format": 3,
+    }
+
+
+def encode_zarr_metadata(shape: Shape, dtype: DTypeLike) -> bytes:
+    """:func:`zarr_metadata` as the compact, key-sorted JSON bytes written to disk."""
+    return json.dumps(zarr_metadata(shape, dtype), sort_keys=True, separators=(",", ":")).encode()
+
+
+def _check_zarr_metadata(raw: bytes, shape: tuple[int, ...], name: str, where: str) -> None:
+    """Raises CorruptDataError unless ``raw`` describes our single-chunk raw layout."""
+    try:
+        meta = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptDataError(f"{where}: unreadable zarr metadata ({e})") from None
+    if not isinstance(meta, dict):
+        raise CorruptDataError(f"{where}: zarr metadata is not a JSON object")
+
+    def mismatch(field: str, want: Any) -> CorruptDataError:
+        got = repr(meta.get(field))[:120]
+        return CorruptDataError(f"{where}: zarr metadata {field!r} is {got}, expected {want!r}")
+
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise mismatch("zarr_format", 3)
+    if meta.get("shape") != list(shape):
+        raise mismatch("shape", list(shape))
+    if meta.get("data_type") != name:
+        raise mismatch("data_type", name)
+    want_grid = {"configuration": {"chunk_shape": list(chunk_shape(shape))}, "name": "regular"}
+    if meta.get("chunk_grid") != want_grid:
+        raise mismatch("chunk_grid", want_grid)
+    encoding = meta.get("chunk_key_encoding")
+    if encoding not in (
+        {"name": "default"},
+        {"name": "default", "configuration": {"separator": "/"}},
+    ):
+        raise mismatch("chunk_key_encoding", {"name": "default"})
+    codecs = meta.get("codecs")
+    little = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if not (
+        codecs == little or (codecs == [{"name": "bytes"}] and SUPPORTED_DTYPES[name].itemsize == 1)
+    ):
+        raise mismatch("codecs", little)
+    if meta.get("storage_transformers", []) != []:
+        raise mismatch("storage_transformers", [])
+
+
+def aligned_empty(shape: Shape, dtype: DTypeLike, *, align: int = ALIGNMENT) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on an ``align`` boundary.
+
+    XLA's CPU client can adopt such a buffer without copying it. (An array with
+    no elements has no data, and numpy does not keep its pointer aligned.)
+    """
+    d = np.dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    nbytes = math.prod(shape) * d.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes].view(d).reshape(shape)
+
+
+def _disk_array(arr: Any) -> np.ndarray:
+    """``arr`` as a C-contiguous little-endian numpy array, copying only if needed."""
+    a = np.asarray(arr)
+    zarr_dtype_name(a.dtype)  # raises for unsupported dtypes
+    if a.dtype.byteorder == ">" or (
+        a.dtype.byteorder == "=" and sys.byteorder == "big" and a.dtype.itemsize > 1
+    ):
+        a = a.astype(a.dtype.newbyteorder("<"))
+    # (np.ascontiguousarray would also turn a 0-d array into a 1-d one)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _byte_view(a: np.ndarray) -> memoryview:
+    """A flat uint8 view of a C-contiguous array (works for bfloat16, bool, 0-d)."""
+    return a.reshape(-1).view(np.uint8).data
+
+
+def _check_relpath(path: str) -> None:
+    if not is_safe_relpath(path):
+        raise ValueError(f"unsafe array path {path!r}: use [A-Za-z0-9._/-], relative, no '..'")
+
+
+# --------------------------------------------------------------------------- tensorstore
+
+
+_default_context: ts.Context | None = None
+_default_context_lock = threading.Lock()
+
+
+def default_context() -> ts.Context:
+    """The tensorstore context used when none is passed, one per process.
+
+    Shared so that a ``memory`` kvstore written by one call is readable by the
+    next; tensorstore's default ``file_io_sync`` (fsync on write) applies.
+    """
+    global _default_context
+    with _default_context_lock:
+        if _default_context is None:
+            _default_context = ts.Context()
+        return _default_context
+
+
+def local_root(kvstore: KvStoreSpec | PathLike) -> str | None:
+    """The folder of a plain local ``file`` kvstore (or a path), else ``None``.
+
+    A caller uses it to decide whether the fast path applies: only for a spec with
+    nothing but ``driver: "file"`` and ``path``.
+    """
+    if isinstance(kvstore, (str, os.PathLike)):
+        return os.fspath(kvstore)
+    if (
+        isinstance(kvstore, Mapping)
+        and kvstore.get("driver") == "file"
+        and set(kvstore) <= {"driver", "path"}
+    ):
+        path = kvstore.get("path")
+        if isinstance(path, str) and path:
+            return path
+    return None
+
+
+def _array_kvstore(kvstore: KvStoreSpec, path: str) -> dict[str, Any]:
+    """The kvstore spec of the array folder ``path`` under ``kvstore``."""
+    _check_relpath(path)
+    spec = dict(kvstore)
+    base = spec.get("path", "")
+    if not isinstance(base, str):
+        raise ValueError(f"kvstore path must be a str, got {base!r}")
+    prefix = base if not base or base.endswith("/") else base + "/"
+    spec["path"] = f"{prefix}{path}/"
+    return spec
+
+
+def _ts_spec(
+    kv: dict[str, Any], shape: tuple[int, ...], name: str, *, write: bool
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"driver": "zarr3", "kvstore": kv}
+    if write:
+        spec["metadata"] = zarr_metadata(shape, name)
+        spec["store_data_equal_to_fill_value"] = True
+    else:
+        spec["metadata"] = {"shape": list(shape), "data_type": name}
+        spec["fill_missing_data_reads"] = False
+    return spec
+
+
+_OS_ERROR_CODE: Final = re.compile(r"os_error_code=\\?'?(\d+)")
+_CORRUPT_STATUS: Final = (
+    "NOT_FOUND",
+    "FAILED_PRECONDITION",
+    "DATA_LOSS",
+    "OUT_OF_RANGE",
+    "INVALID_ARGUMENT",
+)
+
+
+def _ts_message(e: BaseException) -> str:
+    """tensorstore's message without the (long) echo of the full spec."""
+    return str(e).split(" [tensorstore_spec=", 1)[0]
+
+
+def _ts_errno(e: BaseException) -> int | None:
+    m = _OS_ERROR_CODE.search(str(e))
+    return int(m.group(1)) if m else None
+
+
+def _convert_write_error(e: BaseException, what: str) -> BaseException:
+    code = _ts_errno(e)
+    if code in _DISK_FULL_ERRNOS:
+        err = DiskFullError(code, f"{what}: disk full while writing: {_ts_message(e)}")
+        err.__cause__ = e
+        return err
+    return e
+
+
+def _convert_read_error(e: BaseException, what: str) -> BaseException:
+    code = _ts_errno(e)
+    message = _ts_message(e)
+    if code in (errno.EACCES, errno.EPERM) or message.startswith("PERMISSION_DENIED"):
+        err: BaseException = PermissionError(code or errno.EACCES, f"{what}: {message}")
+    elif message.startswith(_CORRUPT_STATUS) or code in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+        err = CorruptDataError(f"{what}: cannot read array ({message})")
+    else:
+        return e
+    err.__cause__ = e
+    return err
+
+
+def _settle(promise: Any, fn: Callable[..., Any], *args: Any) -> None:
+    """Settles ``promise`` with ``fn(*args)``, following a returned future."""
+    try:
+        result = fn(*args)
+    except BaseException as e:  # noqa: BLE001 - every outcome must reach the promise
+        promise.set_exception(e)
+        return
+    if isinstance(result, ts.WriteFutures):
+        result = result.commit
+    if isinstance(result, ts.Future):
+        result.add_done_callback(lambda f: _settle(promise, f.result))
+    else:
+        promise.set_result(result)
+
+
+def _then(
+    future: Any,
+    on_ok: Callable[[Any], Any],
+    on_error: Callable[[BaseException], Any] | None = None,
+) -> ts.Future:
+    """A future of ``on_ok(result)`` (or ``on_error(exc)``); either may return a future."""
+    promise: Any
+    out: ts.Future
+    promise, out = ts.Promise.new()
+
+    def done(f: ts.Future) -> None:
+        try:
+            value = f.result()
+        except BaseException as e:  # noqa: BLE001
+            if on_error is None:
+                promise.set_exception(e)
+            else:
+                _settle(promise, on_error, e)
+            return
+        _settle(promise, on_ok, value)
+
+    future.add_done_callback(done)
+    return out
+
+
+def _raise(e: BaseException) -> Any:
+    raise e
+
+
+def _delete_array_async(kv: dict[str, Any], context: ts.Context) -> ts.Future:
+    """Removes every key under the array folder ``kv`` (and, locally, its empty folders)."""
+    opened = ts.KvStore.open(kv, context=context)
+    deleted = _then(opened, lambda store: store.delete_range(ts.KvStore.KeyRange()))
+    return _then(deleted, lambda _: _prune_empty_dirs(local_root(kv)))
+
+
+def _prune_empty_dirs(folder: str | None) -> None:
+    if not folder or not os.path.isdir(folder):
+        return
+    for dirpath, _, _ in os.walk(folder, topdown=False):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass
+
+
+def write_array_async(
+    kvstore: KvStoreSpec,
+    path: str,
+    arr: Any,
+    *,
+    context: ts.Context | None = None,
+) -> ts.Future:
+    """Starts writing ``arr`` as the zarr v3 array ``path`` under ``kvstore``.
+
+    Any existing array at ``path`` is replaced. ``arr`` must not be modified until
+    the returned future is done. The future's result is ``None``; on failure it
+    raises :class:`DiskFullError` (after deleting what was written) or
+    tensorstore's error.
+    """
+    a = _disk_array(arr)
+    name = zarr_dtype_name(a.dtype)
+    kv = _array_kvstore(kvstore, path)
+    ctx = context if context is not None else default_context()
+    what = f"array {path!r}"
+    opened = ts.open(
+        _ts_spec(kv, a.shape, name, write=True), create=True, delete_existing=True, context=ctx
+    )
+    written = _then(opened, lambda store: store.write(a))
+
+    def on_error(e: BaseException) -> Any:
+        err = _convert_write_error(e, what)
+        return _then(_delete_array_async(kv, ctx), lambda _: _raise(err), lambda _: _raise(err))
+
+    return _then(written, lambda _: None, on_error)
+
+
+def write_array(
+    kvstore: KvStoreSpec, path: str, arr: Any, *, context: ts.Context | None = None
+) -> None:
+    """Writes ``arr`` as the zarr v3 array ``path`` under ``kvstore`` and waits."""
+    write_array_async(kvstore, path, arr, context=context).result()
+
+
+def _wait_all(futures: Mapping[str, ts.Future]) -> tuple[dict[str, Any], list[BaseException]]:
+    results: dict[str, Any] = {}
+    errors: list[BaseException] = []
+    for key, f in futures.items():
+        try:
+            results[key] = f.result()
+        except Exception as e:  # noqa: BLE001 - collected, re-raised below
+            errors.append(e)
+    return results, errors
+
+
+def write_arrays(
+    kvstore: KvStoreSpec,
+    arrays: Mapping[str, Any],
+    *,
+    context: ts.Context | None = None,
+) -> None:
+    """Writes many arrays concurrently (``{path: array}``) and waits for all.
+
+    If any write fails, every array of the batch is deleted again, and the first
+    :class:`DiskFullError` (else the first error) is raised.
+    """
+    ctx = context if context is not None else default_context()
+    for p, a in arrays.items():  # refuse a bad path or dtype before starting any write
+        _check_relpath(p)
+        zarr_dtype_name(np.asarray(a).dtype)
+    futures = {p: write_array_async(kvstore, p, a, context=ctx) for p, a in arrays.items()}
+    _, errors = _wait_all(futures)
+    if errors:
+        for p in arrays:
+            try:
+                _delete_array_async(_array_kvstore(kvstore, p), ctx).result()
+            except Exception:  # noqa: BLE001 - best effort; the write error matters
+                pass
+        raise next((e for e in errors if isinstance(e, DiskFullError)), errors[0])
+
+
+def read_array_async(
+    kvstore: KvStoreSpec,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    *,
+    context: ts.Context | None = None,
+) -> ts.Future:
+    """Starts reading the zarr v3 array ``path`` under ``kvstore``.
+
+    The future's result is a numpy array of ``shape`` and ``dtype``. It raises
+    :class:`CorruptDataError` if the metadata is missing or does not match, or
+    the chunk is missing, truncated or oversized.
+    """
+    shape = tuple(int(d) for d in shape)
+    name = zarr_dtype_name(numpy_dtype(dtype))
+    kv = _array_kvstore(kvstore, path)
+    ctx = context if context is not None else default_context()
+    what = f"array {path!r}"
+    opened = ts.open(_ts_spec(kv, shape, name, write=False), open=True, context=ctx)
+    read = _then(opened, lambda store: store.read())
+    return _then(read, lambda a: a, lambda e: _raise(_convert_read_error(e, what)))
+
+
+def read_array(
+    kvstore: KvStoreSpec,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    *,
+    context: ts.Context | None = None,
+) -> np.ndarray:
+    """Reads the zarr v3 array ``path`` under ``kvstore``; see :func:`read_array_async`."""
+    return read_array_async(kvstore, path, shape, dtype, context=context).result()
+
+
+def read_arrays(
+    kvstore: KvStoreSpec,
+    arrays: Mapping[str, tuple[Shape, DTypeLike]],
+    *,
+    context: ts.Context | None = None,
+) -> dict[str, np.ndarray]:
+    """Reads many arrays concurrently (``{path: (shape, dtype)}``); raises the first error."""
+    ctx = context if context is not None else default_context()
+    futures = {
+        p: read_array_async(kvstore, p, shape, dtype, context=ctx)
+        for p, (shape, dtype) in arrays.items()
+    }
+    results, errors = _wait_all(futures)
+    if errors:
+        raise errors[0]
+    return results
+
+
+# --------------------------------------------------------------------------- fast path
+
+
+class _Undo:
+    """The files and folders one local write created, to remove them on failure."""
+
+    def __init__(self) -> None:
+        self.created: list[tuple[str, bool]] = []  # (path, is_dir), in creation order
+        self.dirty_dirs: set[str] = set()  # folders whose entries changed
+
+    def makedirs(self, folder: str) -> None:
+        missing = []
+        d = folder
+        while not os.path.isdir(d):
+            missing.append(d)
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                continue  # made concurrently by someone else: not ours to remove
+            self.created.append((d, True))
+            self.dirty_dirs.add(os.path.dirname(d) or ".")
+
+    def remove(self) -> None:
+        for p, is_dir in reversed(self.created):
+            try:
+                if is_dir:
+                    os.rmdir(p)
+                else:
+                    os.unlink(p)
+            except OSError:
+                pass  # a folder someone else also wrote into stays
+
+
+def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool) -> None:
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    undo.created.append((p, False))
+    undo.dirty_dirs.add(os.path.dirname(p))
+    try:
+        view = data
+        while view.nbytes:
+            n = os.write(fd, view)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), p)
+            view = view[n:]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_one_local(root: str, path: str, arr: Any, undo: _Undo, *, fsync: bool) -> None:
+    _check_relpath(path)
+    a = _disk_array(arr)
+    folder = os.path.join(root, *path.split("/"))
+    undo.makedirs(folder)
+    stale = os.path.join(folder, "c")
+    if os.path.lexists(stale):  # chunks of an array this one replaces
+        if os.path.isdir(stale) and not os.path.islink(stale):
+            shutil.rmtree(stale)
+        else:
+            os.unlink(stale)
+    key = chunk_key(a.shape)
+    if key is not None:
+        chunk = os.path.join(folder, *key.split("/"))
+        undo.makedirs(os.path.dirname(chunk))
+        _write_file(chunk, _byte_view(a), undo, fsync=fsync)
+    metadata = encode_zarr_metadata(a.shape, a.dtype)
+    _write_file(os.path.join(folder, _METADATA_KEY), memoryview(metadata), undo, fsync=fsync)
+
+
+def write_arrays_local(root: PathLike, arrays: Mapping[str, Any], *, fsync: bool = False) -> None:
+    """Writes ``{path: array}`` as zarr v3 arrays under the local folder ``root``.
+
+    The fast path: plain ``os.write`` of each array's own buffer (no copy for a
+    C-contiguous little-endian array), the chunk first and ``zarr.json`` last.
+    Existing arrays at these paths are replaced.
+
+    Args:
+      root: the store folder; created if missing.
+      arrays: relative array path -> array.
+      fsync: fsync every file written and every folder that gained an entry, so
+        the arrays survive a power loss once this returns.
+
+    Raises:
+      DiskFullError: on ``ENOSPC``/``EFBIG``/``EDQUOT``; every file and folder
+        this call created is removed first. Any other error removes them too.
+    """
+    root = os.fspath(root)
+    undo = _Undo()
+    try:
+        undo.makedirs(root)
+        for path, arr in arrays.items():
+            _write_one_local(root, path, arr, undo, fsync=fsync)
+        if fsync:
+            for folder in sorted(undo.dirty_dirs, key=len, reverse=True):
+                _fsync_dir(folder)
+    except BaseException as e:
+        undo.remove()
+        if (
+            isinstance(e, OSError)
+            and e.errno in _DISK_FULL_ERRNOS
+            and not isinstance(e, DiskFullError)
+        ):
+            which = (
+                ", ".join(repr(p) for p in arrays) if len(arrays) <= 4 else f"{len(arrays)} arrays"
+            )
+            raise DiskFullError(
+                e.errno, f"disk full while writing {which} under {root!r}: {e.strerror}", e.filename
+            ) from e
+        raise
+
+
+def write_array_local(root: PathLike, path: str, arr: Any, *, fsync: bool = False) -> None:
+    """Writes one array under the local folder ``root``; see :func:`write_arrays_local`."""
+    write_arrays_local(root, {path: arr}, fsync=fsync)
+
+
+def _read_exact(fd: int, out: memoryview, p: str, what: str) -> None:
+    got = 0
+    while got < out.nbytes:
+        n = os.readv(fd, [out[got:]])
+        if n == 0:
+            raise CorruptDataError(
+                f"{what}: chunk file {p} ended after {got} of {out.nbytes} bytes"
+            )
+        got += n
+
+
+def read_array_local(
+    root: PathLike,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    *,
+    check_metadata: bool = True,
+) -> np.ndarray:
+    """Reads a zarr v3 array written by either path from the local folder ``root``.
+
+    The result is a fresh, writable, 64-byte aligned array of ``shape`` and
+    ``dtype``.
+
+    Args:
+      root: the store folder.
+      path: the array's relative path.
+      shape, dtype: what the caller's manifest says the array is.
+      check_metadata: also read ``zarr.json`` and check that it describes this
+        shape and dtype in the single-chunk raw layout (one small extra read).
+
+    Raises:
+      CorruptDataError: a missing or wrong-sized chunk file, or missing or
+        mismatching metadata; the message names the file.
+    """
+    _check_relpath(path)
+    shape = tuple(int(d) for d in shape)
+    name = zarr_dtype_name(numpy_dtype(dtype))
+    folder = os.path.join(os.fspath(root), *path.split("/"))
+    what = f"array {path!r}"
+    if check_metadata:
+        meta_path = os.path.join(folder, _METADATA_KEY)
+        try:
+            with open(meta_path, "rb") as f:
+                raw = f.read(1 << 20)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise CorruptDataError(f"{what}: metadata file {meta_path} is missing") from None
+        _check_zarr_metadata(raw, shape, name, f"{what} ({meta_path})")
+    out = aligned_empty(shape, SUPPORTED_DTYPES[name])
+    key = chunk_key(shape)
+    if key is None:
+        return out
+    p = os.path.join(folder, *key.split("/"))
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise CorruptDataError(f"{what}: chunk file {p} is missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != out.nbytes:
+            kind = "truncated" if size < out.nbytes else "too long"
+            raise CorruptDataError(
+                f"{what}: chunk file {p} is {kind}: {size} bytes, expected {out.nbytes}"
+            )
+        _read_exact(fd, _byte_view(out), p, what)
+    finally:
+        os.close(fd)
+    return out
+
+
+# --------------------------------------------------------------------------- plain zarr
+
+
+_ZARR_FLOAT_NAMES: Final[tuple[str, ...]] = tuple(
+    n for n in SUPPORTED_DTYPES if n == "bfloat16" or n.startswith(("float8_", "float4_"))
+)
+
+
+def register_zarr_dtypes() -> tuple[str, ...]:
+    """Teaches zarr-python (3.1) the ``ml_dtypes`` floating types, so plain
+    ``zarr.open_array`` reads ``bfloat16`` and ``float8_*`` arrays.
+
+    Idempotent. Imports ``zarr`` only when called. ``int2``/``int4`` are not
+    registered. Returns the names registered.
+    """
+    from dataclasses import dataclass
+
+    from zarr.core.dtype import data_type_registry
+    from zarr.core.dtype.common import DataTypeValidationError
+    from zarr.core.dtype.npy.float import BaseFloat
+
+    def make(name: str, native: np.dtype) -> type:
+        @dataclass(frozen=True, kw_only=True)
+        class MlDtypesFloat(BaseFloat):  # type: ignore[type-arg]
+            dtype_cls = type(native)
+            _zarr_v3_name = name
+            _zarr_v2_names = ()
+
+            @classmethod
+            def from_native_dtype(cls, dtype: Any) -> MlDtypesFloat:
+                if np.dtype(dtype) == native:
+                    return cls(endianness="little")
+                raise DataTypeValidationError(f"Invalid data type: {dtype}. Expected {native}")
+
+            def to_native_dtype(self) -> np.dtype:
+                return native
+
+            @property
+            def item_size(self) -> int:
+                return native.itemsize
+
+        MlDtypesFloat.__name__ = MlDtypesFloat.__qualname__ = f"MlDtypes_{name}"
+        return MlDtypesFloat
+
+    for name in _ZARR_FLOAT_NAMES:
+        if name not in data_type_registry.contents:  # never override zarr's own
+            data_type_registry.register(name, make(name, SUPPORTED_DTYPES[name]))
+    return _ZARR_FLOAT_NAMES

@@ -1,0 +1,111 @@
+"""Per-array checksums over the bytes an array has on disk.
+
+What is hashed: the array's elements in C order, little endian, exactly the bytes
+of its zarr chunk file (see :mod:`serializers.arrays`). So the checksum of an array
+in memory equals the checksum of its chunk file, and a reader can verify either.
+A C-contiguous little-endian array (the usual case) is hashed through its buffer,
+without a copy; only a non-contiguous or big-endian array is copied first.
+
+The format is ``"<algorithm>:<hex digest>"``, e.g. ``"xxh3_64:9b1f0c2a5d3e4f60"``,
+so a later version can change the algorithm and still read old manifests.
+
+Why xxh3_64 (PyPI package ``xxhash``): measured on the 2-core development machine
+(AMD EPYC, 32 MiB L3), median of repeated runs over random bytes, range over four
+runs on a shared machine:
+
+===========================  ==============  ===============
+algorithm (package)          4 MiB (GB/s)    64 MiB (GB/s)
+===========================  ==============  ===============
+xxh3_64 (xxhash 4.1.0)       78-89           33-35
+xxh64 (xxhash 4.1.0)         20-23           22-23
+crc32c (crc32c 2.9, SSE4.2)  29-33           12.5-16.4
+crc32c (google-crc32c 1.9)   16-21 *         2.0-2.1 *
+zlib.crc32 (stdlib)          6.4-7.2         4.9-7.1
+===========================  ==============  ===============
+
+``*`` google-crc32c's C extension only accepts ``bytes``, so a copy is included;
+it cannot hash a buffer in place. The 4 MiB case fits in cache; 64 MiB is bound by
+memory bandwidth. xxh3_64 is the fastest by 2-3x, releases the GIL (two threads
+hash in parallel), and ``xxhash`` is a small, long-maintained binding. A checksum
+here guards against corruption (bit rot, truncation, a torn write), not against an
+adversary, so a 64-bit non-cryptographic hash is enough.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Final
+
+import numpy as np
+import xxhash
+
+from serializers.errors import CorruptDataError
+
+__all__ = ["ALGORITHM", "Buffer", "checksum", "verify"]
+
+ALGORITHM: Final[str] = "xxh3_64"
+"""The algorithm :func:`checksum` uses, and the prefix of the strings it returns."""
+
+Buffer = np.ndarray | bytes | bytearray | memoryview
+"""What :func:`checksum` accepts: a numpy array or any C-contiguous byte buffer."""
+
+_HEX_DIGEST: Final = re.compile(r"[0-9a-f]+")
+
+# Algorithm name -> (hex digest of a C-contiguous buffer, hex digest length).
+_ALGORITHMS: Final[dict[str, tuple[Callable[[memoryview], str], int]]] = {
+    "xxh3_64": (xxhash.xxh3_64_hexdigest, 16),
+}
+
+
+def _as_bytes(buf: Buffer) -> memoryview:
+    """Returns a flat byte view of ``buf``'s on-disk bytes, copying only if needed."""
+    if isinstance(buf, np.ndarray):
+        arr = buf
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        # reshape(-1) of a contiguous array is a view, and a uint8 view sidesteps
+        # dtypes (bfloat16, bool) that the buffer protocol does not describe.
+        return arr.reshape(-1).view(np.uint8).data
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise ValueError("checksum needs a C-contiguous buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def checksum(buf: Buffer) -> str:
+    """Returns ``"xxh3_64:<16 hex digits>"`` of ``buf``'s bytes (C order, little endian)."""
+    digest, _ = _ALGORITHMS[ALGORITHM]
+    return f"{ALGORITHM}:{digest(_as_bytes(buf))}"
+
+
+def verify(buf: Buffer, expected: str, *, what: str) -> None:
+    """Checks ``buf`` against a checksum string from :func:`checksum`.
+
+    Args:
+      buf: the array or bytes read back.
+      expected: the stored checksum, e.g. from a manifest (untrusted).
+      what: names the array or file in the error message.
+
+    Raises:
+      CorruptDataError: on a mismatch, a malformed ``expected``, or an algorithm
+        this library does not know.
+    """
+    if not isinstance(expected, str) or ":" not in expected:
+        raise CorruptDataError(f"{what}: malformed checksum {expected!r}")
+    algorithm, _, hex_digest = expected.partition(":")
+    if algorithm not in _ALGORITHMS:
+        raise CorruptDataError(
+            f"{what}: unknown checksum algorithm {algorithm!r} "
+            f"(this library knows {sorted(_ALGORITHMS)})"
+        )
+    digest, length = _ALGORITHMS[algorithm]
+    if len(hex_digest) != length or not _HEX_DIGEST.fullmatch(hex_digest):
+        raise CorruptDataError(f"{what}: malformed checksum {expected!r}")
+    actual = digest(_as_bytes(buf))
+    if actual != hex_digest:
+        raise CorruptDataError(
+            f"{what}: checksum mismatch (stored {expected}, computed {algorithm}:{actual})"
+        )

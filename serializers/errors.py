@@ -1,0 +1,49 @@
+"""Exceptions raised by :mod:`serializers`.
+
+The hierarchy is small on purpose. Callers (the store) translate these into their
+own public errors; every class also derives from the builtin exception a generic
+caller would expect (``ValueError`` for bad data, ``OSError`` for a full disk,
+``TypeError`` for a dtype we cannot store), so code written against builtins keeps
+working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SerializationError",
+    "CorruptDataError",
+    "UnsupportedVersionError",
+    "DiskFullError",
+    "UnsupportedDTypeError",
+]
+
+
+class SerializationError(Exception):
+    """Base class of every error :mod:`serializers` raises on purpose."""
+
+
+class CorruptDataError(SerializationError, ValueError):
+    """Stored bytes cannot be trusted.
+
+    Raised for a checksum mismatch, a truncated, oversized or missing chunk, and an
+    unreadable or invalid manifest. The message names the array or file concerned.
+    A missing chunk is corruption here (zarr itself would silently return the fill
+    value), so a reader never hands back made-up data.
+    """
+
+
+class UnsupportedVersionError(CorruptDataError):
+    """A manifest written by a newer format version than this library reads."""
+
+
+class DiskFullError(SerializationError, OSError):
+    """A write hit ``ENOSPC``, ``EFBIG`` or ``EDQUOT``.
+
+    By the time this is raised, the files that the failed write had created are
+    removed again, so a failed write leaves no bytes behind. ``errno`` and
+    ``filename`` are set like on the ``OSError`` that caused it.
+    """
+
+
+class UnsupportedDTypeError(SerializationError, TypeError):
+    """An array's dtype has no zarr v3 encoding that this module writes."""

@@ -1,0 +1,414 @@
+"""Versioned msgpack manifests, and strict validation of untrusted manifest bytes.
+
+A manifest is one msgpack map. Two keys identify it and come first in every check:
+``"format"`` (what kind of document: a context, or a serialized backward) and
+``"version"`` (an int, :data:`FORMAT_VERSION` for what this library writes). The
+rest is described by a :class:`ManifestSchema`: a tuple of :class:`Field`, each a
+name and a kind (``"str"``, ``"uint"``, ``"map"``, ``"array_records"``...). The
+schemas are plain data so that the format documentation, the writer and the
+validator cannot drift apart.
+
+Why so strict: a manifest is read from disk written by another process, maybe
+another version, maybe torn by a crash. :func:`decode_manifest` therefore raises
+nothing but :class:`~serializers.errors.CorruptDataError` (or its subclass
+:class:`~serializers.errors.UnsupportedVersionError`) for any input bytes at all:
+sizes are capped before and during decoding, map keys must be strings, ext types
+(including msgpack timestamps) and duplicate keys are refused, and every required
+field is checked for presence and type. Unknown extra keys are kept: a minor
+addition by a later writer must not break an older reader. A version newer than
+:data:`FORMAT_VERSION` is refused before the fields are looked at, since a future
+version may have changed them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, NoReturn, TypeGuard
+
+import msgpack
+
+from serializers.errors import CorruptDataError, UnsupportedVersionError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CONTEXT_FORMAT",
+    "BACKWARD_FORMAT",
+    "MAX_MANIFEST_BYTES",
+    "Field",
+    "ManifestSchema",
+    "CONTEXT_SCHEMA",
+    "BACKWARD_SCHEMA",
+    "ARRAY_RECORD_FIELDS",
+    "ArrayRecord",
+    "encode_manifest",
+    "decode_manifest",
+    "is_safe_relpath",
+]
+
+FORMAT_VERSION: Final[int] = 1
+"""The manifest version this library writes, and the newest it reads."""
+
+CONTEXT_FORMAT: Final[str] = "residual-store/context"
+BACKWARD_FORMAT: Final[str] = "residual-store/backward"
+
+MAX_MANIFEST_BYTES: Final[int] = 64 << 20
+"""Default cap on the size of a manifest :func:`decode_manifest` accepts."""
+
+_MAX_CONTAINER_LEN: Final[int] = 1 << 22  # elements of one msgpack array or map
+_MAX_RELPATH_LEN: Final[int] = 1024
+_MAX_NDIM: Final[int] = 64
+_MAX_DTYPE_LEN: Final[int] = 64
+_RELPATH_CHARS: Final = re.compile(r"[A-Za-z0-9._/-]+")
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class Field:
+    """One required (or optional) key of a manifest map.
+
+    Attributes:
+      name: the map key.
+      kind: one of the kinds in ``_KINDS``: ``"str"``, ``"optional_str"``,
+        ``"int"``, ``"uint"``, ``"float"`` (an int or finite float), ``"bool"``,
+        ``"map"`` (any map, contents opaque), ``"relpath"`` (see
+        :func:`is_safe_relpath`), ``"shape"`` (list of ints >= 0), ``"dtype"``
+        (non-empty short str), ``"str_list"``, ``"array_records"`` (list of maps
+        each matching :data:`ARRAY_RECORD_FIELDS`).
+      required: whether the key must be present; an optional key, when present,
+        must still have the right kind.
+    """
+
+    name: str
+    kind: str
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class ManifestSchema:
+    """The fields of one kind of manifest, besides ``"format"`` and ``"version"``."""
+
+    format: str
+    fields: tuple[Field, ...]
+
+    def extend(self, *fields: Field) -> ManifestSchema:
+        """Returns a schema with ``fields`` added (for a caller's own extra fields)."""
+        return ManifestSchema(self.format, self.fields + tuple(fields))
+
+
+ARRAY_RECORD_FIELDS: Final[tuple[Field, ...]] = (
+    Field("name", "str"),
+    Field("path", "relpath"),
+    Field("shape", "shape"),
+    Field("dtype", "dtype"),
+    Field("nbytes", "uint"),
+    Field("checksum", "str"),
+    Field("input_path", "optional_str"),
+    Field("shared", "bool"),
+)
+"""The fields of one entry of a context manifest's ``"arrays"`` list."""
+
+CONTEXT_SCHEMA: Final[ManifestSchema] = ManifestSchema(
+    format=CONTEXT_FORMAT,
+    fields=(
+        Field("key", "str"),
+        Field("signature", "str"),
+        Field("created", "float"),  # unix time, seconds
+        Field("jax_version", "str"),
+        Field("spec", "map"),  # the residual spec / treedef: opaque to this module
+        Field("arrays", "array_records"),
+    ),
+)
+"""A stored residual context: its key, signature, spec and one record per array."""
+
+BACKWARD_SCHEMA: Final[ManifestSchema] = ManifestSchema(
+    format=BACKWARD_FORMAT,
+    fields=(
+        Field("signature", "str"),
+        Field("jax_version", "str"),
+    ),
+)
+"""A serialized backward (``jax.export``) artifact, stored once per signature."""
+
+
+# --------------------------------------------------------------------------- kinds
+
+
+class _Invalid(Exception):
+    """A value does not match the schema; the message says where and why."""
+
+
+def _is_int(v: object) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_array_records(v: object, where: str) -> None:
+    if not isinstance(v, list):
+        raise _Invalid(f"field {where!r} must be a list of maps, got {_type_name(v)}")
+    for i, record in enumerate(v):
+        _check_fields(record, ARRAY_RECORD_FIELDS, f"{where}[{i}]")
+
+
+# kind -> (predicate, description for the error message)
+_KINDS: Final[dict[str, tuple[Callable[[object], bool], str]]] = {
+    "str": (lambda v: isinstance(v, str), "a str"),
+    "optional_str": (lambda v: v is None or isinstance(v, str), "a str or nil"),
+    "int": (_is_int, "an int"),
+    "uint": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "float": (
+        lambda v: _is_int(v) or (isinstance(v, float) and math.isfinite(v)),
+        "a finite number",
+    ),
+    "bool": (lambda v: isinstance(v, bool), "a bool"),
+    "map": (lambda v: isinstance(v, dict), "a map"),
+    "relpath": (lambda v: is_safe_relpath(v), "a safe relative path ([A-Za-z0-9._/-], no '..')"),
+    "shape": (
+        lambda v: (
+            isinstance(v, list) and len(v) <= _MAX_NDIM and all(_is_int(d) and d >= 0 for d in v)
+        ),
+        f"a list of at most {_MAX_NDIM} ints >= 0",
+    ),
+    "dtype": (
+        lambda v: isinstance(v, str) and 0 < len(v) <= _MAX_DTYPE_LEN,
+        f"a non-empty str of at most {_MAX_DTYPE_LEN} characters",
+    ),
+    "str_list": (
+        lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+        "a list of str",
+    ),
+    "array_records": (lambda v: True, "a list of array records"),  # see _check_fields
+}
+
+
+def _type_name(v: object) -> str:
+    return "nil" if v is None else type(v).__name__
+
+
+def _check_fields(d: object, fields: Sequence[Field], where: str) -> None:
+    """Raises :class:`_Invalid` unless ``d`` is a map with ``fields`` well typed."""
+    if not isinstance(d, dict):
+        where = f"field {where!r}" if where else "manifest"
+        raise _Invalid(f"{where} must be a map, got {_type_name(d)}")
+    for f in fields:
+        path = f"{where}.{f.name}" if where else f.name
+        if f.name not in d:
+            if f.required:
+                raise _Invalid(f"missing required field {path!r}")
+            continue
+        value = d[f.name]
+        if f.kind == "array_records":
+            _check_array_records(value, path)
+            continue
+        try:
+            predicate, description = _KINDS[f.kind]
+        except KeyError:
+            raise ValueError(f"schema field {f.name!r} has unknown kind {f.kind!r}") from None
+        if not predicate(value):
+            shown = repr(value) if isinstance(value, (str, int, float)) else _type_name(value)
+            if len(shown) > 80:
+                shown = shown[:77] + "..."
+            raise _Invalid(f"field {path!r} must be {description}, got {shown}")
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def is_safe_relpath(p: object) -> bool:
+    """Whether ``p`` is a safe path inside a store.
+
+    Safe means: a non-empty ``str`` of at most 1024 characters from
+    ``[A-Za-z0-9._/-]``, relative (no leading ``/``), with no empty, ``.`` or
+    ``..`` component (so no ``//`` and no trailing ``/``). Such a path can be
+    joined to a store root, a kvstore prefix or a URL without escaping it.
+    """
+    if not isinstance(p, str) or not 0 < len(p) <= _MAX_RELPATH_LEN:
+        return False
+    if not _RELPATH_CHARS.fullmatch(p):
+        return False
+    return all(part not in ("", ".", "..") for part in p.split("/"))
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class ArrayRecord:
+    """One array of a stored context, as listed in its manifest.
+
+    Attributes:
+      name: where the residual came from (``"tanh model.py:12"``); free text.
+      path: the array's folder, relative to the store root (a zarr v3 array).
+      shape: the array's shape.
+      dtype: a zarr v3 data type name (``"float32"``, ``"bfloat16"``) or a
+        caller-defined name such as ``"key<fry>"``; this module does not parse it.
+      nbytes: the size of the array's data in bytes.
+      checksum: :func:`serializers.checksums.checksum` of the data.
+      input_path: the key path of the primal input this array is, or ``None``.
+      shared: whether the array is stored once for many contexts (an input).
+    """
+
+    name: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    checksum: str
+    input_path: str | None = None
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        try:
+            _check_fields(self.to_dict(), ARRAY_RECORD_FIELDS, "")
+        except _Invalid as e:
+            raise ValueError(f"invalid ArrayRecord: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the msgpack-able map stored in a manifest."""
+        return {
+            "name": self.name,
+            "path": self.path,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+            "input_path": self.input_path,
+            "shared": self.shared,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, what: str = "array record") -> ArrayRecord:
+        """Builds a record from an (untrusted) map; extra keys are ignored.
+
+        Raises:
+          CorruptDataError: naming ``what`` and the field, if ``d`` does not match
+            :data:`ARRAY_RECORD_FIELDS`.
+        """
+        try:
+            _check_fields(dict(d) if isinstance(d, Mapping) else d, ARRAY_RECORD_FIELDS, "")
+        except _Invalid as e:
+            raise CorruptDataError(f"{what}: {e}") from None
+        return cls(**{f.name: d[f.name] for f in ARRAY_RECORD_FIELDS})
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def _plain(v: Any) -> Any:
+    """Turns :class:`ArrayRecord` values (and tuples of them) into plain maps."""
+    if isinstance(v, ArrayRecord):
+        return v.to_dict()
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def encode_manifest(d: Mapping[str, Any], *, schema: ManifestSchema = CONTEXT_SCHEMA) -> bytes:
+    """Encodes a manifest map as msgpack, after checking it against ``schema``.
+
+    ``"format"`` and ``"version"`` are filled in when absent. Values of the
+    ``"arrays"`` list may be :class:`ArrayRecord`\\ s; tuples become lists.
+
+    Raises:
+      ValueError: if ``d`` does not match ``schema`` or cannot be encoded (a bug
+        in the caller: nothing invalid is ever written).
+    """
+    out = {k: _plain(v) for k, v in d.items()}
+    out.setdefault("format", schema.format)
+    out.setdefault("version", FORMAT_VERSION)
+    if out["format"] != schema.format or out["version"] != FORMAT_VERSION:
+        raise ValueError(
+            f"refusing to encode format {out['format']!r} version {out['version']!r}; "
+            f"this schema writes {schema.format!r} version {FORMAT_VERSION}"
+        )
+    try:
+        _check_fields(out, schema.fields, "")
+    except _Invalid as e:
+        raise ValueError(f"refusing to encode an invalid manifest: {e}") from None
+    try:
+        return msgpack.packb(out, use_bin_type=True, datetime=False)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"manifest is not msgpack-able: {e}") from None
+
+
+def _reject_ext(code: int, data: bytes) -> NoReturn:
+    raise ValueError(f"msgpack ext type {code} is not allowed in a manifest")
+
+
+def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key in a msgpack map")
+    return out
+
+
+def decode_manifest(
+    data: bytes,
+    *,
+    what: str,
+    schema: ManifestSchema = CONTEXT_SCHEMA,
+    max_bytes: int = MAX_MANIFEST_BYTES,
+) -> dict[str, Any]:
+    """Decodes and validates untrusted manifest bytes.
+
+    Args:
+      data: the bytes read from storage.
+      what: names the manifest (file or key) in error messages.
+      schema: the kind of manifest expected (:data:`CONTEXT_SCHEMA` or
+        :data:`BACKWARD_SCHEMA`, or an extension of one).
+      max_bytes: refuse larger inputs without decoding them.
+
+    Returns:
+      The manifest map, with all of ``schema``'s required fields present and well
+      typed, plus whatever extra keys it had.
+
+    Raises:
+      UnsupportedVersionError: ``version`` is newer than :data:`FORMAT_VERSION`.
+      CorruptDataError: anything else wrong, naming ``what`` and the field.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CorruptDataError(f"{what}: manifest must be bytes, got {_type_name(data)}")
+    if len(data) > max_bytes:
+        raise CorruptDataError(f"{what}: manifest is {len(data)} bytes, over the {max_bytes} limit")
+    limit = min(len(data), max_bytes)
+    try:
+        doc = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            timestamp=0,
+            ext_hook=_reject_ext,
+            object_pairs_hook=_unique_keys,
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=min(limit, _MAX_CONTAINER_LEN),
+            max_map_len=min(limit, _MAX_CONTAINER_LEN),
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises many types for bad bytes: all mean corrupt
+        raise CorruptDataError(f"{what}: unreadable manifest ({type(e).__name__}: {e})") from None
+    if not isinstance(doc, dict):
+        raise CorruptDataError(f"{what}: manifest must be a map, got {_type_name(doc)}")
+    fmt = doc.get("format")
+    if fmt != schema.format:
+        shown = repr(fmt)[:80] if isinstance(fmt, str) else _type_name(fmt)
+        raise CorruptDataError(f"{what}: field 'format' must be {schema.format!r}, got {shown}")
+    version = doc.get("version")
+    if not _is_int(version) or version < 1:
+        shown = repr(version) if _is_int(version) else _type_name(version)
+        raise CorruptDataError(f"{what}: field 'version' must be an int >= 1, got {shown}")
+    if version > FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"{what}: manifest version {version} is newer than this library reads "
+            f"(versions 1 to {FORMAT_VERSION}); upgrade residual-store to read it"
+        )
+    try:
+        _check_fields(doc, schema.fields, "")
+    except _Invalid as e:
+        raise CorruptDataError(f"{what}: {e}") from None
+    return doc
