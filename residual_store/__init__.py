@@ -16,6 +16,7 @@ from residual_store.errors import (
     StoreFullError,
 )
 from residual_store.split import Split, split
+from residual_store.store import Store
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "split",
     "Split",
     "backward",
+    "Store",
     "ResidualContext",
     "ResidualSpec",
     "CacheInfo",

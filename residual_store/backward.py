@@ -67,8 +67,8 @@ class Backward:
         self.out_tree = out_tree
         self.out_avals = tuple(out_avals)
         self.grad_tree = grad_tree
-        self._flat_fn = flat_fn
-        self._float_leaves = tuple(i for i, a in enumerate(self.out_avals) if _is_float(a.dtype))
+        self.flat_fn = flat_fn
+        self.float_leaves = tuple(i for i, a in enumerate(self.out_avals) if _is_float(a.dtype))
         self._on_compile = on_compile
         self._compiled: Any = None
         self._lock = threading.Lock()
@@ -78,7 +78,7 @@ class Backward:
 
     def _cotangent_leaves(self, cotangent: Any) -> list[Any]:
         if cotangent is None:
-            if len(self.out_avals) == 1 and self._float_leaves == (0,) and self.out_avals[0].shape == ():
+            if len(self.out_avals) == 1 and self.float_leaves == (0,) and self.out_avals[0].shape == ():
                 return [np.ones((), self.out_avals[0].dtype)]
             raise SignatureMismatchError(
                 "cotangent=None is allowed only for a scalar floating output; this output is "
@@ -92,7 +92,7 @@ class Backward:
                 f"got {jax.tree.structure(cotangent)} ({err})"
             ) from None
         checked = []
-        for i in self._float_leaves:
+        for i in self.float_leaves:
             leaf, aval = leaves[i], self.out_avals[i]
             if isinstance(leaf, (int, float)) and not isinstance(leaf, bool) and aval.shape == ():
                 leaf = np.asarray(leaf, aval.dtype)
@@ -114,7 +114,7 @@ class Backward:
     def _compile(self, residuals: Sequence[Any], cts: Sequence[Any]) -> Any:
         with self._lock:
             if self._compiled is None:
-                self._compiled = jax.jit(self._flat_fn).lower(list(residuals), list(cts)).compile()
+                self._compiled = jax.jit(self.flat_fn).lower(list(residuals), list(cts)).compile()
                 self.compiles += 1
                 if self._on_compile is not None:
                     self._on_compile()

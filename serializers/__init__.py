@@ -28,7 +28,7 @@ from serializers.arrays import (
     zarr_dtype_name,
     zarr_metadata,
 )
-from serializers.checksums import ALGORITHM, checksum, verify
+from serializers.checksums import ALGORITHM, checksum, content_digest, verify
 from serializers.errors import (
     CorruptDataError,
     DiskFullError,
@@ -62,6 +62,7 @@ __all__ = [
     # checksums
     "ALGORITHM",
     "checksum",
+    "content_digest",
     "verify",
     # manifest
     "FORMAT_VERSION",

@@ -42,7 +42,7 @@ import xxhash
 
 from serializers.errors import CorruptDataError
 
-__all__ = ["ALGORITHM", "Buffer", "checksum", "verify"]
+__all__ = ["ALGORITHM", "Buffer", "checksum", "content_digest", "verify"]
 
 ALGORITHM: Final[str] = "xxh3_64"
 """The algorithm :func:`checksum` uses, and the prefix of the strings it returns."""
@@ -79,6 +79,18 @@ def checksum(buf: Buffer) -> str:
     """Returns ``"xxh3_64:<16 hex digits>"`` of ``buf``'s bytes (C order, little endian)."""
     digest, _ = _ALGORITHMS[ALGORITHM]
     return f"{ALGORITHM}:{digest(_as_bytes(buf))}"
+
+
+def content_digest(buf: np.ndarray) -> str:
+    """A 128-bit content address (32 hex digits) of an array: its dtype, shape and bytes.
+
+    Used to store arrays that many contexts share (weights) once; 128 bits keep accidental
+    collisions out of reach even for stores holding millions of arrays.
+    """
+    h = xxhash.xxh3_128()
+    h.update(f"{buf.dtype.str}{tuple(buf.shape)}".encode())
+    h.update(_as_bytes(buf))
+    return h.hexdigest()
 
 
 def verify(buf: Buffer, expected: str, *, what: str) -> None:

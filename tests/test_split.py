@@ -87,16 +87,18 @@ def test_has_aux_and_integer_output_leaves(rng):
     assert_trees_close(grads, ref, **F32_TOL)
 
 
-def test_bf16_params(rng):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_params(rng, dtype):
     kp, kx, ky = jax.random.split(rng, 3)
-    params = init_mlp(kp, dtype=jnp.bfloat16)
-    x = jax.random.normal(kx, (4, 8), jnp.bfloat16)
+    params = init_mlp(kp, dtype=dtype)
+    x = jax.random.normal(kx, (4, 8), dtype)
     y = jax.random.normal(ky, (4, 4))
     fwd = rs.split(mlp_loss)
     _, ctx = fwd(params, x, y)
     grads = fwd.backward(ctx)
     ref = jax.jit(jax.grad(mlp_loss))(params, x, y)
-    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+    assert all(g.dtype == dtype for g in jax.tree.leaves(grads))
+    assert {a.dtype for a in ctx.spec.avals} >= {jnp.dtype(dtype)}
     assert_trees_close(grads, ref, rtol=2e-2, atol=2e-2)
 
 

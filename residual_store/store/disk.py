@@ -1,0 +1,489 @@
+"""The disk tier: where contexts live on disk, how a write becomes visible, and garbage collection.
+
+Layout under the store root (a local folder or any tensorstore kvstore)::
+
+    residual-store.json                 store marker: {"format": "residual-store", "version": 1}
+    contexts/<key>.manifest             msgpack manifest; its presence is the commit
+    data/<key>.<write id>/<i>/          zarr v3 arrays: the context's intermediates
+    weights/<content digest>/           zarr v3 arrays: inputs and constants, stored once
+    backwards/<signature>.export        serialized backward (jax.export), once per signature
+    backwards/<signature>.manifest      its manifest (checksum, JAX version, platforms)
+
+A write puts every array first (intermediates under a fresh ``data/<key>.<write id>/``, weights
+under their content digest, skipped when already there), then the manifest, atomically (write
+to a temporary name, fsync, rename; a single-object put on other kvstores). A crash at any point
+before the rename leaves no manifest, so the context is either whole or absent; what it left
+behind is unreferenced and removed by :meth:`DiskTier.gc`. Two writers of one key: each commit
+replaces the manifest whole, so readers see one complete context or the other (last rename wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+import serializers
+from residual_store.context import ResidualContext, ResidualSpec
+from residual_store.errors import (
+    ContextNotFoundError,
+    CorruptContextError,
+    StoreFullError,
+)
+
+__all__ = ["DiskTier", "StoredContext", "HostArrays"]
+
+STORE_MARKER = "residual-store.json"
+STORE_FORMAT = b'{"format": "residual-store", "version": 1}\n'
+_KEY_DTYPE_PREFIX = "key<"
+
+HostArrays = list[np.ndarray]
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends: the few byte- and array-level operations the tier needs, on a folder or a kvstore.
+
+
+class _Backend(Protocol):
+    description: str
+
+    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None: ...
+    def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
+    def array_exists(self, path: str) -> bool: ...
+    def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None: ...
+    def get_bytes(self, key: str) -> bytes | None: ...
+    def list_dir(self, prefix: str) -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+    def delete_tree(self, prefix: str) -> None: ...
+    def age_seconds(self, prefix: str) -> float | None: ...
+
+
+class _LocalBackend:
+    """A local folder: the serializers' fast path, atomic renames, fsync."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.description = self.root
+        os.makedirs(self.root, exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        path = os.path.normpath(os.path.join(self.root, *key.split("/")))
+        if path != self.root and not path.startswith(self.root + os.sep):
+            raise ValueError(f"refusing a path outside the store: {key!r}")
+        return path
+
+    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None:
+        serializers.write_arrays_local(self.root, arrays, fsync=fsync)
+
+    def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return serializers.read_array_local(self.root, path, shape, dtype)
+
+    def array_exists(self, path: str) -> bool:
+        return os.path.exists(os.path.join(self._path(path), "zarr.json"))
+
+    def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None:
+        final = self._path(key)
+        folder = os.path.dirname(final)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{os.path.basename(final)}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        if fsync:
+            _fsync_dir(folder)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def list_dir(self, prefix: str) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self._path(prefix)) if not n.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def delete(self, key: str) -> None:
+        _remove_quietly(self._path(key))
+
+    def delete_tree(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
+
+    def age_seconds(self, prefix: str) -> float | None:
+        try:
+            return time.time() - os.stat(self._path(prefix)).st_mtime
+        except FileNotFoundError:
+            return None
+
+
+class _KvBackend:
+    """Any tensorstore kvstore spec (``memory``, ``file`` with options, ``gcs``, ``s3``)."""
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        self.spec = dict(spec)
+        self.description = repr(self.spec)
+        self.context = serializers.default_context()
+        self.kv = ts.KvStore.open(self._with_slash(self.spec), context=self.context).result()
+
+    @staticmethod
+    def _with_slash(spec: dict[str, Any]) -> dict[str, Any]:
+        path = spec.get("path", "")
+        if path and not path.endswith("/"):
+            spec = {**spec, "path": path + "/"}
+        return spec
+
+    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None:
+        serializers.write_arrays(self.spec, arrays, context=self.context)
+
+    def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.asarray(serializers.read_array(self.spec, path, shape, dtype, context=self.context))
+
+    def array_exists(self, path: str) -> bool:
+        return self.get_bytes(f"{path}/zarr.json") is not None
+
+    def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None:
+        self.kv.write(key, data).result()
+
+    def get_bytes(self, key: str) -> bytes | None:
+        result = self.kv.read(key).result()
+        return bytes(result.value) if result.state == "value" else None
+
+    def list_dir(self, prefix: str) -> list[str]:
+        prefix = prefix.rstrip("/") + "/"
+        end = prefix[:-1] + chr(ord("/") + 1)
+        keys = self.kv.list(ts.KvStore.KeyRange(prefix, end)).result()
+        names = {k.decode()[len(prefix) :].split("/", 1)[0] for k in keys}
+        return sorted(n for n in names if n and not n.startswith("."))
+
+    def delete(self, key: str) -> None:
+        self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
+
+    def delete_tree(self, prefix: str) -> None:
+        prefix = prefix.rstrip("/") + "/"
+        self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord("/") + 1))).result()
+
+    def age_seconds(self, prefix: str) -> float | None:
+        return None  # kvstores have no portable mtime: gc only removes with older_than=0
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_backend(path: str | os.PathLike[str] | Mapping[str, Any]) -> _Backend:
+    """A backend for a folder path or a tensorstore kvstore spec."""
+    if isinstance(path, Mapping):
+        root = serializers.local_root(path)
+        return _LocalBackend(root) if root is not None else _KvBackend(path)
+    return _LocalBackend(os.fspath(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Contexts <-> records
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredContext:
+    """A validated manifest: the context's spec and where each of its arrays is."""
+
+    key: str
+    spec: ResidualSpec
+    records: tuple[serializers.ArrayRecord, ...]
+    key_impls: tuple[str | None, ...]
+    created: float
+    jax_version: str
+    data_dir: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+
+def _is_key_dtype(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def host_arrays(ctx: ResidualContext) -> tuple[HostArrays, list[str | None]]:
+    """The residuals as host NumPy arrays (typed keys as their key data) and each key's impl."""
+    arrays, impls = [], []
+    for x in ctx.residuals:
+        if _is_key_dtype(x.dtype):
+            impls.append(str(jax.random.key_impl(x)))
+            x = jax.random.key_data(x)
+        else:
+            impls.append(None)
+        arrays.append(np.asarray(x))
+    return arrays, impls
+
+
+def _spec_to_map(spec: ResidualSpec, impls: Sequence[str | None]) -> dict[str, Any]:
+    return {
+        "avals": [[list(a.shape), str(a.dtype)] for a in spec.avals],
+        "names": list(spec.names),
+        "input_paths": list(spec.input_paths),
+        "kinds": list(spec.kinds),
+        "key_impls": list(impls),
+    }
+
+
+def _spec_from_map(signature: str, m: Mapping[str, Any], records: Sequence[Any], what: str) -> tuple[ResidualSpec, tuple[str | None, ...]]:
+    try:
+        n = len(records)
+        avals_raw, names = m["avals"], m["names"]
+        input_paths, kinds, impls = m["input_paths"], m["kinds"], m["key_impls"]
+        if not all(isinstance(v, list) and len(v) == n for v in (avals_raw, names, input_paths, kinds, impls)):
+            raise ValueError(f"spec lists must all have {n} entries")
+        if any(k not in ("input", "constant", "intermediate") for k in kinds):
+            raise ValueError(f"unknown residual kinds {sorted(set(kinds))}")
+        avals = []
+        for (shape, dtype), impl, record in zip(avals_raw, impls, records):
+            if impl is not None:
+                key_dtype = jax.random.key(0, impl=impl).dtype
+                if str(key_dtype) != dtype:
+                    raise ValueError(f"key dtype {dtype} does not match impl {impl}")
+                avals.append(jax.ShapeDtypeStruct(tuple(shape), key_dtype))
+            else:
+                if dtype != record.dtype or list(shape) != list(record.shape):
+                    raise ValueError(f"spec aval {dtype}{shape} disagrees with its array record")
+                avals.append(jax.ShapeDtypeStruct(tuple(shape), serializers.numpy_dtype(dtype)))
+        spec = ResidualSpec(
+            signature=signature,
+            avals=tuple(avals),
+            names=tuple(str(s) for s in names),
+            input_paths=tuple(p if p is None else str(p) for p in input_paths),
+            kinds=tuple(kinds),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptContextError(f"{what}: invalid spec in manifest ({err})") from None
+    return spec, tuple(impls)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tier
+
+
+class DiskTier:
+    """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete, gc."""
+
+    def __init__(self, path: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+        self.backend = open_backend(path)
+        self._known_weights: set[str] = set()
+        self._lock = threading.Lock()
+        marker = self.backend.get_bytes(STORE_MARKER)
+        if marker is None:
+            self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
+
+    @property
+    def description(self) -> str:
+        return self.backend.description
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def write(
+        self,
+        key: str,
+        spec: ResidualSpec,
+        arrays: HostArrays,
+        impls: Sequence[str | None],
+        *,
+        fsync: bool,
+    ) -> StoredContext:
+        """Writes a context and commits it; raises :class:`StoreFullError` leaving nothing behind."""
+        data_dir = f"data/{key}.{uuid.uuid4().hex[:12]}"
+        previous = self._read_manifest_bytes(key)
+        to_write: dict[str, np.ndarray] = {}
+        records = []
+        for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+            shared = kind != "intermediate"
+            if shared:
+                path = f"weights/{serializers.content_digest(x)}"
+                if path not in self._known_weights and path not in to_write:
+                    if not self.backend.array_exists(path):
+                        to_write[path] = x
+            else:
+                path = f"{data_dir}/{i}"
+                to_write[path] = x
+            records.append(
+                serializers.ArrayRecord(
+                    name=spec.names[i],
+                    path=path,
+                    shape=x.shape,
+                    dtype=serializers.zarr_dtype_name(x.dtype),
+                    nbytes=int(x.nbytes),
+                    checksum=serializers.checksum(x),
+                    input_path=spec.input_paths[i],
+                    shared=shared,
+                )
+            )
+        manifest = serializers.encode_manifest(
+            {
+                "key": key,
+                "signature": spec.signature,
+                "created": time.time(),
+                "jax_version": jax.__version__,
+                "spec": _spec_to_map(spec, impls),
+                "data_dir": data_dir,
+                "arrays": records,
+            }
+        )
+        try:
+            self.backend.write_arrays(to_write, fsync=fsync)
+            self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
+        except (serializers.DiskFullError, OSError) as err:
+            self.backend.delete_tree(data_dir)
+            if isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in (28, 27, 122):
+                raise StoreFullError(
+                    f"the disk cannot take context {key!r} ({sum(a.nbytes for a in to_write.values()):,} "
+                    f"bytes to write under {self.description}): {err}"
+                ) from err
+            raise
+        with self._lock:
+            self._known_weights.update(p for p in to_write if p.startswith("weights/"))
+        if previous is not None:
+            self._drop_data_of(previous, keep=data_dir)
+        return self.parse_manifest(key, manifest)
+
+    def write_blob(self, name: str, data: bytes, *, fsync: bool) -> None:
+        self.backend.put_bytes(name, data, fsync=fsync)
+
+    def read_blob(self, name: str) -> bytes | None:
+        return self.backend.get_bytes(name)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _read_manifest_bytes(self, key: str) -> bytes | None:
+        return self.backend.get_bytes(f"contexts/{key}.manifest")
+
+    def parse_manifest(self, key: str, data: bytes) -> StoredContext:
+        what = f"context {key!r}"
+        try:
+            m = serializers.decode_manifest(data, what=f"manifest of {what}")
+            records = tuple(
+                serializers.ArrayRecord.from_dict(r, what=f"{what} array {i}") for i, r in enumerate(m["arrays"])
+            )
+        except serializers.CorruptDataError as err:
+            raise CorruptContextError(str(err)) from err
+        if m["key"] != key:
+            raise CorruptContextError(f"{what}: manifest names key {m['key']!r}")
+        spec, impls = _spec_from_map(m["signature"], m["spec"], records, what)
+        data_dir = m.get("data_dir")
+        if not isinstance(data_dir, str) or not serializers.is_safe_relpath(data_dir):
+            raise CorruptContextError(f"{what}: invalid data_dir in manifest")
+        return StoredContext(key, spec, records, impls, float(m["created"]), m["jax_version"], data_dir)
+
+    def stat(self, key: str) -> StoredContext:
+        """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed."""
+        data = self._read_manifest_bytes(key)
+        if data is None:
+            raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
+        return self.parse_manifest(key, data)
+
+    def read(self, key: str) -> tuple[StoredContext, HostArrays]:
+        """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one."""
+        stored = self.stat(key)
+        arrays = []
+        for i, record in enumerate(stored.records):
+            what = f"context {key!r}, residual {i} ({record.name}) at {record.path}"
+            try:
+                x = self.backend.read_array(record.path, record.shape, record.dtype)
+                serializers.verify(x, record.checksum, what=what)
+            except (serializers.CorruptDataError, serializers.UnsupportedDTypeError) as err:
+                raise CorruptContextError(str(err)) from err
+            except (OSError, ValueError) as err:
+                raise CorruptContextError(f"{what}: unreadable ({err})") from err
+            arrays.append(x)
+        return stored, arrays
+
+    def keys(self) -> list[str]:
+        suffix = ".manifest"
+        return [n[: -len(suffix)] for n in self.backend.list_dir("contexts") if n.endswith(suffix)]
+
+    def __contains__(self, key: str) -> bool:
+        return self._read_manifest_bytes(key) is not None
+
+    # -- deleting -----------------------------------------------------------------------------
+
+    def _drop_data_of(self, manifest: bytes, keep: str | None = None) -> None:
+        try:
+            m = serializers.decode_manifest(manifest, what="previous manifest")
+        except serializers.CorruptDataError:
+            return  # unreadable: gc will find its data unreferenced
+        data_dir = m.get("data_dir")
+        if isinstance(data_dir, str) and data_dir != keep and serializers.is_safe_relpath(data_dir):
+            self.backend.delete_tree(data_dir)
+
+    def delete(self, key: str) -> bool:
+        """Removes ``key`` (manifest first, so it vanishes atomically); ``False`` if absent."""
+        data = self._read_manifest_bytes(key)
+        if data is None:
+            return False
+        self.backend.delete(f"contexts/{key}.manifest")
+        self._drop_data_of(data)
+        return True
+
+    def iter_manifests(self) -> Iterator[tuple[str, StoredContext | CorruptContextError]]:
+        for key in self.keys():
+            try:
+                yield key, self.stat(key)
+            except ContextNotFoundError:
+                continue  # deleted meanwhile
+            except CorruptContextError as err:
+                yield key, err
+
+    def gc(self, older_than: float = 3600.0) -> dict[str, int]:
+        """Removes weights no manifest references and data folders of no committed context.
+
+        Only items at least ``older_than`` seconds old are removed, so writes in flight in other
+        processes are left alone (on kvstores without modification times, nothing is removed
+        unless ``older_than`` is 0). Returns counts of what was removed.
+        """
+        referenced: set[str] = set()
+        for _, stored in self.iter_manifests():
+            if isinstance(stored, StoredContext):
+                referenced.add(stored.data_dir)
+                referenced.update(r.path for r in stored.records if r.shared)
+            else:
+                return {"weights": 0, "data": 0, "skipped_corrupt": 1}
+        removed = {"weights": 0, "data": 0}
+        for kind, prefix in (("weights", "weights"), ("data", "data")):
+            for name in self.backend.list_dir(prefix):
+                path = f"{prefix}/{name}"
+                if path in referenced:
+                    continue
+                age = self.backend.age_seconds(path)
+                if older_than > 0 and (age is None or age < older_than):
+                    continue
+                self.backend.delete_tree(path)
+                removed[kind] += 1
+                with self._lock:
+                    self._known_weights.discard(path)
+        return removed

@@ -1,0 +1,473 @@
+"""``rs.Store``: contexts kept on device, in host memory and on disk, within byte budgets."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import jax
+import numpy as np
+
+import serializers
+from residual_store.backward import lookup_backward, register_backward
+from residual_store.context import ResidualContext
+from residual_store.errors import (
+    BackwardUnavailableError,
+    ContextNotFoundError,
+    CorruptContextError,
+    InvalidArgumentError,
+    ResidualStoreWarning,
+    StoreFullError,
+)
+from residual_store.export import export_backward, load_backward
+from residual_store.store.disk import DiskTier, host_arrays
+from residual_store.store.io import Loader, Writer
+from residual_store.store.keys import new_key, validate_key
+from residual_store.store.tiers import MemoryTier, intermediate_nbytes, to_device, to_host
+
+__all__ = ["Store"]
+
+StorePath = str | os.PathLike[str] | Mapping[str, Any] | None
+
+DEFAULT_MAX_PENDING_BYTES = 1 << 30
+
+
+class Store:
+    """Residual contexts by key, in tiers: device -> host memory -> disk.
+
+    Args:
+      path: a local folder, a tensorstore kvstore spec (``{"driver": "file", "path": ...}``,
+        ``{"driver": "memory"}``, ``gcs``/``s3`` specs pass through), or ``None`` for memory only.
+      device_budget, host_budget: bytes of intermediates each memory tier may hold (``None``:
+        unbounded). Over budget, the least recently used context moves down a tier. Weights a
+        context holds by reference are the model's memory and are not counted.
+      write_through: with a path, write every context to disk in the background (the default);
+        ``False`` writes only what the budgets push out of host memory (pure offload).
+      durable: fsync arrays and manifests before a write counts as done (``flush`` then means
+        "survives a power loss"); ``False`` leaves that to the OS.
+      max_pending_bytes: bytes of queued background writes before ``put`` waits (backpressure).
+
+    Example:
+      >>> import jax.numpy as jnp, residual_store as rs, tempfile
+      >>> fwd = rs.split(lambda w: jnp.sum(jnp.sin(w) ** 2))
+      >>> _, ctx = fwd(jnp.arange(3.0))
+      >>> with rs.Store(tempfile.mkdtemp(), device_budget=0) as store:
+      ...     key = store.put(ctx, "step0-mb0")
+      ...     grads = rs.backward(store.get(key))
+    """
+
+    def __init__(
+        self,
+        path: StorePath = None,
+        *,
+        device_budget: int | None = None,
+        host_budget: int | None = None,
+        write_through: bool = True,
+        durable: bool = True,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    ) -> None:
+        self._disk = DiskTier(path) if path is not None else None
+        self._device = MemoryTier("device", device_budget)
+        self._host = MemoryTier("host", host_budget)
+        self._write_through = bool(write_through)
+        self._durable = bool(durable)
+        self._lock = threading.RLock()
+        self._pending: dict[str, tuple[ResidualContext, object]] = {}
+        self._loading: dict[str, Future[ResidualContext]] = {}
+        self._on_disk: set[str] = set()
+        self._backwards_seen: set[str] = set()
+        self._weights: dict[str, weakref.ref[Any]] = {}
+        self._writer = Writer(max_pending_bytes) if self._disk is not None else None
+        self._loader = Loader()
+        self._closed = False
+
+    # -- context manager ----------------------------------------------------------------------
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - do not mask the body's exception
+                pass
+
+    def __repr__(self) -> str:
+        where = self._disk.description if self._disk is not None else "memory only"
+        return f"Store({where}, contexts={len(self)})"
+
+    # -- put ----------------------------------------------------------------------------------
+
+    def put(self, ctx: ResidualContext, key: str | None = None) -> str:
+        """Adds ``ctx`` under ``key`` (a fresh unique key if ``None``) and returns the key.
+
+        Returns at once: with a path, writing continues in the background (``flush`` waits).
+        A later ``put`` of the same key replaces the context.
+
+        Raises:
+          StoreFullError: a memory-only store whose budgets cannot take ``ctx``; the store is
+            unchanged. Disk-full errors of background writes surface from ``flush``/``close``.
+        """
+        self._check_open()
+        if not isinstance(ctx, ResidualContext):
+            raise InvalidArgumentError(f"put expects a rs.ResidualContext, got {type(ctx).__name__}")
+        key = new_key() if key is None else validate_key(key)
+        if self._disk is not None:
+            self._save_backward(ctx)
+        size = intermediate_nbytes(ctx)
+        with self._lock:
+            if self._disk is None:
+                self._check_memory_capacity(key, size)
+            self._forget_memory(key)
+            self._on_disk.discard(key)
+            if self._device.fits(size):
+                self._device.add(key, ctx)
+            elif self._host.fits(size):
+                self._host.add(key, to_host(ctx))
+            spills = self._rebalance(protect=key)
+            to_write = [(key, ctx)] if self._disk is not None and (
+                self._write_through or (key not in self._device and key not in self._host)
+            ) else []
+        for k, c in to_write + spills:
+            self._schedule_write(k, c)
+        return key
+
+    def _check_memory_capacity(self, key: str, size: int) -> None:
+        """Simulates the spill of a memory-only store; raises before anything changes."""
+        dev_budget, host_budget = self._device.budget, self._host.budget
+        device = [(k, self._device._entries[k][1]) for k in self._device.keys() if k != key]
+        host = sum(s for k, (_, s) in self._host._entries.items() if k != key)
+        if dev_budget is not None and size > dev_budget:
+            host += size
+        else:
+            device.append((key, size))
+        used = sum(s for _, s in device)
+        for _, s in device:
+            if dev_budget is None or used <= dev_budget:
+                break
+            used -= s
+            host += s
+        if host_budget is not None and host > host_budget:
+            raise StoreFullError(
+                f"memory-only store cannot take context {key!r} ({size:,} bytes of intermediates): "
+                f"device budget {dev_budget}, host budget {host_budget}, "
+                f"{self._device.nbytes + self._host.nbytes:,} bytes held; give the store a path "
+                "to spill to disk, raise a budget, or delete contexts"
+            )
+
+    def _forget_memory(self, key: str) -> None:
+        self._device.remove(key)
+        self._host.remove(key)
+
+    def _rebalance(self, protect: str | None = None) -> list[tuple[str, ResidualContext]]:
+        """Moves least recently used contexts down until each tier is within budget.
+
+        Returns contexts pushed out of host memory that still need a disk write.
+        """
+        spills = []
+        while self._device.over_budget():
+            victim = self._device.least_recent(exclude=protect) or protect
+            ctx = self._device.remove(victim)
+            if self._host.fits(intermediate_nbytes(ctx)):
+                self._host.add(victim, to_host(ctx))
+            elif self._needs_write(victim):
+                spills.append((victim, ctx))
+        while self._host.over_budget():
+            victim = self._host.least_recent(exclude=protect) or protect
+            ctx = self._host.remove(victim)
+            if self._needs_write(victim):
+                spills.append((victim, ctx))
+        return spills
+
+    def _needs_write(self, key: str) -> bool:
+        return (
+            self._disk is not None
+            and not self._write_through
+            and key not in self._on_disk
+            and key not in self._pending
+        )
+
+    # -- background writes --------------------------------------------------------------------
+
+    def _schedule_write(self, key: str, ctx: ResidualContext) -> None:
+        assert self._writer is not None and self._disk is not None
+        token = object()
+        with self._lock:
+            self._pending[key] = (ctx, token)
+        disk, durable = self._disk, self._durable
+
+        def job() -> None:
+            try:
+                arrays, impls = host_arrays(ctx)
+                disk.write(key, ctx.spec, arrays, impls, fsync=durable)
+                with self._lock:
+                    if self._pending.get(key, (None, None))[1] is token:
+                        self._on_disk.add(key)
+            finally:
+                with self._lock:
+                    if self._pending.get(key, (None, None))[1] is token:
+                        del self._pending[key]
+
+        self._writer.submit(job, ctx.nbytes)
+
+    def _save_backward(self, ctx: ResidualContext) -> None:
+        """Once per signature and store: save the backward, so other processes can run it."""
+        assert self._disk is not None and self._writer is not None
+        sig = ctx.spec.signature
+        with self._lock:
+            if sig in self._backwards_seen:
+                return
+            self._backwards_seen.add(sig)
+        if self._disk.read_blob(f"backwards/{sig}.manifest") is not None:
+            return
+        bwd = lookup_backward(sig)
+        if bwd is None:
+            return
+        try:
+            data = export_backward(bwd, ctx.spec.avals)
+        except BackwardUnavailableError as err:
+            warnings.warn(
+                f"{err}. The context is stored; only processes that define the function can "
+                "run its backward.",
+                ResidualStoreWarning,
+                stacklevel=3,
+            )
+            return
+        manifest = serializers.encode_manifest(
+            {
+                "signature": sig,
+                "jax_version": jax.__version__,
+                "platform": jax.default_backend(),
+                "checksum": serializers.checksum(np.frombuffer(data, np.uint8)),
+                "nbytes": len(data),
+            },
+            schema=serializers.BACKWARD_SCHEMA,
+        )
+        disk, durable = self._disk, self._durable
+
+        def job() -> None:
+            disk.write_blob(f"backwards/{sig}.export", data, fsync=durable)
+            disk.write_blob(f"backwards/{sig}.manifest", manifest, fsync=durable)
+
+        self._writer.submit(job, len(data))
+
+    # -- get, prefetch, pop, delete -----------------------------------------------------------
+
+    def get(self, key: str) -> ResidualContext:
+        """The context under ``key``, on device: waits for a prefetch, verifies what it reads.
+
+        Raises:
+          ContextNotFoundError: no such key. CorruptContextError: stored data failed
+          verification (the message names the key and the residual).
+        """
+        self._check_open()
+        key = validate_key(key)
+        ctx, spills, loading = self._get_from_memory(key)
+        for k, c in spills:
+            self._schedule_write(k, c)
+        if ctx is not None:
+            return ctx
+        if loading is not None:
+            return loading.result()
+        return self._load_and_promote(key)
+
+    def _get_from_memory(
+        self, key: str
+    ) -> tuple[ResidualContext | None, list[tuple[str, ResidualContext]], Future[ResidualContext] | None]:
+        with self._lock:
+            ctx = self._device.get(key)
+            if ctx is not None:
+                return ctx, [], None
+            ctx = self._host.remove(key)
+            if ctx is None and key in self._pending:
+                ctx = self._pending[key][0]
+            if ctx is not None:
+                ctx = to_device(ctx)
+                self._device.add(key, ctx)
+                return ctx, self._rebalance(protect=key), None
+            return None, [], self._loading.get(key)
+
+    def _load_and_promote(self, key: str) -> ResidualContext:
+        if self._disk is None:
+            raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
+        stored, arrays = self._disk.read(key)
+        residuals = []
+        for record, impl, x in zip(stored.records, stored.key_impls, arrays):
+            if impl is not None:
+                residuals.append(jax.random.wrap_key_data(jax.device_put(x), impl=impl))
+            elif record.shared:
+                residuals.append(self._shared_array(record.path, x))
+            else:
+                residuals.append(jax.device_put(x))
+        ctx = ResidualContext(residuals, stored.spec)
+        self._ensure_backward(stored.spec.signature)
+        with self._lock:
+            self._on_disk.add(key)
+            self._device.add(key, ctx)
+            spills = self._rebalance(protect=key)
+        for k, c in spills:
+            self._schedule_write(k, c)
+        return ctx
+
+    def _shared_array(self, path: str, x: np.ndarray) -> jax.Array:
+        """One device array per stored weight while any loaded context holds it."""
+        with self._lock:
+            ref = self._weights.get(path)
+            live = ref() if ref is not None else None
+            if live is None:
+                live = jax.device_put(x)
+                self._weights[path] = weakref.ref(live)
+            return live
+
+    def _ensure_backward(self, signature: str) -> None:
+        if lookup_backward(signature) is not None or self._disk is None:
+            return
+        manifest = self._disk.read_blob(f"backwards/{signature}.manifest")
+        data = self._disk.read_blob(f"backwards/{signature}.export")
+        if manifest is None or data is None:
+            return  # rs.backward will say that no backward is available
+        what = f"stored backward of signature {signature}"
+        try:
+            m = serializers.decode_manifest(manifest, what=what, schema=serializers.BACKWARD_SCHEMA)
+            serializers.verify(np.frombuffer(data, np.uint8), m.get("checksum"), what=what)
+        except serializers.CorruptDataError as err:
+            raise CorruptContextError(str(err)) from err
+        register_backward(load_backward(data, signature))
+
+    def prefetch(self, key: str) -> None:
+        """Starts bringing ``key`` up to the device tier in the background; ``get`` waits for it."""
+        self._check_open()
+        key = validate_key(key)
+        with self._lock:
+            if key in self._device or key in self._loading:
+                return
+            in_memory = key in self._host or key in self._pending
+        if not in_memory and (self._disk is None or key not in self._disk):
+            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+
+        def job() -> ResidualContext:
+            try:
+                ctx, spills, _ = self._get_from_memory(key)
+                for k, c in spills:
+                    self._schedule_write(k, c)
+                return ctx if ctx is not None else self._load_and_promote(key)
+            finally:
+                with self._lock:
+                    self._loading.pop(key, None)
+
+        with self._lock:
+            if key not in self._loading:
+                self._loading[key] = self._loader.submit(job)
+
+    def pop(self, key: str) -> ResidualContext:
+        """``get`` then ``delete``."""
+        ctx = self.get(key)
+        self.delete(key)
+        return ctx
+
+    def delete(self, key: str) -> None:
+        """Removes ``key`` from every tier (waiting for its pending writes); unknown: KeyError."""
+        self._check_open()
+        key = validate_key(key)
+        with self._lock:
+            loading = self._loading.get(key)
+        if loading is not None:
+            loading.exception()
+        with self._lock:
+            found = key in self._device or key in self._host or key in self._pending
+            self._forget_memory(key)
+            self._pending.pop(key, None)
+            self._on_disk.discard(key)
+        if self._disk is not None and self._writer is not None:
+            done = self._writer.submit(lambda: self._disk.delete(key), 0)
+            found = done.result() or found
+        if not found:
+            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+
+    # -- listing ------------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Every key: in memory, pending, and committed on disk (by any process)."""
+        with self._lock:
+            keys = set(self._device.keys()) | set(self._host.keys()) | set(self._pending)
+        if self._disk is not None:
+            keys.update(self._disk.keys())
+        return sorted(keys)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        with self._lock:
+            if key in self._device or key in self._host or key in self._pending:
+                return True
+        try:
+            validate_key(key)
+        except ValueError:
+            return False
+        return self._disk is not None and key in self._disk
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Bytes and contexts per tier; disk bytes count each shared weight once."""
+        with self._lock:
+            result = {
+                "device": {"bytes": self._device.nbytes, "contexts": len(self._device)},
+                "host": {"bytes": self._host.nbytes, "contexts": len(self._host)},
+            }
+        disk = {"bytes": 0, "contexts": 0}
+        if self._disk is not None:
+            seen: set[str] = set()
+            for _, stored in self._disk.iter_manifests():
+                if isinstance(stored, CorruptContextError):
+                    continue
+                disk["contexts"] += 1
+                for record in stored.records:
+                    if record.path not in seen:
+                        seen.add(record.path)
+                        disk["bytes"] += record.nbytes
+        result["disk"] = disk
+        return result
+
+    # -- flush, close -------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Returns once every acknowledged write is complete (and durable with ``durable=True``).
+
+        Raises the first error of a background write since the last flush, e.g.
+        :class:`StoreFullError` for a disk that filled up (that context was not committed).
+        """
+        if self._writer is not None:
+            self._writer.flush()
+
+    def gc(self, older_than: float = 3600.0) -> dict[str, int]:
+        """Removes stored weights and data no committed context references (see ``DiskTier.gc``)."""
+        if self._disk is None:
+            return {"weights": 0, "data": 0}
+        self.flush()
+        return self._disk.gc(older_than)
+
+    def close(self) -> None:
+        """Flushes and stops the background threads; the store cannot be used afterwards."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._writer is not None:
+                self._writer.close()
+            self._loader.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("this store is closed")
