@@ -1,12 +1,77 @@
-"""The ``residual-store`` command line (also ``python -m residual_store``)."""
+"""The ``residual-store`` command line (also ``python -m residual_store``).
+
+Commands: ``demo`` (the README's main job), ``ls``, ``inspect``, ``verify``, ``gc`` and ``du`` on
+a store folder. Errors print one line on stderr and exit non-zero; ``--json`` gives scripts a
+machine-readable form.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 __all__ = ["main"]
+
+T = TypeVar("T")
+
+
+class _UsageError(Exception):
+    """A bad path or key: reported as one line on stderr."""
+
+
+def _open_disk(path: str) -> Any:
+    from residual_store.store.disk import STORE_MARKER, DiskTier
+
+    if not os.path.isdir(path):
+        raise _UsageError(f"{path}: no such folder")
+    if not os.path.exists(os.path.join(path, STORE_MARKER)):
+        raise _UsageError(f"{path}: not a residual store (no {STORE_MARKER})")
+    return DiskTier(path)
+
+
+def _progress(items: Sequence[T], label: str, enabled: bool) -> Iterable[T]:
+    """Yields ``items``, drawing a progress line on stderr when it is a terminal."""
+    show = enabled and sys.stderr.isatty() and len(items) > 1
+    start = time.monotonic()
+    for i, item in enumerate(items, 1):
+        if show:
+            sys.stderr.write(f"\r{label}: {i}/{len(items)} ({time.monotonic() - start:.1f} s)")
+            sys.stderr.flush()
+        yield item
+    if show:
+        sys.stderr.write("\n")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2) if getattr(args, "json", False) else text)
+
+
+# -- commands ---------------------------------------------------------------------------------
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -20,23 +85,171 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from residual_store.errors import CorruptContextError
+
+    disk = _open_disk(args.path)
+    now = time.time()
+    entries = []
+    for key, stored in _progress(list(disk.iter_manifests()), "reading manifests", not args.json):
+        if isinstance(stored, CorruptContextError):
+            entries.append({"key": key, "error": str(stored)})
+        else:
+            entries.append(
+                {
+                    "key": key,
+                    "signature": stored.spec.signature,
+                    "residuals": len(stored.records),
+                    "bytes": stored.nbytes,
+                    "intermediate_bytes": sum(r.nbytes for r in stored.records if not r.shared),
+                    "created": stored.created,
+                }
+            )
+    rows = [["key", "residuals", "size", "own", "signature", "age"]]
+    for e in entries:
+        if "error" in e:
+            rows.append([e["key"], "-", "-", "-", "CORRUPT", e["error"]])
+        else:
+            rows.append([
+                e["key"], str(e["residuals"]), _human(e["bytes"]), _human(e["intermediate_bytes"]),
+                e["signature"], _age(now - e["created"]),
+            ])
+    _emit(args, entries, _table(rows) + f"\n{len(entries)} contexts")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from residual_store.errors import ContextNotFoundError, InvalidKeyError
+    from residual_store.store.keys import validate_key
+
+    disk = _open_disk(args.path)
+    try:
+        stored = disk.stat(validate_key(args.key))
+    except (ContextNotFoundError, InvalidKeyError) as err:
+        raise _UsageError(str(err)) from None
+    rows = [["#", "name", "shape", "dtype", "bytes", "kind", "shared", "path"]]
+    data = []
+    for i, (record, aval, kind) in enumerate(zip(stored.records, stored.spec.avals, stored.spec.kinds)):
+        item = {
+            "index": i,
+            "name": record.name,
+            "shape": list(aval.shape),
+            "dtype": str(aval.dtype),
+            "bytes": record.nbytes,
+            "kind": kind,
+            "input_path": record.input_path,
+            "shared": record.shared,
+            "path": record.path,
+            "checksum": record.checksum,
+        }
+        data.append(item)
+        rows.append([
+            str(i), record.name, str(tuple(aval.shape)), str(aval.dtype), f"{record.nbytes:,}",
+            kind, "yes" if record.shared else "no", record.path,
+        ])
+    header = (
+        f"context {stored.key}: signature {stored.spec.signature}, jax {stored.jax_version}, "
+        f"{_human(stored.nbytes)}"
+    )
+    _emit(args, {"key": stored.key, "signature": stored.spec.signature, "residuals": data}, header + "\n" + _table(rows))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from residual_store.errors import ContextNotFoundError, CorruptContextError, InvalidKeyError
+    from residual_store.store.keys import validate_key
+
+    disk = _open_disk(args.path)
+    try:
+        keys = [validate_key(k) for k in args.keys] if args.keys else disk.keys()
+    except InvalidKeyError as err:
+        raise _UsageError(str(err)) from None
+    damaged, checked = [], 0
+    for key in _progress(keys, "verifying", not args.json):
+        try:
+            disk.read(key)
+            checked += 1
+        except (CorruptContextError, ContextNotFoundError) as err:
+            damaged.append({"key": key, "error": str(err)})
+    text = "\n".join(f"DAMAGED {d['key']}: {d['error']}" for d in damaged)
+    text = (text + "\n" if text else "") + f"{checked} of {len(keys)} contexts verified, {len(damaged)} damaged"
+    _emit(args, {"checked": len(keys), "ok": checked, "damaged": damaged}, text)
+    return 1 if damaged else 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    disk = _open_disk(args.path)
+    removed = disk.gc(older_than=args.older_than)
+    _emit(args, removed, f"removed {removed['weights']} unreferenced weights and {removed['data']} data folders")
+    return 0
+
+
+def _cmd_du(args: argparse.Namespace) -> int:
+    from residual_store.store.disk import StoredContext
+
+    disk = _open_disk(args.path)
+    per_sig: dict[str, dict[str, int]] = {}
+    seen: set[str] = set()
+    for _, stored in disk.iter_manifests():
+        if not isinstance(stored, StoredContext):
+            continue
+        entry = per_sig.setdefault(stored.spec.signature, {"contexts": 0, "intermediate": 0, "weights": 0})
+        entry["contexts"] += 1
+        for record in stored.records:
+            if not record.shared:
+                entry["intermediate"] += record.nbytes
+            elif record.path not in seen:
+                seen.add(record.path)
+                entry["weights"] += record.nbytes
+    rows = [["signature", "contexts", "intermediate", "weights (once)"]]
+    for sig, e in sorted(per_sig.items()):
+        rows.append([sig, str(e["contexts"]), _human(e["intermediate"]), _human(e["weights"])])
+    _emit(args, per_sig, _table(rows))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="residual-store",
         description="Split JAX forward from backward, with typed, storable residuals.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small transformer with a pipeline schedule")
+
+    def command(name: str, help: str, run: Callable[[argparse.Namespace], int], json_flag: bool = False) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(run=run)
+        if json_flag:
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    demo = command("demo", "train a small transformer with a pipeline schedule", _cmd_demo)
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     demo.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
-    demo.set_defaults(run=_cmd_demo)
+    command("ls", "list the contexts of a store", _cmd_ls, json_flag=True).add_argument("path")
+    inspect = command("inspect", "one row per residual of a stored context", _cmd_inspect, json_flag=True)
+    inspect.add_argument("path")
+    inspect.add_argument("key")
+    verify = command("verify", "check every checksum; exit 1 if anything is damaged", _cmd_verify, json_flag=True)
+    verify.add_argument("path")
+    verify.add_argument("keys", nargs="*", help="keys to check (default: all)")
+    gc = command("gc", "remove weights and data no context references", _cmd_gc, json_flag=True)
+    gc.add_argument("path")
+    gc.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
+                    help="only remove what is at least this old (default 3600; 0: everything unreferenced)")
+    command("du", "bytes per signature, intermediates and weights", _cmd_du, json_flag=True).add_argument("path")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     args = _parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except _UsageError as err:
+        print(f"residual-store {args.command}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
