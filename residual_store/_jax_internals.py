@@ -17,7 +17,8 @@ Assumptions (the tests refer to them by these tags):
   input ``j`` (after its constants, as laid out in the params).
 * ``NAME_PRIMITIVE``: ``jax.ad_checkpoint.checkpoint_name`` binds a primitive named ``name``
   whose ``name`` param is the label.
-* ``CUSTOM_VJP_THUNK``: a ``custom_vjp_call`` equation carries ``fwd_jaxpr_thunk`` (a memoized
+* ``CUSTOM_VJP_THUNK``: a ``custom_vjp_call`` equation carries ``call_jaxpr`` (whose debug info
+  names the primal function and where it is defined), ``fwd_jaxpr_thunk`` (a memoized
   ``WrappedFun`` returning ``(jaxpr, consts)`` given one "non-zero" flag per non-constant input)
   and ``num_consts``; with ``defvjp(..., optimize_remat=True)`` that jaxpr is a single
   ``remat_opt`` equation.
@@ -200,9 +201,21 @@ def unoptimized_remat_custom_vjps(closed_jaxpr: Any) -> list[str]:
         if under_remat and eqn.primitive.name == CUSTOM_VJP_PRIMITIVE:
             if not _custom_vjp_is_remat_optimized(eqn):
                 file, line = _user_frame(eqn)
-                where = f" at {file}:{line}" if file else ""
-                found.append(f"{eqn.params.get('name', 'custom_vjp')}{where}")
+                where = f" called at {file}:{line}" if file else ""
+                found.append(f"{_custom_vjp_name(eqn)}{where}")
     return found
+
+
+def _custom_vjp_name(eqn: Any) -> str:
+    """``"kernel (defined at model.py:3)"`` from the primal's debug info (``CUSTOM_VJP_THUNK``)."""
+    try:
+        info = eqn.params["call_jaxpr"].jaxpr.debug_info.func_src_info
+    except (KeyError, AttributeError):
+        info = None
+    if not info:
+        return str(eqn.params.get("name", "custom_vjp"))
+    name, _, where = info.partition(" at ")
+    return f"{name} (defined at {os.path.basename(where)})" if where else name
 
 
 # --------------------------------------------------------------------------------------------

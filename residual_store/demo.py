@@ -54,7 +54,7 @@ def init_transformer(key: jax.Array, cfg: DemoConfig, dtype: Any = jnp.float32) 
         return (jax.random.normal(key, shape) / jnp.sqrt(fan_in)).astype(dtype)
 
     return {
-        "embed": normal(k[0], (cfg.vocab, d), 1),
+        "embed": normal(k[0], (cfg.vocab, d), d),
         "pos": normal(k[1], (cfg.seq_len, d), 1) * 0.1,
         "layers": {
             "ln1": jnp.ones((n, d), dtype),
