@@ -78,7 +78,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from residual_store.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(steps=args.steps, n_microbatches=args.microbatches)
-    result = run_demo(cfg)
+    result = run_demo(cfg, store_path=args.store, plot_path=None if args.no_plot else args.plot)
     worst = max(result["max_rel_grad_diff"])
     ok = worst < 1e-4
     print(f"gradient check against jax.grad: {'PASS' if ok else 'FAIL'} (max rel. diff {worst:.2e})")
@@ -225,6 +225,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = command("demo", "train a small transformer with a pipeline schedule", _cmd_demo)
     demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     demo.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    demo.add_argument("--store", default=None, help="store folder (default: a temporary one)")
+    demo.add_argument("--plot", default="residual_store_demo.png", help="where to write the PNG")
+    demo.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     command("ls", "list the contexts of a store", _cmd_ls, json_flag=True).add_argument("path")
     inspect = command("inspect", "one row per residual of a stored context", _cmd_inspect, json_flag=True)
     inspect.add_argument("path")

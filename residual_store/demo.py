@@ -1,9 +1,10 @@
 """The README's main job: a small transformer trained with a pipeline-style schedule.
 
-Each step splits the batch into microbatches, runs every forward first (F1..Fn, keeping only the
-residual contexts), then every backward in reverse (Bn..B1), and checks the summed gradients
-against ``jax.grad`` of the full batch. All microbatches share one signature, so the whole run
-costs one forward and one backward compile.
+Each step splits the batch into microbatches, runs every forward first (F1..Fn), offloading each
+residual context to a store whose memory budgets hold only a few (the rest spill to disk), then
+every backward in reverse (Bn..B1), prefetching the next context while the current backward
+runs, and checks the summed gradients against ``jax.grad`` of the full batch. All microbatches
+share one signature, so the whole run costs one forward and one backward compile.
 
 The model here (:func:`init_transformer`, :func:`transformer_loss`) is also what the tests and
 benchmarks use: a pre-layernorm causal transformer with its layers under ``lax.scan`` and
@@ -120,12 +121,42 @@ def _tree_max_rel_diff(a: Any, b: Any) -> float:
     return float(max(jax.tree.leaves(diffs)))
 
 
-def run_demo(cfg: DemoConfig = DemoConfig(), print_fn: Callable[[str], None] = print) -> dict[str, Any]:
-    """Trains ``cfg.steps`` steps with an all-forwards-then-all-backwards schedule; returns stats.
+@dataclasses.dataclass
+class _Timeline:
+    """Bytes per tier after every store operation, for the table and the plot."""
 
-    The returned dict has ``losses``, ``max_rel_grad_diff`` (against ``jax.grad`` of the full
-    batch, per step), ``cache_info`` and ``timings`` (seconds in forwards and backwards).
+    labels: list[str] = dataclasses.field(default_factory=list)
+    device: list[int] = dataclasses.field(default_factory=list)
+    host: list[int] = dataclasses.field(default_factory=list)
+    disk: list[int] = dataclasses.field(default_factory=list)
+
+    def record(self, label: str, stats: dict[str, dict[str, int]]) -> None:
+        self.labels.append(label)
+        self.device.append(stats["device"]["bytes"])
+        self.host.append(stats["host"]["bytes"])
+        self.disk.append(stats["disk"]["bytes"])
+
+
+def run_demo(
+    cfg: DemoConfig = DemoConfig(),
+    *,
+    store_path: str | None = None,
+    plot_path: str | None = "residual_store_demo.png",
+    print_fn: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Trains ``cfg.steps`` steps with a pipeline-style schedule, offloading every context.
+
+    Per step: forwards F1..Fn, each context ``put`` into a :class:`~residual_store.Store`
+    whose device and host budgets hold only a few contexts (the rest spill to disk); then
+    backwards Bn..B1, each prefetching the next context before popping its own. Gradients are
+    checked against ``jax.grad`` of the full batch.
+
+    Returns a dict with ``losses``, ``max_rel_grad_diff`` (per step), ``cache_info``,
+    ``timings`` (seconds: forward, backward, io), ``peak_bytes`` per tier, ``budgets`` and
+    ``plot`` (the PNG's path, or ``None`` without matplotlib).
     """
+    import tempfile
+
     import residual_store as rs
 
     key = jax.random.key(cfg.seed)
@@ -135,47 +166,127 @@ def run_demo(cfg: DemoConfig = DemoConfig(), print_fn: Callable[[str], None] = p
     reference = jax.jit(jax.grad(lambda p, t, ks: _mean_loss(loss_fn, p, t, ks), argnums=0))
     n = cfg.n_microbatches
     losses, diffs = [], []
-    t_fwd = t_bwd = 0.0
+    timings = {"forward": 0.0, "backward": 0.0, "io": 0.0}
+    timeline = _Timeline()
+    own_dir = tempfile.TemporaryDirectory(prefix="residual-store-demo-") if store_path is None else None
+    path = store_path or own_dir.name  # type: ignore[union-attr]
+
     print_fn(
         f"residual-store demo: {cfg.n_layers}-layer transformer, {n} microbatches of "
-        f"{cfg.microbatch}x{cfg.seq_len} tokens, {cfg.steps} steps (forwards F1..F{n}, then "
-        f"backwards B{n}..B1)"
+        f"{cfg.microbatch}x{cfg.seq_len} tokens, {cfg.steps} steps; schedule F1..F{n}, B{n}..B1 "
+        f"with every context offloaded to {path}"
     )
-    for step in range(cfg.steps):
-        key, data_key, drop_key = jax.random.split(key, 3)
-        tokens = jax.random.randint(data_key, (n, cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
-        drop_keys = jax.random.split(drop_key, n)
-        start = time.perf_counter()
-        contexts, step_loss = [], 0.0
-        for i in range(n):
-            (loss, _aux), ctx = fwd(params, tokens[i], drop_keys[i])
-            contexts.append(ctx)
-            step_loss += float(loss) / n
-        t_fwd += time.perf_counter() - start
-        start = time.perf_counter()
-        grads = None
-        for ctx in reversed(contexts):
-            g = fwd.backward(ctx, jnp.float32(1.0 / n))
-            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-        grads = jax.block_until_ready(grads)
-        t_bwd += time.perf_counter() - start
-        diff = _tree_max_rel_diff(grads, reference(params, tokens, drop_keys))
-        params = jax.tree.map(lambda p, g: p - cfg.learning_rate * g, params, grads)
-        losses.append(step_loss)
-        diffs.append(diff)
-        print_fn(f"  step {step + 1}/{cfg.steps}: loss {step_loss:.4f}, max rel. grad diff vs jax.grad {diff:.2e}")
+    # Size the budgets from one context: the device holds 2, host memory 3, the rest go to disk.
+    probe_tokens = jnp.zeros((cfg.microbatch, cfg.seq_len + 1), jnp.int32)
+    context_bytes = _intermediate_bytes(fwd(params, probe_tokens, key)[1])
+    budgets = {"device": 2 * context_bytes, "host": 3 * context_bytes}
+    store = rs.Store(path, device_budget=budgets["device"], host_budget=budgets["host"], durable=False)
+    try:
+        for step in range(cfg.steps):
+            key, data_key, drop_key = jax.random.split(key, 3)
+            tokens = jax.random.randint(data_key, (n, cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
+            drop_keys = jax.random.split(drop_key, n)
+            step_loss, keys = 0.0, []
+            for i in range(n):
+                start = time.perf_counter()
+                (loss, _aux), ctx = fwd(params, tokens[i], drop_keys[i])
+                step_loss += float(loss) / n
+                middle = time.perf_counter()
+                keys.append(store.put(ctx, f"step{step}-mb{i}"))
+                timings["forward"] += middle - start
+                timings["io"] += time.perf_counter() - middle
+                timeline.record(f"F{i + 1}", store.stats())
+            grads = None
+            for i in reversed(range(n)):
+                start = time.perf_counter()
+                if i > 0:
+                    store.prefetch(keys[i - 1])
+                ctx = store.pop(keys[i])
+                middle = time.perf_counter()
+                g = fwd.backward(ctx, jnp.float32(1.0 / n))
+                grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+                jax.block_until_ready(grads)
+                timings["io"] += middle - start
+                timings["backward"] += time.perf_counter() - middle
+                timeline.record(f"B{i + 1}", store.stats())
+            diff = _tree_max_rel_diff(grads, reference(params, tokens, drop_keys))
+            params = jax.tree.map(lambda p, g: p - cfg.learning_rate * g, params, grads)
+            losses.append(step_loss)
+            diffs.append(diff)
+            print_fn(f"  step {step + 1}/{cfg.steps}: loss {step_loss:.4f}, max rel. grad diff {diff:.2e}")
+        store.flush()
+    finally:
+        store.close()
+        if own_dir is not None:
+            own_dir.cleanup()
+
     info = fwd.cache_info()
-    print_fn(
-        f"compiles: {info.forward_compiles} forward, {info.backward_compiles} backward for "
-        f"{cfg.steps * n} microbatches; time: forwards {t_fwd:.2f} s, backwards {t_bwd:.2f} s"
-    )
-    print_fn("residuals of one context:\n" + contexts[0].describe())
+    peaks = {tier: max(getattr(timeline, tier)) for tier in ("device", "host", "disk")}
+    _print_report(print_fn, losses, diffs, timings, peaks, budgets, info, cfg)
+    plot = _plot(timeline, budgets, plot_path, print_fn) if plot_path else None
     return {
         "losses": losses,
         "max_rel_grad_diff": diffs,
         "cache_info": info,
-        "timings": {"forward": t_fwd, "backward": t_bwd},
+        "timings": timings,
+        "peak_bytes": peaks,
+        "budgets": budgets,
+        "plot": plot,
     }
+
+
+def _intermediate_bytes(ctx: Any) -> int:
+    return sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k == "intermediate")
+
+
+def _print_report(
+    print_fn: Callable[[str], None],
+    losses: list[float],
+    diffs: list[float],
+    timings: dict[str, float],
+    peaks: dict[str, int],
+    budgets: dict[str, int],
+    info: Any,
+    cfg: DemoConfig,
+) -> None:
+    rows = [("step", "loss", "max rel. diff vs jax.grad")]
+    rows += [(str(i + 1), f"{loss:.4f}", f"{d:.2e}") for i, (loss, d) in enumerate(zip(losses, diffs))]
+    rows += [("", "", ""), ("tier", "peak bytes", "budget")]
+    rows += [(t, f"{peaks[t]:,}", f"{budgets[t]:,}" if t in budgets else "-") for t in ("device", "host", "disk")]
+    rows += [("", "", ""), ("time", "seconds", "")]
+    rows += [(k, f"{v:.2f}", "") for k, v in timings.items()]
+    rows += [("", "", ""), ("compiles", "forward", "backward")]
+    rows += [(f"{cfg.steps * cfg.n_microbatches} microbatches", str(info.forward_compiles), str(info.backward_compiles))]
+    widths = [max(len(r[c]) for r in rows) for c in range(3)]
+    print_fn("\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows))
+
+
+def _plot(timeline: _Timeline, budgets: dict[str, int], path: str, print_fn: Callable[[str], None]) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print_fn("(no plot: pip install 'residual-store[plot]' to draw memory per tier over the schedule)")
+        return None
+    mib = 1 / 2**20
+    x = range(len(timeline.labels))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for tier, color in (("device", "tab:red"), ("host", "tab:blue"), ("disk", "tab:gray")):
+        ax.step(x, [b * mib for b in getattr(timeline, tier)], where="post", label=tier, color=color)
+        if tier in budgets:
+            ax.axhline(budgets[tier] * mib, color=color, linestyle="--", linewidth=0.8, label=f"{tier} budget")
+    step = max(1, len(timeline.labels) // 24)
+    ax.set_xticks(list(x)[::step], timeline.labels[::step], rotation=90, fontsize=7)
+    ax.set_ylabel("MiB of residuals")
+    ax.set_title("residual-store demo: memory per tier over the schedule (F1..Fn, Bn..B1 per step)")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print_fn(f"plot of memory per tier: {path}")
+    return path
 
 
 def _mean_loss(loss_fn: Callable[..., Any], params: Params, tokens: jax.Array, keys: jax.Array) -> jax.Array:
