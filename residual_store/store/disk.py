@@ -10,16 +10,20 @@ Layout under the store root (a local folder or any tensorstore kvstore)::
     backwards/<signature>.manifest      its manifest (checksum, JAX version, platforms)
 
 A write puts every array first (intermediates under a fresh ``data/<key>.<write id>/``, weights
-under their content digest, skipped when already there), then the manifest, atomically (write
-to a temporary name, fsync, rename; a single-object put on other kvstores). A crash at any point
-before the rename leaves no manifest, so the context is either whole or absent; what it left
-behind is unreferenced and removed by :meth:`DiskTier.gc`. Two writers of one key: each commit
-replaces the manifest whole, so readers see one complete context or the other (last rename wins).
+under their content digest, skipped when already there; in a local folder a new weight is written
+as ``weights/<digest>.<id>.tmp/`` and renamed into place, so a weight other contexts hold is never
+rewritten), then the manifest, atomically (write to a temporary name, fsync, rename; a
+single-object put on other kvstores). A crash at any point before the rename leaves no manifest,
+so the context is either whole or absent; what it left behind is unreferenced and removed by
+:meth:`DiskTier.gc`. Two writers of one key: each commit replaces the manifest whole, so readers
+see one complete context or the other (last rename wins; a read that loses the race to a commit
+reads the new manifest again).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 import threading
@@ -48,6 +52,9 @@ _KEY_DTYPE_PREFIX = "key<"
 
 HostArrays = list[np.ndarray]
 
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
+_READ_ATTEMPTS = 8
+
 
 # ----------------------------------------------------------------------------------------------
 # Backends: the few byte- and array-level operations the tier needs, on a folder or a kvstore.
@@ -57,6 +64,7 @@ class _Backend(Protocol):
     description: str
 
     def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None: ...
+    def write_shared_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None: ...
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
     def array_exists(self, path: str) -> bool: ...
     def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None: ...
@@ -83,6 +91,34 @@ class _LocalBackend:
 
     def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None:
         serializers.write_arrays_local(self.root, arrays, fsync=fsync)
+
+    def write_shared_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None:
+        """Content-addressed arrays that committed contexts of other writers may already hold:
+        each is written under a temporary name and renamed into place, never rewritten in place,
+        so a concurrent or failing writer cannot tear one that is already there."""
+        if not arrays:
+            return
+        temps = {f"{path}.{uuid.uuid4().hex[:12]}.tmp": path for path in arrays}
+        serializers.write_arrays_local(self.root, {t: arrays[p] for t, p in temps.items()}, fsync=fsync)
+        for temp, path in temps.items():
+            try:
+                os.rename(self._path(temp), self._path(path))
+            except OSError as err:
+                if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    for t in temps:
+                        shutil.rmtree(self._path(t), ignore_errors=True)
+                    raise
+                if not self.array_exists(path):  # a torn leftover, not a committed array
+                    shutil.rmtree(self._path(path), ignore_errors=True)
+                    try:
+                        os.rename(self._path(temp), self._path(path))
+                        continue
+                    except OSError:
+                        pass
+                shutil.rmtree(self._path(temp), ignore_errors=True)  # the same bytes are there
+        if fsync:
+            for folder in {os.path.dirname(self._path(p)) for p in arrays}:
+                _fsync_dir(folder)
 
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return serializers.read_array_local(self.root, path, shape, dtype)
@@ -152,6 +188,8 @@ class _KvBackend:
 
     def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None:
         serializers.write_arrays(self.spec, arrays, context=self.context)
+
+    write_shared_arrays = write_arrays  # no rename on kvstores; content-addressed, same bytes
 
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.asarray(serializers.read_array(self.spec, path, shape, dtype, context=self.context))
@@ -355,12 +393,14 @@ class DiskTier:
                 "arrays": records,
             }
         )
+        shared = {p: x for p, x in to_write.items() if p.startswith("weights/")}
         try:
-            self.backend.write_arrays(to_write, fsync=fsync)
+            self.backend.write_arrays({p: x for p, x in to_write.items() if p not in shared}, fsync=fsync)
+            self.backend.write_shared_arrays(shared, fsync=fsync)
             self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
         except (serializers.DiskFullError, OSError) as err:
             self.backend.delete_tree(data_dir)
-            if isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in (28, 27, 122):
+            if isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS:
                 raise StoreFullError(
                     f"the disk cannot take context {key!r} ({sum(a.nbytes for a in to_write.values()):,} "
                     f"bytes to write under {self.description}): {err}"
@@ -373,7 +413,14 @@ class DiskTier:
         return self.parse_manifest(key, manifest)
 
     def write_blob(self, name: str, data: bytes, *, fsync: bool) -> None:
-        self.backend.put_bytes(name, data, fsync=fsync)
+        try:
+            self.backend.put_bytes(name, data, fsync=fsync)
+        except OSError as err:  # put_bytes leaves nothing behind on failure
+            if isinstance(err, serializers.DiskFullError) or err.errno in _DISK_FULL_ERRNOS:
+                raise StoreFullError(
+                    f"the disk cannot take {name} ({len(data):,} bytes under {self.description}): {err}"
+                ) from err
+            raise
 
     def read_blob(self, name: str) -> bytes | None:
         return self.backend.get_bytes(name)
@@ -408,20 +455,43 @@ class DiskTier:
         return self.parse_manifest(key, data)
 
     def read(self, key: str) -> tuple[StoredContext, HostArrays]:
-        """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one."""
-        stored = self.stat(key)
+        """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one.
+
+        A context replaced by another writer while it is read (its commit removes the data this
+        read was reading) is read again from its new manifest: only a manifest that stays the
+        same makes a failed read corruption.
+        """
+        for _ in range(_READ_ATTEMPTS):
+            data = self._read_manifest_bytes(key)
+            if data is None:
+                raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
+            stored = self.parse_manifest(key, data)
+            try:
+                return stored, self._read_arrays(key, stored)
+            except CorruptContextError:
+                if self._read_manifest_bytes(key) == data:
+                    raise
+        raise CorruptContextError(
+            f"context {key!r} was replaced {_READ_ATTEMPTS} times while being read; try again"
+        )
+
+    def _read_arrays(self, key: str, stored: StoredContext) -> HostArrays:
         arrays = []
         for i, record in enumerate(stored.records):
             what = f"context {key!r}, residual {i} ({record.name}) at {record.path}"
             try:
                 x = self.backend.read_array(record.path, record.shape, record.dtype)
-                serializers.verify(x, record.checksum, what=what)
             except (serializers.CorruptDataError, serializers.UnsupportedDTypeError) as err:
-                raise CorruptContextError(str(err)) from err
+                # the serializers name only the array: say which context and residual it is
+                raise CorruptContextError(f"{what}: {err}") from err
             except (OSError, ValueError) as err:
                 raise CorruptContextError(f"{what}: unreadable ({err})") from err
+            try:
+                serializers.verify(x, record.checksum, what=what)
+            except serializers.CorruptDataError as err:
+                raise CorruptContextError(str(err)) from err
             arrays.append(x)
-        return stored, arrays
+        return arrays
 
     def keys(self) -> list[str]:
         suffix = ".manifest"

@@ -128,16 +128,18 @@ class Store:
                 self._check_memory_capacity(key, size)
             self._forget_memory(key)
             self._on_disk.discard(key)
+            self._pending.pop(key, None)  # a write of an older context under this key is superseded
             if self._device.fits(size):
                 self._device.add(key, ctx)
             elif self._host.fits(size):
                 self._host.add(key, to_host(ctx))
             spills = self._rebalance(protect=key)
-            to_write = [(key, ctx)] if self._disk is not None and (
-                self._write_through or (key not in self._device and key not in self._host)
+            to_write = [self._mark_pending(key, ctx)] if self._disk is not None and (
+                self._write_through
+                or (key not in self._device and key not in self._host and key not in self._pending)
             ) else []
-        for k, c in to_write + spills:
-            self._schedule_write(k, c)
+        for write in to_write + spills:
+            self._schedule_write(*write)
         return key
 
     def _check_memory_capacity(self, key: str, size: int) -> None:
@@ -167,10 +169,12 @@ class Store:
         self._device.remove(key)
         self._host.remove(key)
 
-    def _rebalance(self, protect: str | None = None) -> list[tuple[str, ResidualContext]]:
+    def _rebalance(self, protect: str | None = None) -> list[tuple[str, ResidualContext, object]]:
         """Moves least recently used contexts down until each tier is within budget.
 
-        Returns contexts pushed out of host memory that still need a disk write.
+        Returns contexts pushed out of host memory that still need a disk write, already marked
+        pending (under the lock, so no ``get`` finds them in no tier at all), for
+        :meth:`_schedule_write`.
         """
         spills = []
         while self._device.over_budget():
@@ -179,12 +183,12 @@ class Store:
             if self._host.fits(intermediate_nbytes(ctx)):
                 self._host.add(victim, to_host(ctx))
             elif self._needs_write(victim):
-                spills.append((victim, ctx))
+                spills.append(self._mark_pending(victim, ctx))
         while self._host.over_budget():
             victim = self._host.least_recent(exclude=protect) or protect
             ctx = self._host.remove(victim)
             if self._needs_write(victim):
-                spills.append((victim, ctx))
+                spills.append(self._mark_pending(victim, ctx))
         return spills
 
     def _needs_write(self, key: str) -> bool:
@@ -197,14 +201,20 @@ class Store:
 
     # -- background writes --------------------------------------------------------------------
 
-    def _schedule_write(self, key: str, ctx: ResidualContext) -> None:
-        assert self._writer is not None and self._disk is not None
+    def _mark_pending(self, key: str, ctx: ResidualContext) -> tuple[str, ResidualContext, object]:
+        """Records, under ``self._lock``, that ``ctx`` is the version of ``key`` to write next."""
         token = object()
-        with self._lock:
-            self._pending[key] = (ctx, token)
+        self._pending[key] = (ctx, token)
+        return key, ctx, token
+
+    def _schedule_write(self, key: str, ctx: ResidualContext, token: object) -> None:
+        assert self._writer is not None and self._disk is not None
         disk, durable = self._disk, self._durable
 
         def job() -> None:
+            with self._lock:
+                if self._pending.get(key, (None, None))[1] is not token:
+                    return  # superseded by a later put (or delete) of this key: never land stale data
             try:
                 arrays, impls = host_arrays(ctx)
                 disk.write(key, ctx.spec, arrays, impls, fsync=durable)
@@ -271,21 +281,26 @@ class Store:
         self._check_open()
         key = validate_key(key)
         ctx, spills, loading = self._get_from_memory(key)
-        for k, c in spills:
-            self._schedule_write(k, c)
+        for write in spills:
+            self._schedule_write(*write)
         if ctx is not None:
             return ctx
         if loading is not None:
             return loading.result()
         return self._load_and_promote(key)
 
-    def _get_from_memory(
-        self, key: str
-    ) -> tuple[ResidualContext | None, list[tuple[str, ResidualContext]], Future[ResidualContext] | None]:
+    def _get_from_memory(self, key: str) -> tuple[
+        ResidualContext | None, list[tuple[str, ResidualContext, object]], Future[ResidualContext] | None
+    ]:
         with self._lock:
             ctx = self._device.get(key)
             if ctx is not None:
                 return ctx, [], None
+            if self._disk is None and key in self._host:
+                try:  # a memory-only store has no tier below host: promoting must not push one out
+                    self._check_memory_capacity(key, self._host._entries[key][1])
+                except StoreFullError:
+                    return to_device(self._host.get(key)), [], None  # served; it stays on host
             ctx = self._host.remove(key)
             if ctx is None and key in self._pending:
                 ctx = self._pending[key][0]
@@ -310,11 +325,13 @@ class Store:
         ctx = ResidualContext(residuals, stored.spec)
         self._ensure_backward(stored.spec.signature)
         with self._lock:
+            if key in self._device or key in self._host or key in self._pending:
+                return ctx  # put (or another load) while this read ran: keep theirs in the tiers
             self._on_disk.add(key)
             self._device.add(key, ctx)
             spills = self._rebalance(protect=key)
-        for k, c in spills:
-            self._schedule_write(k, c)
+        for write in spills:
+            self._schedule_write(*write)
         return ctx
 
     def _shared_array(self, path: str, x: np.ndarray) -> jax.Array:
@@ -356,8 +373,8 @@ class Store:
         def job() -> ResidualContext:
             try:
                 ctx, spills, _ = self._get_from_memory(key)
-                for k, c in spills:
-                    self._schedule_write(k, c)
+                for write in spills:
+                    self._schedule_write(*write)
                 return ctx if ctx is not None else self._load_and_promote(key)
             finally:
                 with self._lock:

@@ -1,0 +1,247 @@
+"""Helpers for the store tests: models with every residual dtype, exact comparisons, files on
+disk, and running Python in other processes.
+
+Subprocess writers import this module (tests/ is put on their ``sys.path``); the reader that must
+not know the model never does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+F32_TOL = {"rtol": 1e-5, "atol": 1e-6}
+SUBPROCESS_TIMEOUT = 120
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+
+def _dropout_sin(h: jax.Array, key: jax.Array) -> jax.Array:
+    mask = jax.random.bernoulli(key, 0.7, h.shape)
+    return jnp.where(mask, jnp.sin(h), 0).astype(jnp.float32)
+
+
+def mixed_loss(
+    w: jax.Array, x: jax.Array, keys: tuple[jax.Array, jax.Array], n: jax.Array
+) -> jax.Array:
+    """A loss whose residuals are float32, float16, bfloat16, int32, bool and typed PRNG keys
+    (``key<fry>`` as an input and as an intermediate, ``key<rbg>`` as an input)."""
+    key, rkey = keys
+    h = jnp.tanh(x.astype(jnp.float32) @ w)
+    h16 = h.astype(jnp.float16)
+    remat = jax.checkpoint(_dropout_sin, policy=jax.checkpoint_policies.nothing_saveable)
+    k2 = jax.random.fold_in(key, n)
+    g = remat(h16, key) + remat(h16, k2) + remat(h16, rkey)
+    r = jnp.cos((g * 2).astype(jnp.bfloat16)).astype(jnp.float32)
+    idx = jnp.argmax(r, axis=1).astype(jnp.int32) + n
+    sel = jnp.take_along_axis(r, (idx % r.shape[1])[:, None], axis=1)
+    return jnp.sum(sel**2) + jnp.sum(jnp.where(h > 0, h, 0.0) ** 2) + jnp.sum(jnp.exp(r))
+
+
+def mixed_inputs(rng: jax.Array) -> tuple[Any, ...]:
+    kw, kx, kk, kr, kn = jax.random.split(rng, 5)
+    w = jax.random.normal(kw, (8, 6))
+    x = jax.random.normal(kx, (5, 8)).astype(jnp.bfloat16)
+    rkey = jax.random.key(int(jax.random.randint(kr, (), 0, 2**30)), impl="rbg")
+    n = jax.random.randint(kn, (), 1, 100, dtype=jnp.int32)
+    return w, x, (kk, rkey), n
+
+
+def init_params(key: jax.Array, sizes: tuple[int, ...] = (8, 16, 16, 4)) -> dict:
+    keys = jax.random.split(key, len(sizes) - 1)
+    return {
+        "ws": [
+            jax.random.normal(k, (a, b)) / np.sqrt(a)
+            for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+        ],
+        "bs": [
+            jax.random.normal(k, (b,)) * 0.1
+            for k, b in zip(jax.random.split(keys[0], len(sizes) - 1), sizes[1:])
+        ],
+    }
+
+
+def mlp_loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    h = x
+    for w, b in zip(params["ws"][:-1], params["bs"][:-1]):
+        h = jnp.tanh(h @ w + b)
+    out = h @ params["ws"][-1] + params["bs"][-1]
+    return jnp.mean((out - y) ** 2)
+
+
+def mlp_batch(
+    key: jax.Array, batch: int, sizes: tuple[int, ...] = (8, 16, 16, 4)
+) -> tuple[jax.Array, jax.Array]:
+    kx, ky = jax.random.split(key)
+    return jax.random.normal(kx, (batch, sizes[0])), jax.random.normal(ky, (batch, sizes[-1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparisons
+
+
+def is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def raw(x: Any) -> np.ndarray:
+    """A residual's bytes as stored: key data for typed keys."""
+    if is_key(x):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def assert_contexts_identical(got: Any, want: Any) -> None:
+    """Same spec, same dtypes (keys typed, same impl) and bitwise equal residuals."""
+    assert got.spec.signature == want.spec.signature
+    assert got.spec.names == want.spec.names
+    assert got.spec.input_paths == want.spec.input_paths
+    assert got.spec.kinds == want.spec.kinds
+    assert [(a.shape, a.dtype) for a in got.spec.avals] == [
+        (a.shape, a.dtype) for a in want.spec.avals
+    ]
+    assert len(got.residuals) == len(want.residuals)
+    for i, (a, b) in enumerate(zip(got.residuals, want.residuals)):
+        assert a.dtype == b.dtype, (i, a.dtype, b.dtype)
+        assert a.shape == b.shape, (i, a.shape, b.shape)
+        if is_key(b):
+            assert is_key(a) and str(jax.random.key_impl(a)) == str(jax.random.key_impl(b))
+        ra, rb = raw(a), raw(b)
+        assert ra.dtype == rb.dtype and ra.shape == rb.shape
+        assert ra.tobytes() == rb.tobytes(), f"residual {i} ({want.spec.names[i]}) differs"
+
+
+def assert_trees_close(a: Any, b: Any, **tol: Any) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **tol)
+
+
+def assert_trees_equal(a: Any, b: Any) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def flat_tree(tree: Any) -> dict[str, np.ndarray]:
+    return {
+        jax.tree_util.keystr(p): np.asarray(v)
+        for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def intermediate_bytes(ctx: Any) -> int:
+    return sum(raw(x).nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k == "intermediate")
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def tree_files(root: str | os.PathLike[str]) -> dict[str, int]:
+    """relative path -> size of every file under ``root``."""
+    out = {}
+    for folder, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(folder, f)
+            out[os.path.relpath(p, root)] = os.path.getsize(p)
+    return out
+
+
+def disk_usage(root: str | os.PathLike[str]) -> int:
+    return sum(tree_files(root).values())
+
+
+def read_manifest(root: str | os.PathLike[str], key: str) -> dict[str, Any]:
+    """The manifest of ``key``, decoded with plain msgpack (not the library's reader)."""
+    with open(os.path.join(root, "contexts", f"{key}.manifest"), "rb") as f:
+        return msgpack.unpackb(f.read(), raw=False)
+
+
+def committed_keys(root: str | os.PathLike[str]) -> list[str]:
+    folder = os.path.join(root, "contexts")
+    if not os.path.isdir(folder):
+        return []
+    return sorted(
+        n[: -len(".manifest")]
+        for n in os.listdir(folder)
+        if n.endswith(".manifest") and not n.startswith(".")
+    )
+
+
+def data_dirs(root: str | os.PathLike[str], key: str) -> list[str]:
+    folder = os.path.join(root, "data")
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n.rsplit(".", 1)[0] == key)
+
+
+# ----------------------------------------------------------------------------------------------
+# Other processes
+
+
+def python_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("PYTHONPATH", None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def write_script(folder: str | os.PathLike[str], name: str, source: str) -> str:
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(source))
+    return path
+
+
+def run_python(
+    script: str, *args: str, timeout: float = SUBPROCESS_TIMEOUT, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` with this interpreter in a clean environment; fails the test on error."""
+    proc = subprocess.run(
+        [sys.executable, script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=python_env(),
+        cwd=cwd or os.path.dirname(script),
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
+    return proc
+
+
+def popen_python(script: str, *args: str, cwd: str | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=python_env(),
+        cwd=cwd or os.path.dirname(script),
+    )
+
+
+def last_json_line(stdout: str) -> Any:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no JSON result in:\n{stdout}"
+    return json.loads(lines[-1])
