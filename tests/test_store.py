@@ -653,12 +653,6 @@ def test_another_store_sees_a_context_after_flush(tmp_path, mlp_split, rng):
         writer.put(ctxs[0], "c")  # closed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DiskTier caches which weights exist (_known_weights); a gc by another Store (or the "
-    "`gc` command) that removes them while no context references them makes the next put of a "
-    "context holding them commit without its weights",
-)
 def test_put_after_another_store_collected_the_weights(tmp_path, mlp_split, rng):
     params, batches, ctxs = _mlp_contexts(mlp_split, rng, 2)
     root = tmp_path / "s"

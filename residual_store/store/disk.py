@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
 import shutil
 import threading
@@ -73,6 +74,7 @@ class _Backend(Protocol):
     def delete(self, key: str) -> None: ...
     def delete_tree(self, prefix: str) -> None: ...
     def age_seconds(self, prefix: str) -> float | None: ...
+    def version(self, key: str) -> Any | None: ...
 
 
 class _LocalBackend:
@@ -169,6 +171,13 @@ class _LocalBackend:
         except FileNotFoundError:
             return None
 
+    def version(self, key: str) -> Any | None:
+        try:
+            st = os.stat(self._path(key))
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
 
 class _KvBackend:
     """Any tensorstore kvstore spec (``memory``, ``file`` with options, ``gcs``, ``s3``)."""
@@ -220,6 +229,9 @@ class _KvBackend:
 
     def age_seconds(self, prefix: str) -> float | None:
         return None  # kvstores have no portable mtime: gc only removes with older_than=0
+
+    def version(self, key: str) -> Any | None:
+        return None  # no cheap version: manifests are read each time
 
 
 def _remove_quietly(path: str) -> None:
@@ -283,6 +295,12 @@ def host_arrays(ctx: ResidualContext) -> tuple[HostArrays, list[str | None]]:
     return arrays, impls
 
 
+@functools.cache
+def _key_dtype(impl: str) -> Any:
+    """The typed key dtype of a PRNG implementation, by tracing only (no device dispatch)."""
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
 def _spec_to_map(spec: ResidualSpec, impls: Sequence[str | None]) -> dict[str, Any]:
     return {
         "avals": [[list(a.shape), str(a.dtype)] for a in spec.avals],
@@ -305,7 +323,7 @@ def _spec_from_map(signature: str, m: Mapping[str, Any], records: Sequence[Any],
         avals = []
         for (shape, dtype), impl, record in zip(avals_raw, impls, records):
             if impl is not None:
-                key_dtype = jax.random.key(0, impl=impl).dtype
+                key_dtype = _key_dtype(impl)
                 if str(key_dtype) != dtype:
                     raise ValueError(f"key dtype {dtype} does not match impl {impl}")
                 avals.append(jax.ShapeDtypeStruct(tuple(shape), key_dtype))
@@ -334,8 +352,8 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike[str] | Mapping[str, Any]) -> None:
         self.backend = open_backend(path)
-        self._known_weights: set[str] = set()
         self._lock = threading.Lock()
+        self._stat_cache: dict[str, tuple[Any, StoredContext]] = {}
         marker = self.backend.get_bytes(STORE_MARKER)
         if marker is None:
             self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
@@ -354,8 +372,12 @@ class DiskTier:
         impls: Sequence[str | None],
         *,
         fsync: bool,
-    ) -> StoredContext:
-        """Writes a context and commits it; raises :class:`StoreFullError` leaving nothing behind."""
+    ) -> str | None:
+        """Writes a context and commits it; raises :class:`StoreFullError` leaving nothing behind.
+
+        Returns the data folder of the context this write replaced, if any: it is unreferenced
+        now, and the caller removes it (:meth:`drop_data`) off the write path.
+        """
         data_dir = f"data/{key}.{uuid.uuid4().hex[:12]}"
         previous = self._read_manifest_bytes(key)
         to_write: dict[str, np.ndarray] = {}
@@ -364,9 +386,10 @@ class DiskTier:
             shared = kind != "intermediate"
             if shared:
                 path = f"weights/{serializers.content_digest(x)}"
-                if path not in self._known_weights and path not in to_write:
-                    if not self.backend.array_exists(path):
-                        to_write[path] = x
+                # Checked on every write (one stat locally): gc in another process may have
+                # removed a weight that no context referenced a moment ago.
+                if path not in to_write and not self.backend.array_exists(path):
+                    to_write[path] = x
             else:
                 path = f"{data_dir}/{i}"
                 to_write[path] = x
@@ -406,11 +429,7 @@ class DiskTier:
                     f"bytes to write under {self.description}): {err}"
                 ) from err
             raise
-        with self._lock:
-            self._known_weights.update(p for p in to_write if p.startswith("weights/"))
-        if previous is not None:
-            self._drop_data_of(previous, keep=data_dir)
-        return self.parse_manifest(key, manifest)
+        return self._data_dir_of(previous) if previous is not None else None
 
     def write_blob(self, name: str, data: bytes, *, fsync: bool) -> None:
         try:
@@ -448,11 +467,25 @@ class DiskTier:
         return StoredContext(key, spec, records, impls, float(m["created"]), m["jax_version"], data_dir)
 
     def stat(self, key: str) -> StoredContext:
-        """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed."""
+        """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed.
+
+        Parsed manifests are cached while the file's version (inode, size, mtime) is unchanged,
+        so listing a large store again costs one ``stat`` per context.
+        """
+        version = self.backend.version(f"contexts/{key}.manifest")
+        if version is not None:
+            with self._lock:
+                cached = self._stat_cache.get(key)
+            if cached is not None and cached[0] == version:
+                return cached[1]
         data = self._read_manifest_bytes(key)
         if data is None:
             raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
-        return self.parse_manifest(key, data)
+        stored = self.parse_manifest(key, data)
+        if version is not None:
+            with self._lock:
+                self._stat_cache[key] = (version, stored)
+        return stored
 
     def read(self, key: str) -> tuple[StoredContext, HostArrays]:
         """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one.
@@ -502,23 +535,31 @@ class DiskTier:
 
     # -- deleting -----------------------------------------------------------------------------
 
-    def _drop_data_of(self, manifest: bytes, keep: str | None = None) -> None:
+    @staticmethod
+    def _data_dir_of(manifest: bytes) -> str | None:
         try:
             m = serializers.decode_manifest(manifest, what="previous manifest")
         except serializers.CorruptDataError:
-            return  # unreadable: gc will find its data unreferenced
+            return None  # unreadable: gc will find its data unreferenced
         data_dir = m.get("data_dir")
-        if isinstance(data_dir, str) and data_dir != keep and serializers.is_safe_relpath(data_dir):
-            self.backend.delete_tree(data_dir)
+        if isinstance(data_dir, str) and serializers.is_safe_relpath(data_dir) and data_dir.startswith("data/"):
+            return data_dir
+        return None
 
-    def delete(self, key: str) -> bool:
-        """Removes ``key`` (manifest first, so it vanishes atomically); ``False`` if absent."""
+    def drop_data(self, data_dir: str) -> None:
+        """Removes a data folder that no manifest references any more."""
+        self.backend.delete_tree(data_dir)
+
+    def delete(self, key: str) -> tuple[bool, str | None]:
+        """Removes ``key``'s manifest, so it vanishes atomically.
+
+        Returns whether it was there and its data folder, for the caller to :meth:`drop_data`.
+        """
         data = self._read_manifest_bytes(key)
         if data is None:
-            return False
+            return False, None
         self.backend.delete(f"contexts/{key}.manifest")
-        self._drop_data_of(data)
-        return True
+        return True, self._data_dir_of(data)
 
     def iter_manifests(self) -> Iterator[tuple[str, StoredContext | CorruptContextError]]:
         for key in self.keys():
@@ -554,6 +595,4 @@ class DiskTier:
                     continue
                 self.backend.delete_tree(path)
                 removed[kind] += 1
-                with self._lock:
-                    self._known_weights.discard(path)
         return removed

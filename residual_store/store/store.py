@@ -79,11 +79,13 @@ class Store:
         self._lock = threading.RLock()
         self._pending: dict[str, tuple[ResidualContext, object]] = {}
         self._loading: dict[str, Future[ResidualContext]] = {}
+        self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
         self._backwards_seen: set[str] = set()
         self._weights: dict[str, weakref.ref[Any]] = {}
         self._writer = Writer(max_pending_bytes) if self._disk is not None else None
         self._loader = Loader()
+        self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
         self._closed = False
 
     # -- context manager ----------------------------------------------------------------------
@@ -129,6 +131,8 @@ class Store:
             self._forget_memory(key)
             self._on_disk.discard(key)
             self._pending.pop(key, None)  # a write of an older context under this key is superseded
+            self._loading.pop(key, None)  # so is a prefetch of it
+            self._deleting.pop(key, None)
             if self._device.fits(size):
                 self._device.add(key, ctx)
             elif self._host.fits(size):
@@ -217,7 +221,9 @@ class Store:
                     return  # superseded by a later put (or delete) of this key: never land stale data
             try:
                 arrays, impls = host_arrays(ctx)
-                disk.write(key, ctx.spec, arrays, impls, fsync=durable)
+                stale = disk.write(key, ctx.spec, arrays, impls, fsync=durable)
+                if stale is not None:
+                    self._janitor.submit(lambda: disk.drop_data(stale))
                 with self._lock:
                     if self._pending.get(key, (None, None))[1] is token:
                         self._on_disk.add(key)
@@ -280,53 +286,65 @@ class Store:
         """
         self._check_open()
         key = validate_key(key)
-        ctx, spills, loading = self._get_from_memory(key)
+        with self._lock:
+            if key in self._deleting:
+                raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
+            prefetched = self._loading.pop(key, None)
+        if prefetched is not None:
+            return prefetched.result()  # kept for this get even when the budgets could not hold it
+        ctx, spills = self._get_from_memory(key)
         for write in spills:
             self._schedule_write(*write)
         if ctx is not None:
             return ctx
-        if loading is not None:
-            return loading.result()
         return self._load_and_promote(key)
 
-    def _get_from_memory(self, key: str) -> tuple[
-        ResidualContext | None, list[tuple[str, ResidualContext, object]], Future[ResidualContext] | None
-    ]:
+    def _get_from_memory(
+        self, key: str
+    ) -> tuple[ResidualContext | None, list[tuple[str, ResidualContext, object]]]:
+        """The context from device, host or a pending write, brought to the device tier.
+
+        A context the device budget cannot hold is served as a device copy and left where it is,
+        so a get under a small budget costs one copy, not a round trip.
+        """
         with self._lock:
             ctx = self._device.get(key)
             if ctx is not None:
-                return ctx, [], None
-            if self._disk is None and key in self._host:
+                return ctx, []
+            in_host = key in self._host
+            source = self._host.get(key) if in_host else self._pending.get(key, (None, None))[0]
+            if source is None:
+                return None, []
+            size = intermediate_nbytes(source)
+            stays = not self._device.fits(size)
+            if not stays and self._disk is None and in_host:
                 try:  # a memory-only store has no tier below host: promoting must not push one out
-                    self._check_memory_capacity(key, self._host._entries[key][1])
+                    self._check_memory_capacity(key, size)
                 except StoreFullError:
-                    return to_device(self._host.get(key)), [], None  # served; it stays on host
-            ctx = self._host.remove(key)
-            if ctx is None and key in self._pending:
-                ctx = self._pending[key][0]
-            if ctx is not None:
-                ctx = to_device(ctx)
-                self._device.add(key, ctx)
-                return ctx, self._rebalance(protect=key), None
-            return None, [], self._loading.get(key)
+                    stays = True
+            if stays:
+                return to_device(source), []
+            if in_host:
+                self._host.remove(key)
+            ctx = to_device(source)
+            self._device.add(key, ctx)
+            return ctx, self._rebalance(protect=key)
 
     def _load_and_promote(self, key: str) -> ResidualContext:
         if self._disk is None:
             raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
         stored, arrays = self._disk.read(key)
+        own = [i for i, r in enumerate(stored.records) if not r.shared]
+        placed = dict(zip(own, jax.device_put([arrays[i] for i in own])))  # one call, zero-copy on CPU
         residuals = []
-        for record, impl, x in zip(stored.records, stored.key_impls, arrays):
-            if impl is not None:
-                residuals.append(jax.random.wrap_key_data(jax.device_put(x), impl=impl))
-            elif record.shared:
-                residuals.append(self._shared_array(record.path, x))
-            else:
-                residuals.append(jax.device_put(x))
+        for i, (record, impl) in enumerate(zip(stored.records, stored.key_impls)):
+            x = placed[i] if i in placed else self._shared_array(record.path, arrays[i])
+            residuals.append(jax.random.wrap_key_data(x, impl=impl) if impl is not None else x)
         ctx = ResidualContext(residuals, stored.spec)
         self._ensure_backward(stored.spec.signature)
         with self._lock:
-            if key in self._device or key in self._host or key in self._pending:
-                return ctx  # put (or another load) while this read ran: keep theirs in the tiers
+            if key in self._device or key in self._host or key in self._pending or key in self._deleting:
+                return ctx  # put, delete or another load while this read ran: keep theirs
             self._on_disk.add(key)
             self._device.add(key, ctx)
             spills = self._rebalance(protect=key)
@@ -360,25 +378,24 @@ class Store:
         register_backward(load_backward(data, signature))
 
     def prefetch(self, key: str) -> None:
-        """Starts bringing ``key`` up to the device tier in the background; ``get`` waits for it."""
+        """Starts bringing ``key`` to the device in the background; the next ``get`` takes it.
+
+        The prefetched context is held for that ``get`` even if the budgets cannot keep it.
+        """
         self._check_open()
         key = validate_key(key)
         with self._lock:
             if key in self._device or key in self._loading:
                 return
-            in_memory = key in self._host or key in self._pending
-        if not in_memory and (self._disk is None or key not in self._disk):
+            in_memory = (key in self._host or key in self._pending) and key not in self._deleting
+        if not in_memory and (self._disk is None or key in self._deleting or key not in self._disk):
             raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
 
         def job() -> ResidualContext:
-            try:
-                ctx, spills, _ = self._get_from_memory(key)
-                for write in spills:
-                    self._schedule_write(*write)
-                return ctx if ctx is not None else self._load_and_promote(key)
-            finally:
-                with self._lock:
-                    self._loading.pop(key, None)
+            ctx, spills = self._get_from_memory(key)
+            for write in spills:
+                self._schedule_write(*write)
+            return ctx if ctx is not None else self._load_and_promote(key)
 
         with self._lock:
             if key not in self._loading:
@@ -391,23 +408,45 @@ class Store:
         return ctx
 
     def delete(self, key: str) -> None:
-        """Removes ``key`` from every tier (waiting for its pending writes); unknown: KeyError."""
+        """Removes ``key`` from every tier; the disk removal runs in the background, after any
+        pending write of it (``flush`` waits). Unknown key: :class:`ContextNotFoundError`."""
         self._check_open()
         key = validate_key(key)
         with self._lock:
-            loading = self._loading.get(key)
-        if loading is not None:
-            loading.exception()
-        with self._lock:
-            found = key in self._device or key in self._host or key in self._pending
+            found = key not in self._deleting and (
+                key in self._device or key in self._host or key in self._pending or key in self._loading
+            )
             self._forget_memory(key)
             self._pending.pop(key, None)
+            self._loading.pop(key, None)
             self._on_disk.discard(key)
-        if self._disk is not None and self._writer is not None:
-            done = self._writer.submit(lambda: self._disk.delete(key), 0)
-            found = done.result() or found
-        if not found:
-            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+        if self._disk is None or self._writer is None:
+            if not found:
+                raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+            return
+        with self._lock:
+            if not found and key not in self._deleting and key not in self._disk:
+                raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+            if not found and key in self._deleting:
+                raise ContextNotFoundError(f"context {key!r} was already deleted from store {self!r}")
+            token = object()
+            self._deleting[key] = token
+        disk = self._disk
+
+        def job() -> None:
+            try:
+                with self._lock:
+                    if self._deleting.get(key) is not token:
+                        return  # put again since: the new context stays
+                _, data_dir = disk.delete(key)
+                if data_dir is not None:
+                    self._janitor.submit(lambda: disk.drop_data(data_dir))
+            finally:
+                with self._lock:
+                    if self._deleting.get(key) is token:
+                        del self._deleting[key]
+
+        self._writer.submit(job, 0)
 
     # -- listing ------------------------------------------------------------------------------
 
@@ -415,14 +454,17 @@ class Store:
         """Every key: in memory, pending, and committed on disk (by any process)."""
         with self._lock:
             keys = set(self._device.keys()) | set(self._host.keys()) | set(self._pending)
+            deleting = set(self._deleting)
         if self._disk is not None:
             keys.update(self._disk.keys())
-        return sorted(keys)
+        return sorted(keys - deleting)
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
             return False
         with self._lock:
+            if key in self._deleting:
+                return False
             if key in self._device or key in self._host or key in self._pending:
                 return True
         try:
@@ -484,6 +526,7 @@ class Store:
             if self._writer is not None:
                 self._writer.close()
             self._loader.close()
+            self._janitor.close()
 
     def _check_open(self) -> None:
         if self._closed:
