@@ -180,7 +180,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     disk = _open_disk(args.path)
     removed = disk.gc(older_than=args.older_than)
-    _emit(args, removed, f"removed {removed['weights']} unreferenced weights and {removed['data']} data folders")
+    _emit(
+        args,
+        removed,
+        f"removed {removed['weights']} unreferenced weights, {removed['data']} data folders and "
+        f"{removed['recycled']} recycled folders",
+    )
     return 0
 
 

@@ -660,6 +660,7 @@ def test_put_after_another_store_collected_the_weights(tmp_path, mlp_split, rng)
         trainer.put(ctxs[0], "a")
         trainer.flush()
         trainer.delete("a")  # nothing references the weights now
+        trainer.flush()  # deletes reach the disk in the background, like writes
         with rs.Store(root) as other:
             assert other.gc(older_than=0)["weights"] >= 2
         trainer.put(ctxs[1], "b")  # the same weights again

@@ -25,13 +25,15 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import hashlib
 import os
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -45,7 +47,7 @@ from residual_store.errors import (
     StoreFullError,
 )
 
-__all__ = ["DiskTier", "StoredContext", "HostArrays"]
+__all__ = ["DiskTier", "StoredContext", "StaleData", "HostArrays"]
 
 STORE_MARKER = "residual-store.json"
 STORE_FORMAT = b'{"format": "residual-store", "version": 1}\n'
@@ -53,6 +55,9 @@ _KEY_DTYPE_PREFIX = "key<"
 
 HostArrays = list[np.ndarray]
 
+_FREE_DIR = "data/.free"
+_MAX_FREE_PER_LAYOUT = 64
+_READ_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
 _READ_ATTEMPTS = 8
 
@@ -64,7 +69,10 @@ _READ_ATTEMPTS = 8
 class _Backend(Protocol):
     description: str
 
-    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None: ...
+    can_recycle: bool
+
+    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool, reuse: bool = False) -> None: ...
+    def rename(self, src: str, dst: str) -> bool: ...
     def write_shared_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None: ...
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
     def array_exists(self, path: str) -> bool: ...
@@ -91,8 +99,18 @@ class _LocalBackend:
             raise ValueError(f"refusing a path outside the store: {key!r}")
         return path
 
-    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None:
-        serializers.write_arrays_local(self.root, arrays, fsync=fsync)
+    can_recycle = True
+
+    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool, reuse: bool = False) -> None:
+        serializers.write_arrays_local(self.root, arrays, fsync=fsync, reuse=reuse)
+
+    def rename(self, src: str, dst: str) -> bool:
+        try:
+            os.makedirs(os.path.dirname(self._path(dst)), exist_ok=True)
+            os.rename(self._path(src), self._path(dst))
+            return True
+        except OSError:
+            return False
 
     def write_shared_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None:
         """Content-addressed arrays that committed contexts of other writers may already hold:
@@ -123,7 +141,9 @@ class _LocalBackend:
                 _fsync_dir(folder)
 
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        return serializers.read_array_local(self.root, path, shape, dtype)
+        # zarr.json is for other readers: the manifest gives shape and dtype, and the checksum
+        # (verified by the caller) and the chunk's size vouch for the data.
+        return serializers.read_array_local(self.root, path, shape, dtype, check_metadata=False)
 
     def array_exists(self, path: str) -> bool:
         return os.path.exists(os.path.join(self._path(path), "zarr.json"))
@@ -195,8 +215,13 @@ class _KvBackend:
             spec = {**spec, "path": path + "/"}
         return spec
 
-    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None:
+    can_recycle = False
+
+    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool, reuse: bool = False) -> None:
         serializers.write_arrays(self.spec, arrays, context=self.context)
+
+    def rename(self, src: str, dst: str) -> bool:
+        return False  # kvstores have no atomic rename of a prefix
 
     write_shared_arrays = write_arrays  # no rename on kvstores; content-addressed, same bytes
 
@@ -295,6 +320,22 @@ def host_arrays(ctx: ResidualContext) -> tuple[HostArrays, list[str | None]]:
     return arrays, impls
 
 
+class StaleData(NamedTuple):
+    """A data folder no manifest references any more, and its layout (for reuse)."""
+
+    data_dir: str
+    layout: str
+
+
+def _layout(items: Iterable[tuple[str, tuple[int, ...], str]]) -> str:
+    """A digest of (name, shape, dtype) of each intermediate array: folders of equal layout can
+    be reused for each other's writes."""
+    h = hashlib.sha256()
+    for name, shape, dtype in sorted(items):
+        h.update(f"{name}|{tuple(int(d) for d in shape)}|{dtype};".encode())
+    return h.hexdigest()[:16]
+
+
 @functools.cache
 def _key_dtype(impl: str) -> Any:
     """The typed key dtype of a PRNG implementation, by tracing only (no device dispatch)."""
@@ -354,6 +395,7 @@ class DiskTier:
         self.backend = open_backend(path)
         self._lock = threading.Lock()
         self._stat_cache: dict[str, tuple[Any, StoredContext]] = {}
+        self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
         marker = self.backend.get_bytes(STORE_MARKER)
         if marker is None:
             self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
@@ -372,14 +414,20 @@ class DiskTier:
         impls: Sequence[str | None],
         *,
         fsync: bool,
-    ) -> str | None:
+    ) -> StaleData | None:
         """Writes a context and commits it; raises :class:`StoreFullError` leaving nothing behind.
 
-        Returns the data folder of the context this write replaced, if any: it is unreferenced
-        now, and the caller removes it (:meth:`drop_data`) off the write path.
+        Returns the data of the context this write replaced, if any: it is unreferenced now, and
+        the caller hands it to :meth:`drop_data` off the write path.
         """
         data_dir = f"data/{key}.{uuid.uuid4().hex[:12]}"
         previous = self._read_manifest_bytes(key)
+        layout = _layout(
+            (str(i), x.shape, serializers.zarr_dtype_name(x.dtype))
+            for i, (x, kind) in enumerate(zip(arrays, spec.kinds))
+            if kind == "intermediate"
+        )
+        reuse = self._claim_free(layout, data_dir)
         to_write: dict[str, np.ndarray] = {}
         records = []
         for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
@@ -418,7 +466,9 @@ class DiskTier:
         )
         shared = {p: x for p, x in to_write.items() if p.startswith("weights/")}
         try:
-            self.backend.write_arrays({p: x for p, x in to_write.items() if p not in shared}, fsync=fsync)
+            self.backend.write_arrays(
+                {p: x for p, x in to_write.items() if p not in shared}, fsync=fsync, reuse=reuse
+            )
             self.backend.write_shared_arrays(shared, fsync=fsync)
             self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
         except (serializers.DiskFullError, OSError) as err:
@@ -429,7 +479,7 @@ class DiskTier:
                     f"bytes to write under {self.description}): {err}"
                 ) from err
             raise
-        return self._data_dir_of(previous) if previous is not None else None
+        return self._data_of(previous) if previous is not None else None
 
     def write_blob(self, name: str, data: bytes, *, fsync: bool) -> None:
         try:
@@ -509,22 +559,24 @@ class DiskTier:
         )
 
     def _read_arrays(self, key: str, stored: StoredContext) -> HostArrays:
-        arrays = []
-        for i, record in enumerate(stored.records):
-            what = f"context {key!r}, residual {i} ({record.name}) at {record.path}"
-            try:
-                x = self.backend.read_array(record.path, record.shape, record.dtype)
-            except (serializers.CorruptDataError, serializers.UnsupportedDTypeError) as err:
-                # the serializers name only the array: say which context and residual it is
-                raise CorruptContextError(f"{what}: {err}") from err
-            except (OSError, ValueError) as err:
-                raise CorruptContextError(f"{what}: unreadable ({err})") from err
-            try:
-                serializers.verify(x, record.checksum, what=what)
-            except serializers.CorruptDataError as err:
-                raise CorruptContextError(str(err)) from err
-            arrays.append(x)
-        return arrays
+        """Reads and verifies the arrays, two at a time: file reads and checksums release the
+        GIL, so one array's checksum overlaps the next one's read."""
+        return list(_READ_POOL.map(lambda item: self._read_one(key, *item), enumerate(stored.records)))
+
+    def _read_one(self, key: str, i: int, record: serializers.ArrayRecord) -> np.ndarray:
+        what = f"context {key!r}, residual {i} ({record.name}) at {record.path}"
+        try:
+            x = self.backend.read_array(record.path, record.shape, record.dtype)
+        except (serializers.CorruptDataError, serializers.UnsupportedDTypeError) as err:
+            # the serializers name only the array: say which context and residual it is
+            raise CorruptContextError(f"{what}: {err}") from err
+        except (OSError, ValueError) as err:
+            raise CorruptContextError(f"{what}: unreadable ({err})") from err
+        try:
+            serializers.verify(x, record.checksum, what=what)
+        except serializers.CorruptDataError as err:
+            raise CorruptContextError(str(err)) from err
+        return x
 
     def keys(self) -> list[str]:
         suffix = ".manifest"
@@ -536,30 +588,63 @@ class DiskTier:
     # -- deleting -----------------------------------------------------------------------------
 
     @staticmethod
-    def _data_dir_of(manifest: bytes) -> str | None:
+    def _data_of(manifest: bytes) -> StaleData | None:
         try:
             m = serializers.decode_manifest(manifest, what="previous manifest")
+            records = [serializers.ArrayRecord.from_dict(r) for r in m["arrays"]]
         except serializers.CorruptDataError:
             return None  # unreadable: gc will find its data unreferenced
         data_dir = m.get("data_dir")
-        if isinstance(data_dir, str) and serializers.is_safe_relpath(data_dir) and data_dir.startswith("data/"):
-            return data_dir
-        return None
+        if not (isinstance(data_dir, str) and serializers.is_safe_relpath(data_dir) and data_dir.startswith("data/")):
+            return None
+        prefix = data_dir + "/"
+        layout = _layout(
+            (r.path[len(prefix) :], tuple(r.shape), r.dtype) for r in records if r.path.startswith(prefix)
+        )
+        return StaleData(data_dir, layout)
 
-    def drop_data(self, data_dir: str) -> None:
-        """Removes a data folder that no manifest references any more."""
-        self.backend.delete_tree(data_dir)
+    def _claim_free(self, layout: str, data_dir: str) -> bool:
+        """Renames a recycled folder of this layout to ``data_dir``; whether one was found."""
+        if not self.backend.can_recycle:
+            return False
+        while True:
+            with self._lock:
+                free = self._free.get(layout)
+                if not free:
+                    return False
+                candidate = free.pop()
+            if self.backend.rename(candidate, data_dir):
+                return True
 
-    def delete(self, key: str) -> tuple[bool, str | None]:
+    def drop_data(self, stale: StaleData) -> None:
+        """Disposes of a data folder that no manifest references any more.
+
+        In a local folder it is kept for reuse by a later write of the same layout (same shapes
+        and dtypes), which then overwrites its files in place instead of creating some
+        50 files and folders (file creation dominates small writes); otherwise it is removed.
+        """
+        if self.backend.can_recycle:
+            with self._lock:
+                pool = self._free.setdefault(stale.layout, [])
+                room = len(pool) < _MAX_FREE_PER_LAYOUT
+            if room:
+                target = f"{_FREE_DIR}/{stale.layout}.{uuid.uuid4().hex[:12]}"
+                if self.backend.rename(stale.data_dir, target):
+                    with self._lock:
+                        pool.append(target)
+                    return
+        self.backend.delete_tree(stale.data_dir)
+
+    def delete(self, key: str) -> tuple[bool, StaleData | None]:
         """Removes ``key``'s manifest, so it vanishes atomically.
 
-        Returns whether it was there and its data folder, for the caller to :meth:`drop_data`.
+        Returns whether it was there and its data, for the caller to :meth:`drop_data`.
         """
         data = self._read_manifest_bytes(key)
         if data is None:
             return False, None
         self.backend.delete(f"contexts/{key}.manifest")
-        return True, self._data_dir_of(data)
+        return True, self._data_of(data)
 
     def iter_manifests(self) -> Iterator[tuple[str, StoredContext | CorruptContextError]]:
         for key in self.keys():
@@ -583,8 +668,8 @@ class DiskTier:
                 referenced.add(stored.data_dir)
                 referenced.update(r.path for r in stored.records if r.shared)
             else:
-                return {"weights": 0, "data": 0, "skipped_corrupt": 1}
-        removed = {"weights": 0, "data": 0}
+                return {"weights": 0, "data": 0, "recycled": 0, "skipped_corrupt": 1}
+        removed = {"weights": 0, "data": 0, "recycled": 0}
         for kind, prefix in (("weights", "weights"), ("data", "data")):
             for name in self.backend.list_dir(prefix):
                 path = f"{prefix}/{name}"
@@ -595,4 +680,15 @@ class DiskTier:
                     continue
                 self.backend.delete_tree(path)
                 removed[kind] += 1
+        for name in self.backend.list_dir(_FREE_DIR):  # recycled folders kept for reuse
+            path = f"{_FREE_DIR}/{name}"
+            age = self.backend.age_seconds(path)
+            if older_than > 0 and (age is None or age < older_than):
+                continue
+            with self._lock:
+                for pool in self._free.values():
+                    if path in pool:
+                        pool.remove(path)
+            self.backend.delete_tree(path)
+            removed["recycled"] += 1
         return removed

@@ -438,9 +438,9 @@ class Store:
                 with self._lock:
                     if self._deleting.get(key) is not token:
                         return  # put again since: the new context stays
-                _, data_dir = disk.delete(key)
-                if data_dir is not None:
-                    self._janitor.submit(lambda: disk.drop_data(data_dir))
+                _, stale = disk.delete(key)
+                if stale is not None:
+                    self._janitor.submit(lambda: disk.drop_data(stale))
             finally:
                 with self._lock:
                     if self._deleting.get(key) is token:
@@ -511,7 +511,7 @@ class Store:
     def gc(self, older_than: float = 3600.0) -> dict[str, int]:
         """Removes stored weights and data no committed context references (see ``DiskTier.gc``)."""
         if self._disk is None:
-            return {"weights": 0, "data": 0}
+            return {"weights": 0, "data": 0, "recycled": 0}
         self.flush()
         return self._disk.gc(older_than)
 
