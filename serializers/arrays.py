@@ -697,17 +697,18 @@ def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool) -> None:
         os.close(fd)
 
 
-def _overwrite_in_place(folder: str, a: np.ndarray, metadata: bytes, undo: _Undo) -> bool:
-    """Writes ``a`` over an existing array of the same metadata and chunk size, creating no file
-    or folder (creations dominate small writes here). ``False`` if the layout differs."""
+def _overwrite_in_place(folder: str, a: np.ndarray, undo: _Undo) -> bool:
+    """Writes ``a`` over the chunk of an existing array of the same shape and dtype, creating no
+    file or folder (creations dominate small writes here); ``False`` if there is no such chunk.
+
+    The caller vouches that the folder holds an array of ``a``'s shape and dtype (so its
+    ``zarr.json`` is already right); the chunk's size is checked.
+    """
     key = chunk_key(a.shape)
+    if key is None:
+        return os.path.exists(os.path.join(folder, _METADATA_KEY))
+    chunk = os.path.join(folder, key)
     try:
-        with open(os.path.join(folder, _METADATA_KEY), "rb") as f:
-            if f.read(len(metadata) + 1) != metadata:
-                return False
-        if key is None:
-            return True
-        chunk = os.path.join(folder, key)
         fd = os.open(chunk, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return False
@@ -729,7 +730,7 @@ def _write_one_local(
     _check_relpath(path)
     a = _disk_array(arr)
     folder = os.path.join(root, *path.split("/"))
-    if reuse and _overwrite_in_place(folder, a, encode_zarr_metadata(a.shape, a.dtype), undo):
+    if reuse and _overwrite_in_place(folder, a, undo):
         return
     fresh = undo.makedirs(folder)  # a folder this call made holds no stale chunks
     for name in [] if fresh else os.listdir(folder):  # chunks of an array this one replaces
@@ -760,7 +761,7 @@ def write_arrays_local(
       arrays: relative array path -> array.
       fsync: fsync every file written and every folder that gained an entry, so
         the arrays survive a power loss once this returns.
-      reuse: the paths may hold arrays of the same shape and dtype that nobody
+      reuse: the paths hold arrays of the same shapes and dtypes that nobody
         reads any more (a recycled folder): overwrite their chunks in place.
 
     Raises:

@@ -803,3 +803,41 @@ def test_process_without_the_model_computes_the_same_gradients(
         assert_trees_close(
             rs.backward(store.get("cb0")), jax.grad(_callback_loss)(xs[0]), **F32_TOL
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Recycled data folders
+
+
+def test_replaced_data_is_recycled_and_rewritten_exactly(tmp_path, mlp_split, rng):
+    """A replaced context's folder is reused by the next write of the same layout (renamed, its
+    chunks overwritten in place), holds exactly the new context, and gc removes unused ones."""
+    params, batches, ctxs = _mlp_contexts(mlp_split, rng, 3)
+    root = tmp_path / "s"
+    free = root / "data" / ".free"
+    with rs.Store(root) as store:
+        store.put(ctxs[0], "k")
+        store.flush()
+        store.put(ctxs[1], "k")  # replaces: ctxs[0]'s folder goes to data/.free
+        store.flush()
+        store._janitor.submit(lambda: None).result()  # recycling runs off the write path
+        (recycled,) = os.listdir(free)
+        recycled_inode = os.stat(free / recycled).st_ino
+        store.put(ctxs[2], "other")  # same layout: takes the recycled folder
+        store.flush()
+        (reused,) = data_dirs(root, "other")
+        assert os.stat(root / "data" / reused).st_ino == recycled_inode
+        assert os.listdir(free) == []
+    with rs.Store(root) as reader:
+        for key, i in (("k", 1), ("other", 2)):
+            got = reader.get(key)
+            assert_contexts_identical(got, ctxs[i])
+            _check_mlp_grads(got, params, *batches[i])
+        reader.delete("k")
+        reader.flush()
+        reader._janitor.submit(lambda: None).result()
+        assert len(os.listdir(free)) == 1
+        # the batches x of both contexts once stored under "k", and the recycled data folder of "k"
+        assert reader.gc(older_than=0) == {"weights": 2, "data": 0, "recycled": 1}
+        assert not os.listdir(free)
+        assert_contexts_identical(reader.get("other"), ctxs[2])
