@@ -2,6 +2,7 @@
 
 from residual_store.backward import backward
 from residual_store.cache import CacheInfo
+from residual_store.compile_cache import enable_compilation_cache
 from residual_store.context import ResidualContext, ResidualSpec
 from residual_store.errors import (
     BackwardUnavailableError,
@@ -25,6 +26,7 @@ __all__ = [
     "Split",
     "backward",
     "Store",
+    "enable_compilation_cache",
     "ResidualContext",
     "ResidualSpec",
     "CacheInfo",
