@@ -37,3 +37,24 @@ def test_docstring_examples(name):
 def test_public_names_are_exported():
     for name in residual_store.__all__:
         assert hasattr(residual_store, name), name
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("path", DOC_FILES + [ROOT / "examples" / "README.md"], ids=lambda p: p.name)
+def test_markdown_links_resolve(path):
+    for target in LINK.findall(path.read_text()):
+        if target.startswith(("http://", "https://", "#", "mailto:")):
+            continue
+        file = target.split("#", 1)[0]
+        assert (path.parent / file).exists(), f"{path.name}: broken link {target}"
+
+
+def test_api_reference_builds(tmp_path):
+    pdoc = pytest.importorskip("pdoc")
+    pdoc.pdoc("residual_store", "serializers", output_directory=tmp_path)
+    html = (tmp_path / "residual_store.html").read_text()
+    for name in residual_store.__all__:
+        assert f'id="{name}"' in html, f"{name} missing from the API reference"
+    assert (tmp_path / "serializers.html").exists()
