@@ -32,6 +32,18 @@ reader reads what either wrote (the tests check this):
   (:func:`aligned_empty`), so a later ``jax.device_put`` on CPU can use the memory
   in place. Sizes are checked against the expected shape before reading.
 
+Chunked arrays. An array may also be stored on a regular grid of equal chunks
+(``chunk_shape`` dividing ``shape`` in every dimension; edge chunks are not
+supported): chunk ``(i, j)`` is the file ``c.i.j``, each holding the raw bytes of
+its block, and ``zarr.json`` names the chunk shape. Such an array is written
+chunk by chunk, possibly by several writers that each hold some chunks
+(:class:`ChunkedArray`, :func:`write_chunks_local`, :func:`write_chunks`), and
+read chunk by chunk (:func:`read_chunk_local`, :func:`read_chunk`); plain
+``zarr`` and tensorstore read it whole. A chunk write never removes the array's
+other chunks, so write into a fresh folder or one holding an array of the same
+layout. With the default ``chunk_shape`` (the whole array) everything is as
+above, byte for byte.
+
 Errors: a missing, truncated or oversized chunk, missing or mismatching
 metadata -> :class:`~serializers.errors.CorruptDataError` naming the file.
 ``ENOSPC``/``EFBIG``/``EDQUOT`` while writing -> :class:`~serializers.errors.
@@ -50,6 +62,7 @@ stay tensorstore-only). The host is assumed little endian (x86, ARM).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -76,6 +89,12 @@ __all__ = [
     "chunk_shape",
     "chunk_key",
     "CHUNK_KEY_SEPARATOR",
+    "check_chunk_shape",
+    "chunk_grid",
+    "chunk_indices",
+    "chunk_index_key",
+    "chunk_region",
+    "ChunkedArray",
     "zarr_metadata",
     "encode_zarr_metadata",
     "default_context",
@@ -90,6 +109,12 @@ __all__ = [
     "write_array_local",
     "write_arrays_local",
     "read_array_local",
+    "write_chunks",
+    "write_chunks_async",
+    "read_chunk",
+    "read_chunk_async",
+    "write_chunks_local",
+    "read_chunk_local",
     "register_zarr_dtypes",
 ]
 
@@ -178,6 +203,9 @@ def chunk_shape(shape: Shape) -> tuple[int, ...]:
     return tuple(max(1, int(d)) for d in shape)
 
 
+_single_chunk_shape = chunk_shape  # (parameters named chunk_shape shadow the function below)
+
+
 CHUNK_KEY_SEPARATOR: Final[str] = "."
 """The separator of zarr v3's ``default`` chunk key encoding used here: ``c.0.0``, so each array
 is one folder holding ``zarr.json`` and its chunk file, with no nested chunk folders."""
@@ -194,18 +222,124 @@ def chunk_key(shape: Shape) -> str | None:
     return "c" + f"{CHUNK_KEY_SEPARATOR}0" * len(shape)
 
 
-def zarr_metadata(shape: Shape, dtype: DTypeLike) -> dict[str, Any]:
+def check_chunk_shape(shape: Shape, chunk_shape: Shape | None) -> tuple[int, ...]:
+    """Validates a regular chunk grid for ``shape`` and returns ``chunk_shape`` as ints.
+
+    ``None`` means the single chunk of :func:`chunk_shape`. Otherwise ``chunk_shape`` must have
+    one entry >= 1 per dimension and divide ``shape`` exactly (edge chunks are not supported).
+
+    Raises:
+      ValueError: a chunk shape of another rank, a non-positive entry, or one that does not
+        divide the array's dimension.
+    """
+    shape = tuple(int(d) for d in shape)
+    if chunk_shape is None:
+        return _single_chunk_shape(shape)
+    cs = tuple(int(c) for c in chunk_shape)
+    if len(cs) != len(shape):
+        raise ValueError(f"chunk shape {cs} has {len(cs)} dimensions, the array {shape} has {len(shape)}")
+    if any(c < 1 for c in cs):
+        raise ValueError(f"chunk shape {cs} must be >= 1 in every dimension")
+    if any(d % c for d, c in zip(shape, cs)):
+        raise ValueError(
+            f"chunk shape {cs} does not divide the array shape {shape}: edge chunks are not supported"
+        )
+    return cs
+
+
+def chunk_grid(shape: Shape, chunk_shape: Shape | None = None) -> tuple[int, ...]:
+    """The number of chunks along each dimension (0 along a zero-length dimension)."""
+    cs = check_chunk_shape(shape, chunk_shape)
+    return tuple(int(d) // c for d, c in zip(shape, cs))
+
+
+def chunk_indices(shape: Shape, chunk_shape: Shape | None = None) -> list[tuple[int, ...]]:
+    """Every chunk index of the grid, in C order (``[()]`` for a 0-d array, ``[]`` if empty)."""
+    return [tuple(int(i) for i in idx) for idx in np.ndindex(*chunk_grid(shape, chunk_shape))]
+
+
+def chunk_index_key(index: Sequence[int]) -> str:
+    """The key of chunk ``index`` inside the array folder: ``"c.1.0"``; ``"c"`` for ``()``."""
+    return "c" + "".join(f"{CHUNK_KEY_SEPARATOR}{int(i)}" for i in index)
+
+
+def chunk_region(index: Sequence[int], chunk_shape: Shape) -> tuple[slice, ...]:
+    """The block of the array that chunk ``index`` holds, as a tuple of slices."""
+    return tuple(slice(int(i) * int(c), (int(i) + 1) * int(c)) for i, c in zip(index, chunk_shape))
+
+
+def _check_chunk_index(index: Sequence[int], grid: tuple[int, ...], what: str) -> tuple[int, ...]:
+    idx = tuple(int(i) for i in index)
+    if len(idx) != len(grid) or any(not 0 <= i < n for i, n in zip(idx, grid)):
+        raise ValueError(f"{what}: chunk index {idx} is outside the chunk grid {grid}")
+    return idx
+
+
+class ChunkedArray:
+    """An array given as some (or all) of its chunks on a regular grid, for writing.
+
+    Args:
+      shape, dtype: the whole array's.
+      chunk_shape: the chunk shape; must divide ``shape`` (see :func:`check_chunk_shape`).
+      chunks: chunk index -> an array of exactly ``chunk_shape`` and ``dtype`` (any
+        array-like numpy accepts; C-contiguous little-endian ones are written without a copy).
+
+    A writer that holds only some chunks (one process of several) passes those; the array is
+    complete once every chunk of the grid has been written by someone.
+    """
+
+    __slots__ = ("chunk_shape", "chunks", "dtype", "shape")
+
+    def __init__(
+        self,
+        shape: Shape,
+        dtype: DTypeLike,
+        chunk_shape: Shape,
+        chunks: Mapping[Sequence[int], Any],
+    ) -> None:
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = numpy_dtype(dtype)
+        self.chunk_shape = check_chunk_shape(self.shape, chunk_shape)
+        grid = chunk_grid(self.shape, self.chunk_shape)
+        out: dict[tuple[int, ...], np.ndarray] = {}
+        for index, chunk in chunks.items():
+            idx = _check_chunk_index(index, grid, "ChunkedArray")
+            a = _disk_array(chunk)
+            if a.shape != self.chunk_shape or a.dtype.type is not self.dtype.type:
+                raise ValueError(
+                    f"ChunkedArray: chunk {idx} is {a.dtype}{list(a.shape)}, expected "
+                    f"{self.dtype}{list(self.chunk_shape)}"
+                )
+            out[idx] = a
+        self.chunks = out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the chunks given (not of the whole array)."""
+        return sum(int(a.nbytes) for a in self.chunks.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"ChunkedArray({self.dtype}{list(self.shape)}, chunk_shape={list(self.chunk_shape)}, "
+            f"{len(self.chunks)} chunks)"
+        )
+
+
+def zarr_metadata(shape: Shape, dtype: DTypeLike, chunk_shape: Shape | None = None) -> dict[str, Any]:
     """The ``zarr.json`` contents for an array of ``shape`` and ``dtype``.
 
-    Identical to what tensorstore's zarr3 driver writes for the same array.
+    ``chunk_shape`` (default: one chunk, the whole array) sets the regular chunk grid; see
+    :func:`check_chunk_shape`. Identical to what tensorstore's zarr3 driver writes for the same
+    array.
     """
     name = zarr_dtype_name(dtype)
+    cs = check_chunk_shape(shape, chunk_shape)
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if SUPPORTED_DTYPES[name].itemsize > 1:
         bytes_codec = {"configuration": {"endian": "little"}, "name": "bytes"}
     return {
         "chunk_grid": {
-            "configuration": {"chunk_shape": list(chunk_shape(shape))},
+            "configuration": {"chunk_shape": list(cs)},
             "name": "regular",
         },
         "chunk_key_encoding": {"configuration": {"separator": CHUNK_KEY_SEPARATOR}, "name": "default"},
@@ -218,13 +352,18 @@ def zarr_metadata(shape: Shape, dtype: DTypeLike) -> dict[str, Any]:
     }
 
 
-def encode_zarr_metadata(shape: Shape, dtype: DTypeLike) -> bytes:
+def encode_zarr_metadata(shape: Shape, dtype: DTypeLike, chunk_shape: Shape | None = None) -> bytes:
     """:func:`zarr_metadata` as the compact, key-sorted JSON bytes written to disk."""
-    return json.dumps(zarr_metadata(shape, dtype), sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps(
+        zarr_metadata(shape, dtype, chunk_shape), sort_keys=True, separators=(",", ":")
+    ).encode()
 
 
-def _check_zarr_metadata(raw: bytes, shape: tuple[int, ...], name: str, where: str) -> None:
-    """Raises CorruptDataError unless ``raw`` describes our single-chunk raw layout."""
+def _check_zarr_metadata(
+    raw: bytes, shape: tuple[int, ...], name: str, where: str, chunks: tuple[int, ...] | None = None
+) -> None:
+    """Raises CorruptDataError unless ``raw`` describes our raw layout with chunk shape
+    ``chunks`` (default: the single chunk)."""
     try:
         meta = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -242,7 +381,8 @@ def _check_zarr_metadata(raw: bytes, shape: tuple[int, ...], name: str, where: s
         raise mismatch("shape", list(shape))
     if meta.get("data_type") != name:
         raise mismatch("data_type", name)
-    want_grid = {"configuration": {"chunk_shape": list(chunk_shape(shape))}, "name": "regular"}
+    want_chunks = list(chunks) if chunks is not None else list(chunk_shape(shape))
+    want_grid = {"configuration": {"chunk_shape": want_chunks}, "name": "regular"}
     if meta.get("chunk_grid") != want_grid:
         raise mismatch("chunk_grid", want_grid)
     encoding = meta.get("chunk_key_encoding")
@@ -347,14 +487,24 @@ def _array_kvstore(kvstore: KvStoreSpec, path: str) -> dict[str, Any]:
 
 
 def _ts_spec(
-    kv: dict[str, Any], shape: tuple[int, ...], name: str, *, write: bool
+    kv: dict[str, Any],
+    shape: tuple[int, ...],
+    name: str,
+    *,
+    write: bool,
+    chunks: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {"driver": "zarr3", "kvstore": kv}
     if write:
-        spec["metadata"] = zarr_metadata(shape, name)
+        spec["metadata"] = zarr_metadata(shape, name, chunks)
         spec["store_data_equal_to_fill_value"] = True
     else:
         spec["metadata"] = {"shape": list(shape), "data_type": name}
+        if chunks is not None:  # also a constraint: the array must have this chunk grid
+            spec["metadata"]["chunk_grid"] = {
+                "name": "regular",
+                "configuration": {"chunk_shape": list(chunks)},
+            }
         spec["fill_missing_data_reads"] = False
     return spec
 
@@ -519,14 +669,22 @@ def write_arrays(
 ) -> None:
     """Writes many arrays concurrently (``{path: array}``) and waits for all.
 
+    A value may be a :class:`ChunkedArray`: its chunks are written (see :func:`write_chunks`).
     If any write fails, every array of the batch is deleted again, and the first
     :class:`DiskFullError` (else the first error) is raised.
     """
     ctx = context if context is not None else default_context()
     for p, a in arrays.items():  # refuse a bad path or dtype before starting any write
         _check_relpath(p)
-        zarr_dtype_name(np.asarray(a).dtype)
-    futures = {p: write_array_async(kvstore, p, a, context=ctx) for p, a in arrays.items()}
+        zarr_dtype_name(a.dtype if isinstance(a, ChunkedArray) else np.asarray(a).dtype)
+    futures = {
+        p: (
+            _write_chunked_async(kvstore, p, a, context=ctx)
+            if isinstance(a, ChunkedArray)
+            else write_array_async(kvstore, p, a, context=ctx)
+        )
+        for p, a in arrays.items()
+    }
     _, errors = _wait_all(futures)
     if errors:
         for p in arrays:
@@ -589,6 +747,164 @@ def read_arrays(
     if errors:
         raise errors[0]
     return results
+
+
+def _write_chunked_async(
+    kvstore: KvStoreSpec,
+    path: str,
+    arr: ChunkedArray,
+    *,
+    context: ts.Context | None = None,
+    delete_array_on_error: bool = True,
+) -> ts.Future:
+    name = zarr_dtype_name(arr.dtype)
+    kv = _array_kvstore(kvstore, path)
+    ctx = context if context is not None else default_context()
+    what = f"array {path!r}"
+    # open or create: other writers may hold other chunks of the same array (no delete_existing)
+    opened = ts.open(
+        _ts_spec(kv, arr.shape, name, write=True, chunks=arr.chunk_shape),
+        open=True,
+        create=True,
+        context=ctx,
+    )
+
+    def write_all(store: Any) -> Any:
+        commits = [
+            store[chunk_region(idx, arr.chunk_shape)].write(a).commit for idx, a in arr.chunks.items()
+        ]
+        return _then(_all(commits), lambda _: None)
+
+    written = _then(opened, write_all)
+
+    def on_error(e: BaseException) -> Any:
+        err = _convert_write_error(e, what)
+        if not delete_array_on_error:
+            return _then(
+                _delete_keys_async(kv, list(arr.chunks), ctx), lambda _: _raise(err), lambda _: _raise(err)
+            )
+        return _then(_delete_array_async(kv, ctx), lambda _: _raise(err), lambda _: _raise(err))
+
+    return _then(written, lambda _: None, on_error)
+
+
+def _all(futures: Sequence[ts.Future]) -> ts.Future:
+    """A future done when all of ``futures`` are; it raises the first error among them."""
+    promise: Any
+    out: ts.Future
+    promise, out = ts.Promise.new()
+    if not futures:
+        promise.set_result(None)
+        return out
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: ts.Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            for f in futures:
+                try:
+                    f.result()
+                except BaseException as e:  # noqa: BLE001
+                    promise.set_exception(e)
+                    return
+            promise.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(done)
+    return out
+
+
+def _delete_keys_async(kv: dict[str, Any], indices: Sequence[tuple[int, ...]], context: ts.Context) -> ts.Future:
+    """Removes the chunk keys of ``indices`` under the array folder ``kv`` (not the others)."""
+    opened = ts.KvStore.open(kv, context=context)
+    return _then(opened, lambda store: _all([store.delete(chunk_index_key(i)) for i in indices]))
+
+
+def write_chunks_async(
+    kvstore: KvStoreSpec,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    chunk_shape: Shape,
+    chunks: Mapping[Sequence[int], Any],
+    *,
+    context: ts.Context | None = None,
+) -> ts.Future:
+    """Starts writing some chunks of the chunked zarr v3 array ``path`` under ``kvstore``.
+
+    The array (its ``zarr.json``) is created if missing, or opened if it exists with the same
+    shape, dtype and chunk shape; the chunks given are written, the array's other chunks are left
+    alone (several writers may each write theirs). ``chunks`` maps a chunk index to an array of
+    ``chunk_shape``; see :class:`ChunkedArray`. On failure, the chunks of this call are deleted
+    and :class:`DiskFullError` (or tensorstore's error) is raised.
+
+    Raises:
+      ValueError: at once, for a chunk shape that does not divide ``shape``, an index outside
+        the grid or a chunk of the wrong shape or dtype.
+    """
+    arr = ChunkedArray(shape, dtype, chunk_shape, chunks)
+    return _write_chunked_async(kvstore, path, arr, context=context, delete_array_on_error=False)
+
+
+def write_chunks(
+    kvstore: KvStoreSpec,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    chunk_shape: Shape,
+    chunks: Mapping[Sequence[int], Any],
+    *,
+    context: ts.Context | None = None,
+) -> None:
+    """Writes some chunks of a chunked array and waits; see :func:`write_chunks_async`."""
+    write_chunks_async(kvstore, path, shape, dtype, chunk_shape, chunks, context=context).result()
+
+
+def read_chunk_async(
+    kvstore: KvStoreSpec,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    chunk_shape: Shape,
+    chunk_index: Sequence[int],
+    *,
+    context: ts.Context | None = None,
+) -> ts.Future:
+    """Starts reading chunk ``chunk_index`` of the chunked zarr v3 array ``path``.
+
+    The future's result is a numpy array of ``chunk_shape``. The array's metadata must have
+    this shape, dtype and chunk shape; a missing, truncated or oversized chunk or mismatching
+    metadata raise :class:`CorruptDataError`.
+    """
+    shape = tuple(int(d) for d in shape)
+    name = zarr_dtype_name(numpy_dtype(dtype))
+    cs = check_chunk_shape(shape, chunk_shape)
+    idx = _check_chunk_index(chunk_index, chunk_grid(shape, cs), f"array {path!r}")
+    kv = _array_kvstore(kvstore, path)
+    ctx = context if context is not None else default_context()
+    what = f"array {path!r}, chunk {chunk_index_key(idx)}"
+    opened = ts.open(_ts_spec(kv, shape, name, write=False, chunks=cs), open=True, context=ctx)
+    read = _then(opened, lambda store: store[chunk_region(idx, cs)].read())
+    return _then(read, lambda a: a, lambda e: _raise(_convert_read_error(e, what)))
+
+
+def read_chunk(
+    kvstore: KvStoreSpec,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    chunk_shape: Shape,
+    chunk_index: Sequence[int],
+    *,
+    context: ts.Context | None = None,
+) -> np.ndarray:
+    """Reads one chunk of a chunked array; see :func:`read_chunk_async`."""
+    return np.asarray(
+        read_chunk_async(kvstore, path, shape, dtype, chunk_shape, chunk_index, context=context).result()
+    )
 
 
 # --------------------------------------------------------------------------- fast path
@@ -724,6 +1040,42 @@ def _overwrite_in_place(folder: str, a: np.ndarray, undo: _Undo) -> bool:
     return True
 
 
+def _overwrite_file_in_place(chunk: str, view: memoryview, undo: _Undo) -> bool:
+    """Writes ``view`` over the existing file ``chunk`` of exactly that size; ``False`` if there
+    is no such file (then nothing was written)."""
+    try:
+        fd = os.open(chunk, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+    try:
+        if os.fstat(fd).st_size != view.nbytes:
+            return False
+        undo.add_file(chunk)  # fsynced with the rest; removed if the write fails
+        while view.nbytes:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    return True
+
+
+def _write_chunk_local(
+    folder: str, index: tuple[int, ...], a: np.ndarray, undo: _Undo, *, reuse: bool
+) -> None:
+    p = os.path.join(folder, chunk_index_key(index))
+    view = _byte_view(a)
+    if reuse and _overwrite_file_in_place(p, view, undo):
+        return
+    _write_file(p, view, undo, fsync=False)
+
+
+def _write_metadata_local(folder: str, arr: ChunkedArray, undo: _Undo, *, reuse: bool) -> None:
+    p = os.path.join(folder, _METADATA_KEY)
+    if reuse and os.path.exists(p):
+        return  # a recycled folder of the same layout: its zarr.json is already this one
+    metadata = encode_zarr_metadata(arr.shape, arr.dtype, arr.chunk_shape)
+    _write_file(p, memoryview(metadata), undo, fsync=False)
+
+
 def _write_one_local(
     root: str, path: str, arr: Any, undo: _Undo, *, fsync: bool, reuse: bool = False
 ) -> None:
@@ -748,7 +1100,12 @@ def _write_one_local(
 
 
 def write_arrays_local(
-    root: PathLike, arrays: Mapping[str, Any], *, fsync: bool = False, reuse: bool = False
+    root: PathLike,
+    arrays: Mapping[str, Any],
+    *,
+    fsync: bool = False,
+    reuse: bool = False,
+    write_metadata: bool = True,
 ) -> None:
     """Writes ``{path: array}`` as zarr v3 arrays under the local folder ``root``.
 
@@ -763,6 +1120,13 @@ def write_arrays_local(
         the arrays survive a power loss once this returns.
       reuse: the paths hold arrays of the same shapes and dtypes that nobody
         reads any more (a recycled folder): overwrite their chunks in place.
+      write_metadata: write the ``zarr.json`` of :class:`ChunkedArray` values (a
+        writer of some chunks of an array whose metadata another writer writes
+        passes ``False``). Plain arrays always get theirs.
+
+    A value may be a :class:`ChunkedArray`: its chunks are written as files
+    ``c.i.j`` (in parallel with everything else), then its ``zarr.json``; the
+    array's other chunks, if any are there, are left alone.
 
     Raises:
       DiskFullError: on ``ENOSPC``/``EFBIG``/``EDQUOT``; every file and folder
@@ -776,10 +1140,26 @@ def write_arrays_local(
             _check_relpath(path)
         for parent in sorted({os.path.dirname(os.path.join(root, *p.split("/"))) for p in arrays}):
             undo.makedirs(parent)  # shared parents first; each array's own folder in parallel
-        _in_parallel(
-            lambda item: _write_one_local(root, *item, undo, fsync=False, reuse=reuse),
-            list(arrays.items()),
-        )
+        plain = [(p, a) for p, a in arrays.items() if not isinstance(a, ChunkedArray)]
+        chunked = [(p, a) for p, a in arrays.items() if isinstance(a, ChunkedArray)]
+        folders = {p: os.path.join(root, *p.split("/")) for p, _ in chunked}
+        for p, _ in chunked:
+            undo.makedirs(folders[p])
+        tasks: list[Callable[[], None]] = [
+            functools.partial(_write_one_local, root, p, a, undo, fsync=False, reuse=reuse)
+            for p, a in plain
+        ]
+        tasks += [  # every chunk of every chunked array in parallel, then their zarr.json
+            functools.partial(_write_chunk_local, folders[p], idx, c, undo, reuse=reuse)
+            for p, a in chunked
+            for idx, c in a.chunks.items()
+        ]
+        _in_parallel(lambda task: task(), tasks)
+        if write_metadata:
+            _in_parallel(
+                lambda item: _write_metadata_local(folders[item[0]], item[1], undo, reuse=reuse),
+                chunked,
+            )
         if fsync:  # files first, then the folders that name them
             _in_parallel(_fsync_path, [p for p, is_dir in undo.created if not is_dir])
             _in_parallel(_fsync_path, sorted(undo.dirty_dirs, key=len, reverse=True))
@@ -845,18 +1225,90 @@ def read_array_local(
     folder = os.path.join(os.fspath(root), *path.split("/"))
     what = f"array {path!r}"
     if check_metadata:
-        meta_path = os.path.join(folder, _METADATA_KEY)
-        try:
-            with open(meta_path, "rb") as f:
-                raw = f.read(1 << 20)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise CorruptDataError(f"{what}: metadata file {meta_path} is missing") from None
-        _check_zarr_metadata(raw, shape, name, f"{what} ({meta_path})")
+        _check_metadata_file(folder, shape, name, what, None)
     out = aligned_empty(shape, SUPPORTED_DTYPES[name])
     key = chunk_key(shape)
     if key is None:
         return out
-    p = os.path.join(folder, key)
+    _read_chunk_file(os.path.join(folder, key), out, what)
+    return out
+
+
+def write_chunks_local(
+    root: PathLike,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    chunk_shape: Shape,
+    chunks: Mapping[Sequence[int], Any],
+    *,
+    fsync: bool = False,
+    write_metadata: bool = True,
+) -> None:
+    """Writes some chunks of the chunked zarr v3 array ``path`` under the local folder ``root``.
+
+    ``chunks`` maps a chunk index (``(i, j)``) to an array of exactly ``chunk_shape`` and
+    ``dtype``; each is written to its own file ``c.i.j`` straight from its buffer, then
+    ``zarr.json`` (unless ``write_metadata`` is false: another writer of the same array writes
+    it). Chunks not given are left as they are, so several writers can each write theirs.
+
+    Raises:
+      ValueError: a chunk shape that does not divide ``shape`` (no edge chunks), an index
+        outside the grid, a chunk of the wrong shape or dtype.
+      DiskFullError: as :func:`write_arrays_local`, after removing what this call created.
+    """
+    arr = ChunkedArray(shape, dtype, chunk_shape, chunks)
+    write_arrays_local(root, {path: arr}, fsync=fsync, write_metadata=write_metadata)
+
+
+def read_chunk_local(
+    root: PathLike,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    chunk_shape: Shape,
+    chunk_index: Sequence[int],
+    *,
+    check_metadata: bool = True,
+) -> np.ndarray:
+    """Reads chunk ``chunk_index`` of a chunked zarr v3 array from the local folder ``root``.
+
+    The result is a fresh, writable, 64-byte aligned array of ``chunk_shape``. With
+    ``check_metadata``, ``zarr.json`` must describe this shape, dtype and chunk shape.
+
+    Raises:
+      ValueError: a chunk shape that does not divide ``shape``, an index outside the grid.
+      CorruptDataError: a missing or wrong-sized chunk file, missing or mismatching metadata;
+        the message names the file.
+    """
+    _check_relpath(path)
+    shape = tuple(int(d) for d in shape)
+    name = zarr_dtype_name(numpy_dtype(dtype))
+    cs = check_chunk_shape(shape, chunk_shape)
+    idx = _check_chunk_index(chunk_index, chunk_grid(shape, cs), f"array {path!r}")
+    folder = os.path.join(os.fspath(root), *path.split("/"))
+    what = f"array {path!r}"
+    if check_metadata:
+        _check_metadata_file(folder, shape, name, what, cs)
+    out = aligned_empty(cs, SUPPORTED_DTYPES[name])
+    _read_chunk_file(os.path.join(folder, chunk_index_key(idx)), out, what)
+    return out
+
+
+def _check_metadata_file(
+    folder: str, shape: tuple[int, ...], name: str, what: str, chunks: tuple[int, ...] | None
+) -> None:
+    meta_path = os.path.join(folder, _METADATA_KEY)
+    try:
+        with open(meta_path, "rb") as f:
+            raw = f.read(1 << 20)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise CorruptDataError(f"{what}: metadata file {meta_path} is missing") from None
+    _check_zarr_metadata(raw, shape, name, f"{what} ({meta_path})", chunks)
+
+
+def _read_chunk_file(p: str, out: np.ndarray, what: str) -> None:
+    """Reads the chunk file ``p`` into ``out``, which must be exactly its size."""
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
@@ -871,7 +1323,6 @@ def read_array_local(
         _read_exact(fd, _byte_view(out), p, what)
     finally:
         os.close(fd)
-    return out
 
 
 # --------------------------------------------------------------------------- plain zarr

@@ -30,6 +30,7 @@ from typing import Any, Final, NoReturn, TypeGuard
 
 import msgpack
 
+from serializers.checksums import checksum
 from serializers.errors import CorruptDataError, UnsupportedVersionError
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "BACKWARD_SCHEMA",
     "ARRAY_RECORD_FIELDS",
     "ArrayRecord",
+    "chunked_checksum",
     "encode_manifest",
     "decode_manifest",
     "is_safe_relpath",
@@ -78,7 +80,8 @@ class Field:
         ``"map"`` (any map, contents opaque), ``"relpath"`` (see
         :func:`is_safe_relpath`), ``"shape"`` (list of ints >= 0), ``"dtype"``
         (non-empty short str), ``"str_list"``, ``"array_records"`` (list of maps
-        each matching :data:`ARRAY_RECORD_FIELDS`).
+        each matching :data:`ARRAY_RECORD_FIELDS`), ``"chunk_checksums"`` (list
+        of ``[chunk index (list of ints >= 0), checksum str]`` pairs).
       required: whether the key must be present; an optional key, when present,
         must still have the right kind.
     """
@@ -109,8 +112,14 @@ ARRAY_RECORD_FIELDS: Final[tuple[Field, ...]] = (
     Field("checksum", "str"),
     Field("input_path", "optional_str"),
     Field("shared", "bool"),
+    Field("chunk_shape", "shape", required=False),
+    Field("chunk_checksums", "chunk_checksums", required=False),
 )
-"""The fields of one entry of a context manifest's ``"arrays"`` list."""
+"""The fields of one entry of a context manifest's ``"arrays"`` list.
+
+``chunk_shape`` and ``chunk_checksums`` are present together, only for an array stored on a
+grid of several chunks (see :class:`ArrayRecord`); records without them are single-chunk
+arrays, as written before chunked arrays existed."""
 
 CONTEXT_SCHEMA: Final[ManifestSchema] = ManifestSchema(
     format=CONTEXT_FORMAT,
@@ -181,6 +190,21 @@ _KINDS: Final[dict[str, tuple[Callable[[object], bool], str]]] = {
         "a list of str",
     ),
     "array_records": (lambda v: True, "a list of array records"),  # see _check_fields
+    "chunk_checksums": (
+        lambda v: (
+            isinstance(v, list)
+            and all(
+                isinstance(p, list)
+                and len(p) == 2
+                and isinstance(p[0], list)
+                and len(p[0]) <= _MAX_NDIM
+                and all(_is_int(i) and i >= 0 for i in p[0])
+                and isinstance(p[1], str)
+                for p in v
+            )
+        ),
+        "a list of [chunk index (list of ints >= 0), checksum str] pairs",
+    ),
 }
 
 
@@ -249,6 +273,11 @@ class ArrayRecord:
       checksum: :func:`serializers.checksums.checksum` of the data.
       input_path: the key path of the primal input this array is, or ``None``.
       shared: whether the array is stored once for many contexts (an input).
+      chunk_shape: for an array stored as a grid of chunks (a sharded array, one chunk per
+        shard), the chunk shape, which divides ``shape``; ``None`` for one chunk.
+      chunk_checksums: with ``chunk_shape``: ``(chunk index, checksum)`` for every chunk of
+        the grid, in C order of the index; ``checksum`` is then
+        :func:`chunked_checksum` of them.
     """
 
     name: str
@@ -259,17 +288,58 @@ class ArrayRecord:
     checksum: str
     input_path: str | None = None
     shared: bool = False
+    chunk_shape: tuple[int, ...] | None = None
+    chunk_checksums: tuple[tuple[tuple[int, ...], str], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.chunk_shape is not None:
+            object.__setattr__(self, "chunk_shape", tuple(int(d) for d in self.chunk_shape))
+        if self.chunk_checksums is not None:
+            try:
+                pairs = tuple(
+                    sorted((tuple(int(i) for i in idx), cs) for idx, cs in self.chunk_checksums)
+                )
+            except (TypeError, ValueError):
+                raise ValueError(
+                    "invalid ArrayRecord: chunk_checksums must be (chunk index, checksum) pairs"
+                ) from None
+            object.__setattr__(self, "chunk_checksums", pairs)
         try:
             _check_fields(self.to_dict(), ARRAY_RECORD_FIELDS, "")
+            self._check_chunks()
         except _Invalid as e:
             raise ValueError(f"invalid ArrayRecord: {e}") from None
 
+    @property
+    def chunked(self) -> bool:
+        """Whether the array is stored as a grid of chunks (``chunk_shape`` is set)."""
+        return self.chunk_shape is not None
+
+    def _check_chunks(self) -> None:
+        if (self.chunk_shape is None) != (self.chunk_checksums is None):
+            raise _Invalid("'chunk_shape' and 'chunk_checksums' must be given together")
+        if self.chunk_shape is None or self.chunk_checksums is None:
+            return
+        cs, shape = self.chunk_shape, self.shape
+        if len(cs) != len(shape) or any(c < 1 or d % c for d, c in zip(shape, cs)):
+            raise _Invalid(f"field 'chunk_shape' {list(cs)} does not divide 'shape' {list(shape)}")
+        grid = tuple(d // c for d, c in zip(shape, cs))
+        indices = [idx for idx, _ in self.chunk_checksums]
+        if len(set(indices)) != len(indices):
+            raise _Invalid("field 'chunk_checksums' lists a chunk twice")
+        if any(len(idx) != len(grid) or any(i >= n for i, n in zip(idx, grid)) for idx in indices):
+            raise _Invalid(f"field 'chunk_checksums' has a chunk index outside the grid {list(grid)}")
+        if len(indices) != math.prod(grid):
+            raise _Invalid(
+                f"field 'chunk_checksums' lists {len(indices)} chunks, the grid has {math.prod(grid)}"
+            )
+        if self.checksum != chunked_checksum(self.chunk_checksums):
+            raise _Invalid("field 'checksum' is not the checksum of 'chunk_checksums'")
+
     def to_dict(self) -> dict[str, Any]:
         """Returns the msgpack-able map stored in a manifest."""
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "path": self.path,
             "shape": list(self.shape),
@@ -279,6 +349,10 @@ class ArrayRecord:
             "input_path": self.input_path,
             "shared": self.shared,
         }
+        if self.chunk_shape is not None:  # absent for single-chunk arrays: same bytes as before
+            out["chunk_shape"] = list(self.chunk_shape)
+            out["chunk_checksums"] = [[list(idx), cs] for idx, cs in self.chunk_checksums or ()]
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, what: str = "array record") -> ArrayRecord:
@@ -292,7 +366,25 @@ class ArrayRecord:
             _check_fields(dict(d) if isinstance(d, Mapping) else d, ARRAY_RECORD_FIELDS, "")
         except _Invalid as e:
             raise CorruptDataError(f"{what}: {e}") from None
-        return cls(**{f.name: d[f.name] for f in ARRAY_RECORD_FIELDS})
+        try:
+            return cls(**{f.name: d[f.name] for f in ARRAY_RECORD_FIELDS if f.name in d})
+        except ValueError as e:
+            raise CorruptDataError(f"{what}: {e}") from None
+
+
+def chunked_checksum(chunk_checksums: Sequence[tuple[Sequence[int], str]]) -> str:
+    """The checksum of a chunked array: over its chunks' checksums, not its bytes.
+
+    :func:`serializers.checksums.checksum` of the UTF-8 lines ``"<i>.<j> <checksum>\\n"`` (the
+    chunk index joined by dots, a space, its checksum), one per chunk in C order of the index,
+    concatenated. Any change to any chunk changes it, and it needs only the chunks' checksums,
+    not the whole array in one place.
+    """
+    lines = "".join(
+        f"{'.'.join(str(int(i)) for i in idx)} {cs}\n"
+        for idx, cs in sorted((tuple(int(i) for i in idx), cs) for idx, cs in chunk_checksums)
+    )
+    return checksum(lines.encode())
 
 
 # --------------------------------------------------------------------------- codec

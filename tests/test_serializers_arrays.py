@@ -21,25 +21,36 @@ import tensorstore as ts
 import serializers.arrays as arrays_mod
 from serializers import (
     SUPPORTED_DTYPES,
+    ChunkedArray,
     CorruptDataError,
     DiskFullError,
     UnsupportedDTypeError,
     aligned_empty,
+    check_chunk_shape,
     checksum,
+    chunk_grid,
+    chunk_index_key,
+    chunk_indices,
     chunk_key,
+    chunk_region,
     encode_zarr_metadata,
     local_root,
     read_array,
     read_array_async,
     read_array_local,
     read_arrays,
+    read_chunk,
+    read_chunk_local,
     register_zarr_dtypes,
     write_array,
     write_array_async,
     write_array_local,
     write_arrays,
     write_arrays_local,
+    write_chunks,
+    write_chunks_local,
     zarr_dtype_name,
+    zarr_metadata,
 )
 
 DTYPE_NAMES = list(SUPPORTED_DTYPES)
@@ -453,3 +464,181 @@ def test_efbig_in_subprocess_raises_disk_full_and_leaves_nothing(tmp_path: Path)
     for name in ("fast", "fast_batch", "ts", "ts_batch"):
         assert report["results"][name] == ["DiskFullError", errno.EFBIG], report
     assert report["left"] == [], report
+
+
+# ----------------------------------------------------------------- chunked arrays (one chunk per shard)
+
+
+def _blocks(a: np.ndarray, cs: tuple[int, ...]) -> dict[tuple[int, ...], np.ndarray]:
+    return {idx: a[chunk_region(idx, cs)] for idx in chunk_indices(a.shape, cs)}
+
+
+def test_chunk_grid_helpers() -> None:
+    assert check_chunk_shape((8, 6), None) == (8, 6)
+    assert check_chunk_shape((0, 3), None) == (1, 3)
+    assert chunk_grid((8, 6), (2, 3)) == (4, 2)
+    assert chunk_indices((4, 6), (2, 3)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert chunk_indices((), ()) == [()]
+    assert chunk_indices((0, 3), (1, 3)) == []
+    assert chunk_index_key((1, 0)) == "c.1.0" and chunk_index_key(()) == "c"
+    assert chunk_region((1, 2), (2, 3)) == (slice(2, 4), slice(6, 9))
+    for shape, cs in [((5,), (2,)), ((4, 4), (2,)), ((4,), (0,)), ((4,), (-2,))]:
+        with pytest.raises(ValueError):
+            check_chunk_shape(shape, cs)
+    # The default chunk shape leaves single-chunk metadata exactly as it was.
+    for shape in SHAPES:
+        assert encode_zarr_metadata(shape, "float32") == encode_zarr_metadata(
+            shape, "float32", check_chunk_shape(shape, None)
+        )
+    assert zarr_metadata((8, 6), "int8", (2, 3))["chunk_grid"]["configuration"] == {
+        "chunk_shape": [2, 3]
+    }
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "bool", "int8", "complex64"])
+@pytest.mark.parametrize(("shape", "cs"), [((8, 6), (2, 3)), ((8, 6), (8, 6)), ((16,), (4,)), ((4, 2, 6), (1, 2, 3))], ids=str)
+def test_chunked_round_trip_both_paths_and_across(
+    tmp_path: Path, name: str, shape: tuple[int, ...], cs: tuple[int, ...]
+) -> None:
+    a = _array(name, shape)
+    blocks = _blocks(a, cs)
+    write_chunks_local(tmp_path, "fast/x", shape, name, cs, blocks, fsync=True)
+    write_chunks(_kv(tmp_path), "ts/x", shape, name, cs, blocks)
+    fast, tsd = tmp_path / "fast" / "x", tmp_path / "ts" / "x"
+    keys = sorted(["zarr.json"] + [chunk_index_key(i) for i in blocks])
+    assert _files(fast) == _files(tsd) == keys
+    assert (fast / "zarr.json").read_bytes() == (tsd / "zarr.json").read_bytes()
+    assert json.loads((tsd / "zarr.json").read_bytes()) == zarr_metadata(shape, name, cs)
+    for idx, block in blocks.items():
+        assert (fast / chunk_index_key(idx)).read_bytes() == block.tobytes()
+        assert (tsd / chunk_index_key(idx)).read_bytes() == block.tobytes()
+        for written in ("fast/x", "ts/x"):
+            got = read_chunk_local(tmp_path, written, shape, name, cs, idx)
+            assert got.ctypes.data % 64 == 0 and got.flags.writeable
+            _same_bits(got, np.ascontiguousarray(block))
+            _same_bits(read_chunk(_kv(tmp_path), written, shape, name, cs, idx), np.ascontiguousarray(block))
+        # tensorstore reads the whole chunked array too
+        _same_bits(read_array(_kv(tmp_path), "fast/x", shape, name), a)
+
+
+def test_plain_zarr_reads_chunked_arrays(tmp_path: Path) -> None:
+    zarr = pytest.importorskip("zarr")
+    register_zarr_dtypes()
+    for name in ("float32", "bfloat16", "int32"):
+        a = _array(name, (8, 6))
+        write_chunks_local(tmp_path, f"f{name}", a.shape, name, (2, 3), _blocks(a, (2, 3)))
+        write_chunks(_kv(tmp_path), f"t{name}", a.shape, name, (4, 6), _blocks(a, (4, 6)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for p in (f"f{name}", f"t{name}"):
+                z = zarr.open_array(str(tmp_path / p), mode="r")
+                _same_bits(np.asarray(z[...]), a)
+    # and the other way round: a zarr-written chunked array, read chunk by chunk
+    a = np.arange(48, dtype=np.float32).reshape(8, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        z = zarr.create_array(
+            str(tmp_path / "z"), shape=a.shape, dtype=a.dtype, chunks=(2, 3), compressors=None,
+            fill_value=0, chunk_key_encoding={"name": "default", "separator": "."},
+        )  # fmt: skip
+        z[...] = a
+    for idx, block in _blocks(a, (2, 3)).items():
+        _same_bits(read_chunk_local(tmp_path, "z", a.shape, np.float32, (2, 3), idx), block)
+
+
+@pytest.mark.parametrize("where", ["fast", "tensorstore", "memory"])
+def test_several_writers_each_write_their_chunks(tmp_path: Path, where: str) -> None:
+    """Chunks not given are left alone: writers (processes) holding disjoint shards fill one
+    array between them; a missing chunk is an error, never zeros."""
+    a = _array("float32", (4, 6))
+    blocks = _blocks(a, (2, 3))
+    first = {k: v for k, v in blocks.items() if k[0] == 0}
+    second = {k: v for k, v in blocks.items() if k[0] == 1}
+    kv = {"driver": "memory", "path": f"{tmp_path.name}/"} if where == "memory" else _kv(tmp_path)
+
+    def write(part: dict, **kw: Any) -> None:
+        if where == "fast":
+            write_chunks_local(tmp_path, "x", a.shape, "float32", (2, 3), part, **kw)
+        else:
+            write_chunks(kv, "x", a.shape, "float32", (2, 3), part)
+
+    def read(idx: tuple[int, int]) -> np.ndarray:
+        if where == "fast":
+            return read_chunk_local(tmp_path, "x", a.shape, "float32", (2, 3), idx)
+        return read_chunk(kv, "x", a.shape, "float32", (2, 3), idx)
+
+    write(first)
+    with pytest.raises(CorruptDataError, match=r"c\.1\.0"):
+        read((1, 0))
+    write(second, **({"write_metadata": False} if where == "fast" else {}))
+    for idx, block in blocks.items():
+        _same_bits(read(idx), np.ascontiguousarray(block))
+    if where != "memory":
+        _same_bits(read_array(_kv(tmp_path), "x", a.shape, "float32"), a)
+
+
+def test_chunked_arrays_in_batches_and_reused_in_place(tmp_path: Path) -> None:
+    a, b = _array("float32", (4, 6), 1), _array("int16", (8,), 2)
+    batch = {
+        "d/a": ChunkedArray(a.shape, a.dtype, (2, 6), _blocks(a, (2, 6))),
+        "d/b": b,
+        "d/c": ChunkedArray(b.shape, b.dtype, (2,), _blocks(b, (2,))),
+    }
+    write_arrays_local(tmp_path, batch, fsync=True)
+    write_arrays(_kv(tmp_path), {f"t{p[1:]}": v for p, v in batch.items()})
+    for root in ("d", "t"):
+        _same_bits(read_array(_kv(tmp_path), f"{root}/a", a.shape, a.dtype), a)
+        _same_bits(read_array_local(tmp_path, f"{root}/b", b.shape, b.dtype), b)
+        _same_bits(read_array(_kv(tmp_path), f"{root}/c", b.shape, b.dtype), b)
+    inode = (tmp_path / "d" / "a" / "c.1.0").stat().st_ino
+    a2 = a + 1
+    write_arrays_local(tmp_path, {"d/a": ChunkedArray(a.shape, a.dtype, (2, 6), _blocks(a2, (2, 6)))}, reuse=True)
+    assert (tmp_path / "d" / "a" / "c.1.0").stat().st_ino == inode  # overwritten in place
+    _same_bits(read_array(_kv(tmp_path), "d/a", a.shape, a.dtype), a2)
+
+
+def test_chunked_array_validation(tmp_path: Path) -> None:
+    a = np.zeros((4, 6), np.float32)
+    with pytest.raises(ValueError, match="edge chunks"):
+        ChunkedArray((5, 6), np.float32, (2, 3), {})
+    with pytest.raises(ValueError, match="outside the chunk grid"):
+        ChunkedArray(a.shape, a.dtype, (2, 3), {(2, 0): a[:2, :3]})
+    with pytest.raises(ValueError, match="expected"):
+        ChunkedArray(a.shape, a.dtype, (2, 3), {(0, 0): a[:2, :2]})
+    with pytest.raises(ValueError, match="expected"):
+        ChunkedArray(a.shape, a.dtype, (2, 3), {(0, 0): a[:2, :3].astype(np.int32)})
+    with pytest.raises(UnsupportedDTypeError):
+        ChunkedArray((2,), "U3", (1,), {})
+    with pytest.raises(ValueError):
+        write_chunks(_kv(tmp_path), "x", (5,), np.float32, (2,), {})
+    write_chunks_local(tmp_path, "x", a.shape, a.dtype, (2, 3), _blocks(a, (2, 3)))
+    with pytest.raises(ValueError, match="outside"):
+        read_chunk_local(tmp_path, "x", a.shape, a.dtype, (2, 3), (0, 2))
+    assert repr(ChunkedArray(a.shape, a.dtype, (2, 3), {})) == "ChunkedArray(float32[4, 6], chunk_shape=[2, 3], 0 chunks)"
+
+
+@pytest.mark.parametrize("reader", ["fast", "tensorstore"])
+def test_chunked_corruption(tmp_path: Path, reader: str) -> None:
+    a = _array("float32", (4, 6))
+    write_chunks_local(tmp_path, "x", a.shape, "float32", (2, 3), _blocks(a, (2, 3)))
+
+    def read(idx: tuple[int, int], cs: tuple[int, int] = (2, 3)) -> np.ndarray:
+        if reader == "fast":
+            return read_chunk_local(tmp_path, "x", a.shape, "float32", cs, idx)
+        return read_chunk(_kv(tmp_path), "x", a.shape, "float32", cs, idx)
+
+    chunk = tmp_path / "x" / "c.1.1"
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[:-4])
+    with pytest.raises(CorruptDataError, match=r"c\.1\.1"):
+        read((1, 1))
+    chunk.write_bytes(data + b"xx")
+    with pytest.raises(CorruptDataError):
+        read((1, 1))
+    chunk.unlink()
+    with pytest.raises(CorruptDataError, match=r"c\.1\.1"):
+        read((1, 1))
+    _same_bits(read((0, 1)), np.ascontiguousarray(a[0:2, 3:6]))
+    # metadata for another chunk grid is refused
+    with pytest.raises(CorruptDataError, match="chunk"):
+        read((0, 0), (4, 3))

@@ -18,6 +18,16 @@ so the context is either whole or absent; what it left behind is unreferenced an
 :meth:`DiskTier.gc`. Two writers of one key: each commit replaces the manifest whole, so readers
 see one complete context or the other (last rename wins; a read that loses the race to a commit
 reads the new manifest again).
+
+Sharded residuals: a ``jax.Array`` with a :class:`~jax.sharding.NamedSharding` over several
+devices is written shard by shard, never gathered: one zarr chunk per distinct shard (the shards
+with ``replica_id == 0``), so the array's chunk shape is the shard shape. Its record lists a
+checksum per chunk, and the context's spec records the sharding (mesh axis names, sizes and
+types, the ``PartitionSpec``, the mesh's device ids). A reader with as many devices as the mesh
+rebuilds the mesh and the sharding, and reads each of its devices' chunks; a reader with fewer
+devices reads the whole array (see :meth:`DiskTier.read`). Fully replicated, uneven and empty
+shardings are stored as one chunk (the whole array, from one replica where there is one) with
+the same sharding record.
 """
 
 from __future__ import annotations
@@ -38,22 +48,25 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import numpy as np
 import tensorstore as ts
+import xxhash
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import serializers
 from residual_store.context import ResidualContext, ResidualSpec
 from residual_store.errors import (
     ContextNotFoundError,
     CorruptContextError,
+    InvalidArgumentError,
     StoreFullError,
 )
 
-__all__ = ["DiskTier", "StoredContext", "StaleData", "HostArrays"]
+__all__ = ["DiskTier", "StoredContext", "StaleData", "HostArrays", "ShardedHost", "to_device_sharded"]
 
 STORE_MARKER = "residual-store.json"
 STORE_FORMAT = b'{"format": "residual-store", "version": 1}\n'
 _KEY_DTYPE_PREFIX = "key<"
 
-HostArrays = list[np.ndarray]
+HostArrays = list["np.ndarray | ShardedHost"]
 
 _FREE_DIR = "data/.free"
 _MAX_FREE_PER_LAYOUT = 64
@@ -71,10 +84,14 @@ class _Backend(Protocol):
 
     can_recycle: bool
 
-    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool, reuse: bool = False) -> None: ...
+    # values: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard)
+    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False) -> None: ...
     def rename(self, src: str, dst: str) -> bool: ...
-    def write_shared_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None: ...
+    def write_shared_arrays(self, arrays: Mapping[str, Any], *, fsync: bool) -> None: ...
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
+    def read_chunk(
+        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
+    ) -> np.ndarray: ...
     def array_exists(self, path: str) -> bool: ...
     def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None: ...
     def get_bytes(self, key: str) -> bytes | None: ...
@@ -101,7 +118,7 @@ class _LocalBackend:
 
     can_recycle = True
 
-    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool, reuse: bool = False) -> None:
+    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False) -> None:
         serializers.write_arrays_local(self.root, arrays, fsync=fsync, reuse=reuse)
 
     def rename(self, src: str, dst: str) -> bool:
@@ -112,7 +129,7 @@ class _LocalBackend:
         except OSError:
             return False
 
-    def write_shared_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool) -> None:
+    def write_shared_arrays(self, arrays: Mapping[str, Any], *, fsync: bool) -> None:
         """Content-addressed arrays that committed contexts of other writers may already hold:
         each is written under a temporary name and renamed into place, never rewritten in place,
         so a concurrent or failing writer cannot tear one that is already there."""
@@ -144,6 +161,13 @@ class _LocalBackend:
         # zarr.json is for other readers: the manifest gives shape and dtype, and the checksum
         # (verified by the caller) and the chunk's size vouch for the data.
         return serializers.read_array_local(self.root, path, shape, dtype, check_metadata=False)
+
+    def read_chunk(
+        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
+    ) -> np.ndarray:
+        return serializers.read_chunk_local(
+            self.root, path, shape, dtype, chunk_shape, index, check_metadata=False
+        )
 
     def array_exists(self, path: str) -> bool:
         return os.path.exists(os.path.join(self._path(path), "zarr.json"))
@@ -217,7 +241,7 @@ class _KvBackend:
 
     can_recycle = False
 
-    def write_arrays(self, arrays: Mapping[str, np.ndarray], *, fsync: bool, reuse: bool = False) -> None:
+    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False) -> None:
         serializers.write_arrays(self.spec, arrays, context=self.context)
 
     def rename(self, src: str, dst: str) -> bool:
@@ -227,6 +251,13 @@ class _KvBackend:
 
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.asarray(serializers.read_array(self.spec, path, shape, dtype, context=self.context))
+
+    def read_chunk(
+        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
+    ) -> np.ndarray:
+        return serializers.read_chunk(
+            self.spec, path, shape, dtype, chunk_shape, index, context=self.context
+        )
 
     def array_exists(self, path: str) -> bool:
         return self.get_bytes(f"{path}/zarr.json") is not None
@@ -297,27 +328,230 @@ class StoredContext:
     created: float
     jax_version: str
     data_dir: str
+    shardings: tuple[dict[str, Any] | None, ...] = ()  # per residual: its sharding record, if any
 
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.records)
+
+    def sharding(self, i: int) -> dict[str, Any] | None:
+        return self.shardings[i] if i < len(self.shardings) else None
 
 
 def _is_key_dtype(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedHost:
+    """A residual sharded over a mesh, on the host.
+
+    Written and read as chunks of a regular grid whose chunk shape is the shard shape (``chunks``:
+    chunk index -> block; a writer holds one per distinct shard, a reader those its devices
+    need), or, for a sharding whose shards are no such grid (fully replicated, uneven, empty),
+    as the ``whole`` array (``chunk_shape`` is then ``None``).
+
+    Attributes:
+      sharding: the manifest's record of the ``NamedSharding`` (see :func:`sharding_record`).
+      placement: on a read that could rebuild the sharding here, the ``NamedSharding`` to place
+        the array with (:func:`to_device_sharded`).
+    """
+
+    sharding: dict[str, Any]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...] | None
+    chunks: Mapping[Any, np.ndarray]  # chunk index (tuple of ints) -> block
+    whole: np.ndarray | None = None
+    placement: NamedSharding | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _spec_entry(entry: Any) -> Any:
+    """One dimension of a PartitionSpec as msgpack: None, an axis name, or a list of names."""
+    if entry is None or isinstance(entry, str):
+        return entry
+    if isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
+        return list(entry)
+    raise ValueError(f"unsupported PartitionSpec entry {entry!r}")
+
+
+def sharding_record(x: Any) -> dict[str, Any] | None:
+    """The msgpack-able record of ``x``'s sharding, if it is a ``NamedSharding`` over more than
+    one device; ``None`` otherwise (single device, other sharding types, specs with unreduced or
+    unconstrained dimensions): those arrays are stored and loaded as before."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding):
+        return None
+    if len(sharding.device_set) <= 1:
+        return None
+    mesh, spec = sharding.mesh, sharding.spec
+    if not isinstance(mesh, Mesh) or getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+        return None
+    try:
+        entries = [_spec_entry(e) for e in spec]
+    except ValueError:
+        return None
+    record: dict[str, Any] = {
+        "mesh_axis_names": [str(n) for n in mesh.axis_names],
+        "mesh_axis_sizes": [int(n) for n in mesh.devices.shape],
+        "spec": entries,
+        "device_ids": [int(d.id) for d in mesh.devices.flat],
+    }
+    axis_types = getattr(mesh, "axis_types", None)
+    if axis_types is not None:
+        record["mesh_axis_types"] = [getattr(t, "name", str(t)) for t in axis_types]
+    return record
+
+
+def _check_sharding_map(m: Any, ndim: int) -> dict[str, Any]:
+    """Validates an untrusted sharding record; raises ValueError."""
+    if not isinstance(m, dict):
+        raise ValueError("a sharding must be a map")  # noqa: TRY004 - callers catch ValueError
+    names, sizes, entries = m.get("mesh_axis_names"), m.get("mesh_axis_sizes"), m.get("spec")
+    if not (isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)):
+        raise ValueError("mesh_axis_names must be a non-empty list of str")
+    if len(set(names)) != len(names):
+        raise ValueError("mesh_axis_names has duplicates")
+    if not (
+        isinstance(sizes, list)
+        and len(sizes) == len(names)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+    ):
+        raise ValueError("mesh_axis_sizes must be one int >= 1 per axis")
+    if not isinstance(entries, list) or len(entries) > ndim:
+        raise ValueError(f"spec must be a list of at most {ndim} entries")
+    used: list[str] = []
+    for e in entries:
+        axes = [] if e is None else [e] if isinstance(e, str) else e
+        if not isinstance(axes, list) or not all(isinstance(a, str) and a in names for a in axes):
+            raise ValueError(f"spec entry {e!r} names no axis of the mesh")
+        used += axes
+    if len(set(used)) != len(used):
+        raise ValueError("spec uses a mesh axis twice")
+    ids = m.get("device_ids")
+    if ids is not None and not (
+        isinstance(ids, list)
+        and len(ids) == int(np.prod(sizes))
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
+        raise ValueError("device_ids must be one int per mesh device")
+    types = m.get("mesh_axis_types")
+    if types is not None and not (
+        isinstance(types, list) and len(types) == len(names) and all(isinstance(t, str) for t in types)
+    ):
+        raise ValueError("mesh_axis_types must be one str per axis")
+    return m
+
+
+def rebuild_sharding(record: Mapping[str, Any]) -> NamedSharding | None:
+    """The ``NamedSharding`` of a sharding record on this process's devices, or ``None`` when
+    the process has fewer devices than the mesh.
+
+    The mesh gets the recorded axis names, sizes and types. Its devices are the recorded device
+    ids when this process has all of them (the same mesh as the writer's), else the first
+    devices of ``jax.devices()`` in order.
+    """
+    names = tuple(record["mesh_axis_names"])
+    sizes = tuple(int(n) for n in record["mesh_axis_sizes"])
+    n = int(np.prod(sizes))
+    devices = jax.devices()
+    if len(devices) < n:
+        return None
+    by_id = {d.id: d for d in devices}
+    ids = record.get("device_ids")
+    if ids is not None and len(set(ids)) == n and all(i in by_id for i in ids):
+        chosen = [by_id[i] for i in ids]
+    else:
+        chosen = list(devices[:n])
+    kwargs: dict[str, Any] = {}
+    types = record.get("mesh_axis_types")
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if types is not None and axis_type is not None:
+        try:
+            kwargs["axis_types"] = tuple(axis_type[t] for t in types)
+        except KeyError:
+            pass  # a type this JAX does not know: its default
+    mesh = Mesh(np.array(chosen, dtype=object).reshape(sizes), names, **kwargs)
+    spec = PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in record["spec"]])
+    return NamedSharding(mesh, spec)
+
+
+def _chunk_index(region: Sequence[slice] | None, chunk_shape: Sequence[int]) -> tuple[int, ...]:
+    """The index of the chunk that starts where ``region`` (a shard's slices) starts."""
+    assert region is not None
+    return tuple((s.start or 0) // c for s, c in zip(region, chunk_shape))
+
+
+def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
+    """``x`` (sharded) on the host: the block of each distinct shard, copied shard by shard."""
+    shape = tuple(int(d) for d in x.shape)
+    dtype = np.dtype(x.dtype)
+    shard_shape = tuple(int(d) for d in x.sharding.shard_shape(x.shape))
+    if x.size == 0 or shard_shape == shape or any(d % c for d, c in zip(shape, shard_shape)):
+        if x.sharding.is_fully_replicated:  # any one replica is the whole array
+            whole = np.asarray(x.addressable_shards[0].data)
+        else:
+            whole = np.asarray(x)  # uneven or empty shards: no grid of blocks to write
+        return ShardedHost(record, shape, dtype, None, {}, whole)
+    if not x.is_fully_addressable:
+        raise InvalidArgumentError(
+            "a store cannot yet write an array sharded over devices of several processes"
+        )
+    chunks: dict[tuple[int, ...], np.ndarray] = {}
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            chunks[_chunk_index(shard.index, shard_shape)] = np.asarray(shard.data)
+    return ShardedHost(record, shape, dtype, shard_shape, chunks)
+
+
+def to_device_sharded(host: ShardedHost) -> jax.Array:
+    """Places a :class:`ShardedHost` read with a ``placement``: each device gets its chunk
+    (``device_put`` per device, no whole array on any one device), assembled with
+    ``jax.make_array_from_single_device_arrays``."""
+    sharding = host.placement
+    assert sharding is not None
+    if host.chunk_shape is None:
+        return jax.device_put(host.whole, sharding)
+    index_map = sharding.addressable_devices_indices_map(host.shape)
+    devices = list(index_map)
+    blocks = [host.chunks[_chunk_index(index_map[d], host.chunk_shape)] for d in devices]
+    singles = jax.device_put(blocks, devices)
+    return jax.make_array_from_single_device_arrays(host.shape, sharding, singles)
+
+
 def host_arrays(ctx: ResidualContext) -> tuple[HostArrays, list[str | None]]:
-    """The residuals as host NumPy arrays (typed keys as their key data) and each key's impl."""
-    arrays, impls = [], []
+    """The residuals on the host (typed keys as their key data) and each key's impl.
+
+    A residual sharded over several devices with a ``NamedSharding`` becomes a
+    :class:`ShardedHost` (its shards' blocks, never the gathered array); the others become NumPy
+    arrays.
+    """
+    arrays: HostArrays = []
+    impls: list[str | None] = []
     for x in ctx.residuals:
         if _is_key_dtype(x.dtype):
             impls.append(str(jax.random.key_impl(x)))
             x = jax.random.key_data(x)
         else:
             impls.append(None)
-        arrays.append(np.asarray(x))
+        record = sharding_record(x)
+        arrays.append(_sharded_host(x, record) if record is not None else np.asarray(x))
     return arrays, impls
+
+
+def _chunked_digest(host: ShardedHost) -> str:
+    """The content address of a chunked weight: a digest of its chunks' digests (and of its
+    dtype, shape and chunk shape), so equal weights sharded alike are stored once."""
+    assert host.chunk_shape is not None
+    h = xxhash.xxh3_128()
+    h.update(f"{host.dtype.str}{host.shape}{host.chunk_shape};".encode())
+    for idx in sorted(host.chunks):
+        h.update(f"{idx}={serializers.content_digest(host.chunks[idx])};".encode())
+    return h.hexdigest()
 
 
 class StaleData(NamedTuple):
@@ -327,12 +561,13 @@ class StaleData(NamedTuple):
     layout: str
 
 
-def _layout(items: Iterable[tuple[str, tuple[int, ...], str]]) -> str:
-    """A digest of (name, shape, dtype) of each intermediate array: folders of equal layout can
-    be reused for each other's writes."""
+def _layout(items: Iterable[tuple[str, tuple[int, ...], str, tuple[int, ...] | None]]) -> str:
+    """A digest of (name, shape, dtype, chunk shape) of each intermediate array: folders of equal
+    layout can be reused for each other's writes."""
     h = hashlib.sha256()
-    for name, shape, dtype in sorted(items):
-        h.update(f"{name}|{tuple(int(d) for d in shape)}|{dtype};".encode())
+    for name, shape, dtype, chunks in sorted(items, key=lambda t: (t[0], str(t[1:]))):
+        grid = "" if chunks is None else f"|{tuple(int(c) for c in chunks)}"
+        h.update(f"{name}|{tuple(int(d) for d in shape)}|{dtype}{grid};".encode())
     return h.hexdigest()[:16]
 
 
@@ -342,17 +577,24 @@ def _key_dtype(impl: str) -> Any:
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
 
 
-def _spec_to_map(spec: ResidualSpec, impls: Sequence[str | None]) -> dict[str, Any]:
-    return {
+def _spec_to_map(
+    spec: ResidualSpec, impls: Sequence[str | None], shardings: Sequence[dict[str, Any] | None] = ()
+) -> dict[str, Any]:
+    out = {
         "avals": [[list(a.shape), str(a.dtype)] for a in spec.avals],
         "names": list(spec.names),
         "input_paths": list(spec.input_paths),
         "kinds": list(spec.kinds),
         "key_impls": list(impls),
     }
+    if any(s is not None for s in shardings):  # absent when nothing is sharded: same bytes as before
+        out["shardings"] = list(shardings)
+    return out
 
 
-def _spec_from_map(signature: str, m: Mapping[str, Any], records: Sequence[Any], what: str) -> tuple[ResidualSpec, tuple[str | None, ...]]:
+def _spec_from_map(
+    signature: str, m: Mapping[str, Any], records: Sequence[Any], what: str
+) -> tuple[ResidualSpec, tuple[str | None, ...], tuple[dict[str, Any] | None, ...]]:
     try:
         n = len(records)
         avals_raw, names = m["avals"], m["names"]
@@ -372,6 +614,15 @@ def _spec_from_map(signature: str, m: Mapping[str, Any], records: Sequence[Any],
                 if dtype != record.dtype or list(shape) != list(record.shape):
                     raise ValueError(f"spec aval {dtype}{shape} disagrees with its array record")
                 avals.append(jax.ShapeDtypeStruct(tuple(shape), serializers.numpy_dtype(dtype)))
+        shardings_raw = m.get("shardings", [None] * n)
+        if not isinstance(shardings_raw, list) or len(shardings_raw) != n:
+            raise ValueError(f"shardings must be a list of {n} entries")
+        shardings = []
+        for j, (sh, record) in enumerate(zip(shardings_raw, records)):
+            try:
+                shardings.append(None if sh is None else _check_sharding_map(sh, len(record.shape)))
+            except ValueError as err:
+                raise ValueError(f"sharding of residual {j}: {err}") from None
         spec = ResidualSpec(
             signature=signature,
             avals=tuple(avals),
@@ -381,7 +632,7 @@ def _spec_from_map(signature: str, m: Mapping[str, Any], records: Sequence[Any],
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptContextError(f"{what}: invalid spec in manifest ({err})") from None
-    return spec, tuple(impls)
+    return spec, tuple(impls), tuple(shardings)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,24 +674,43 @@ class DiskTier:
         data_dir = f"data/{key}.{uuid.uuid4().hex[:12]}"
         previous = self._read_manifest_bytes(key)
         layout = _layout(
-            (str(i), x.shape, serializers.zarr_dtype_name(x.dtype))
+            (str(i), x.shape, serializers.zarr_dtype_name(x.dtype), getattr(x, "chunk_shape", None))
             for i, (x, kind) in enumerate(zip(arrays, spec.kinds))
             if kind == "intermediate"
         )
         reuse = self._claim_free(layout, data_dir)
-        to_write: dict[str, np.ndarray] = {}
+        to_write: dict[str, Any] = {}
         records = []
+        shardings: list[dict[str, Any] | None] = []
         for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
             shared = kind != "intermediate"
+            chunk_fields: dict[str, Any] = {}
+            checksum: str | None = None
+            if isinstance(x, ShardedHost):
+                shardings.append(x.sharding)
+                if x.chunk_shape is not None:
+                    chunk_sums = [(idx, serializers.checksum(c)) for idx, c in sorted(x.chunks.items())]
+                    chunk_fields = {"chunk_shape": x.chunk_shape, "chunk_checksums": chunk_sums}
+                    checksum = serializers.chunked_checksum(chunk_sums)
+                    data: Any = serializers.ChunkedArray(x.shape, x.dtype, x.chunk_shape, x.chunks)
+                    digest = _chunked_digest(x) if shared else None
+                else:
+                    assert x.whole is not None
+                    data = x.whole
+                    digest = serializers.content_digest(data) if shared else None
+            else:
+                shardings.append(None)
+                data = x
+                digest = serializers.content_digest(x) if shared else None
             if shared:
-                path = f"weights/{serializers.content_digest(x)}"
+                path = f"weights/{digest}"
                 # Checked on every write (one stat locally): gc in another process may have
                 # removed a weight that no context referenced a moment ago.
                 if path not in to_write and not self.backend.array_exists(path):
-                    to_write[path] = x
+                    to_write[path] = data
             else:
                 path = f"{data_dir}/{i}"
-                to_write[path] = x
+                to_write[path] = data
             records.append(
                 serializers.ArrayRecord(
                     name=spec.names[i],
@@ -448,9 +718,10 @@ class DiskTier:
                     shape=x.shape,
                     dtype=serializers.zarr_dtype_name(x.dtype),
                     nbytes=int(x.nbytes),
-                    checksum=serializers.checksum(x),
+                    checksum=checksum if checksum is not None else serializers.checksum(data),
                     input_path=spec.input_paths[i],
                     shared=shared,
+                    **chunk_fields,
                 )
             )
         manifest = serializers.encode_manifest(
@@ -459,17 +730,17 @@ class DiskTier:
                 "signature": spec.signature,
                 "created": time.time(),
                 "jax_version": jax.__version__,
-                "spec": _spec_to_map(spec, impls),
+                "spec": _spec_to_map(spec, impls, shardings),
                 "data_dir": data_dir,
                 "arrays": records,
             }
         )
-        shared = {p: x for p, x in to_write.items() if p.startswith("weights/")}
+        shared_arrays = {p: x for p, x in to_write.items() if p.startswith("weights/")}
         try:
             self.backend.write_arrays(
-                {p: x for p, x in to_write.items() if p not in shared}, fsync=fsync, reuse=reuse
+                {p: x for p, x in to_write.items() if p not in shared_arrays}, fsync=fsync, reuse=reuse
             )
-            self.backend.write_shared_arrays(shared, fsync=fsync)
+            self.backend.write_shared_arrays(shared_arrays, fsync=fsync)
             self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
         except (serializers.DiskFullError, OSError) as err:
             self.backend.delete_tree(data_dir)
@@ -510,11 +781,13 @@ class DiskTier:
             raise CorruptContextError(str(err)) from err
         if m["key"] != key:
             raise CorruptContextError(f"{what}: manifest names key {m['key']!r}")
-        spec, impls = _spec_from_map(m["signature"], m["spec"], records, what)
+        spec, impls, shardings = _spec_from_map(m["signature"], m["spec"], records, what)
         data_dir = m.get("data_dir")
         if not isinstance(data_dir, str) or not serializers.is_safe_relpath(data_dir):
             raise CorruptContextError(f"{what}: invalid data_dir in manifest")
-        return StoredContext(key, spec, records, impls, float(m["created"]), m["jax_version"], data_dir)
+        return StoredContext(
+            key, spec, records, impls, float(m["created"]), m["jax_version"], data_dir, shardings
+        )
 
     def stat(self, key: str) -> StoredContext:
         """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed.
@@ -537,8 +810,15 @@ class DiskTier:
                 self._stat_cache[key] = (version, stored)
         return stored
 
-    def read(self, key: str) -> tuple[StoredContext, HostArrays]:
+    def read(self, key: str, *, place: bool = True) -> tuple[StoredContext, HostArrays]:
         """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one.
+
+        Arrays come back as NumPy arrays, except, with ``place`` (the default), a sharded
+        residual whose mesh this process has the devices for (at least as many as the mesh has):
+        that one comes back as a :class:`ShardedHost` with its rebuilt ``placement``, holding only
+        the chunks this process's devices need (:func:`to_device_sharded` puts them on the
+        devices). On a process with fewer devices, or with ``place=False``, it comes back whole
+        (every chunk read and verified) as a NumPy array, to be loaded on the default device.
 
         A context replaced by another writer while it is read (its commit removes the data this
         read was reading) is read again from its new manifest: only a manifest that stays the
@@ -550,7 +830,7 @@ class DiskTier:
                 raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
             stored = self.parse_manifest(key, data)
             try:
-                return stored, self._read_arrays(key, stored)
+                return stored, self._read_arrays(key, stored, place=place)
             except CorruptContextError:
                 if self._read_manifest_bytes(key) == data:
                     raise
@@ -558,22 +838,97 @@ class DiskTier:
             f"context {key!r} was replaced {_READ_ATTEMPTS} times while being read; try again"
         )
 
-    def _read_arrays(self, key: str, stored: StoredContext) -> HostArrays:
-        """Reads and verifies the arrays, two at a time: file reads and checksums release the
-        GIL, so one array's checksum overlaps the next one's read."""
-        return list(_READ_POOL.map(lambda item: self._read_one(key, *item), enumerate(stored.records)))
+    def _read_arrays(self, key: str, stored: StoredContext, *, place: bool = False) -> HostArrays:
+        """Reads and verifies the arrays (chunk by chunk for chunked ones), two reads at a time:
+        file reads and checksums release the GIL, so one read's checksum overlaps the next."""
+        placements: list[NamedSharding | None] = []
+        by_shard: list[bool] = []  # read only the chunks of this process's devices
+        tasks: list[tuple[int, tuple[int, ...] | None, str]] = []  # (residual, chunk, checksum)
+        for i, record in enumerate(stored.records):
+            sharding = stored.sharding(i)
+            placement = self._placement(key, i, record, sharding) if place and sharding else None
+            placements.append(placement)
+            if not record.chunked:
+                by_shard.append(False)
+                tasks.append((i, None, record.checksum))
+                continue
+            assert record.chunk_shape is not None and record.chunk_checksums is not None
+            sums = dict(record.chunk_checksums)
+            # The recorded mesh and spec give shards of the chunk shape; anything else is read whole.
+            shards = placement is not None and tuple(placement.shard_shape(record.shape)) == record.chunk_shape
+            by_shard.append(shards)
+            if shards:
+                assert placement is not None
+                index_map = placement.addressable_devices_indices_map(record.shape)
+                wanted = sorted({_chunk_index(r, record.chunk_shape) for r in index_map.values()})
+            else:
+                wanted = list(sums)
+            tasks += [(i, idx, sums[idx]) for idx in wanted]
+        results = list(_READ_POOL.map(lambda t: self._read_one(key, t[0], stored.records[t[0]], *t[1:]), tasks))
+        pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
+        for (i, idx, _), x in zip(tasks, results):
+            pieces.setdefault(i, {})[idx] = x
+        out: HostArrays = []
+        for i, record in enumerate(stored.records):
+            got, placement, sharding = pieces.get(i, {}), placements[i], stored.sharding(i)
+            dtype = serializers.numpy_dtype(record.dtype)
+            if by_shard[i]:
+                assert sharding is not None and record.chunk_shape is not None
+                out.append(ShardedHost(sharding, record.shape, dtype, record.chunk_shape, got, None, placement))
+                continue
+            if record.chunked:  # every chunk, into one array
+                assert record.chunk_shape is not None
+                whole = serializers.aligned_empty(record.shape, dtype)
+                for idx, chunk in got.items():
+                    assert idx is not None
+                    whole[serializers.chunk_region(idx, record.chunk_shape)] = chunk
+            else:
+                whole = got[None]
+            if placement is None:
+                out.append(whole)
+            else:
+                assert sharding is not None
+                out.append(ShardedHost(sharding, record.shape, dtype, None, {}, whole, placement))
+        return out
 
-    def _read_one(self, key: str, i: int, record: serializers.ArrayRecord) -> np.ndarray:
-        what = f"context {key!r}, residual {i} ({record.name}) at {record.path}"
+    @staticmethod
+    def _placement(
+        key: str, i: int, record: serializers.ArrayRecord, sharding: Mapping[str, Any]
+    ) -> NamedSharding | None:
         try:
-            x = self.backend.read_array(record.path, record.shape, record.dtype)
+            return rebuild_sharding(sharding)
+        except Exception as err:  # JAX raises several types for a bad mesh or spec
+            raise CorruptContextError(
+                f"context {key!r}, residual {i} ({record.name}): cannot rebuild its sharding "
+                f"{sharding} on this process's devices ({type(err).__name__}: {err})"
+            ) from err
+
+    def _read_one(
+        self,
+        key: str,
+        i: int,
+        record: serializers.ArrayRecord,
+        chunk: tuple[int, ...] | None = None,
+        expected: str | None = None,
+    ) -> np.ndarray:
+        what = f"context {key!r}, residual {i} ({record.name}) at {record.path}"
+        if chunk is not None:
+            what += f", chunk {serializers.chunk_index_key(chunk)}"
+        try:
+            if chunk is None:
+                x = self.backend.read_array(record.path, record.shape, record.dtype)
+            else:
+                assert record.chunk_shape is not None
+                x = self.backend.read_chunk(record.path, record.shape, record.dtype, record.chunk_shape, chunk)
         except (serializers.CorruptDataError, serializers.UnsupportedDTypeError) as err:
             # the serializers name only the array: say which context and residual it is
             raise CorruptContextError(f"{what}: {err}") from err
         except (OSError, ValueError) as err:
             raise CorruptContextError(f"{what}: unreadable ({err})") from err
+        if expected is None:
+            expected = record.checksum if chunk is None else dict(record.chunk_checksums or ())[chunk]
         try:
-            serializers.verify(x, record.checksum, what=what)
+            serializers.verify(x, expected, what=what)
         except serializers.CorruptDataError as err:
             raise CorruptContextError(str(err)) from err
         return x
@@ -599,7 +954,9 @@ class DiskTier:
             return None
         prefix = data_dir + "/"
         layout = _layout(
-            (r.path[len(prefix) :], tuple(r.shape), r.dtype) for r in records if r.path.startswith(prefix)
+            (r.path[len(prefix) :], tuple(r.shape), r.dtype, r.chunk_shape)
+            for r in records
+            if r.path.startswith(prefix)
         )
         return StaleData(data_dir, layout)
 

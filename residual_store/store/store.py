@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 import serializers
-from residual_store.backward import lookup_backward, register_backward
+from residual_store.backward import Backward, lookup_backward, register_backward
 from residual_store.context import ResidualContext
 from residual_store.errors import (
     BackwardUnavailableError,
@@ -25,7 +25,7 @@ from residual_store.errors import (
     StoreFullError,
 )
 from residual_store.export import export_backward, load_backward
-from residual_store.store.disk import DiskTier, host_arrays
+from residual_store.store.disk import DiskTier, ShardedHost, host_arrays, to_device_sharded
 from residual_store.store.io import Loader, Writer
 from residual_store.store.keys import new_key, validate_key
 from residual_store.store.tiers import MemoryTier, intermediate_nbytes, to_device, to_host
@@ -35,6 +35,61 @@ __all__ = ["Store"]
 StorePath = str | os.PathLike[str] | Mapping[str, Any] | None
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
+
+
+def _explicit_mesh(ctx: ResidualContext) -> Any:
+    """The mesh of a residual sharded over a mesh with explicit axis types, if any."""
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    for x in ctx.residuals:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and explicit in tuple(
+            getattr(sharding.mesh, "axis_types", ()) or ()
+        ):
+            return sharding.mesh
+    return None
+
+
+def _export_in_mesh(bwd: Backward, ctx: ResidualContext) -> bytes:
+    """``export_backward``; a backward over residuals sharded with explicit axis types traces
+    only inside their mesh, so if the export fails for one, it is tried again under
+    ``jax.set_mesh`` of their mesh (the artifact is then for that mesh's device count)."""
+    try:
+        return export_backward(bwd, ctx.spec.avals)
+    except BackwardUnavailableError:
+        mesh = _explicit_mesh(ctx)
+        set_mesh = getattr(jax, "set_mesh", None)
+        if mesh is None or set_mesh is None:
+            raise
+        with set_mesh(mesh):
+            return export_backward(bwd, ctx.spec.avals)
+
+
+def _exported_device_count(data: bytes) -> int:
+    """How many devices a serialized backward was exported for (``Exported.nr_devices``).
+
+    A backward exported for one device (the usual case: ``jax.export`` of plain avals) runs on
+    sharded residuals over any number of devices too; one exported for N > 1 devices (a backward
+    with sharding constraints, or traced under a mesh with explicit axis types) needs N devices.
+    """
+    try:
+        return int(jax.export.deserialize(bytearray(data)).nr_devices)
+    except Exception:  # noqa: BLE001 - load_backward already accepted these bytes
+        return 1
+
+
+def _unavailable_backward(bwd: Backward, reason: str) -> Backward:
+    """A backward of ``bwd``'s signature and structures that raises BackwardUnavailableError."""
+
+    def flat_fn(residuals: Any, cotangents: Any) -> Any:
+        raise BackwardUnavailableError(reason)
+
+    return Backward(
+        signature=bwd.signature,
+        flat_fn=flat_fn,
+        out_tree=bwd.out_tree,
+        out_avals=bwd.out_avals,
+        grad_tree=bwd.grad_tree,
+    )
 
 
 class Store:
@@ -82,7 +137,7 @@ class Store:
         self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
         self._backwards_seen: set[str] = set()
-        self._weights: dict[str, weakref.ref[Any]] = {}
+        self._weights: dict[Any, weakref.ref[Any]] = {}  # path (and sharding) -> live weight
         self._writer = Writer(max_pending_bytes) if self._disk is not None else None
         self._loader = Loader()
         self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
@@ -248,7 +303,7 @@ class Store:
         if bwd is None:
             return
         try:
-            data = export_backward(bwd, ctx.spec.avals)
+            data = _export_in_mesh(bwd, ctx)
         except BackwardUnavailableError as err:
             warnings.warn(
                 f"{err}. The context is stored; only processes that define the function can "
@@ -333,9 +388,14 @@ class Store:
     def _load_and_promote(self, key: str) -> ResidualContext:
         if self._disk is None:
             raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
-        stored, arrays = self._disk.read(key)
+        stored, arrays = self._disk.read(key)  # sharded residuals: only this process's chunks
         own = [i for i, r in enumerate(stored.records) if not r.shared]
-        placed = dict(zip(own, jax.device_put([arrays[i] for i in own])))  # one call, zero-copy on CPU
+        plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
+        placed = dict(zip(plain, jax.device_put([arrays[i] for i in plain])))  # one call, zero-copy on CPU
+        for i in own:  # sharded: each device gets its own chunk, with the recorded sharding
+            host = arrays[i]
+            if isinstance(host, ShardedHost):
+                placed[i] = to_device_sharded(host)
         residuals = []
         for i, (record, impl) in enumerate(zip(stored.records, stored.key_impls)):
             x = placed[i] if i in placed else self._shared_array(record.path, arrays[i])
@@ -352,14 +412,15 @@ class Store:
             self._schedule_write(*write)
         return ctx
 
-    def _shared_array(self, path: str, x: np.ndarray) -> jax.Array:
-        """One device array per stored weight while any loaded context holds it."""
+    def _shared_array(self, path: str, x: np.ndarray | ShardedHost) -> jax.Array:
+        """One device array per stored weight (and sharding) while any loaded context holds it."""
+        cache_key: Any = (path, x.placement) if isinstance(x, ShardedHost) else path
         with self._lock:
-            ref = self._weights.get(path)
+            ref = self._weights.get(cache_key)
             live = ref() if ref is not None else None
             if live is None:
-                live = jax.device_put(x)
-                self._weights[path] = weakref.ref(live)
+                live = to_device_sharded(x) if isinstance(x, ShardedHost) else jax.device_put(x)
+                self._weights[cache_key] = weakref.ref(live)
             return live
 
     def _ensure_backward(self, signature: str) -> None:
@@ -375,7 +436,17 @@ class Store:
             serializers.verify(np.frombuffer(data, np.uint8), m.get("checksum"), what=what)
         except serializers.CorruptDataError as err:
             raise CorruptContextError(str(err)) from err
-        register_backward(load_backward(data, signature))
+        bwd = load_backward(data, signature)
+        needed = _exported_device_count(data)
+        if needed > jax.device_count():
+            bwd = _unavailable_backward(
+                bwd,
+                f"the stored backward of signature {signature} was exported for {needed} devices "
+                f"(its avals or sharding constraints name a mesh of that size, e.g. explicit axis types), "
+                f"and this process has {jax.device_count()}: run it where that many devices exist, "
+                "or make the context with rs.split in this process",
+            )
+        register_backward(bwd)
 
     def prefetch(self, key: str) -> None:
         """Starts bringing ``key`` to the device in the background; the next ``get`` takes it.
