@@ -190,7 +190,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_du(args: argparse.Namespace) -> int:
-    from residual_store.store.disk import StoredContext
+    from residual_store.store.records import StoredContext
 
     disk = _open_disk(args.path)
     per_sig: dict[str, dict[str, int]] = {}

@@ -28,7 +28,7 @@ import numpy as np
 from residual_store import _jax_internals
 from residual_store.backward import Backward, register_backward
 from residual_store.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
-from residual_store.context import ResidualContext, ResidualKind, ResidualSpec
+from residual_store.context import ResidualContext, ResidualSpec
 from residual_store.errors import (
     InvalidArgumentError,
     RecomputeWarning,
@@ -276,7 +276,6 @@ class Split:
                     "differentiated: only floating inputs can be in argnums (pass integer tokens, "
                     "PRNG keys and masks as other positional arguments)"
                 )
-        diff_set = set(diff_idx)
         static_pairs = list(zip(self.static_argnums, statics))
 
         def full_args(flat: Sequence[Any]) -> list[Any]:

@@ -32,607 +32,46 @@ the same sharding record.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import functools
-import hashlib
 import os
-import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import jax
 import numpy as np
-import tensorstore as ts
-import xxhash
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 import serializers
-from residual_store.context import ResidualContext, ResidualSpec
-from residual_store.errors import (
-    ContextNotFoundError,
-    CorruptContextError,
-    InvalidArgumentError,
-    StoreFullError,
+from residual_store.context import ResidualSpec
+from residual_store.errors import ContextNotFoundError, CorruptContextError, StoreFullError
+from residual_store.store.backends import open_backend
+from residual_store.store.records import (
+    HostArrays,
+    ShardedHost,
+    StaleData,
+    StoredContext,
+    chunk_index,
+    chunked_digest,
+    layout_digest,
+    rebuild_sharding,
+    spec_from_map,
+    spec_to_map,
 )
 
-__all__ = ["DiskTier", "StoredContext", "StaleData", "HostArrays", "ShardedHost", "to_device_sharded"]
+__all__ = ["DiskTier", "STORE_MARKER"]
 
 STORE_MARKER = "residual-store.json"
 STORE_FORMAT = b'{"format": "residual-store", "version": 1}\n'
-_KEY_DTYPE_PREFIX = "key<"
-
-HostArrays = list["np.ndarray | ShardedHost"]
 
 _FREE_DIR = "data/.free"
 _MAX_FREE_PER_LAYOUT = 64
 _READ_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
 _READ_ATTEMPTS = 8
-
-
-# ----------------------------------------------------------------------------------------------
-# Backends: the few byte- and array-level operations the tier needs, on a folder or a kvstore.
-
-
-class _Backend(Protocol):
-    description: str
-
-    can_recycle: bool
-
-    # values: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard)
-    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False) -> None: ...
-    def rename(self, src: str, dst: str) -> bool: ...
-    def write_shared_arrays(self, arrays: Mapping[str, Any], *, fsync: bool) -> None: ...
-    def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
-    def read_chunk(
-        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
-    ) -> np.ndarray: ...
-    def array_exists(self, path: str) -> bool: ...
-    def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None: ...
-    def get_bytes(self, key: str) -> bytes | None: ...
-    def list_dir(self, prefix: str) -> list[str]: ...
-    def delete(self, key: str) -> None: ...
-    def delete_tree(self, prefix: str) -> None: ...
-    def age_seconds(self, prefix: str) -> float | None: ...
-    def version(self, key: str) -> Any | None: ...
-
-
-class _LocalBackend:
-    """A local folder: the serializers' fast path, atomic renames, fsync."""
-
-    def __init__(self, root: str) -> None:
-        self.root = os.path.abspath(root)
-        self.description = self.root
-        os.makedirs(self.root, exist_ok=True)
-
-    def _path(self, key: str) -> str:
-        path = os.path.normpath(os.path.join(self.root, *key.split("/")))
-        if path != self.root and not path.startswith(self.root + os.sep):
-            raise ValueError(f"refusing a path outside the store: {key!r}")
-        return path
-
-    can_recycle = True
-
-    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False) -> None:
-        serializers.write_arrays_local(self.root, arrays, fsync=fsync, reuse=reuse)
-
-    def rename(self, src: str, dst: str) -> bool:
-        try:
-            os.makedirs(os.path.dirname(self._path(dst)), exist_ok=True)
-            os.rename(self._path(src), self._path(dst))
-            return True
-        except OSError:
-            return False
-
-    def write_shared_arrays(self, arrays: Mapping[str, Any], *, fsync: bool) -> None:
-        """Content-addressed arrays that committed contexts of other writers may already hold:
-        each is written under a temporary name and renamed into place, never rewritten in place,
-        so a concurrent or failing writer cannot tear one that is already there."""
-        if not arrays:
-            return
-        temps = {f"{path}.{uuid.uuid4().hex[:12]}.tmp": path for path in arrays}
-        serializers.write_arrays_local(self.root, {t: arrays[p] for t, p in temps.items()}, fsync=fsync)
-        for temp, path in temps.items():
-            try:
-                os.rename(self._path(temp), self._path(path))
-            except OSError as err:
-                if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    for t in temps:
-                        shutil.rmtree(self._path(t), ignore_errors=True)
-                    raise
-                if not self.array_exists(path):  # a torn leftover, not a committed array
-                    shutil.rmtree(self._path(path), ignore_errors=True)
-                    try:
-                        os.rename(self._path(temp), self._path(path))
-                        continue
-                    except OSError:
-                        pass
-                shutil.rmtree(self._path(temp), ignore_errors=True)  # the same bytes are there
-        if fsync:
-            for folder in {os.path.dirname(self._path(p)) for p in arrays}:
-                _fsync_dir(folder)
-
-    def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        # zarr.json is for other readers: the manifest gives shape and dtype, and the checksum
-        # (verified by the caller) and the chunk's size vouch for the data.
-        return serializers.read_array_local(self.root, path, shape, dtype, check_metadata=False)
-
-    def read_chunk(
-        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
-    ) -> np.ndarray:
-        return serializers.read_chunk_local(
-            self.root, path, shape, dtype, chunk_shape, index, check_metadata=False
-        )
-
-    def array_exists(self, path: str) -> bool:
-        return os.path.exists(os.path.join(self._path(path), "zarr.json"))
-
-    def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None:
-        final = self._path(key)
-        folder = os.path.dirname(final)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{os.path.basename(final)}.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            _remove_quietly(tmp)
-            raise
-        if fsync:
-            _fsync_dir(folder)
-
-    def get_bytes(self, key: str) -> bytes | None:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def list_dir(self, prefix: str) -> list[str]:
-        try:
-            return sorted(n for n in os.listdir(self._path(prefix)) if not n.startswith("."))
-        except FileNotFoundError:
-            return []
-
-    def delete(self, key: str) -> None:
-        _remove_quietly(self._path(key))
-
-    def delete_tree(self, prefix: str) -> None:
-        shutil.rmtree(self._path(prefix), ignore_errors=True)
-
-    def age_seconds(self, prefix: str) -> float | None:
-        try:
-            return time.time() - os.stat(self._path(prefix)).st_mtime
-        except FileNotFoundError:
-            return None
-
-    def version(self, key: str) -> Any | None:
-        try:
-            st = os.stat(self._path(key))
-        except FileNotFoundError:
-            return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-class _KvBackend:
-    """Any tensorstore kvstore spec (``memory``, ``file`` with options, ``gcs``, ``s3``)."""
-
-    def __init__(self, spec: Mapping[str, Any]) -> None:
-        self.spec = dict(spec)
-        self.description = repr(self.spec)
-        self.context = serializers.default_context()
-        self.kv = ts.KvStore.open(self._with_slash(self.spec), context=self.context).result()
-
-    @staticmethod
-    def _with_slash(spec: dict[str, Any]) -> dict[str, Any]:
-        path = spec.get("path", "")
-        if path and not path.endswith("/"):
-            spec = {**spec, "path": path + "/"}
-        return spec
-
-    can_recycle = False
-
-    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False) -> None:
-        serializers.write_arrays(self.spec, arrays, context=self.context)
-
-    def rename(self, src: str, dst: str) -> bool:
-        return False  # kvstores have no atomic rename of a prefix
-
-    write_shared_arrays = write_arrays  # no rename on kvstores; content-addressed, same bytes
-
-    def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        return np.asarray(serializers.read_array(self.spec, path, shape, dtype, context=self.context))
-
-    def read_chunk(
-        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
-    ) -> np.ndarray:
-        return serializers.read_chunk(
-            self.spec, path, shape, dtype, chunk_shape, index, context=self.context
-        )
-
-    def array_exists(self, path: str) -> bool:
-        return self.get_bytes(f"{path}/zarr.json") is not None
-
-    def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None:
-        self.kv.write(key, data).result()
-
-    def get_bytes(self, key: str) -> bytes | None:
-        result = self.kv.read(key).result()
-        return bytes(result.value) if result.state == "value" else None
-
-    def list_dir(self, prefix: str) -> list[str]:
-        prefix = prefix.rstrip("/") + "/"
-        end = prefix[:-1] + chr(ord("/") + 1)
-        keys = self.kv.list(ts.KvStore.KeyRange(prefix, end)).result()
-        names = {k.decode()[len(prefix) :].split("/", 1)[0] for k in keys}
-        return sorted(n for n in names if n and not n.startswith("."))
-
-    def delete(self, key: str) -> None:
-        self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
-
-    def delete_tree(self, prefix: str) -> None:
-        prefix = prefix.rstrip("/") + "/"
-        self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord("/") + 1))).result()
-
-    def age_seconds(self, prefix: str) -> float | None:
-        return None  # kvstores have no portable mtime: gc only removes with older_than=0
-
-    def version(self, key: str) -> Any | None:
-        return None  # no cheap version: manifests are read each time
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def open_backend(path: str | os.PathLike[str] | Mapping[str, Any]) -> _Backend:
-    """A backend for a folder path or a tensorstore kvstore spec."""
-    if isinstance(path, Mapping):
-        root = serializers.local_root(path)
-        return _LocalBackend(root) if root is not None else _KvBackend(path)
-    return _LocalBackend(os.fspath(path))
-
-
-# ----------------------------------------------------------------------------------------------
-# Contexts <-> records
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredContext:
-    """A validated manifest: the context's spec and where each of its arrays is."""
-
-    key: str
-    spec: ResidualSpec
-    records: tuple[serializers.ArrayRecord, ...]
-    key_impls: tuple[str | None, ...]
-    created: float
-    jax_version: str
-    data_dir: str
-    shardings: tuple[dict[str, Any] | None, ...] = ()  # per residual: its sharding record, if any
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.records)
-
-    def sharding(self, i: int) -> dict[str, Any] | None:
-        return self.shardings[i] if i < len(self.shardings) else None
-
-
-def _is_key_dtype(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ShardedHost:
-    """A residual sharded over a mesh, on the host.
-
-    Written and read as chunks of a regular grid whose chunk shape is the shard shape (``chunks``:
-    chunk index -> block; a writer holds one per distinct shard, a reader those its devices
-    need), or, for a sharding whose shards are no such grid (fully replicated, uneven, empty),
-    as the ``whole`` array (``chunk_shape`` is then ``None``).
-
-    Attributes:
-      sharding: the manifest's record of the ``NamedSharding`` (see :func:`sharding_record`).
-      placement: on a read that could rebuild the sharding here, the ``NamedSharding`` to place
-        the array with (:func:`to_device_sharded`).
-    """
-
-    sharding: dict[str, Any]
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    chunk_shape: tuple[int, ...] | None
-    chunks: Mapping[Any, np.ndarray]  # chunk index (tuple of ints) -> block
-    whole: np.ndarray | None = None
-    placement: NamedSharding | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-
-def _spec_entry(entry: Any) -> Any:
-    """One dimension of a PartitionSpec as msgpack: None, an axis name, or a list of names."""
-    if entry is None or isinstance(entry, str):
-        return entry
-    if isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
-        return list(entry)
-    raise ValueError(f"unsupported PartitionSpec entry {entry!r}")
-
-
-def sharding_record(x: Any) -> dict[str, Any] | None:
-    """The msgpack-able record of ``x``'s sharding, if it is a ``NamedSharding`` over more than
-    one device; ``None`` otherwise (single device, other sharding types, specs with unreduced or
-    unconstrained dimensions): those arrays are stored and loaded as before."""
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding):
-        return None
-    if len(sharding.device_set) <= 1:
-        return None
-    mesh, spec = sharding.mesh, sharding.spec
-    if not isinstance(mesh, Mesh) or getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
-        return None
-    try:
-        entries = [_spec_entry(e) for e in spec]
-    except ValueError:
-        return None
-    record: dict[str, Any] = {
-        "mesh_axis_names": [str(n) for n in mesh.axis_names],
-        "mesh_axis_sizes": [int(n) for n in mesh.devices.shape],
-        "spec": entries,
-        "device_ids": [int(d.id) for d in mesh.devices.flat],
-    }
-    axis_types = getattr(mesh, "axis_types", None)
-    if axis_types is not None:
-        record["mesh_axis_types"] = [getattr(t, "name", str(t)) for t in axis_types]
-    return record
-
-
-def _check_sharding_map(m: Any, ndim: int) -> dict[str, Any]:
-    """Validates an untrusted sharding record; raises ValueError."""
-    if not isinstance(m, dict):
-        raise ValueError("a sharding must be a map")  # noqa: TRY004 - callers catch ValueError
-    names, sizes, entries = m.get("mesh_axis_names"), m.get("mesh_axis_sizes"), m.get("spec")
-    if not (isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)):
-        raise ValueError("mesh_axis_names must be a non-empty list of str")
-    if len(set(names)) != len(names):
-        raise ValueError("mesh_axis_names has duplicates")
-    if not (
-        isinstance(sizes, list)
-        and len(sizes) == len(names)
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
-    ):
-        raise ValueError("mesh_axis_sizes must be one int >= 1 per axis")
-    if not isinstance(entries, list) or len(entries) > ndim:
-        raise ValueError(f"spec must be a list of at most {ndim} entries")
-    used: list[str] = []
-    for e in entries:
-        axes = [] if e is None else [e] if isinstance(e, str) else e
-        if not isinstance(axes, list) or not all(isinstance(a, str) and a in names for a in axes):
-            raise ValueError(f"spec entry {e!r} names no axis of the mesh")
-        used += axes
-    if len(set(used)) != len(used):
-        raise ValueError("spec uses a mesh axis twice")
-    ids = m.get("device_ids")
-    if ids is not None and not (
-        isinstance(ids, list)
-        and len(ids) == int(np.prod(sizes))
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-    ):
-        raise ValueError("device_ids must be one int per mesh device")
-    types = m.get("mesh_axis_types")
-    if types is not None and not (
-        isinstance(types, list) and len(types) == len(names) and all(isinstance(t, str) for t in types)
-    ):
-        raise ValueError("mesh_axis_types must be one str per axis")
-    return m
-
-
-def rebuild_sharding(record: Mapping[str, Any]) -> NamedSharding | None:
-    """The ``NamedSharding`` of a sharding record on this process's devices, or ``None`` when
-    the process has fewer devices than the mesh.
-
-    The mesh gets the recorded axis names, sizes and types. Its devices are the recorded device
-    ids when this process has all of them (the same mesh as the writer's), else the first
-    devices of ``jax.devices()`` in order.
-    """
-    names = tuple(record["mesh_axis_names"])
-    sizes = tuple(int(n) for n in record["mesh_axis_sizes"])
-    n = int(np.prod(sizes))
-    devices = jax.devices()
-    if len(devices) < n:
-        return None
-    by_id = {d.id: d for d in devices}
-    ids = record.get("device_ids")
-    if ids is not None and len(set(ids)) == n and all(i in by_id for i in ids):
-        chosen = [by_id[i] for i in ids]
-    else:
-        chosen = list(devices[:n])
-    kwargs: dict[str, Any] = {}
-    types = record.get("mesh_axis_types")
-    axis_type = getattr(jax.sharding, "AxisType", None)
-    if types is not None and axis_type is not None:
-        try:
-            kwargs["axis_types"] = tuple(axis_type[t] for t in types)
-        except KeyError:
-            pass  # a type this JAX does not know: its default
-    mesh = Mesh(np.array(chosen, dtype=object).reshape(sizes), names, **kwargs)
-    spec = PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in record["spec"]])
-    return NamedSharding(mesh, spec)
-
-
-def _chunk_index(region: Sequence[slice] | None, chunk_shape: Sequence[int]) -> tuple[int, ...]:
-    """The index of the chunk that starts where ``region`` (a shard's slices) starts."""
-    assert region is not None
-    return tuple((s.start or 0) // c for s, c in zip(region, chunk_shape))
-
-
-def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
-    """``x`` (sharded) on the host: the block of each distinct shard, copied shard by shard."""
-    shape = tuple(int(d) for d in x.shape)
-    dtype = np.dtype(x.dtype)
-    shard_shape = tuple(int(d) for d in x.sharding.shard_shape(x.shape))
-    if x.size == 0 or shard_shape == shape or any(d % c for d, c in zip(shape, shard_shape)):
-        if x.sharding.is_fully_replicated:  # any one replica is the whole array
-            whole = np.asarray(x.addressable_shards[0].data)
-        else:
-            whole = np.asarray(x)  # uneven or empty shards: no grid of blocks to write
-        return ShardedHost(record, shape, dtype, None, {}, whole)
-    if not x.is_fully_addressable:
-        raise InvalidArgumentError(
-            "a store cannot yet write an array sharded over devices of several processes"
-        )
-    chunks: dict[tuple[int, ...], np.ndarray] = {}
-    for shard in x.addressable_shards:
-        if shard.replica_id == 0:
-            chunks[_chunk_index(shard.index, shard_shape)] = np.asarray(shard.data)
-    return ShardedHost(record, shape, dtype, shard_shape, chunks)
-
-
-def to_device_sharded(host: ShardedHost) -> jax.Array:
-    """Places a :class:`ShardedHost` read with a ``placement``: each device gets its chunk
-    (``device_put`` per device, no whole array on any one device), assembled with
-    ``jax.make_array_from_single_device_arrays``."""
-    sharding = host.placement
-    assert sharding is not None
-    if host.chunk_shape is None:
-        return jax.device_put(host.whole, sharding)
-    index_map = sharding.addressable_devices_indices_map(host.shape)
-    devices = list(index_map)
-    blocks = [host.chunks[_chunk_index(index_map[d], host.chunk_shape)] for d in devices]
-    singles = jax.device_put(blocks, devices)
-    return jax.make_array_from_single_device_arrays(host.shape, sharding, singles)
-
-
-def host_arrays(ctx: ResidualContext) -> tuple[HostArrays, list[str | None]]:
-    """The residuals on the host (typed keys as their key data) and each key's impl.
-
-    A residual sharded over several devices with a ``NamedSharding`` becomes a
-    :class:`ShardedHost` (its shards' blocks, never the gathered array); the others become NumPy
-    arrays.
-    """
-    arrays: HostArrays = []
-    impls: list[str | None] = []
-    for x in ctx.residuals:
-        if _is_key_dtype(x.dtype):
-            impls.append(str(jax.random.key_impl(x)))
-            x = jax.random.key_data(x)
-        else:
-            impls.append(None)
-        record = sharding_record(x)
-        arrays.append(_sharded_host(x, record) if record is not None else np.asarray(x))
-    return arrays, impls
-
-
-def _chunked_digest(host: ShardedHost) -> str:
-    """The content address of a chunked weight: a digest of its chunks' digests (and of its
-    dtype, shape and chunk shape), so equal weights sharded alike are stored once."""
-    assert host.chunk_shape is not None
-    h = xxhash.xxh3_128()
-    h.update(f"{host.dtype.str}{host.shape}{host.chunk_shape};".encode())
-    for idx in sorted(host.chunks):
-        h.update(f"{idx}={serializers.content_digest(host.chunks[idx])};".encode())
-    return h.hexdigest()
-
-
-class StaleData(NamedTuple):
-    """A data folder no manifest references any more, and its layout (for reuse)."""
-
-    data_dir: str
-    layout: str
-
-
-def _layout(items: Iterable[tuple[str, tuple[int, ...], str, tuple[int, ...] | None]]) -> str:
-    """A digest of (name, shape, dtype, chunk shape) of each intermediate array: folders of equal
-    layout can be reused for each other's writes."""
-    h = hashlib.sha256()
-    for name, shape, dtype, chunks in sorted(items, key=lambda t: (t[0], str(t[1:]))):
-        grid = "" if chunks is None else f"|{tuple(int(c) for c in chunks)}"
-        h.update(f"{name}|{tuple(int(d) for d in shape)}|{dtype}{grid};".encode())
-    return h.hexdigest()[:16]
-
-
-@functools.cache
-def _key_dtype(impl: str) -> Any:
-    """The typed key dtype of a PRNG implementation, by tracing only (no device dispatch)."""
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-
-
-def _spec_to_map(
-    spec: ResidualSpec, impls: Sequence[str | None], shardings: Sequence[dict[str, Any] | None] = ()
-) -> dict[str, Any]:
-    out = {
-        "avals": [[list(a.shape), str(a.dtype)] for a in spec.avals],
-        "names": list(spec.names),
-        "input_paths": list(spec.input_paths),
-        "kinds": list(spec.kinds),
-        "key_impls": list(impls),
-    }
-    if any(s is not None for s in shardings):  # absent when nothing is sharded: same bytes as before
-        out["shardings"] = list(shardings)
-    return out
-
-
-def _spec_from_map(
-    signature: str, m: Mapping[str, Any], records: Sequence[Any], what: str
-) -> tuple[ResidualSpec, tuple[str | None, ...], tuple[dict[str, Any] | None, ...]]:
-    try:
-        n = len(records)
-        avals_raw, names = m["avals"], m["names"]
-        input_paths, kinds, impls = m["input_paths"], m["kinds"], m["key_impls"]
-        if not all(isinstance(v, list) and len(v) == n for v in (avals_raw, names, input_paths, kinds, impls)):
-            raise ValueError(f"spec lists must all have {n} entries")
-        if any(k not in ("input", "constant", "intermediate") for k in kinds):
-            raise ValueError(f"unknown residual kinds {sorted(set(kinds))}")
-        avals = []
-        for (shape, dtype), impl, record in zip(avals_raw, impls, records):
-            if impl is not None:
-                key_dtype = _key_dtype(impl)
-                if str(key_dtype) != dtype:
-                    raise ValueError(f"key dtype {dtype} does not match impl {impl}")
-                avals.append(jax.ShapeDtypeStruct(tuple(shape), key_dtype))
-            else:
-                if dtype != record.dtype or list(shape) != list(record.shape):
-                    raise ValueError(f"spec aval {dtype}{shape} disagrees with its array record")
-                avals.append(jax.ShapeDtypeStruct(tuple(shape), serializers.numpy_dtype(dtype)))
-        shardings_raw = m.get("shardings", [None] * n)
-        if not isinstance(shardings_raw, list) or len(shardings_raw) != n:
-            raise ValueError(f"shardings must be a list of {n} entries")
-        shardings = []
-        for j, (sh, record) in enumerate(zip(shardings_raw, records)):
-            try:
-                shardings.append(None if sh is None else _check_sharding_map(sh, len(record.shape)))
-            except ValueError as err:
-                raise ValueError(f"sharding of residual {j}: {err}") from None
-        spec = ResidualSpec(
-            signature=signature,
-            avals=tuple(avals),
-            names=tuple(str(s) for s in names),
-            input_paths=tuple(p if p is None else str(p) for p in input_paths),
-            kinds=tuple(kinds),
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise CorruptContextError(f"{what}: invalid spec in manifest ({err})") from None
-    return spec, tuple(impls), tuple(shardings)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -673,7 +112,7 @@ class DiskTier:
         """
         data_dir = f"data/{key}.{uuid.uuid4().hex[:12]}"
         previous = self._read_manifest_bytes(key)
-        layout = _layout(
+        layout = layout_digest(
             (str(i), x.shape, serializers.zarr_dtype_name(x.dtype), getattr(x, "chunk_shape", None))
             for i, (x, kind) in enumerate(zip(arrays, spec.kinds))
             if kind == "intermediate"
@@ -693,7 +132,7 @@ class DiskTier:
                     chunk_fields = {"chunk_shape": x.chunk_shape, "chunk_checksums": chunk_sums}
                     checksum = serializers.chunked_checksum(chunk_sums)
                     data: Any = serializers.ChunkedArray(x.shape, x.dtype, x.chunk_shape, x.chunks)
-                    digest = _chunked_digest(x) if shared else None
+                    digest = chunked_digest(x) if shared else None
                 else:
                     assert x.whole is not None
                     data = x.whole
@@ -730,7 +169,7 @@ class DiskTier:
                 "signature": spec.signature,
                 "created": time.time(),
                 "jax_version": jax.__version__,
-                "spec": _spec_to_map(spec, impls, shardings),
+                "spec": spec_to_map(spec, impls, shardings),
                 "data_dir": data_dir,
                 "arrays": records,
             }
@@ -781,7 +220,7 @@ class DiskTier:
             raise CorruptContextError(str(err)) from err
         if m["key"] != key:
             raise CorruptContextError(f"{what}: manifest names key {m['key']!r}")
-        spec, impls, shardings = _spec_from_map(m["signature"], m["spec"], records, what)
+        spec, impls, shardings = spec_from_map(m["signature"], m["spec"], records, what)
         data_dir = m.get("data_dir")
         if not isinstance(data_dir, str) or not serializers.is_safe_relpath(data_dir):
             raise CorruptContextError(f"{what}: invalid data_dir in manifest")
@@ -860,7 +299,7 @@ class DiskTier:
             if shards:
                 assert placement is not None
                 index_map = placement.addressable_devices_indices_map(record.shape)
-                wanted = sorted({_chunk_index(r, record.chunk_shape) for r in index_map.values()})
+                wanted = sorted({chunk_index(r, record.chunk_shape) for r in index_map.values()})
             else:
                 wanted = list(sums)
             tasks += [(i, idx, sums[idx]) for idx in wanted]
@@ -953,7 +392,7 @@ class DiskTier:
         if not (isinstance(data_dir, str) and serializers.is_safe_relpath(data_dir) and data_dir.startswith("data/")):
             return None
         prefix = data_dir + "/"
-        layout = _layout(
+        layout = layout_digest(
             (r.path[len(prefix) :], tuple(r.shape), r.dtype, r.chunk_shape)
             for r in records
             if r.path.startswith(prefix)

@@ -25,7 +25,8 @@ from residual_store.errors import (
     StoreFullError,
 )
 from residual_store.export import export_backward, load_backward
-from residual_store.store.disk import DiskTier, ShardedHost, host_arrays, to_device_sharded
+from residual_store.store.disk import DiskTier
+from residual_store.store.records import ShardedHost, host_arrays, to_device_sharded
 from residual_store.store.io import Loader, Writer
 from residual_store.store.keys import new_key, validate_key
 from residual_store.store.tiers import MemoryTier, intermediate_nbytes, to_device, to_host
