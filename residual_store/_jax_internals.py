@@ -22,6 +22,9 @@ Assumptions (the tests refer to them by these tags):
   ``WrappedFun`` returning ``(jaxpr, consts)`` given one "non-zero" flag per non-constant input)
   and ``num_consts``; with ``defvjp(..., optimize_remat=True)`` that jaxpr is a single
   ``remat_opt`` equation.
+* ``DISTRIBUTED_CLIENT``: after ``jax.distributed.initialize``, the coordination service's
+  client is ``jax._src.distributed.global_state.client`` (``None`` before), with
+  ``key_value_set(key, value)`` and ``blocking_key_value_get(key, timeout_ms)``.
 * ``REMAT_PRIMITIVE``: ``jax.checkpoint`` binds a primitive named ``checkpoint`` or ``remat2``
   (the name changed across versions) whose body is ``params["jaxpr"]``.
 """
@@ -36,6 +39,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jax._src import core as _core
+from jax._src import distributed as _distributed
 from jax._src import source_info_util as _source_info_util
 
 __all__: list[str] = []  # private module
@@ -286,3 +290,12 @@ def jaxpr_fingerprint(closed_jaxpr: Any) -> bytes:
             if _is_code_like(value) and not isinstance(value, (_core.Jaxpr, _core.ClosedJaxpr)):
                 digests.append(f"{eqn.primitive.name}.{key}={_code_digest(value, seen)}")
     return (text + "\n" + "\n".join(digests)).encode()
+
+
+# --------------------------------------------------------------------------------------------
+# The distributed runtime's key-value store (multi-process stores)
+
+
+def distributed_client() -> Any | None:
+    """The coordination client of ``jax.distributed`` (``DISTRIBUTED_CLIENT``), or ``None``."""
+    return _distributed.global_state.client

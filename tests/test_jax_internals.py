@@ -105,3 +105,33 @@ def test_jaxpr_fingerprint_is_address_free_and_sees_rule_code():
 
     k.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (2 * g * c,))  # another bwd body
     assert ji.jaxpr_fingerprint(jax.make_jaxpr(jax.checkpoint(k))(1.0)) != first
+
+
+def test_assumption_DISTRIBUTED_CLIENT():
+    """Checked without initializing a job: the attribute exists and is None in one process; the
+    client's methods are checked by tests/test_multiprocess.py, which uses them."""
+    from jax._src import distributed
+
+    assert hasattr(distributed.global_state, "client")
+    assert ji.distributed_client() is None
+    import jaxlib  # the client's class lives in jaxlib's extension
+
+    client_cls = next(
+        (getattr(m, "DistributedRuntimeClient") for m in _extension_modules(jaxlib) if hasattr(m, "DistributedRuntimeClient")),
+        None,
+    )
+    assert client_cls is not None
+    for method in ("key_value_set", "blocking_key_value_get"):
+        assert hasattr(client_cls, method), method
+
+
+def _extension_modules(jaxlib):
+    import importlib
+
+    for name in ("jaxlib._jax", "jaxlib.xla_extension", "jaxlib.xla_client"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        yield module
+        yield getattr(module, "distributed", module)

@@ -31,7 +31,9 @@ class Backend(Protocol):
     can_recycle: bool
 
     # values: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard)
-    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False) -> None: ...
+    def write_arrays(
+        self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
+    ) -> None: ...
     def rename(self, src: str, dst: str) -> bool: ...
     def write_shared_arrays(self, arrays: Mapping[str, Any], *, fsync: bool) -> None: ...
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
@@ -64,8 +66,10 @@ class _LocalBackend:
 
     can_recycle = True
 
-    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False) -> None:
-        serializers.write_arrays_local(self.root, arrays, fsync=fsync, reuse=reuse)
+    def write_arrays(
+        self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
+    ) -> None:
+        serializers.write_arrays_local(self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata)
 
     def rename(self, src: str, dst: str) -> bool:
         try:
@@ -187,7 +191,9 @@ class _KvBackend:
 
     can_recycle = False
 
-    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False) -> None:
+    def write_arrays(
+        self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
+    ) -> None:
         serializers.write_arrays(self.spec, arrays, context=self.context)
 
     def rename(self, src: str, dst: str) -> bool:

@@ -47,8 +47,14 @@ from jax.sharding import NamedSharding
 
 import serializers
 from residual_store.context import ResidualSpec
-from residual_store.errors import ContextNotFoundError, CorruptContextError, StoreFullError
+from residual_store.errors import (
+    ContextNotFoundError,
+    CorruptContextError,
+    ResidualStoreError,
+    StoreFullError,
+)
 from residual_store.store.backends import open_backend
+from residual_store.store.collective import Collective
 from residual_store.store.records import (
     HostArrays,
     ShardedHost,
@@ -56,6 +62,7 @@ from residual_store.store.records import (
     StoredContext,
     chunk_index,
     chunked_digest,
+    chunked_digest_of,
     layout_digest,
     rebuild_sharding,
     spec_from_map,
@@ -189,6 +196,172 @@ class DiskTier:
                     f"bytes to write under {self.description}): {err}"
                 ) from err
             raise
+        return self._data_of(previous) if previous is not None else None
+
+    def write_collective(
+        self,
+        key: str,
+        spec: ResidualSpec,
+        arrays: HostArrays,
+        impls: Sequence[str | None],
+        *,
+        fsync: bool,
+    ) -> StaleData | None:
+        """:meth:`write` by every process of a multi-process job at once (same key, same order).
+
+        Each process holds, for a residual sharded over devices of several processes, only the
+        chunks of its own devices (``replica_id == 0``); whole arrays (fully replicated, or on one
+        device) are written by process 0 only. The processes exchange their chunks' checksums
+        (and, for weights, content digests), write their chunks, say whether that worked, and
+        only when every process did, process 0 writes the arrays' ``zarr.json``, renames shared
+        weights into place and commits the manifest; a last exchange tells every process the
+        commit happened. A process that dies or fails leaves no manifest: the others time out or
+        learn the failure and raise, and process 0 removes the data. Returns the replaced data
+        (process 0 only).
+        """
+        if not self.backend.can_recycle:
+            raise ResidualStoreError(
+                "a store shared by several processes (jax.process_count() > 1) needs a local or "
+                "shared-filesystem folder as its path, not a kvstore spec"
+            )
+        coll = Collective(f"put {key!r}")
+        lead = coll.index == 0
+        local: dict[str, list[Any]] = {}
+        for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+            if isinstance(x, ShardedHost) and x.chunk_shape is not None:
+                shared = kind != "intermediate"
+                local[str(i)] = [
+                    [list(idx), serializers.checksum(c), serializers.content_digest(c) if shared else None]
+                    for idx, c in sorted(x.chunks.items())
+                ]
+        write_id = uuid.uuid4().hex[:12]
+        infos = coll.allgather("chunks", {"chunks": local, "write_id": write_id})
+        write_id = infos[0]["write_id"]
+        data_dir = f"data/{key}.{write_id}"
+        gathered: dict[int, dict[tuple[int, ...], tuple[str, str | None]]] = {}
+        for info in infos:
+            for i, entries in info["chunks"].items():
+                for idx, chk, digest in entries:
+                    gathered.setdefault(int(i), {})[tuple(idx)] = (chk, digest)
+        mine: dict[str, Any] = {}  # this process's writes: path -> array
+        shared_plain: dict[str, Any] = {}  # whole weights (process 0)
+        shared_chunked: dict[str, tuple[str, Any]] = {}  # weight path -> (temp path, metadata)
+        chunked_meta: dict[str, Any] = {}  # intermediate path -> ChunkedArray (for its zarr.json)
+        records = []
+        shardings: list[dict[str, Any] | None] = []
+        for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+            shared = kind != "intermediate"
+            chunk_fields: dict[str, Any] = {}
+            shardings.append(x.sharding if isinstance(x, ShardedHost) else None)
+            if isinstance(x, ShardedHost) and x.chunk_shape is not None:
+                sums = sorted(gathered.get(i, {}).items())
+                grid = serializers.chunk_grid(x.shape, x.chunk_shape)
+                if len(sums) != int(np.prod(grid)):
+                    raise ResidualStoreError(
+                        f"collective write of context {key!r}: residual {i} ({spec.names[i]}) has "
+                        f"{len(sums)} of its {int(np.prod(grid))} shards among all processes"
+                    )
+                chunk_sums = [(idx, chk) for idx, (chk, _) in sums]
+                chunk_fields = {"chunk_shape": x.chunk_shape, "chunk_checksums": chunk_sums}
+                checksum = serializers.chunked_checksum(chunk_sums)
+                data: Any = serializers.ChunkedArray(x.shape, x.dtype, x.chunk_shape, x.chunks)
+                if shared:
+                    digests = {idx: str(d) for idx, (_, d) in sums}
+                    digest = chunked_digest_of(x.dtype, x.shape, x.chunk_shape, digests)
+                    path = f"weights/{digest}"
+                    temp = f"{path}.{write_id}.tmp"
+                    if path not in shared_chunked:
+                        shared_chunked[path] = (temp, data)
+                        if not self.backend.array_exists(path):
+                            mine[temp] = data
+                else:
+                    path = f"{data_dir}/{i}"
+                    mine[path] = data
+                    chunked_meta[path] = data
+            else:
+                whole = x.whole if isinstance(x, ShardedHost) else x
+                assert whole is not None
+                data = whole
+                checksum = serializers.checksum(data)
+                if shared:
+                    path = f"weights/{serializers.content_digest(data)}"
+                    if lead and path not in shared_plain and not self.backend.array_exists(path):
+                        shared_plain[path] = data
+                else:
+                    path = f"{data_dir}/{i}"
+                    if lead:
+                        mine[path] = data
+            records.append(
+                serializers.ArrayRecord(
+                    name=spec.names[i],
+                    path=path,
+                    shape=x.shape,
+                    dtype=serializers.zarr_dtype_name(x.dtype),
+                    nbytes=int(x.nbytes),
+                    checksum=checksum,
+                    input_path=spec.input_paths[i],
+                    shared=shared,
+                    **chunk_fields,
+                )
+            )
+        error: str | None = None
+        try:
+            self.backend.write_arrays(mine, fsync=fsync, write_metadata=False)
+        except Exception as err:  # noqa: BLE001 - every process must learn of it
+            error = f"process {coll.index}: {type(err).__name__}: {err}"
+            full = isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS
+        def clean_up() -> None:  # process 0: what this write left, when it does not commit
+            if lead:
+                self.backend.delete_tree(data_dir)
+                for temp, _ in shared_chunked.values():
+                    self.backend.delete_tree(temp)
+
+        try:
+            errors = [e for e in coll.allgather("written", error) if e is not None]
+        except ResidualStoreError:  # a process died or hung: no commit
+            clean_up()
+            raise
+        previous = None
+        if errors:
+            clean_up()
+            kind_of = StoreFullError if error is not None and full else ResidualStoreError
+            raise kind_of(f"collective write of context {key!r} failed, nothing committed: {'; '.join(errors)}")
+        if lead:
+            try:
+                # zarr.json last: an array is complete once every process's chunks are in
+                self.backend.write_arrays(
+                    {p: serializers.ChunkedArray(a.shape, a.dtype, a.chunk_shape, {}) for p, a in chunked_meta.items()},
+                    fsync=fsync,
+                )
+                for path, (temp, data) in shared_chunked.items():
+                    if self.backend.array_exists(path):
+                        self.backend.delete_tree(temp)
+                        continue
+                    self.backend.write_arrays(
+                        {temp: serializers.ChunkedArray(data.shape, data.dtype, data.chunk_shape, {})}, fsync=fsync
+                    )
+                    if not self.backend.rename(temp, path):
+                        self.backend.delete_tree(temp)  # another writer put the same bytes there
+                self.backend.write_shared_arrays(shared_plain, fsync=fsync)
+                manifest = serializers.encode_manifest(
+                    {
+                        "key": key,
+                        "signature": spec.signature,
+                        "created": time.time(),
+                        "jax_version": jax.__version__,
+                        "spec": spec_to_map(spec, impls, shardings),
+                        "data_dir": data_dir,
+                        "arrays": records,
+                    }
+                )
+                previous = self._read_manifest_bytes(key)
+                self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
+            except Exception as err:  # noqa: BLE001
+                self.backend.delete_tree(data_dir)
+                error = f"process 0: {type(err).__name__}: {err}"
+        errors = [e for e in coll.allgather("committed", error if lead else None) if e is not None]
+        if errors:
+            raise ResidualStoreError(f"collective write of context {key!r} failed, nothing committed: {errors[0]}")
         return self._data_of(previous) if previous is not None else None
 
     def write_blob(self, name: str, data: bytes, *, fsync: bool) -> None:

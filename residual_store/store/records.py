@@ -30,6 +30,7 @@ __all__ = [
     "StoredContext",
     "chunk_index",
     "chunked_digest",
+    "chunked_digest_of",
     "host_arrays",
     "layout_digest",
     "rebuild_sharding",
@@ -220,13 +221,20 @@ def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
     if x.size == 0 or shard_shape == shape or any(d % c for d, c in zip(shape, shard_shape)):
         if x.sharding.is_fully_replicated:  # any one replica is the whole array
             whole = np.asarray(x.addressable_shards[0].data)
+        elif not x.is_fully_addressable:
+            raise InvalidArgumentError(
+                f"a store cannot write an array of shape {shape} sharded unevenly over the devices "
+                "of several processes; shard it evenly (every dimension divisible by its shards)"
+            )
         else:
             whole = np.asarray(x)  # uneven or empty shards: no grid of blocks to write
         return ShardedHost(record, shape, dtype, None, {}, whole)
-    if not x.is_fully_addressable:
+    if not x.is_fully_addressable and jax.process_count() == 1:
         raise InvalidArgumentError(
-            "a store cannot yet write an array sharded over devices of several processes"
+            "a store cannot write an array sharded over devices it cannot address"
         )
+    # Several processes: each holds the distinct shards (replica_id == 0) of its own devices;
+    # the disk tier's collective write puts each process's chunks in one array.
     chunks: dict[tuple[int, ...], np.ndarray] = {}
     for shard in x.addressable_shards:
         if shard.replica_id == 0:
@@ -273,10 +281,19 @@ def chunked_digest(host: ShardedHost) -> str:
     """The content address of a chunked weight: a digest of its chunks' digests (and of its
     dtype, shape and chunk shape), so equal weights sharded alike are stored once."""
     assert host.chunk_shape is not None
+    digests = {idx: serializers.content_digest(c) for idx, c in host.chunks.items()}
+    return chunked_digest_of(host.dtype, host.shape, host.chunk_shape, digests)
+
+
+def chunked_digest_of(
+    dtype: np.dtype, shape: tuple[int, ...], chunk_shape: tuple[int, ...], digests: Mapping[Any, str]
+) -> str:
+    """:func:`chunked_digest` from every chunk's content digest (chunk index -> digest), which
+    several processes that each hold some chunks can gather."""
     h = xxhash.xxh3_128()
-    h.update(f"{host.dtype.str}{host.shape}{host.chunk_shape};".encode())
-    for idx in sorted(host.chunks):
-        h.update(f"{idx}={serializers.content_digest(host.chunks[idx])};".encode())
+    h.update(f"{np.dtype(dtype).str}{tuple(shape)}{tuple(chunk_shape)};".encode())
+    for idx in sorted(digests):
+        h.update(f"{tuple(idx)}={digests[idx]};".encode())
     return h.hexdigest()
 
 

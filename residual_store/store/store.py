@@ -25,6 +25,7 @@ from residual_store.errors import (
     StoreFullError,
 )
 from residual_store.export import export_backward, load_backward
+from residual_store.store.collective import is_multiprocess
 from residual_store.store.disk import DiskTier
 from residual_store.store.records import ShardedHost, host_arrays, to_device_sharded
 from residual_store.store.io import Loader, Writer
@@ -130,7 +131,9 @@ class Store:
         self._disk = DiskTier(path) if path is not None else None
         self._device = MemoryTier("device", device_budget)
         self._host = MemoryTier("host", host_budget)
-        self._write_through = bool(write_through)
+        # Several processes (jax.process_count() > 1) write each context collectively, in put
+        # order: every put is written through (a spill depends on one process's budgets).
+        self._write_through = bool(write_through) or is_multiprocess()
         self._durable = bool(durable)
         self._lock = threading.RLock()
         self._pending: dict[str, tuple[ResidualContext, object]] = {}
@@ -271,14 +274,24 @@ class Store:
         assert self._writer is not None and self._disk is not None
         disk, durable = self._disk, self._durable
 
+        collective = is_multiprocess()
+
         def job() -> None:
             with self._lock:
-                if self._pending.get(key, (None, None))[1] is not token:
-                    return  # superseded by a later put (or delete) of this key: never land stale data
+                # superseded by a later put (or delete) of this key: never land stale data. In a
+                # multi-process job every process takes part in every collective write, in order.
+                if self._pending.get(key, (None, None))[1] is not token and not collective:
+                    return
             try:
                 arrays, impls = host_arrays(ctx)
-                stale = disk.write(key, ctx.spec, arrays, impls, fsync=durable)
-                if stale is not None:
+                if collective:
+                    stale = disk.write_collective(key, ctx.spec, arrays, impls, fsync=durable)
+                    if stale is not None:  # no recycling: other processes write into new folders
+                        stale_dir = stale.data_dir
+                        self._janitor.submit(lambda: disk.backend.delete_tree(stale_dir))
+                else:
+                    stale = disk.write(key, ctx.spec, arrays, impls, fsync=durable)
+                if stale is not None and not collective:
                     self._janitor.submit(lambda: disk.drop_data(stale))
                 with self._lock:
                     if self._pending.get(key, (None, None))[1] is token:
@@ -298,6 +311,8 @@ class Store:
             if sig in self._backwards_seen:
                 return
             self._backwards_seen.add(sig)
+        if is_multiprocess() and jax.process_index() != 0:
+            return  # process 0 saves it for the job
         if self._disk.read_blob(f"backwards/{sig}.manifest") is not None:
             return
         bwd = lookup_backward(sig)
@@ -510,6 +525,8 @@ class Store:
                 with self._lock:
                     if self._deleting.get(key) is not token:
                         return  # put again since: the new context stays
+                if is_multiprocess() and jax.process_index() != 0:
+                    return  # every process deletes it from memory; process 0 from disk
                 _, stale = disk.delete(key)
                 if stale is not None:
                     self._janitor.submit(lambda: disk.drop_data(stale))
