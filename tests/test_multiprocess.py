@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +49,10 @@ WORKER = textwrap.dedent(
     from jax.experimental import multihost_utils
     import residual_store as rs
     from residual_store.store import collective
-    collective.TIMEOUT_S = 30.0
+    N_KILLED = 6
+    import os
+    if "RESIDUAL_STORE_COLLECTIVE_TIMEOUT_S" not in os.environ:
+        collective.TIMEOUT_S = 30.0
 
     assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -108,6 +114,30 @@ WORKER = textwrap.dedent(
                 json.dump(result, f)
             import os
             os._exit(0)  # the job has lost a process: no collective shutdown
+        elif phase == "killed":  # the test SIGKILLs process 1 after it announces its 2nd put
+            import time
+            fwd = rs.split(lambda w, x: jnp.sum(jnp.sin(x * w)))
+            rng = np.random.default_rng(2)
+            w = global_array(rng.standard_normal(512).astype(np.float32), repl)
+            ctxs = []  # computed up front: a forward's collectives would hang once a process is gone
+            for i in range(N_KILLED):
+                x = global_array(rng.standard_normal((2048, 512)).astype(np.float32), data)
+                ctxs.append(fwd(w, x)[1])
+            jax.block_until_ready(ctxs)
+            result["error"], result["committed"] = None, []
+            for i, ctx in enumerate(ctxs):
+                print(f"put {i}", flush=True)
+                start = time.monotonic()
+                try:
+                    store.put(ctx, f"k{i}")
+                    store.flush()
+                except rs.ResidualStoreError as err:
+                    result["error"], result["seconds"] = str(err), time.monotonic() - start
+                    break
+                result["committed"].append(f"k{i}")
+            with open(out_path, "w") as f:
+                json.dump(result, f)
+            os._exit(0)  # the job has lost a process: no collective shutdown
         else:  # backward, in processes that never define the model
             grads = None
             for i in range(2):
@@ -158,16 +188,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_pair(
-    tmp_path, phase: str, root: str, expect: tuple[int, int] = (0, 0)
-) -> dict:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    port, out = _free_port(), tmp_path / f"{phase}.json"
+def _worker_env(**extra: str) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))
     }
     env["JAX_PLATFORMS"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def _spawn(tmp_path, phase: str, pid: int, port: int, root: str, out, stdout, env) -> subprocess.Popen:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            phase,
+            str(pid),
+            str(port),
+            root,
+            str(out),
+            os.path.dirname(__file__),
+        ],
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+def _run_pair(
+    tmp_path, phase: str, root: str, expect: tuple[int, int] = (0, 0)
+) -> dict:
+    port, out = _free_port(), tmp_path / f"{phase}.json"
+    env = _worker_env()
     logs = [tmp_path / f"{phase}{i}.log" for i in range(2)]
     procs = []
     try:
@@ -175,23 +229,7 @@ def _run_pair(
             with open(
                 logs[i], "w"
             ) as log:  # the child keeps its own copy of the descriptor
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            str(script),
-                            phase,
-                            str(i),
-                            str(port),
-                            root,
-                            str(out),
-                            os.path.dirname(__file__),
-                        ],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                    )
-                )
+                procs.append(_spawn(tmp_path, phase, i, port, root, out, log, env))
         codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
     finally:
         for p in procs:  # only the processes this test started
@@ -205,9 +243,27 @@ def _run_pair(
     return json.loads(out.read_text())
 
 
-def test_two_processes_put_then_resume_backward(tmp_path):
+@pytest.fixture(scope="module")
+def forward_store(tmp_path_factory) -> tuple[str, dict]:
+    """The folder two writer processes put ``mb0`` and ``mb1`` into (read-only for the tests)."""
+    tmp_path = tmp_path_factory.mktemp("forward")
     root = str(tmp_path / "store")
-    fwd_result = _run_pair(tmp_path, "forward", root)
+    return root, _run_pair(tmp_path, "forward", root)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "residual_store", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+        env=_worker_env(),
+    )
+
+
+def test_two_processes_put_then_resume_backward(tmp_path, forward_store):
+    root, fwd_result = forward_store
     assert fwd_result["sharded"] >= 1  # some residuals span both processes' devices
     assert fwd_result["signatures_equal"]  # same signature in both processes
 
@@ -275,3 +331,105 @@ def test_a_process_dying_mid_put_commits_nothing(tmp_path):
     assert [
         n for n in os.listdir(os.path.join(root, "weights")) if n.endswith(".tmp")
     ] == []
+
+
+def test_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_path):
+    """SIGKILL of one writer while the pair puts several contexts: the survivor's flush raises
+    within the collective timeout, and a single process finds only whole, verifiable contexts."""
+    root = str(tmp_path / "store")
+    port, out = _free_port(), tmp_path / "killed.json"
+    env = _worker_env(RESIDUAL_STORE_COLLECTIVE_TIMEOUT_S="5")
+    log0 = tmp_path / "killed0.log"
+    procs: list[subprocess.Popen] = []
+    seen: list[str] = []
+    try:
+        with open(log0, "w") as log:
+            procs.append(_spawn(tmp_path, "killed", 0, port, root, out, log, env))
+        procs.append(_spawn(tmp_path, "killed", 1, port, root, out, subprocess.PIPE, env))
+        victim = procs[1]
+        assert victim.stdout is not None
+        for raw in victim.stdout:  # until process 1 announces its 2nd put
+            line = raw.decode(errors="replace").rstrip()
+            seen.append(line)
+            if sum(l.startswith("put ") for l in seen) == 2:
+                os.kill(victim.pid, signal.SIGKILL)
+                break
+        else:
+            pytest.fail("process 1 ended before its 2nd put:\n" + "\n".join(seen[-40:]))
+        killed_at = time.monotonic()
+        assert victim.wait(timeout=TIMEOUT_S) == -signal.SIGKILL
+        code0 = procs[0].wait(timeout=TIMEOUT_S)
+        survivor_s = time.monotonic() - killed_at
+    finally:
+        for p in procs:  # only the processes this test started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert code0 == 0, log0.read_text()[-3000:]
+    result = json.loads(out.read_text())
+    assert result["error"] is not None, result
+    assert "did not reach" in result["error"], result
+    assert result["seconds"] < 15 and survivor_s < 20, (result, survivor_s)
+    assert len(result["committed"]) <= 3  # killed before its 3rd put: k0, k1 at most (k2 if racing)
+
+    with rs.Store(root) as store:
+        keys = sorted(store.keys())
+        assert set(keys) <= {f"k{i}" for i in range(6)} and set(result["committed"]) <= set(keys)
+        assert len(keys) <= len(result["committed"]) + 1  # at most the put in flight, if committed
+        for key in keys:
+            ctx = store.get(key)
+            assert all(r.is_fully_addressable for r in ctx.residuals)
+            jax.block_until_ready(rs.backward(ctx))
+    verify = _cli("verify", root)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert f"{len(keys)} of {len(keys)} contexts verified" in verify.stdout
+    # what the failed write left is gone: only committed contexts' data folders remain
+    referenced = set()
+    for key in keys:
+        with open(os.path.join(root, "contexts", f"{key}.manifest"), "rb") as f:
+            manifest = msgpack.unpackb(f.read())
+        referenced |= {r["path"].split("/")[1] for r in manifest["arrays"] if r["path"].startswith("data/")}
+    assert set(os.listdir(os.path.join(root, "data"))) == referenced
+    assert [n for n in os.listdir(os.path.join(root, "weights")) if n.endswith(".tmp")] == []
+
+
+def test_command_line_on_a_multiprocess_store(tmp_path, forward_store):
+    src, _ = forward_store
+    ls = _cli("ls", src, "--json")
+    assert ls.returncode == 0, ls.stderr
+    entries = json.loads(ls.stdout)
+    assert sorted(e["key"] for e in entries) == ["mb0", "mb1"]
+    assert all("error" not in e and e["residuals"] > 0 and e["bytes"] > 0 for e in entries)
+
+    inspect = _cli("inspect", src, "mb0", "--json")
+    assert inspect.returncode == 0, inspect.stderr
+    rows = json.loads(inspect.stdout)["residuals"]
+    with open(os.path.join(src, "contexts", "mb0.manifest"), "rb") as f:
+        manifest = msgpack.unpackb(f.read())
+    assert [r["path"] for r in rows] == [r["path"] for r in manifest["arrays"]]
+    chunked = {r["path"] for r in manifest["arrays"] if r.get("chunk_shape")}
+    assert chunked
+    for row in rows:
+        if row["path"] in chunked:  # a sharded residual: one chunk file per device's shard
+            chunks = sorted(n for n in os.listdir(os.path.join(src, row["path"])) if n != "zarr.json")
+            assert chunks == [f"c.{i}.0" for i in range(4)]
+            assert row["bytes"] == int(np.prod(row["shape"])) * np.dtype(row["dtype"]).itemsize
+
+    verify = _cli("verify", src)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+    root = str(tmp_path / "copy")  # damage a copy: the fixture's folder is shared
+    shutil.copytree(src, root)
+    victim = next(
+        r for r in manifest["arrays"] if r.get("chunk_shape") and not r["shared"]
+    )  # an intermediate, sharded over both processes' devices
+    chunk = os.path.join(root, victim["path"], "c.3.0")  # written by process 1
+    with open(chunk, "r+b") as f:
+        f.seek(os.path.getsize(chunk) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    verify = _cli("verify", root)
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert "DAMAGED mb0" in verify.stdout and "mb1" not in verify.stdout.split("DAMAGED mb0")[0]
+    assert _cli("verify", root, "mb1").returncode == 0

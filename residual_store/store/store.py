@@ -511,8 +511,11 @@ class Store:
             if not found:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
             return
+        # In a multi-process job only process 0 removes the context from disk, in the background:
+        # the others cannot tell an unknown key from one process 0 has already removed.
+        disk_owner = not is_multiprocess() or jax.process_index() == 0
         with self._lock:
-            if not found and key not in self._deleting and key not in self._disk:
+            if not found and key not in self._deleting and disk_owner and key not in self._disk:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
             if not found and key in self._deleting:
                 raise ContextNotFoundError(f"context {key!r} was already deleted from store {self!r}")
@@ -525,7 +528,7 @@ class Store:
                 with self._lock:
                     if self._deleting.get(key) is not token:
                         return  # put again since: the new context stays
-                if is_multiprocess() and jax.process_index() != 0:
+                if not disk_owner:
                     return  # every process deletes it from memory; process 0 from disk
                 _, stale = disk.delete(key)
                 if stale is not None:
