@@ -127,7 +127,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         stored = disk.stat(validate_key(args.key))
     except (ContextNotFoundError, InvalidKeyError) as err:
         raise _UsageError(str(err)) from None
-    rows = [["#", "name", "shape", "dtype", "bytes", "kind", "shared", "path"]]
+    rows = [["#", "name", "shape", "dtype", "bytes", "kind", "shared", "chunks", "path"]]
     data = []
     for i, (record, aval, kind) in enumerate(zip(stored.records, stored.spec.avals, stored.spec.kinds)):
         item = {
@@ -141,11 +141,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             "shared": record.shared,
             "path": record.path,
             "checksum": record.checksum,
+            "chunk_shape": list(record.chunk_shape) if record.chunk_shape is not None else None,
+            "chunks": len(record.chunk_checksums) if record.chunk_checksums is not None else 1,
         }
         data.append(item)
         rows.append([
             str(i), record.name, str(tuple(aval.shape)), str(aval.dtype), f"{record.nbytes:,}",
-            kind, "yes" if record.shared else "no", record.path,
+            kind, "yes" if record.shared else "no", str(item["chunks"]), record.path,
         ])
     header = (
         f"context {stored.key}: signature {stored.spec.signature}, jax {stored.jax_version}, "

@@ -46,6 +46,7 @@ def test_ls_and_inspect(store_path):
     assert sorted(e["key"] for e in listed) == ["mb0", "mb1", "mb2"]
     inspected = json.loads(_cli("inspect", store_path, "mb1", "--json").stdout)
     kinds = {r["kind"] for r in inspected["residuals"]}
+    assert all(r["chunks"] == 1 and r["chunk_shape"] is None for r in inspected["residuals"])
     assert kinds == {"input", "intermediate"}
     assert any(r["name"] == "input x" and r["shared"] for r in inspected["residuals"])
     text = _cli("inspect", store_path, "mb1").stdout

@@ -414,6 +414,9 @@ def test_command_line_on_a_multiprocess_store(tmp_path, forward_store):
             chunks = sorted(n for n in os.listdir(os.path.join(src, row["path"])) if n != "zarr.json")
             assert chunks == [f"c.{i}.0" for i in range(4)]
             assert row["bytes"] == int(np.prod(row["shape"])) * np.dtype(row["dtype"]).itemsize
+            assert row["chunks"] == 4 and row["chunk_shape"][0] * 4 == row["shape"][0]
+        else:
+            assert row["chunks"] == 1
 
     verify = _cli("verify", src)
     assert verify.returncode == 0, verify.stdout + verify.stderr
