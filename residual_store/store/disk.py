@@ -85,6 +85,51 @@ _READ_ATTEMPTS = 8
 # The tier
 
 
+def _record(
+    spec: ResidualSpec,
+    i: int,
+    path: str,
+    x: Any,
+    checksum: str,
+    shared: bool,
+    chunk_fields: Mapping[str, Any],
+) -> serializers.ArrayRecord:
+    """The manifest record of residual ``i`` (``x``: its host array or shards) stored at ``path``."""
+    return serializers.ArrayRecord(
+        name=spec.names[i],
+        path=path,
+        shape=x.shape,
+        dtype=serializers.zarr_dtype_name(x.dtype),
+        nbytes=int(x.nbytes),
+        checksum=checksum,
+        input_path=spec.input_paths[i],
+        shared=shared,
+        **chunk_fields,
+    )
+
+
+def _encode_manifest(
+    key: str,
+    spec: ResidualSpec,
+    impls: Sequence[str | None],
+    shardings: Sequence[Any],
+    data_dir: str,
+    records: Sequence[serializers.ArrayRecord],
+) -> bytes:
+    """The context manifest: written last, its presence is the commit."""
+    return serializers.encode_manifest(
+        {
+            "key": key,
+            "signature": spec.signature,
+            "created": time.time(),
+            "jax_version": jax.__version__,
+            "spec": spec_to_map(spec, impls, shardings),
+            "data_dir": data_dir,
+            "arrays": records,
+        }
+    )
+
+
 class DiskTier:
     """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete, gc."""
 
@@ -157,30 +202,10 @@ class DiskTier:
             else:
                 path = f"{data_dir}/{i}"
                 to_write[path] = data
-            records.append(
-                serializers.ArrayRecord(
-                    name=spec.names[i],
-                    path=path,
-                    shape=x.shape,
-                    dtype=serializers.zarr_dtype_name(x.dtype),
-                    nbytes=int(x.nbytes),
-                    checksum=checksum if checksum is not None else serializers.checksum(data),
-                    input_path=spec.input_paths[i],
-                    shared=shared,
-                    **chunk_fields,
-                )
-            )
-        manifest = serializers.encode_manifest(
-            {
-                "key": key,
-                "signature": spec.signature,
-                "created": time.time(),
-                "jax_version": jax.__version__,
-                "spec": spec_to_map(spec, impls, shardings),
-                "data_dir": data_dir,
-                "arrays": records,
-            }
-        )
+            if checksum is None:
+                checksum = serializers.checksum(data)
+            records.append(_record(spec, i, path, x, checksum, shared, chunk_fields))
+        manifest = _encode_manifest(key, spec, impls, shardings, data_dir, records)
         shared_arrays = {p: x for p, x in to_write.items() if p.startswith("weights/")}
         try:
             self.backend.write_arrays(
@@ -291,19 +316,7 @@ class DiskTier:
                     path = f"{data_dir}/{i}"
                     if lead:
                         mine[path] = data
-            records.append(
-                serializers.ArrayRecord(
-                    name=spec.names[i],
-                    path=path,
-                    shape=x.shape,
-                    dtype=serializers.zarr_dtype_name(x.dtype),
-                    nbytes=int(x.nbytes),
-                    checksum=checksum,
-                    input_path=spec.input_paths[i],
-                    shared=shared,
-                    **chunk_fields,
-                )
-            )
+            records.append(_record(spec, i, path, x, checksum, shared, chunk_fields))
         error: str | None = None
         try:
             self.backend.write_arrays(mine, fsync=fsync, write_metadata=False)
@@ -343,17 +356,7 @@ class DiskTier:
                     if not self.backend.rename(temp, path):
                         self.backend.delete_tree(temp)  # another writer put the same bytes there
                 self.backend.write_shared_arrays(shared_plain, fsync=fsync)
-                manifest = serializers.encode_manifest(
-                    {
-                        "key": key,
-                        "signature": spec.signature,
-                        "created": time.time(),
-                        "jax_version": jax.__version__,
-                        "spec": spec_to_map(spec, impls, shardings),
-                        "data_dir": data_dir,
-                        "arrays": records,
-                    }
-                )
+                manifest = _encode_manifest(key, spec, impls, shardings, data_dir, records)
                 previous = self._read_manifest_bytes(key)
                 self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
             except Exception as err:  # noqa: BLE001
