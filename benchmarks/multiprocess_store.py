@@ -1,7 +1,8 @@
 """Collective ``rs.Store`` writes and reads: 2 processes x 2 CPU devices against 1 process x 4.
 
 Run: ``python benchmarks/multiprocess_store.py [--mib 256] [--arrays 2] [--repeats 4] [--alternations 3]
-[--dir DIR]``.
+[--dir DIR] [--kvstore]``; ``--kvstore`` opens the folder as ``{"driver": "file", "path": ...,
+"file_io_sync": true}``, through tensorstore's kvstore API, the code path of ``gcs`` and ``s3``.
 
 The context is a real ``rs.ResidualContext``: ``rs.split`` of ``sum(sin(x_k))`` over ``--arrays``
 float32 arrays of ``--mib`` MiB in all, each sharded over four devices on a ``"data"`` mesh axis,
@@ -16,7 +17,7 @@ other (the machine's drift hits both alike). Each launch: one untimed warm-up ro
 ``--repeats`` timed rounds of: ``os.sync()``, ``put`` + ``flush`` in a ``Store(durable=True)``;
 ``os.sync()``, ``put`` + ``flush`` in a ``Store(durable=False)``; ``get`` in a fresh ``Store`` on the
 folder until the context is a ready pytree (warm: the bytes were just written, so they are in
-the page cache; dropping caches needs root); process 0 then deletes the round's contexts. In
+the page cache; dropping caches needs root); then every process deletes the round's contexts. In
 the 2-process runs every timed step starts and ends at a barrier of the coordination service (no devices), and the time is process 0's (the one
 that commits). Numbers are medians; ratios are 2-process / 1-process throughput (> 1: the two
 processes are faster), of the medians and, as a check on this machine's bimodal times (page
@@ -39,8 +40,13 @@ import time
 STEPS = ("put durable", "put no-fsync", "get (warm)")
 
 
-def _worker(mode: str, pid: int, port: int, root: str, out: str, mib: int, n_arrays: int, repeats: int) -> None:
+def _worker(
+    mode: str, pid: int, port: int, folder: str, out: str, mib: int, n_arrays: int, repeats: int, kvstore: bool
+) -> None:
     import jax
+
+    # --kvstore: the same folder through tensorstore's kvstore API, the code path of gcs and s3
+    root = {"driver": "file", "path": folder, "file_io_sync": True} if kvstore else folder
 
     multi = mode == "multi"
     jax.config.update("jax_num_cpu_devices", 2 if multi else 4)
@@ -110,8 +116,8 @@ def _worker(mode: str, pid: int, port: int, root: str, out: str, mib: int, n_arr
         os.sync()
         t_n = timed(lambda k=f"n{r}": put(k, False))
         t_g = timed(lambda k=f"n{r}": get(k))
-        if r < repeats and pid == 0:  # keep the footprint small (the last round stays, for the
-            # check below). Process 0 alone: a delete by every process races (see the report).
+        if r < repeats:  # keep the footprint small (the last round stays, for the check below);
+            # every process deletes: a delete is collective, like a put
             with rs.Store(root) as store:
                 store.delete(f"d{r}")
                 store.delete(f"n{r}")
@@ -123,7 +129,7 @@ def _worker(mode: str, pid: int, port: int, root: str, out: str, mib: int, n_arr
         barrier()
     if pid == 0:  # the last round's two contexts were written, whole
         on_disk = sum(
-            os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(os.path.join(root, "data")) for n in names
+            os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(os.path.join(folder, "data")) for n in names
         )
         with rs.Store(root) as store:
             assert sorted(store.keys()) == [f"d{repeats}", f"n{repeats}"], store.keys()
@@ -151,7 +157,7 @@ def _launch(mode: str, folder: str, args: argparse.Namespace) -> dict:
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", mode, str(i), str(port), root, out,
-             str(args.mib), str(args.arrays), str(args.repeats)],
+             str(args.mib), str(args.arrays), str(args.repeats), str(int(args.kvstore))],
             env=env,
         )
         for i in range(n)
@@ -173,8 +179,8 @@ def _launch(mode: str, folder: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        mode, pid, port, root, out, mib, n_arrays, repeats = sys.argv[2:10]
-        _worker(mode, int(pid), int(port), root, out, int(mib), int(n_arrays), int(repeats))
+        mode, pid, port, root, out, mib, n_arrays, repeats, kvstore = sys.argv[2:11]
+        _worker(mode, int(pid), int(port), root, out, int(mib), int(n_arrays), int(repeats), kvstore == "1")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256)
@@ -182,6 +188,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4, help="timed rounds per launch")
     parser.add_argument("--alternations", type=int, default=3, help="launches of each configuration")
     parser.add_argument("--dir", default=None, help="folder for the stores (default: a temporary one)")
+    parser.add_argument(
+        "--kvstore", action="store_true", help="open the folder as a tensorstore file kvstore spec (the gcs/s3 path)"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     folder = tempfile.mkdtemp(prefix="mp-store-bench-", dir=args.dir)
@@ -201,7 +210,7 @@ def main() -> None:
     print(
         f"context: {single['arrays']} sharded float32 intermediates {tuple(single['shape'])}, "
         f"{nbytes / (1 << 20):.0f} MiB; {args.alternations} x {args.repeats} timed rounds, medians; "
-        f"{os.cpu_count()} CPUs"
+        f"{os.cpu_count()} CPUs; store: {'tensorstore file kvstore spec' if args.kvstore else 'local folder'}"
     )
     header = f"{'step':<14}{'1 proc x 4 dev':>22}{'2 proc x 2 dev':>22}{'2p/1p GB/s':>12}{'(of min)':>10}"
     print(header)

@@ -15,8 +15,8 @@ only codec is ``"bytes"`` (``"endian": "little"`` for items wider than a byte), 
 the chunk file is exactly the array's raw bytes: no compression, no header. Its
 checksum (:mod:`serializers.checksums`) is the checksum of the array in memory.
 
-Two writers produce byte-identical chunk files and the same metadata, and each
-reader reads what either wrote (the tests check this):
+Three writers produce byte-identical chunk files and the same metadata, and each
+reader reads what any of them wrote (the tests check this):
 
 * The tensorstore path (:func:`write_array`, :func:`read_array` and their
   ``_async`` / batch forms) works on any tensorstore kvstore spec (``file``,
@@ -31,6 +31,10 @@ reader reads what either wrote (the tests check this):
   when asked; it reads the chunk with one ``readv`` into a 64-byte aligned buffer
   (:func:`aligned_empty`), so a later ``jax.device_put`` on CPU can use the memory
   in place. Sizes are checked against the expected shape before reading.
+* The raw kvstore path (:func:`write_arrays_kv`) writes the fast path's bytes
+  through any tensorstore kvstore, one key put per chunk, every chunk before any
+  ``zarr.json``: an array whose ``zarr.json`` exists has all the chunks of that
+  write (the zarr3 driver writes ``zarr.json`` first, when it creates the array).
 
 Chunked arrays. An array may also be stored on a regular grid of equal chunks
 (``chunk_shape`` dividing ``shape`` in every dimension; edge chunks are not
@@ -108,6 +112,7 @@ __all__ = [
     "read_arrays",
     "write_array_local",
     "write_arrays_local",
+    "write_arrays_kv",
     "read_array_local",
     "write_chunks",
     "write_chunks_async",
@@ -430,6 +435,26 @@ def _byte_view(a: np.ndarray) -> memoryview:
     return a.reshape(-1).view(np.uint8).data
 
 
+def _disk_chunks(arr: np.ndarray | ChunkedArray) -> list[tuple[str, memoryview]]:
+    """(key inside the array folder, raw bytes) of each chunk ``arr`` holds: what every
+    writer stores. ``arr`` is a :func:`_disk_array` result or a :class:`ChunkedArray`."""
+    if isinstance(arr, ChunkedArray):
+        return [(chunk_index_key(idx), _byte_view(c)) for idx, c in arr.chunks.items()]
+    key = chunk_key(arr.shape)
+    return [] if key is None else [(key, _byte_view(arr))]
+
+
+def _disk_metadata(arr: np.ndarray | ChunkedArray) -> bytes:
+    """The ``zarr.json`` bytes of ``arr`` (a :func:`_disk_array` result or a :class:`ChunkedArray`)."""
+    chunks = arr.chunk_shape if isinstance(arr, ChunkedArray) else None
+    return encode_zarr_metadata(arr.shape, arr.dtype, chunks)
+
+
+def _describe(paths: Sequence[str]) -> str:
+    """The arrays of a batch, for error messages: their paths if few, else how many."""
+    return ", ".join(repr(p) for p in paths) if len(paths) <= 4 else f"{len(paths)} arrays"
+
+
 def _check_relpath(path: str) -> None:
     if not is_safe_relpath(path):
         raise ValueError(f"unsafe array path {path!r}: use [A-Za-z0-9._/-], relative, no '..'")
@@ -474,15 +499,21 @@ def local_root(kvstore: KvStoreSpec | PathLike) -> str | None:
     return None
 
 
-def _array_kvstore(kvstore: KvStoreSpec, path: str) -> dict[str, Any]:
-    """The kvstore spec of the array folder ``path`` under ``kvstore``."""
-    _check_relpath(path)
+def _kv_root(kvstore: KvStoreSpec) -> dict[str, Any]:
+    """``kvstore`` with its path ending in ``/`` (or empty), so that keys append as names."""
     spec = dict(kvstore)
     base = spec.get("path", "")
     if not isinstance(base, str):
         raise ValueError(f"kvstore path must be a str, got {base!r}")
-    prefix = base if not base or base.endswith("/") else base + "/"
-    spec["path"] = f"{prefix}{path}/"
+    spec["path"] = base if not base or base.endswith("/") else base + "/"
+    return spec
+
+
+def _array_kvstore(kvstore: KvStoreSpec, path: str) -> dict[str, Any]:
+    """The kvstore spec of the array folder ``path`` under ``kvstore``."""
+    _check_relpath(path)
+    spec = _kv_root(kvstore)
+    spec["path"] = f"{spec['path']}{path}/"
     return spec
 
 
@@ -599,7 +630,21 @@ def _delete_array_async(kv: dict[str, Any], context: ts.Context) -> ts.Future:
     """Removes every key under the array folder ``kv`` (and, locally, its empty folders)."""
     opened = ts.KvStore.open(kv, context=context)
     deleted = _then(opened, lambda store: store.delete_range(ts.KvStore.KeyRange()))
-    return _then(deleted, lambda _: _prune_empty_dirs(local_root(kv)))
+    return _then(deleted, lambda _: _prune_empty_dirs(_file_folder(kv)))
+
+
+def delete_prefix(kvstore: KvStoreSpec, prefix: str, *, context: ts.Context | None = None) -> None:
+    """Removes every key under the folder ``prefix`` of ``kvstore`` and waits; with the ``file``
+    driver, also the folders it leaves empty (it deletes files, not folders)."""
+    ctx = context if context is not None else default_context()
+    _delete_array_async(_array_kvstore(kvstore, prefix), ctx).result()
+
+
+def _file_folder(kv: Mapping[str, Any]) -> str | None:
+    """The local folder of a ``file`` kvstore spec (with or without options), else ``None``:
+    the file driver deletes keys but leaves their folders."""
+    path = kv.get("path")
+    return path if kv.get("driver") == "file" and isinstance(path, str) and path else None
 
 
 def _prune_empty_dirs(folder: str | None) -> None:
@@ -693,6 +738,95 @@ def write_arrays(
             except Exception:  # noqa: BLE001 - best effort; the write error matters
                 pass
         raise next((e for e in errors if isinstance(e, DiskFullError)), errors[0])
+
+
+def write_arrays_kv(
+    kvstore: KvStoreSpec,
+    arrays: Mapping[str, Any],
+    *,
+    context: ts.Context | None = None,
+    write_metadata: bool = True,
+    content_addressed: bool = False,
+) -> None:
+    """Writes ``{path: array}`` under any tensorstore kvstore, byte for byte as
+    :func:`write_arrays_local` does, and waits.
+
+    Each chunk is one key put, all of them at once, and every ``zarr.json`` is put only after
+    every chunk of the batch is written: an array whose ``zarr.json`` exists is complete, even
+    after a crash mid-write (:func:`write_arrays`, through the zarr3 driver, puts ``zarr.json``
+    first). An existing plain array at a path is replaced: its keys are deleted first. The
+    chunks of a :class:`ChunkedArray` are put and the array's other chunks left alone (other
+    writers hold them), then its ``zarr.json``.
+
+    Args:
+      kvstore: the store's kvstore spec; ``context`` as for :func:`write_arrays`.
+      arrays: relative array path -> array or :class:`ChunkedArray`.
+      write_metadata: put the ``zarr.json`` of :class:`ChunkedArray` values (a writer of some
+        chunks of an array whose metadata another writer puts last passes ``False``). Plain
+        arrays always get theirs.
+      content_addressed: any array already at a path holds these very bytes (its path names
+        its content, and other writers may put it at the same time). Then nothing is deleted,
+        before or after a failure, since a delete could tear another writer's complete array;
+        each put replaces a key whole, with the same bytes. A failed call may leave chunks
+        without ``zarr.json``: to readers no array, and the next writer's puts replace them.
+
+    Raises:
+      ValueError, UnsupportedDTypeError: an unsafe path or unsupported dtype, before any write.
+      DiskFullError: on ``ENOSPC``/``EFBIG``/``EDQUOT``, after deleting every key this call put
+        (``zarr.json`` first; of a :class:`ChunkedArray`, only its own chunks), unless
+        ``content_addressed``. Any other error deletes them too, and is raised as it is.
+    """
+    disk: dict[str, np.ndarray | ChunkedArray] = {}
+    for p, a in arrays.items():
+        _check_relpath(p)
+        disk[p] = a if isinstance(a, ChunkedArray) else _disk_array(a)
+    if not disk:
+        return
+    ctx = context if context is not None else default_context()
+    root = _kv_root(kvstore)
+    kv = ts.KvStore.open(root, context=ctx).result()
+    chunks = {f"{p}/{key}": view for p, a in disk.items() for key, view in _disk_chunks(a)}
+    metadata = {
+        f"{p}/{_METADATA_KEY}": _disk_metadata(a)
+        for p, a in disk.items()
+        if write_metadata or not isinstance(a, ChunkedArray)
+    }
+    replaced = [] if content_addressed else [p for p, a in disk.items() if not isinstance(a, ChunkedArray)]
+    put: list[str] = []
+    try:
+        deleted = {p: kv.delete_range(ts.KvStore.KeyRange(f"{p}/", f"{p}0")) for p in replaced}
+        _raise_first(_wait_all(deleted)[1])
+        _put_all(kv, chunks, put)
+        _put_all(kv, metadata, put)
+    except BaseException as e:
+        if not content_addressed and put:
+            _wait_all({k: kv.write(k, None) for k in put if k in metadata})  # best effort
+            _wait_all({k: kv.write(k, None) for k in put if k in chunks})
+            for p in disk:
+                _prune_empty_dirs(_file_folder(_array_kvstore(root, p)))
+        err = _convert_write_error(e, _describe(list(disk)))
+        if err is e:
+            raise
+        raise err from e
+
+
+def _put_all(kv: ts.KvStore, items: Mapping[str, bytes | memoryview], started: list[str]) -> None:
+    """Puts every key of ``items`` at once, appending each to ``started`` as its put starts;
+    waits for all that started, then raises the first disk-full error among them, else the first."""
+    futures: dict[str, ts.Future] = {}
+    try:
+        for key, value in items.items():
+            futures[key] = kv.write(key, bytes(value))  # (takes str or bytes only: one copy)
+            started.append(key)
+    finally:
+        _, errors = _wait_all(futures)
+    _raise_first(errors)
+
+
+def _raise_first(errors: Sequence[BaseException]) -> None:
+    """Raises the first disk-full error of ``errors``, else the first, if any."""
+    if errors:
+        raise next((e for e in errors if _ts_errno(e) in _DISK_FULL_ERRNOS), errors[0])
 
 
 def read_array_async(
@@ -820,7 +954,7 @@ def _all(futures: Sequence[ts.Future]) -> ts.Future:
 def _delete_keys_async(kv: dict[str, Any], indices: Sequence[tuple[int, ...]], context: ts.Context) -> ts.Future:
     """Removes the chunk keys of ``indices`` under the array folder ``kv`` (not the others)."""
     opened = ts.KvStore.open(kv, context=context)
-    return _then(opened, lambda store: _all([store.delete(chunk_index_key(i)) for i in indices]))
+    return _then(opened, lambda store: _all([store.write(chunk_index_key(i), None) for i in indices]))
 
 
 def write_chunks_async(
@@ -1020,24 +1154,11 @@ def _overwrite_in_place(folder: str, a: np.ndarray, undo: _Undo) -> bool:
     The caller vouches that the folder holds an array of ``a``'s shape and dtype (so its
     ``zarr.json`` is already right); the chunk's size is checked.
     """
-    key = chunk_key(a.shape)
-    if key is None:
+    chunks = _disk_chunks(a)
+    if not chunks:
         return os.path.exists(os.path.join(folder, _METADATA_KEY))
-    chunk = os.path.join(folder, key)
-    try:
-        fd = os.open(chunk, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return False
-    undo.add_file(chunk)  # fsynced with the rest; removed if the write fails
-    try:
-        view = _byte_view(a)
-        if os.fstat(fd).st_size != view.nbytes:
-            return False
-        while view.nbytes:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-    return True
+    ((key, view),) = chunks
+    return _overwrite_file_in_place(os.path.join(folder, key), view, undo)
 
 
 def _overwrite_file_in_place(chunk: str, view: memoryview, undo: _Undo) -> bool:
@@ -1058,11 +1179,8 @@ def _overwrite_file_in_place(chunk: str, view: memoryview, undo: _Undo) -> bool:
     return True
 
 
-def _write_chunk_local(
-    folder: str, index: tuple[int, ...], a: np.ndarray, undo: _Undo, *, reuse: bool
-) -> None:
-    p = os.path.join(folder, chunk_index_key(index))
-    view = _byte_view(a)
+def _write_chunk_local(folder: str, key: str, view: memoryview, undo: _Undo, *, reuse: bool) -> None:
+    p = os.path.join(folder, key)
     if reuse and _overwrite_file_in_place(p, view, undo):
         return
     _write_file(p, view, undo, fsync=False)
@@ -1072,8 +1190,7 @@ def _write_metadata_local(folder: str, arr: ChunkedArray, undo: _Undo, *, reuse:
     p = os.path.join(folder, _METADATA_KEY)
     if reuse and os.path.exists(p):
         return  # a recycled folder of the same layout: its zarr.json is already this one
-    metadata = encode_zarr_metadata(arr.shape, arr.dtype, arr.chunk_shape)
-    _write_file(p, memoryview(metadata), undo, fsync=False)
+    _write_file(p, memoryview(_disk_metadata(arr)), undo, fsync=False)
 
 
 def _write_one_local(
@@ -1092,11 +1209,9 @@ def _write_one_local(
                 shutil.rmtree(stale)
             else:
                 os.unlink(stale)
-    key = chunk_key(a.shape)
-    if key is not None:
-        _write_file(os.path.join(folder, key), _byte_view(a), undo, fsync=fsync)
-    metadata = encode_zarr_metadata(a.shape, a.dtype)
-    _write_file(os.path.join(folder, _METADATA_KEY), memoryview(metadata), undo, fsync=fsync)
+    for key, view in _disk_chunks(a):
+        _write_file(os.path.join(folder, key), view, undo, fsync=fsync)
+    _write_file(os.path.join(folder, _METADATA_KEY), memoryview(_disk_metadata(a)), undo, fsync=fsync)
 
 
 def write_arrays_local(
@@ -1150,9 +1265,9 @@ def write_arrays_local(
             for p, a in plain
         ]
         tasks += [  # every chunk of every chunked array in parallel, then their zarr.json
-            functools.partial(_write_chunk_local, folders[p], idx, c, undo, reuse=reuse)
+            functools.partial(_write_chunk_local, folders[p], key, view, undo, reuse=reuse)
             for p, a in chunked
-            for idx, c in a.chunks.items()
+            for key, view in _disk_chunks(a)
         ]
         _in_parallel(lambda task: task(), tasks)
         if write_metadata:
@@ -1170,11 +1285,10 @@ def write_arrays_local(
             and e.errno in _DISK_FULL_ERRNOS
             and not isinstance(e, DiskFullError)
         ):
-            which = (
-                ", ".join(repr(p) for p in arrays) if len(arrays) <= 4 else f"{len(arrays)} arrays"
-            )
             raise DiskFullError(
-                e.errno, f"disk full while writing {which} under {root!r}: {e.strerror}", e.filename
+                e.errno,
+                f"disk full while writing {_describe(list(arrays))} under {root!r}: {e.strerror}",
+                e.filename,
             ) from e
         raise
 

@@ -121,7 +121,7 @@ def test_assumption_DISTRIBUTED_CLIENT():
         None,
     )
     assert client_cls is not None
-    for method in ("key_value_set", "blocking_key_value_get"):
+    for method in ("key_value_set", "blocking_key_value_get", "key_value_delete"):
         assert hasattr(client_cls, method), method
 
 

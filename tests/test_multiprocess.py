@@ -36,6 +36,8 @@ WORKER = textwrap.dedent(
     """
     import json, sys
     phase, pid, port, root, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    if root.startswith("{"):  # a tensorstore kvstore spec
+        root = json.loads(root)
     import jax
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -138,6 +140,40 @@ WORKER = textwrap.dedent(
             with open(out_path, "w") as f:
                 json.dump(result, f)
             os._exit(0)  # the job has lost a process: no collective shutdown
+        elif phase == "ops":  # collective deletes, and puts that disagree between the processes
+            import time
+            fwd = rs.split(lambda w, x: jnp.sum(jnp.sin(x * w)))
+            rng = np.random.default_rng(3)
+            w = global_array(rng.standard_normal(64).astype(np.float32), repl)
+            ctxs = [fwd(w, global_array(rng.standard_normal((8, 64)).astype(np.float32), data))[1] for _ in range(3)]
+            jax.block_until_ready(ctxs)
+            for i, ctx in enumerate(ctxs):
+                store.put(ctx, f"k{i}")
+            store.flush()
+            store.delete("k0")
+            store.flush()
+            result["after_delete"] = store.keys()
+            try:
+                store.delete("nope")
+                raised = 0
+            except rs.ContextNotFoundError:
+                raised = 1
+            result["unknown_raised"] = np.asarray(multihost_utils.process_allgather(np.int32(raised))).tolist()
+            start = time.monotonic()
+            store.put(ctxs[1], "k3" if pid == 0 else "k4")
+            try:
+                store.flush()
+                result["mismatch"] = None
+            except rs.ResidualStoreError as err:
+                result["mismatch"] = str(err)
+            result["mismatch_s"] = time.monotonic() - start
+            store.put(ctxs[2], "k5")  # in step again: the next put the processes agree on commits
+            store.flush()
+            store.pop("k1")
+            store.flush()
+            from residual_store import _jax_internals
+            entries = _jax_internals.distributed_client().key_value_dir_get("residual_store/")
+            result["coordinator_ops"] = sorted({"/".join(k.split("/")[:3]) for k, _ in entries})
         else:  # backward, in processes that never define the model
             grads = None
             for i in range(2):
@@ -251,6 +287,16 @@ def forward_store(tmp_path_factory) -> tuple[str, dict]:
     return root, _run_pair(tmp_path, "forward", root)
 
 
+@pytest.fixture(scope="module")
+def kvstore_store(tmp_path_factory) -> tuple[str, dict]:
+    """Like ``forward_store``, through a tensorstore ``file`` kvstore spec (not the local fast
+    path): the way to a shared object store such as ``gcs`` or ``s3``."""
+    tmp_path = tmp_path_factory.mktemp("kvstore")
+    folder = str(tmp_path / "store")
+    spec = json.dumps({"driver": "file", "path": folder, "file_io_sync": True})
+    return folder, spec, _run_pair(tmp_path, "forward", spec)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "residual_store", *args],
@@ -319,18 +365,24 @@ def test_two_processes_put_then_resume_backward(tmp_path, forward_store):
         )
 
 
-def test_a_process_dying_mid_put_commits_nothing(tmp_path):
+@pytest.mark.parametrize("where", ["folder", "kvstore"])
+def test_a_process_dying_mid_put_commits_nothing(tmp_path, where):
     root = str(tmp_path / "store")
-    result = _run_pair(tmp_path, "crash", root, expect=(0, 3))
+    spec = root if where == "folder" else json.dumps({"driver": "file", "path": root, "file_io_sync": True})
+    result = _run_pair(tmp_path, "crash", spec, expect=(0, 3))
     assert result["error"] is not None and "did not reach" in result["error"], result
     with rs.Store(root) as store:
         assert "crashed" not in store
         assert store.keys() == []
-    # process 0 removed what the failed write left (the shared weights' temporary folders too)
-    assert os.listdir(os.path.join(root, "data")) == []
-    assert [
-        n for n in os.listdir(os.path.join(root, "weights")) if n.endswith(".tmp")
-    ] == []
+        # process 0 removed the failed write's data (and the weights' temporary folders)
+        assert os.listdir(os.path.join(root, "data")) == []
+        weights = os.listdir(os.path.join(root, "weights"))
+        assert [n for n in weights if n.endswith(".tmp")] == []
+        # without renames, weight chunks stay where they were put, but no zarr.json makes them
+        # an array: no writer takes them for a complete weight, and gc removes them
+        assert not any(os.path.exists(os.path.join(root, "weights", n, "zarr.json")) for n in weights)
+        store.gc(older_than=0)
+    assert os.listdir(os.path.join(root, "weights")) == []
 
 
 def test_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_path):
@@ -436,3 +488,62 @@ def test_command_line_on_a_multiprocess_store(tmp_path, forward_store):
     assert verify.returncode == 1, verify.stdout + verify.stderr
     assert "DAMAGED mb0" in verify.stdout and "mb1" not in verify.stdout.split("DAMAGED mb0")[0]
     assert _cli("verify", root, "mb1").returncode == 0
+
+
+def test_two_processes_on_a_tensorstore_kvstore(tmp_path, kvstore_store, forward_store):
+    """The collective put and get through tensorstore's kvstore API write the same files as the
+    local fast path, and the resumed backwards give the same gradients."""
+    folder, spec, fwd_result = kvstore_store
+    assert fwd_result["sharded"] >= 1
+    local_root, _ = forward_store
+
+    def files(root: str) -> list[tuple[str, ...]]:  # data and weight folders named by position
+        out = []
+        with open(os.path.join(root, "contexts", "mb0.manifest"), "rb") as f:
+            manifest = msgpack.unpackb(f.read())
+        for r in manifest["arrays"]:
+            out.append((r["shared"], *sorted(os.listdir(os.path.join(root, r["path"])))))
+        return out
+
+    assert files(folder) == files(local_root)
+    with open(os.path.join(folder, "contexts", "mb0.manifest"), "rb") as f:
+        records = msgpack.unpackb(f.read())["arrays"]
+    # the batch, an input sharded over both processes, is a weight written chunk by chunk
+    assert any(r["shared"] and r.get("chunk_shape") for r in records)
+    assert any(not r["shared"] and r.get("chunk_shape") for r in records)
+    assert not [n for n in os.listdir(os.path.join(folder, "weights")) if ".tmp" in n]
+    verify = _cli("verify", folder)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+    params = init_params()
+    expected = None
+    for x, y in batches():
+        g = jax.grad(loss)(params, x, y)
+        expected = g if expected is None else jax.tree.map(jnp.add, expected, g)
+    bwd_result = _run_pair(tmp_path, "backward", spec)
+    for counts in bwd_result["local_shards"]:
+        assert counts and all(c == 2 for c in counts)
+    for name in ("w1", "w2"):
+        np.testing.assert_allclose(
+            np.asarray(bwd_result["grads"][name]), expected[name], rtol=1e-5, atol=1e-6
+        )
+
+
+def test_collective_delete_and_puts_that_disagree(tmp_path):
+    root = str(tmp_path / "store")
+    result = _run_pair(tmp_path, "ops", root)
+    assert result["after_delete"] == ["k1", "k2"]
+    assert result["unknown_raised"] == [1, 1]  # both processes raise for an unknown key
+    # process 0 put k3 where process 1 put k4: both learn it at once, not at the 30 s timeout
+    assert result["mismatch"] is not None, result
+    assert "process 0: put 'k3', process 1: put 'k4'" in result["mismatch"], result["mismatch"]
+    assert result["mismatch_s"] < 10, result
+    # the coordination service keeps the exchanges of the last operation only
+    assert len(result["coordinator_ops"]) == 1, result
+    with rs.Store(root) as store:
+        keys = store.keys()
+        assert keys == ["k2", "k5"]  # neither k3 nor k4 was committed; k0, k1 deleted
+        for key in keys:
+            jax.block_until_ready(rs.backward(store.get(key)))
+    # the deleted contexts' data is removed: only the two committed contexts' folders remain
+    assert sorted(n.split(".")[0] for n in os.listdir(os.path.join(root, "data"))) == keys

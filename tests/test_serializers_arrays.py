@@ -46,6 +46,7 @@ from serializers import (
     write_array_async,
     write_array_local,
     write_arrays,
+    write_arrays_kv,
     write_arrays_local,
     write_chunks,
     write_chunks_local,
@@ -397,7 +398,9 @@ _EFBIG_SCRIPT = textwrap.dedent(
     """
     import json, os, resource, signal, sys
     import numpy as np
-    from serializers import DiskFullError, write_array, write_array_local, write_arrays
+    from serializers import (
+        DiskFullError, write_array, write_array_local, write_arrays, write_arrays_kv,
+    )
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
@@ -412,6 +415,9 @@ _EFBIG_SCRIPT = textwrap.dedent(
         ("ts", lambda: write_array({"driver": "file", "path": root + "/ts"}, "ctx/a", big)),
         ("ts_batch", lambda: write_arrays({"driver": "file", "path": root + "/ts_batch"},
                                           {"s": small, "b": big})),
+        ("kv", lambda: write_arrays_kv({"driver": "file", "path": root + "/kv"}, {"ctx/a": big})),
+        ("kv_batch", lambda: write_arrays_kv({"driver": "file", "path": root + "/kv_batch"},
+                                             {"s": small, "b": big})),
     ]:
         try:
             write()
@@ -461,7 +467,7 @@ def test_efbig_in_subprocess_raises_disk_full_and_leaves_nothing(tmp_path: Path)
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("fast", "fast_batch", "ts", "ts_batch"):
+    for name in ("fast", "fast_batch", "ts", "ts_batch", "kv", "kv_batch"):
         assert report["results"][name] == ["DiskFullError", errno.EFBIG], report
     assert report["left"] == [], report
 
@@ -642,3 +648,157 @@ def test_chunked_corruption(tmp_path: Path, reader: str) -> None:
     # metadata for another chunk grid is refused
     with pytest.raises(CorruptDataError, match="chunk"):
         read((0, 0), (4, 3))
+
+
+# ----------------------------------------------------------------- raw kvstore writer
+
+
+def _file_bytes(root: Path) -> dict[str, bytes]:
+    return {f: (root / f).read_bytes() for f in _files(root)}
+
+
+def _collide(root: Path, key: str) -> None:
+    """Makes a put of ``key`` under the file kvstore ``root`` fail: a folder holding a file is
+    where the key's file would go (works as root too, unlike taking write permission away)."""
+    (root / key).mkdir(parents=True)
+    (root / key / "x").write_bytes(b"")
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "bool", "int8", "complex64", "uint64"])
+def test_kv_writer_writes_the_local_writers_bytes(tmp_path: Path, name: str) -> None:
+    a, m = _array(name, (2, 3), 1), _array(name, (8, 6), 2)
+    arrays = {
+        "p/a": a,
+        "p/scalar": _array(name, (), 3),
+        "p/empty": np.zeros((0, 3), SUPPORTED_DTYPES[name]),
+        "p/t": a.T,  # not contiguous
+        "p/m": ChunkedArray(m.shape, m.dtype, (2, 3), _blocks(m, (2, 3))),
+        "p/whole": ChunkedArray(m.shape, m.dtype, (8, 6), _blocks(m, (8, 6))),
+    }
+    write_arrays_local(tmp_path / "local", arrays)
+    write_arrays_kv(_kv(tmp_path / "kv"), arrays)
+    local, kv = _file_bytes(tmp_path / "local"), _file_bytes(tmp_path / "kv")
+    assert local == kv
+    assert {f for f in kv if f.startswith("p/empty/")} == {"p/empty/zarr.json"}
+    assert {f for f in kv if f.startswith("p/scalar/")} == {"p/scalar/c", "p/scalar/zarr.json"}
+    assert len([f for f in kv if f.startswith("p/m/c.")]) == 8
+
+    for p, want in [("p/a", a), ("p/scalar", arrays["p/scalar"]), ("p/t", np.ascontiguousarray(a.T))]:
+        _same_bits(np.asarray(read_array(_kv(tmp_path / "kv"), p, want.shape, name)), want)
+        _same_bits(read_array_local(tmp_path / "kv", p, want.shape, name), want)
+    _same_bits(np.asarray(read_array(_kv(tmp_path / "kv"), "p/m", m.shape, name)), m)
+    assert read_array(_kv(tmp_path / "kv"), "p/empty", (0, 3), name).shape == (0, 3)
+    for idx, block in _blocks(m, (2, 3)).items():
+        _same_bits(read_chunk(_kv(tmp_path / "kv"), "p/m", m.shape, name, (2, 3), idx), block)
+        _same_bits(read_chunk_local(tmp_path / "kv", "p/m", m.shape, name, (2, 3), idx), block)
+
+    zarr = pytest.importorskip("zarr")
+    if name in NUMPY_NAMES or name in arrays_mod._ZARR_FLOAT_NAMES:
+        register_zarr_dtypes()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for p, want in [("p/a", a), ("p/m", m), ("p/whole", m)]:
+                _same_bits(np.asarray(zarr.open_array(str(tmp_path / "kv" / p), mode="r")[...]), want)
+            assert zarr.open_array(str(tmp_path / "kv" / "p/empty"), mode="r")[...].shape == (0, 3)
+
+
+def test_kv_writer_puts_every_chunk_before_any_zarr_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = arrays_mod._put_all
+    phases: list[list[str]] = []
+
+    def spy(kv: Any, items: Any, started: list[str]) -> None:
+        phases.append(sorted(items))
+        if len(phases) == 2:  # a crash once the chunks are in, before any metadata
+            raise KeyboardInterrupt
+        real(kv, items, started)
+
+    monkeypatch.setattr(arrays_mod, "_put_all", spy)
+    m = _array("float32", (4, 6))
+    arrays = {"a": _array("int16", (3,)), "m": ChunkedArray(m.shape, m.dtype, (2, 6), _blocks(m, (2, 6)))}
+    with pytest.raises(KeyboardInterrupt):
+        write_arrays_kv(_kv(tmp_path), arrays, content_addressed=True)  # (which deletes nothing)
+    assert phases == [["a/c.0", "m/c.0.0", "m/c.1.0"], ["a/zarr.json", "m/zarr.json"]]
+    assert _files(tmp_path) == ["a/c.0", "m/c.0.0", "m/c.1.0"]  # chunks without metadata
+    with pytest.raises(CorruptDataError, match="'a'"):  # no array, to any reader
+        read_array(_kv(tmp_path), "a", (3,), "int16")
+
+
+def test_kv_writer_failure_removes_its_own_keys_only(tmp_path: Path) -> None:
+    kv = _kv(tmp_path)
+    m = _array("float32", (4, 6))
+    blocks = _blocks(m, (2, 3))
+    write_arrays_kv(kv, {"x/m": ChunkedArray(m.shape, m.dtype, (2, 3), {(0, 1): blocks[(0, 1)]})}, write_metadata=False)
+    _collide(tmp_path, "x/m/c.1.1")
+    before = _files(tmp_path)
+    mine = ChunkedArray(m.shape, m.dtype, (2, 3), {(0, 0): blocks[(0, 0)], (1, 1): blocks[(1, 1)]})
+    with pytest.raises(ValueError, match=r"c\.1\.1"):
+        write_arrays_kv(kv, {"x/a": _array("int32", (5,)), "x/m": mine, "x/s": np.float64(1)})
+    assert _files(tmp_path) == before == ["x/m/c.0.1", "x/m/c.1.1/x"]  # the other writer's chunk stays
+    assert not (tmp_path / "x" / "a").exists()
+    # content-addressed: nothing deleted, so an array another writer completed stays whole
+    write_arrays_kv(kv, {"w": np.arange(4.0)})
+    with pytest.raises(ValueError):
+        write_arrays_kv(kv, {"w": np.arange(4.0), "x/m": mine}, content_addressed=True)
+    _same_bits(read_array(kv, "w", (4,), "float64"), np.arange(4.0))
+    assert "x/m/zarr.json" not in _files(tmp_path) and "x/m/c.0.0" in _files(tmp_path)
+
+
+def test_kv_writer_replaces_plain_arrays_but_not_other_chunks(tmp_path: Path) -> None:
+    kv = _kv(tmp_path)
+    m = _array("int32", (4, 6))
+    write_arrays_kv(kv, {"a": ChunkedArray(m.shape, m.dtype, (2, 3), _blocks(m, (2, 3)))})
+    write_arrays_kv(kv, {"a": m})  # another grid: no stale chunk may stay
+    assert _files(tmp_path / "a") == ["c.0.0", "zarr.json"]
+    _same_bits(read_array_local(tmp_path, "a", m.shape, "int32"), m)
+    write_arrays_kv(kv, {"a": np.int32(7)})
+    assert _files(tmp_path / "a") == ["c", "zarr.json"]
+    write_arrays_kv(kv, {"a": np.zeros((0,), np.int32)})
+    assert _files(tmp_path / "a") == ["zarr.json"]
+
+
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_kv_writers_of_disjoint_chunks_then_metadata(tmp_path: Path, where: str) -> None:
+    """As a collective write does: each process puts its chunks without zarr.json; process 0 puts
+    zarr.json once all are in, and only then is the array there."""
+    ctx = ts.Context()
+    kv = _kv(tmp_path) if where == "file" else {"driver": "memory", "path": "collective/"}
+    m = _array("bfloat16", (4, 6))
+    blocks = _blocks(m, (2, 3))
+
+    def part(keep: Any) -> ChunkedArray:
+        return ChunkedArray(m.shape, m.dtype, (2, 3), {i: b for i, b in blocks.items() if keep(i)})
+
+    write_arrays_kv(kv, {"m": part(lambda i: i[0] == 0)}, context=ctx, write_metadata=False)
+    write_arrays_kv(kv, {"m": part(lambda i: i[0] == 1)}, context=ctx, write_metadata=False)
+    with pytest.raises(CorruptDataError):
+        read_chunk(kv, "m", m.shape, "bfloat16", (2, 3), (0, 0), context=ctx)
+    if where == "file":
+        assert "m/zarr.json" not in _files(tmp_path) and len(_files(tmp_path)) == 4
+    write_arrays_kv(kv, {"m": part(lambda i: False)}, context=ctx)
+    _same_bits(np.asarray(read_array(kv, "m", m.shape, "bfloat16", context=ctx)), m)
+    for idx, block in blocks.items():
+        _same_bits(read_chunk(kv, "m", m.shape, "bfloat16", (2, 3), idx, context=ctx), block)
+
+
+def test_kv_writer_memory_round_trip() -> None:
+    arrays = {
+        "r/a": _array("float16", (3, 4)),
+        "r/s": _array("uint8", ()),
+        "r/e": np.zeros((2, 0), np.float32),
+        "r/b": _array("bool", (9,)),
+    }
+    kv = {"driver": "memory", "path": "kv-round-trip"}  # (no trailing slash)
+    write_arrays_kv(kv, arrays)  # the default context, shared with the reader
+    out = read_arrays(kv, {p: (a.shape, a.dtype) for p, a in arrays.items()})
+    for p, a in arrays.items():
+        _same_bits(np.asarray(out[p]), a)
+    write_arrays_kv(kv, {"r/a": _array("float16", (6,), 5)})
+    _same_bits(np.asarray(read_array(kv, "r/a", (6,), "float16")), _array("float16", (6,), 5))
+    with pytest.raises(UnsupportedDTypeError):
+        write_arrays_kv(kv, {"r/ok": np.zeros(2), "r/bad": np.array(["s"])})
+    with pytest.raises(ValueError, match="unsafe"):
+        write_arrays_kv(kv, {"../x": np.zeros(2)})
+    with pytest.raises(CorruptDataError):  # nothing of the refused batches was written
+        read_array(kv, "r/ok", (2,), "float64")

@@ -28,14 +28,16 @@ __all__ = ["Backend", "open_backend"]
 class Backend(Protocol):
     description: str
 
-    can_recycle: bool
+    can_rename: bool
 
     # values: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard)
     def write_arrays(
         self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
     ) -> None: ...
     def rename(self, src: str, dst: str) -> bool: ...
-    def write_shared_arrays(self, arrays: Mapping[str, Any], *, fsync: bool) -> None: ...
+    def write_shared_arrays(
+        self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
+    ) -> None: ...
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
@@ -64,7 +66,7 @@ class _LocalBackend:
             raise ValueError(f"refusing a path outside the store: {key!r}")
         return path
 
-    can_recycle = True
+    can_rename = True
 
     def write_arrays(
         self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
@@ -79,12 +81,17 @@ class _LocalBackend:
         except OSError:
             return False
 
-    def write_shared_arrays(self, arrays: Mapping[str, Any], *, fsync: bool) -> None:
+    def write_shared_arrays(
+        self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
+    ) -> None:
         """Content-addressed arrays that committed contexts of other writers may already hold:
         each is written under a temporary name and renamed into place, never rewritten in place,
-        so a concurrent or failing writer cannot tear one that is already there."""
+        so a concurrent or failing writer cannot tear one that is already there. Partial arrays
+        (``write_metadata=False``) go to a temporary folder through :meth:`write_arrays` here."""
         if not arrays:
             return
+        if not write_metadata:
+            raise ValueError("a local folder renames whole shared arrays into place")
         temps = {f"{path}.{uuid.uuid4().hex[:12]}.tmp": path for path in arrays}
         serializers.write_arrays_local(self.root, {t: arrays[p] for t, p in temps.items()}, fsync=fsync)
         for temp, path in temps.items():
@@ -189,17 +196,30 @@ class _KvBackend:
             spec = {**spec, "path": path + "/"}
         return spec
 
-    can_recycle = False
+    can_rename = False
 
     def write_arrays(
         self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
     ) -> None:
-        serializers.write_arrays(self.spec, arrays, context=self.context)
+        """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
+        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""
+        serializers.write_arrays_kv(
+            self.spec, arrays, context=self.context, write_metadata=write_metadata
+        )
 
     def rename(self, src: str, dst: str) -> bool:
         return False  # kvstores have no atomic rename of a prefix
 
-    write_shared_arrays = write_arrays  # no rename on kvstores; content-addressed, same bytes
+    def write_shared_arrays(
+        self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
+    ) -> None:
+        """Content-addressed arrays written in place (no rename on kvstores): every writer puts
+        the same bytes, ``zarr.json`` last, and nothing is deleted, not even on failure, so a
+        writer cannot tear an array another one completed. ``write_metadata=False``: each of
+        several writers puts its chunks, and one puts the ``zarr.json`` after all are done."""
+        serializers.write_arrays_kv(
+            self.spec, arrays, context=self.context, write_metadata=write_metadata, content_addressed=True
+        )
 
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         return np.asarray(serializers.read_array(self.spec, path, shape, dtype, context=self.context))
@@ -232,8 +252,7 @@ class _KvBackend:
         self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
 
     def delete_tree(self, prefix: str) -> None:
-        prefix = prefix.rstrip("/") + "/"
-        self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord("/") + 1))).result()
+        serializers.delete_prefix(self.spec, prefix.rstrip("/"), context=self.context)
 
     def age_seconds(self, prefix: str) -> float | None:
         return None  # kvstores have no portable mtime: gc only removes with older_than=0

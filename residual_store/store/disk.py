@@ -54,7 +54,7 @@ from residual_store.errors import (
     StoreFullError,
 )
 from residual_store.store.backends import open_backend
-from residual_store.store.collective import Collective
+from residual_store.store.collective import Channel, Collective
 from residual_store.store.records import (
     HostArrays,
     ShardedHost,
@@ -130,6 +130,20 @@ def _encode_manifest(
     )
 
 
+def _chunk_sums(spec: ResidualSpec, arrays: HostArrays) -> dict[str, list[Any]]:
+    """This process's chunks of each sharded residual: ``[index, checksum, content digest]``
+    (the digest for weights only, which are stored under it)."""
+    out: dict[str, list[Any]] = {}
+    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+        if isinstance(x, ShardedHost) and x.chunk_shape is not None:
+            shared = kind != "intermediate"
+            out[str(i)] = [
+                [list(idx), serializers.checksum(c), serializers.content_digest(c) if shared else None]
+                for idx, c in sorted(x.chunks.items())
+            ]
+    return out
+
+
 class DiskTier:
     """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete, gc."""
 
@@ -138,6 +152,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._stat_cache: dict[str, tuple[Any, StoredContext]] = {}
         self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
+        self._channel: Channel | None = None  # made at the first collective operation
         marker = self.backend.get_bytes(STORE_MARKER)
         if marker is None:
             self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
@@ -223,6 +238,15 @@ class DiskTier:
             raise
         return self._data_of(previous) if previous is not None else None
 
+    def _begin(self, what: str) -> Collective:
+        """Begins a collective operation on this store's channel; a store only read from (an
+        inspection in one process) never makes one, so it cannot put the processes out of step."""
+        with self._lock:
+            if self._channel is None:
+                self._channel = Channel(self.description)
+            channel = self._channel
+        return channel.begin(what)
+
     def write_collective(
         self,
         key: str,
@@ -238,29 +262,22 @@ class DiskTier:
         chunks of its own devices (``replica_id == 0``); whole arrays (fully replicated, or on one
         device) are written by process 0 only. The processes exchange their chunks' checksums
         (and, for weights, content digests), write their chunks, say whether that worked, and
-        only when every process did, process 0 writes the arrays' ``zarr.json``, renames shared
-        weights into place and commits the manifest; a last exchange tells every process the
+        only when every process did, process 0 writes the arrays' ``zarr.json``, puts shared
+        weights in place and commits the manifest; a last exchange tells every process the
         commit happened. A process that dies or fails leaves no manifest: the others time out or
         learn the failure and raise, and process 0 removes the data. Returns the replaced data
         (process 0 only).
+
+        A sharded weight goes to a temporary folder renamed into place where the backend can
+        rename (a local or shared file system); on other kvstores each process writes its chunks
+        under the weight's content address (the same bytes whoever writes them), and
+        ``zarr.json``, written last by process 0, makes the weight exist.
         """
-        if not self.backend.can_recycle:
-            raise ResidualStoreError(
-                "a store shared by several processes (jax.process_count() > 1) needs a local or "
-                "shared-filesystem folder as its path, not a kvstore spec"
-            )
-        coll = Collective(f"put {key!r}")
+        coll = self._begin(f"put {key!r}")
         lead = coll.index == 0
-        local: dict[str, list[Any]] = {}
-        for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
-            if isinstance(x, ShardedHost) and x.chunk_shape is not None:
-                shared = kind != "intermediate"
-                local[str(i)] = [
-                    [list(idx), serializers.checksum(c), serializers.content_digest(c) if shared else None]
-                    for idx, c in sorted(x.chunks.items())
-                ]
-        write_id = uuid.uuid4().hex[:12]
-        infos = coll.allgather("chunks", {"chunks": local, "write_id": write_id})
+        infos = coll.allgather(
+            "chunks", {"chunks": _chunk_sums(spec, arrays), "write_id": uuid.uuid4().hex[:12]}
+        )
         write_id = infos[0]["write_id"]
         data_dir = f"data/{key}.{write_id}"
         gathered: dict[int, dict[tuple[int, ...], tuple[str, str | None]]] = {}
@@ -268,9 +285,12 @@ class DiskTier:
             for i, entries in info["chunks"].items():
                 for idx, chk, digest in entries:
                     gathered.setdefault(int(i), {})[tuple(idx)] = (chk, digest)
+        renames = self.backend.can_rename
         mine: dict[str, Any] = {}  # this process's writes: path -> array
+        mine_shared: dict[str, Any] = {}  # its chunks of sharded weights, where there is no rename
+        skipped: list[str] = []  # sharded weights this process found in place
         shared_plain: dict[str, Any] = {}  # whole weights (process 0)
-        shared_chunked: dict[str, tuple[str, Any]] = {}  # weight path -> (temp path, metadata)
+        shared_chunked: dict[str, tuple[str, Any]] = {}  # weight path -> (where its chunks go, array)
         chunked_meta: dict[str, Any] = {}  # intermediate path -> ChunkedArray (for its zarr.json)
         records = []
         shardings: list[dict[str, Any] | None] = []
@@ -292,13 +312,16 @@ class DiskTier:
                 data: Any = serializers.ChunkedArray(x.shape, x.dtype, x.chunk_shape, x.chunks)
                 if shared:
                     digests = {idx: str(d) for idx, (_, d) in sums}
-                    digest = chunked_digest_of(x.dtype, x.shape, x.chunk_shape, digests)
-                    path = f"weights/{digest}"
-                    temp = f"{path}.{write_id}.tmp"
+                    path = f"weights/{chunked_digest_of(x.dtype, x.shape, x.chunk_shape, digests)}"
+                    target = f"{path}.{write_id}.tmp" if renames else path
                     if path not in shared_chunked:
-                        shared_chunked[path] = (temp, data)
-                        if not self.backend.array_exists(path):
-                            mine[temp] = data
+                        shared_chunked[path] = (target, data)
+                        if self.backend.array_exists(path):
+                            skipped.append(path)
+                        elif renames:
+                            mine[target] = data
+                        else:
+                            mine_shared[target] = data
                 else:
                     path = f"{data_dir}/{i}"
                     mine[path] = data
@@ -317,55 +340,94 @@ class DiskTier:
                     if lead:
                         mine[path] = data
             records.append(_record(spec, i, path, x, checksum, shared, chunk_fields))
-        error: str | None = None
-        try:
-            self.backend.write_arrays(mine, fsync=fsync, write_metadata=False)
-        except Exception as err:  # noqa: BLE001 - every process must learn of it
-            error = f"process {coll.index}: {type(err).__name__}: {err}"
-            full = isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS
+
         def clean_up() -> None:  # process 0: what this write left, when it does not commit
             if lead:
                 self.backend.delete_tree(data_dir)
-                for temp, _ in shared_chunked.values():
-                    self.backend.delete_tree(temp)
+                for target, _ in shared_chunked.values():
+                    if renames:  # elsewhere chunks without zarr.json are invisible; gc takes them
+                        self.backend.delete_tree(target)
 
+        error: str | None = None
+        full = False
         try:
-            errors = [e for e in coll.allgather("written", error) if e is not None]
+            self.backend.write_arrays(mine, fsync=fsync, write_metadata=False)
+            self.backend.write_shared_arrays(mine_shared, fsync=fsync, write_metadata=False)
+        except Exception as err:  # noqa: BLE001 - every process must learn of it
+            error = f"process {coll.index}: {type(err).__name__}: {err}"
+            full = isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS
+        try:
+            written = coll.allgather("written", {"error": error, "skipped": skipped})
         except ResidualStoreError:  # a process died or hung: no commit
             clean_up()
             raise
-        previous = None
+        errors = [w["error"] for w in written if w["error"] is not None]
         if errors:
             clean_up()
-            kind_of = StoreFullError if error is not None and full else ResidualStoreError
+            kind_of = StoreFullError if full else ResidualStoreError
             raise kind_of(f"collective write of context {key!r} failed, nothing committed: {'; '.join(errors)}")
+        previous = None
         if lead:
             try:
-                # zarr.json last: an array is complete once every process's chunks are in
-                self.backend.write_arrays(
-                    {p: serializers.ChunkedArray(a.shape, a.dtype, a.chunk_shape, {}) for p, a in chunked_meta.items()},
-                    fsync=fsync,
-                )
-                for path, (temp, data) in shared_chunked.items():
-                    if self.backend.array_exists(path):
-                        self.backend.delete_tree(temp)
-                        continue
-                    self.backend.write_arrays(
-                        {temp: serializers.ChunkedArray(data.shape, data.dtype, data.chunk_shape, {})}, fsync=fsync
-                    )
-                    if not self.backend.rename(temp, path):
-                        self.backend.delete_tree(temp)  # another writer put the same bytes there
+                skipped_by_any = {p for w in written for p in w["skipped"]}
+                self._commit_collective(chunked_meta, shared_chunked, skipped_by_any, fsync=fsync)
                 self.backend.write_shared_arrays(shared_plain, fsync=fsync)
                 manifest = _encode_manifest(key, spec, impls, shardings, data_dir, records)
                 previous = self._read_manifest_bytes(key)
                 self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
             except Exception as err:  # noqa: BLE001
-                self.backend.delete_tree(data_dir)
+                clean_up()
                 error = f"process 0: {type(err).__name__}: {err}"
         errors = [e for e in coll.allgather("committed", error if lead else None) if e is not None]
         if errors:
             raise ResidualStoreError(f"collective write of context {key!r} failed, nothing committed: {errors[0]}")
         return self._data_of(previous) if previous is not None else None
+
+    def _commit_collective(
+        self,
+        chunked_meta: Mapping[str, Any],
+        shared_chunked: Mapping[str, tuple[str, Any]],
+        skipped: set[str],
+        *,
+        fsync: bool,
+    ) -> None:
+        """Process 0, once every process's chunks are durable: the ``zarr.json`` of each chunked
+        array (an array is complete once it is there), sharded weights put in place."""
+        meta = {p: serializers.ChunkedArray(a.shape, a.dtype, a.chunk_shape, {}) for p, a in chunked_meta.items()}
+        self.backend.write_arrays(meta, fsync=fsync)
+        for path, (target, data) in shared_chunked.items():
+            if self.backend.array_exists(path):
+                if target != path:
+                    self.backend.delete_tree(target)
+                continue
+            if path in skipped:
+                raise ResidualStoreError(
+                    f"weight {path} was removed (by gc?) while processes that found it in place "
+                    "skipped writing their chunks of it; put the context again"
+                )
+            empty = {target: serializers.ChunkedArray(data.shape, data.dtype, data.chunk_shape, {})}
+            if target == path:  # no rename: the zarr.json makes the weight exist
+                self.backend.write_shared_arrays(empty, fsync=fsync)
+                continue
+            self.backend.write_arrays(empty, fsync=fsync)
+            if not self.backend.rename(target, path):
+                self.backend.delete_tree(target)  # another writer put the same bytes there
+
+    def delete_collective(self, key: str) -> StaleData | None:
+        """:meth:`delete` by every process at once: process 0 removes the manifest once all have
+        begun (so none can still be checking whether ``key`` exists), and all learn the outcome.
+        Returns the removed context's data (process 0 only)."""
+        coll = self._begin(f"delete {key!r}")
+        stale, error = None, None
+        if coll.index == 0:
+            try:
+                _, stale = self.delete(key)
+            except Exception as err:  # noqa: BLE001 - every process must learn of it
+                error = f"process 0: {type(err).__name__}: {err}"
+        errors = [e for e in coll.allgather("deleted", error) if e is not None]
+        if errors:
+            raise ResidualStoreError(f"collective delete of context {key!r} failed: {errors[0]}")
+        return stale
 
     def write_blob(self, name: str, data: bytes, *, fsync: bool) -> None:
         try:
@@ -577,7 +639,7 @@ class DiskTier:
 
     def _claim_free(self, layout: str, data_dir: str) -> bool:
         """Renames a recycled folder of this layout to ``data_dir``; whether one was found."""
-        if not self.backend.can_recycle:
+        if not self.backend.can_rename:
             return False
         while True:
             with self._lock:
@@ -588,14 +650,14 @@ class DiskTier:
             if self.backend.rename(candidate, data_dir):
                 return True
 
-    def drop_data(self, stale: StaleData) -> None:
+    def drop_data(self, stale: StaleData, *, recycle: bool = True) -> None:
         """Disposes of a data folder that no manifest references any more.
 
-        In a local folder it is kept for reuse by a later write of the same layout (same shapes
+        With ``recycle``, in a local folder it is kept for reuse by a later write of the same layout (same shapes
         and dtypes), which then overwrites its files in place instead of creating some
         50 files and folders (file creation dominates small writes); otherwise it is removed.
         """
-        if self.backend.can_recycle:
+        if recycle and self.backend.can_rename:
             with self._lock:
                 pool = self._free.setdefault(stale.layout, [])
                 room = len(pool) < _MAX_FREE_PER_LAYOUT

@@ -27,10 +27,20 @@ from residual_store.errors import (
 from residual_store.export import export_backward, load_backward
 from residual_store.store.collective import is_multiprocess
 from residual_store.store.disk import DiskTier
-from residual_store.store.records import ShardedHost, host_arrays, to_device_sharded
 from residual_store.store.io import Loader, Writer
 from residual_store.store.keys import new_key, validate_key
-from residual_store.store.tiers import MemoryTier, intermediate_nbytes, to_device, to_host
+from residual_store.store.records import (
+    ShardedHost,
+    StaleData,
+    host_arrays,
+    to_device_sharded,
+)
+from residual_store.store.tiers import (
+    MemoryTier,
+    intermediate_nbytes,
+    to_device,
+    to_host,
+)
 
 __all__ = ["Store"]
 
@@ -286,13 +296,9 @@ class Store:
                 arrays, impls = host_arrays(ctx)
                 if collective:
                     stale = disk.write_collective(key, ctx.spec, arrays, impls, fsync=durable)
-                    if stale is not None:  # no recycling: other processes write into new folders
-                        stale_dir = stale.data_dir
-                        self._janitor.submit(lambda: disk.backend.delete_tree(stale_dir))
                 else:
                     stale = disk.write(key, ctx.spec, arrays, impls, fsync=durable)
-                if stale is not None and not collective:
-                    self._janitor.submit(lambda: disk.drop_data(stale))
+                self._drop_later(stale, collective=collective)
                 with self._lock:
                     if self._pending.get(key, (None, None))[1] is token:
                         self._on_disk.add(key)
@@ -302,6 +308,17 @@ class Store:
                         del self._pending[key]
 
         self._writer.submit(job, ctx.nbytes)
+
+    def _drop_later(self, stale: StaleData | None, *, collective: bool) -> None:
+        """Hands data no manifest references any more to the janitor, off the write path.
+
+        Collective writes never reuse folders (each process would have to claim the same one),
+        so their stale data is removed rather than kept for recycling.
+        """
+        if stale is not None:
+            disk = self._disk
+            assert disk is not None
+            self._janitor.submit(lambda: disk.drop_data(stale, recycle=not collective))
 
     def _save_backward(self, ctx: ResidualContext) -> None:
         """Once per signature and store: save the backward, so other processes can run it."""
@@ -511,11 +528,11 @@ class Store:
             if not found:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
             return
-        # In a multi-process job only process 0 removes the context from disk, in the background:
-        # the others cannot tell an unknown key from one process 0 has already removed.
-        disk_owner = not is_multiprocess() or jax.process_index() == 0
+        # In a multi-process job the delete is collective, in call order with the puts: every
+        # process checks here, and process 0 removes the manifest only once all have begun.
+        collective = is_multiprocess()
         with self._lock:
-            if not found and key not in self._deleting and disk_owner and key not in self._disk:
+            if not found and key not in self._deleting and key not in self._disk:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
             if not found and key in self._deleting:
                 raise ContextNotFoundError(f"context {key!r} was already deleted from store {self!r}")
@@ -526,13 +543,11 @@ class Store:
         def job() -> None:
             try:
                 with self._lock:
-                    if self._deleting.get(key) is not token:
-                        return  # put again since: the new context stays
-                if not disk_owner:
-                    return  # every process deletes it from memory; process 0 from disk
-                _, stale = disk.delete(key)
-                if stale is not None:
-                    self._janitor.submit(lambda: disk.drop_data(stale))
+                    superseded = self._deleting.get(key) is not token  # put again since
+                if collective:  # every process takes part, even where it was put again since
+                    self._drop_later(disk.delete_collective(key), collective=True)
+                elif not superseded:
+                    self._drop_later(disk.delete(key)[1], collective=False)
             finally:
                 with self._lock:
                     if self._deleting.get(key) is token:

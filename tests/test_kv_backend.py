@@ -1,0 +1,111 @@
+"""The kvstore backend of the disk tier: the local backend's bytes, ``zarr.json`` last (so
+``array_exists`` means complete), ``write_metadata=False`` for collective writers, and shared
+(content-addressed) arrays that a failing writer cannot tear."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import serializers
+from residual_store.store.backends import _KvBackend, open_backend
+
+
+def _file_spec(root: Path) -> dict[str, Any]:
+    return {"driver": "file", "path": str(root), "file_io_sync": False}  # options: not the fast path
+
+
+def _kv_backend(spec: dict[str, Any]) -> _KvBackend:
+    backend = open_backend(spec)
+    assert isinstance(backend, _KvBackend)
+    return backend
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _blocks(a: np.ndarray, cs: tuple[int, ...]) -> dict[tuple[int, ...], np.ndarray]:
+    return {idx: a[serializers.chunk_region(idx, cs)] for idx in serializers.chunk_indices(a.shape, cs)}
+
+
+def _collide(root: Path, key: str) -> None:
+    """A folder holding a file where ``key``'s file would go: its put fails (even as root)."""
+    (root / key).mkdir(parents=True)
+    (root / key / "x").write_bytes(b"")
+
+
+M = np.arange(24, dtype=np.float32).reshape(4, 6)
+
+
+def _chunked(keep: Any = lambda idx: True) -> serializers.ChunkedArray:
+    blocks = {i: b for i, b in _blocks(M, (2, 3)).items() if keep(i)}
+    return serializers.ChunkedArray(M.shape, M.dtype, (2, 3), blocks)
+
+
+def test_kv_backend_writes_the_local_backends_bytes(tmp_path: Path) -> None:
+    arrays = {"data/k/0": np.arange(5, dtype=np.int16), "data/k/1": np.float32(3), "data/k/2": _chunked()}
+    local = open_backend(tmp_path / "local")
+    kv = _kv_backend(_file_spec(tmp_path / "kv"))
+    local.write_arrays(arrays, fsync=False)
+    kv.write_arrays(arrays, fsync=False)
+    local.write_shared_arrays({"weights/w": M}, fsync=False)
+    kv.write_shared_arrays({"weights/w": M}, fsync=False)
+    assert _files(tmp_path / "local") == _files(tmp_path / "kv")
+    np.testing.assert_array_equal(kv.read_array("data/k/0", (5,), "int16"), arrays["data/k/0"])
+    np.testing.assert_array_equal(kv.read_chunk("data/k/2", M.shape, "float32", (2, 3), (1, 1)), M[2:4, 3:6])
+    np.testing.assert_array_equal(kv.read_array("weights/w", M.shape, "float32"), M)
+    assert kv.array_exists("weights/w") and kv.array_exists("data/k/2")
+
+
+def test_write_metadata_false_then_metadata_last() -> None:
+    kv = _kv_backend({"driver": "memory", "path": f"kv-backend-{uuid.uuid4().hex}/"})
+    kv.write_arrays({"data/c/0": _chunked(lambda i: i[0] == 0)}, fsync=False, write_metadata=False)
+    kv.write_arrays({"data/c/0": _chunked(lambda i: i[0] == 1)}, fsync=False, write_metadata=False)
+    assert not kv.array_exists("data/c/0")  # every chunk is in, but nobody said so yet
+    kv.write_arrays({"data/c/0": _chunked(lambda i: False)}, fsync=False)
+    assert kv.array_exists("data/c/0")
+    np.testing.assert_array_equal(kv.read_array("data/c/0", M.shape, "float32"), M)
+
+
+def test_failed_write_leaves_no_array_and_others_chunks(tmp_path: Path) -> None:
+    kv = _kv_backend(_file_spec(tmp_path))
+    kv.write_arrays({"data/c/0": _chunked(lambda i: i == (0, 1))}, fsync=False, write_metadata=False)
+    _collide(tmp_path, "data/c/0/c.1.1")
+    with pytest.raises(ValueError, match=r"c\.1\.1"):
+        kv.write_arrays({"data/c/1": np.ones(3), "data/c/0": _chunked(lambda i: i != (0, 1))}, fsync=False)
+    assert not kv.array_exists("data/c/0") and not kv.array_exists("data/c/1")
+    assert sorted(_files(tmp_path)) == ["data/c/0/c.0.1", "data/c/0/c.1.1/x"]
+
+
+def test_failing_shared_write_cannot_tear_a_complete_weight(tmp_path: Path) -> None:
+    kv = _kv_backend(_file_spec(tmp_path))
+    kv.write_shared_arrays({"weights/w": M}, fsync=False)
+    _collide(tmp_path, "weights/v/c.1.1")
+    with pytest.raises(ValueError):  # the same weight again, in a batch that fails
+        kv.write_shared_arrays({"weights/w": M, "weights/v": _chunked()}, fsync=False)
+    np.testing.assert_array_equal(kv.read_array("weights/w", M.shape, "float32"), M)
+    assert not kv.array_exists("weights/v")  # chunks without zarr.json: not there, to the store
+    for p in (tmp_path / "weights/v/c.1.1").iterdir():
+        p.unlink()
+    (tmp_path / "weights/v/c.1.1").rmdir()
+    kv.write_shared_arrays({"weights/v": _chunked()}, fsync=False)  # the next writer completes it
+    np.testing.assert_array_equal(kv.read_array("weights/v", M.shape, "float32"), M)
+
+
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_delete_tree_removes_a_prefix_and_nothing_beside_it(tmp_path: Path, where: str) -> None:
+    spec = _file_spec(tmp_path) if where == "file" else {"driver": "memory", "path": f"{uuid.uuid4().hex}/"}
+    backend = _kv_backend(spec)
+    a = np.arange(6, dtype=np.float32)
+    backend.write_arrays({"data/k.1/0": a, "data/k.1/1": a, "data/k.10/0": a}, fsync=False)
+    backend.delete_tree("data/k.1")
+    assert backend.list_dir("data") == ["k.10"]
+    assert not backend.array_exists("data/k.1/0")
+    np.testing.assert_array_equal(backend.read_array("data/k.10/0", (6,), "float32"), a)
+    if where == "file":  # the file driver deletes files; the folders it leaves go too
+        assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["k.10"]
