@@ -147,6 +147,11 @@ WORKER = textwrap.dedent(
             w = global_array(rng.standard_normal(64).astype(np.float32), repl)
             ctxs = [fwd(w, global_array(rng.standard_normal((8, 64)).astype(np.float32), data))[1] for _ in range(3)]
             jax.block_until_ready(ctxs)
+            try:
+                store.put(ctxs[0])
+                result["keyless"] = None
+            except rs.InvalidArgumentError as err:
+                result["keyless"] = str(err)
             for i, ctx in enumerate(ctxs):
                 store.put(ctx, f"k{i}")
             store.flush()
@@ -159,6 +164,14 @@ WORKER = textwrap.dedent(
             except rs.ContextNotFoundError:
                 raised = 1
             result["unknown_raised"] = np.asarray(multihost_utils.process_allgather(np.int32(raised))).tolist()
+            local_fwd = rs.split(lambda v: jnp.sum(jnp.sin(v) ** 2))  # on this process's devices only
+            store.put(local_fwd(jnp.arange(4.0))[1], "same")  # equal in both processes: fine
+            store.put(local_fwd(jnp.arange(4.0) + pid)[1], "differs")
+            try:
+                store.flush()
+                result["local"] = None
+            except rs.ResidualStoreError as err:
+                result["local"] = str(err)
             start = time.monotonic()
             store.put(ctxs[1], "k3" if pid == 0 else "k4")
             try:
@@ -532,7 +545,10 @@ def test_two_processes_on_a_tensorstore_kvstore(tmp_path, kvstore_store, forward
 def test_collective_delete_and_puts_that_disagree(tmp_path):
     root = str(tmp_path / "store")
     result = _run_pair(tmp_path, "ops", root)
+    assert result["keyless"] is not None and "needs a key" in result["keyless"]
     assert result["after_delete"] == ["k1", "k2"]
+    # a process-local residual that differs between processes would lose all but process 0's
+    assert result["local"] is not None and "values differ between processes" in result["local"]
     assert result["unknown_raised"] == [1, 1]  # both processes raise for an unknown key
     # process 0 put k3 where process 1 put k4: both learn it at once, not at the 30 s timeout
     assert result["mismatch"] is not None, result
@@ -542,7 +558,7 @@ def test_collective_delete_and_puts_that_disagree(tmp_path):
     assert len(result["coordinator_ops"]) == 1, result
     with rs.Store(root) as store:
         keys = store.keys()
-        assert keys == ["k2", "k5"]  # neither k3 nor k4 was committed; k0, k1 deleted
+        assert keys == ["k2", "k5", "same"]  # not differs, k3 or k4; k0, k1 deleted
         for key in keys:
             jax.block_until_ready(rs.backward(store.get(key)))
     # the deleted contexts' data is removed: only the two committed contexts' folders remain

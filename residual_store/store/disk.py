@@ -144,6 +144,38 @@ def _chunk_sums(spec: ResidualSpec, arrays: HostArrays) -> dict[str, list[Any]]:
     return out
 
 
+
+def _process_local_sums(arrays: HostArrays) -> dict[str, str]:
+    """Checksums of the residuals on this process's devices only (not global arrays): unlike
+    a global array's, their values may differ between processes."""
+    here = jax.process_index()
+    owner = {d.id: d.process_index for d in jax.devices()}
+    out = {}
+    for i, x in enumerate(arrays):
+        if isinstance(x, ShardedHost):
+            if x.whole is None or any(owner.get(d) != here for d in x.sharding["device_ids"]):
+                continue
+            x = x.whole
+        out[str(i)] = serializers.checksum(x)
+    return out
+
+
+def _check_same_everywhere(key: str, spec: ResidualSpec, local_sums: Sequence[Mapping[str, str]]) -> None:
+    """Raises if a process-local residual differs between processes: a collective put stores one
+    context for all of them (process 0 writes whole arrays), so the others' values would be lost."""
+    for i in sorted({i for sums in local_sums for i in sums}, key=int):
+        seen = [sums.get(i) for sums in local_sums]
+        if len(set(seen)) > 1:
+            raise ResidualStoreError(
+                f"collective write of context {key!r}: residual {i} ({spec.names[int(i)]}) is an "
+                "array on one process's devices only, and its values differ between processes "
+                "(a store shared by the processes keeps one context per key, so all but one would "
+                "be lost). Make the inputs global arrays (a sharding over every process's "
+                "devices, e.g. jax.make_array_from_process_local_data), or give each process a "
+                "store of its own. Nothing was written."
+            )
+
+
 class DiskTier:
     """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete, gc."""
 
@@ -275,9 +307,12 @@ class DiskTier:
         """
         coll = self._begin(f"put {key!r}")
         lead = coll.index == 0
+        local_sums = _process_local_sums(arrays)
         infos = coll.allgather(
-            "chunks", {"chunks": _chunk_sums(spec, arrays), "write_id": uuid.uuid4().hex[:12]}
+            "chunks",
+            {"chunks": _chunk_sums(spec, arrays), "local": local_sums, "write_id": uuid.uuid4().hex[:12]},
         )
+        _check_same_everywhere(key, spec, [info["local"] for info in infos])
         write_id = infos[0]["write_id"]
         data_dir = f"data/{key}.{write_id}"
         gathered: dict[int, dict[tuple[int, ...], tuple[str, str | None]]] = {}
@@ -330,7 +365,7 @@ class DiskTier:
                 whole = x.whole if isinstance(x, ShardedHost) else x
                 assert whole is not None
                 data = whole
-                checksum = serializers.checksum(data)
+                checksum = local_sums.get(str(i)) or serializers.checksum(data)
                 if shared:
                     path = f"weights/{serializers.content_digest(data)}"
                     if lead and path not in shared_plain and not self.backend.array_exists(path):

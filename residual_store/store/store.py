@@ -186,10 +186,17 @@ class Store:
         Raises:
           StoreFullError: a memory-only store whose budgets cannot take ``ctx``; the store is
             unchanged. Disk-full errors of background writes surface from ``flush``/``close``.
+          InvalidArgumentError: not a context, or no ``key`` for a store with a path in a
+            multi-process job (see docs/store.md).
         """
         self._check_open()
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"put expects a rs.ResidualContext, got {type(ctx).__name__}")
+        if key is None and self._disk is not None and is_multiprocess():
+            raise InvalidArgumentError(
+                "in a multi-process job, put needs a key: every process puts the same context "
+                "under the same key, and a fresh key would differ between processes"
+            )
         key = new_key() if key is None else validate_key(key)
         if self._disk is not None:
             self._save_backward(ctx)
