@@ -72,3 +72,12 @@ def test_flax_or_equinox_without_equinox_exits_cleanly():
     )
     out = run_example("flax_or_equinox.py", python_prefix=("-c", code)).stdout
     assert "install equinox to run this example" in out
+
+
+@pytest.mark.subprocess
+@pytest.mark.multiprocess
+def test_data_parallel_two_processes():
+    out = run_example("data_parallel_two_processes.py", "--small").stdout
+    assert "mb0 loaded whole: True" in out
+    assert "backward mb0: this process holds [2, 2, 2, 2, 2] shards" in out
+    assert "OK: gradients resumed by a new pair of processes match jax.grad" in out
