@@ -125,7 +125,7 @@ def run_pair(phase: str, store_path: str, small: bool, folder: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", phase, "--port", str(port), "--store", store_path, "--out", out]
     procs = [
         subprocess.Popen([*cmd, "--pid", str(i)] + (["--small"] if small else []), env=env,
-                         stdout=None if i == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT if i else None)
+                         stdout=None if i == 0 else subprocess.DEVNULL)  # errors of both on stderr
         for i in range(N_PROCESSES)
     ]
     try:
@@ -136,9 +136,7 @@ def run_pair(phase: str, store_path: str, small: bool, folder: str) -> dict:
                 p.kill()
     if codes != [0] * N_PROCESSES:
         raise SystemExit(f"{phase} processes exited with {codes}")
-    if not os.path.exists(out):
-        return {}
-    with open(out) as f:
+    with open(out) as f:  # written by process 0
         return json.load(f)
 
 

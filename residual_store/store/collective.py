@@ -12,7 +12,7 @@ location and how many stores at that location began collective operations in thi
 before (every process opens and writes the same stores, as it runs the same program; a store a
 single process opens only to read makes no channel).
 Operations on a channel are numbered too; the first exchange of each names the operation
-(``put 'mb3'``), so processes that called ``put``/``delete`` with other keys or in another order
+(``put 'mb3'``) beside its first payload, so processes that called ``put``/``delete`` with other keys or in another order
 learn it at once, instead of waiting for one another until the timeout.
 """
 
@@ -69,8 +69,11 @@ class Channel:
         self.prefix = f"residual_store/{name}.{number}"
         self._ops = itertools.count()
 
-    def begin(self, what: str, timeout_s: float | None = None) -> Collective:
-        """Starts operation ``what`` (e.g. ``"put 'mb3'"``); every process must begin the same one.
+    def begin(self, what: str, value: Any = None, timeout_s: float | None = None) -> tuple[Collective, list[Any]]:
+        """Starts operation ``what`` (e.g. ``"put 'mb3'"``), which every process must begin alike,
+        and exchanges its first ``value`` (JSON-able) in the same round trip.
+
+        Returns the operation and every process's ``value``, in process order.
 
         Raises:
           ResidualStoreError: another process began a different operation at this point (its
@@ -78,18 +81,18 @@ class Channel:
         """
         seq = next(self._ops)
         coll = Collective(self, seq, what, timeout_s)
-        theirs = coll.allgather("begin", what)
+        theirs = coll.allgather("begin", [what, value])
         if seq > 0 and coll.index == 0:
             # every process has begun this operation, so all finished reading the previous one
             coll.forget(f"{self.prefix}/{seq - 1}")
-        if any(w != what for w in theirs):
-            calls = ", ".join(f"process {i}: {w}" for i, w in enumerate(theirs))
+        if any(w != what for w, _ in theirs):
+            calls = ", ".join(f"process {i}: {w}" for i, (w, _) in enumerate(theirs))
             raise ResidualStoreError(
                 f"collective operation #{seq} of store {self.description}: the processes disagree "
                 f"({calls}); every process must call put/delete with the same keys in the same "
                 "order. Nothing was written for it."
             )
-        return coll
+        return coll, [v for _, v in theirs]
 
 
 class Collective:

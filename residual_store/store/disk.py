@@ -144,7 +144,6 @@ def _chunk_sums(spec: ResidualSpec, arrays: HostArrays) -> dict[str, list[Any]]:
     return out
 
 
-
 def _process_local_sums(arrays: HostArrays) -> dict[str, str]:
     """Checksums of the residuals on this process's devices only (not global arrays): unlike
     a global array's, their values may differ between processes."""
@@ -270,14 +269,15 @@ class DiskTier:
             raise
         return self._data_of(previous) if previous is not None else None
 
-    def _begin(self, what: str) -> Collective:
-        """Begins a collective operation on this store's channel; a store only read from (an
-        inspection in one process) never makes one, so it cannot put the processes out of step."""
+    def _begin(self, what: str, value: Any = None) -> tuple[Collective, list[Any]]:
+        """Begins a collective operation on this store's channel (see :meth:`Channel.begin`); a
+        store only read from (an inspection in one process) never makes one, so it cannot put the
+        processes out of step."""
         with self._lock:
             if self._channel is None:
                 self._channel = Channel(self.description)
             channel = self._channel
-        return channel.begin(what)
+        return channel.begin(what, value)
 
     def write_collective(
         self,
@@ -305,13 +305,12 @@ class DiskTier:
         under the weight's content address (the same bytes whoever writes them), and
         ``zarr.json``, written last by process 0, makes the weight exist.
         """
-        coll = self._begin(f"put {key!r}")
-        lead = coll.index == 0
         local_sums = _process_local_sums(arrays)
-        infos = coll.allgather(
-            "chunks",
+        coll, infos = self._begin(
+            f"put {key!r}",
             {"chunks": _chunk_sums(spec, arrays), "local": local_sums, "write_id": uuid.uuid4().hex[:12]},
         )
+        lead = coll.index == 0
         _check_same_everywhere(key, spec, [info["local"] for info in infos])
         write_id = infos[0]["write_id"]
         data_dir = f"data/{key}.{write_id}"
@@ -452,7 +451,7 @@ class DiskTier:
         """:meth:`delete` by every process at once: process 0 removes the manifest once all have
         begun (so none can still be checking whether ``key`` exists), and all learn the outcome.
         Returns the removed context's data (process 0 only)."""
-        coll = self._begin(f"delete {key!r}")
+        coll, _ = self._begin(f"delete {key!r}")
         stale, error = None, None
         if coll.index == 0:
             try:
@@ -688,9 +687,10 @@ class DiskTier:
     def drop_data(self, stale: StaleData, *, recycle: bool = True) -> None:
         """Disposes of a data folder that no manifest references any more.
 
-        With ``recycle``, in a local folder it is kept for reuse by a later write of the same layout (same shapes
-        and dtypes), which then overwrites its files in place instead of creating some
-        50 files and folders (file creation dominates small writes); otherwise it is removed.
+        With ``recycle``, in a local folder it is kept for reuse by a later write of the same
+        layout (same shapes and dtypes), which then overwrites its files in place instead of
+        creating some 50 files and folders (file creation dominates small writes); otherwise it
+        is removed.
         """
         if recycle and self.backend.can_rename:
             with self._lock:
