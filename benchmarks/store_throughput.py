@@ -555,7 +555,7 @@ def measure_schedule(base: Path, repeats: int, quick: bool) -> dict[str, Any]:
             s.close()
     return {
         "cfg": cfg,
-        "intermediate_bytes": inter,
+        "own_bytes": inter,
         "context_bytes": ctx0.nbytes,
         "t": t,
         "diffs": diffs,
@@ -732,7 +732,7 @@ def _print_schedule(s: dict[str, Any], reps: int) -> None:
         f"\nschedule: {cfg.n_microbatches} microbatches of the demo transformer "
         f"({cfg.n_layers} layers, d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.microbatch}x{cfg.seq_len} "
         f"tokens), F1..F{cfg.n_microbatches} then B{cfg.n_microbatches}..B1; a context holds "
-        f"{s['intermediate_bytes'] / 2**20:.2f} MiB of intermediates ({s['context_bytes'] / 2**20:.2f} MiB "
+        f"{s['own_bytes'] / 2**20:.2f} MiB of intermediates ({s['context_bytes'] / 2**20:.2f} MiB "
         f"with weights); medians of {reps} steps, round-robin"
     )
     header = f"{'contexts':<52} | {'ms/step':>9} | {'ratio':>6} | {'max |grad diff|':>15}"

@@ -47,7 +47,7 @@ def loss(params, x, y):
     return jnp.mean((h @ params["head"] - y) ** 2)
 
 
-def intermediate_bytes(ctx):
+def own_bytes(ctx):
     """What a budget counts: the context's intermediates (its weights are held by reference)."""
     return sum(int(x.nbytes) for x, k in zip(ctx.residuals, ctx.spec.kinds) if k == "intermediate")
 
@@ -75,7 +75,7 @@ def main(argv=None):
 
     # Reference: every context kept in memory.
     contexts = [fwd(params, xs[i], ys[i])[1] for i in range(n)]
-    per_ctx = intermediate_bytes(contexts[0])
+    per_ctx = own_bytes(contexts[0])
     in_memory = None
     for ctx in reversed(contexts):
         g = fwd.backward(ctx, cotangent)

@@ -3,18 +3,20 @@
 from residual_store.backward import backward
 from residual_store.cache import CacheInfo
 from residual_store.compile_cache import enable_compilation_cache
-from residual_store.context import ResidualContext, ResidualSpec
+from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec
 from residual_store.errors import (
     BackwardUnavailableError,
     ContextNotFoundError,
     CorruptContextError,
     InvalidArgumentError,
     InvalidKeyError,
+    ReadOnlyStoreError,
     RecomputeWarning,
     ResidualStoreError,
     ResidualStoreWarning,
     SignatureMismatchError,
     StoreFullError,
+    StoreNotFoundError,
 )
 from residual_store.split import Split, split
 from residual_store.store import Store
@@ -29,6 +31,8 @@ __all__ = [
     "enable_compilation_cache",
     "ResidualContext",
     "ResidualSpec",
+    "CallSpec",
+    "InputAval",
     "CacheInfo",
     "ResidualStoreError",
     "SignatureMismatchError",
@@ -38,6 +42,8 @@ __all__ = [
     "CorruptContextError",
     "StoreFullError",
     "BackwardUnavailableError",
+    "StoreNotFoundError",
+    "ReadOnlyStoreError",
     "ResidualStoreWarning",
     "RecomputeWarning",
 ]

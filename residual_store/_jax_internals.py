@@ -27,20 +27,32 @@ Assumptions (the tests refer to them by these tags):
   ``key_value_set(key, value)`` and ``blocking_key_value_get(key, timeout_ms)``.
 * ``REMAT_PRIMITIVE``: ``jax.checkpoint`` binds a primitive named ``checkpoint`` or ``remat2``
   (the name changed across versions) whose body is ``params["jaxpr"]``.
+* ``JAXPR_TEXT``: a ``Jaxpr`` has ``constvars``, ``invars``, ``outvars``, ``eqns`` and
+  ``effects``; an equation has ``primitive.name``, ``params``, ``invars`` (``Var`` or
+  ``Literal`` with ``.val``), ``outvars`` (``Var`` or ``DropVar``), ``effects`` and ``ctx`` (a
+  ``JaxprEqnContext``); a ``ClosedJaxpr`` has ``jaxpr`` and ``consts``; ``str(aval)`` writes the
+  dtype, the shape, a weak type as a leading ``~`` and an explicit sharding as ``dim@axis``;
+  ``jax._src.linear_util.WrappedFun`` holds a function in ``f`` with ``transforms`` and
+  ``params``; extended dtypes (typed PRNG keys) are ``jax._src.dtypes.ExtendedDType``. Tracing a ``custom_vjp``/``custom_jvp`` rule under ``jax.vjp`` inlines the rule's
+  computation (closed-over values included) into the traced jaxprs.
+* ``HOST_CALLBACK``: host callbacks bind primitives named in ``HOST_CALLBACK_PRIMITIVES``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 from jax._src import core as _core
 from jax._src import distributed as _distributed
+from jax._src import dtypes as _dtypes
+from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info_util
+
+from residual_store.canonical import Canonicalizer, qualified_name, scrub
 
 __all__: list[str] = []  # private module
 
@@ -48,9 +60,6 @@ REMAT_PRIMITIVE_NAMES = frozenset({"checkpoint", "remat2", "remat"})
 NAME_PRIMITIVE = "name"
 CUSTOM_VJP_PRIMITIVE = "custom_vjp_call"
 REMAT_OPT_PRIMITIVE = "remat_opt"
-
-_HEX_ADDRESS = re.compile(r"0x[0-9a-fA-FX]+")
-
 
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     """Evaluates an open jaxpr on ``consts`` and ``args`` (assumption ``EVAL_JAXPR``)."""
@@ -223,73 +232,115 @@ def _custom_vjp_name(eqn: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# A process-independent fingerprint of a jaxpr
+# A process-independent text of a jaxpr (what the signature hashes)
 
 
-def _code_digest(obj: Any, seen: set[int], depth: int = 0) -> str:
-    """A digest of the code behind a callable param (functions, partials, ``WrappedFun``)."""
-    if depth > 8 or id(obj) in seen:
-        return ""
-    seen.add(id(obj))
-    parts = [type(obj).__qualname__]
-    for attr in ("f", "func", "__func__", "callback_func", "__wrapped__", "callback"):
-        inner = getattr(obj, attr, None)
-        if inner is not None and inner is not obj and _is_code_like(inner):
-            parts.append(_code_digest(inner, seen, depth + 1))
-    for cell in getattr(obj, "__closure__", None) or ():
-        try:
-            content = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if _is_code_like(content):
-            parts.append(_code_digest(content, seen, depth + 1))
-    code = getattr(obj, "__code__", None)
-    if code is None and not isinstance(obj, type) and hasattr(type(obj), "__call__"):
-        code = getattr(type(obj).__call__, "__code__", None)
-    if code is not None:
-        parts.append(code_fingerprint(code))
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+def _aval_text(aval: Any) -> str:
+    """``str(aval)`` (weak types as ``~``, explicit shardings as ``@axis``, ``JAXPR_TEXT``) plus
+    the memory space where it is not the device's."""
+    text = str(aval)
+    space = getattr(aval, "memory_space", None)
+    name = getattr(space, "name", None)
+    if name is not None and name != "Device":
+        text += f"<{name}>"
+    return text
 
 
-def _is_code_like(obj: Any) -> bool:
-    """Callables, and JAX's ``WrappedFun`` (which holds a function in ``.f`` but is not callable)."""
-    return callable(obj) or (hasattr(obj, "f") and hasattr(obj, "transforms"))
+def _effects_text(effects: Any) -> str:
+    return "{" + ",".join(sorted(qualified_name(type(e)) + ":" + scrub(repr(e)) for e in effects)) + "}"
 
 
-def code_fingerprint(code: Any) -> str:
-    """A digest of a code object: bytecode, names and constants, nested code included."""
-    h = hashlib.sha256()
-    h.update(code.co_code)
-    h.update(repr((code.co_name, code.co_names, code.co_varnames, code.co_freevars)).encode())
-    for const in code.co_consts:
-        if hasattr(const, "co_code"):
-            h.update(code_fingerprint(const).encode())
-        else:
-            h.update(_HEX_ADDRESS.sub("0x?", repr(const)).encode())
-    return h.hexdigest()
+_EQN_CONTEXT_FIELDS = (
+    "compute_type",
+    "threefry_partitionable",
+    "cur_abstract_mesh",
+    "remove_size_one_mesh_axis",
+    "xla_metadata",
+)
 
 
-def callable_fingerprint(fun: Any) -> str:
-    """A process-independent digest of a Python callable's code (closures and wrappers followed)."""
-    return _code_digest(fun, set())
+def _open_jaxpr_text(jaxpr: Any, canon: Canonicalizer) -> str:
+    names: dict[Any, str] = {}
+    contexts: dict[int, str] = {}  # equations mostly share a few context objects
+
+    def context(ctx: Any) -> str:
+        text = contexts.get(id(ctx))
+        if text is None:
+            text = contexts[id(ctx)] = ",".join(canon.value(getattr(ctx, f, None)) for f in _EQN_CONTEXT_FIELDS)
+        return text
+
+    def define(v: Any) -> str:
+        if isinstance(v, _core.DropVar):
+            return f"_:{_aval_text(v.aval)}"
+        names[v] = f"%{len(names)}"
+        return f"{names[v]}:{_aval_text(v.aval)}"
+
+    def use(v: Any) -> str:
+        if isinstance(v, _core.Literal):
+            return f"lit({canon.value(np.asarray(v.val))}:{_aval_text(v.aval)})"
+        return names.get(v, "%free")
+
+    lines = [
+        "const " + " ".join(define(v) for v in jaxpr.constvars),
+        "in " + " ".join(define(v) for v in jaxpr.invars),
+    ]
+    for eqn in jaxpr.eqns:
+        ins = " ".join(use(v) for v in eqn.invars)
+        params = ",".join(f"{k}={canon.value(eqn.params[k])}" for k in sorted(eqn.params))
+        ctx = context(eqn.ctx)
+        outs = " ".join(define(v) for v in eqn.outvars)
+        lines.append(f"{outs} = {eqn.primitive.name}[{params}] {ins} {_effects_text(eqn.effects)} ctx({ctx})")
+    lines.append("out " + " ".join(use(v) for v in jaxpr.outvars))
+    lines.append("effects " + _effects_text(jaxpr.effects))
+    return "{" + "\n".join(lines) + "}"
 
 
-def jaxpr_fingerprint(closed_jaxpr: Any) -> bytes:
-    """Bytes that identify a jaxpr's computation across processes.
+def _canonical_hook(v: Any, canon: Canonicalizer) -> str | None:
+    """Text for JAX's internal types inside jaxprs (``JAXPR_TEXT``); ``None`` for anything else."""
+    if isinstance(v, _core.ClosedJaxpr):
+        consts = ",".join(canon.value(c) for c in v.consts)
+        return f"closed({_open_jaxpr_text(v.jaxpr, canon)};consts({consts}))"
+    if isinstance(v, _core.Jaxpr):
+        return _open_jaxpr_text(v, canon)
+    if isinstance(v, _core.AbstractValue):
+        return f"aval {_aval_text(v)}"
+    if isinstance(v, _core.Primitive):
+        return f"primitive {v.name}"
+    if isinstance(v, _dtypes.ExtendedDType):  # typed PRNG keys' dtypes
+        return f"dtype {v}"
+    if isinstance(v, _lu.WrappedFun):  # a function JAX holds with its pending transformations
+        return f"wrapped({canon.value(v.f)};{canon.value(v.transforms)};{canon.value(v.params)})"
+    return None
 
-    The printed jaxpr (with memory addresses scrubbed) plus a digest of the code of every
-    callable in equation params (custom_vjp bwd, callbacks), which the printout shows only by
-    name. Constant *values* are not included: the caller hashes ``closed_jaxpr.consts``.
+
+def canonicalizer() -> Canonicalizer:
+    """A :class:`~residual_store.canonical.Canonicalizer` that also writes jaxprs, avals,
+    primitives and JAX's wrapped functions."""
+    return Canonicalizer(hook=_canonical_hook)
+
+
+def jaxpr_text(closed_jaxpr: Any, canon: Canonicalizer | None = None) -> str:
+    """The computation of a (closed) jaxpr as process-independent text (``JAXPR_TEXT``).
+
+    Variables are numbered in order of definition, per jaxpr; every equation is written as its
+    primitive, its params (sorted by name, each canonical: nested jaxprs, dtypes, shardings,
+    callbacks by their code and closure values), its inputs, outputs with avals, effects and
+    context (compute type, PRNG partitionability, mesh); the values of a closed jaxpr's
+    constants are included. Source locations and debug names are not.
     """
-    text = _HEX_ADDRESS.sub("0x?", str(closed_jaxpr.jaxpr))
-    seen: set[int] = set()
-    digests = []
-    for eqn, _ in _walk(closed_jaxpr.jaxpr, False):
-        for key in sorted(eqn.params):
-            value = eqn.params[key]
-            if _is_code_like(value) and not isinstance(value, (_core.Jaxpr, _core.ClosedJaxpr)):
-                digests.append(f"{eqn.primitive.name}.{key}={_code_digest(value, seen)}")
-    return (text + "\n" + "\n".join(digests)).encode()
+    return (canon or canonicalizer()).value(closed_jaxpr)
+
+
+HOST_CALLBACK_PRIMITIVES = frozenset(
+    {"pure_callback", "io_callback", "debug_callback", "debug_print", "callback"}
+)
+
+
+def host_callbacks(closed_jaxpr: Any) -> list[str]:
+    """Names of the host-callback primitives in a jaxpr and its nested jaxprs (``HOST_CALLBACK``):
+    ``jax.export`` cannot serialize them."""
+    return [eqn.primitive.name for eqn, _ in _walk(closed_jaxpr.jaxpr, False)
+            if eqn.primitive.name in HOST_CALLBACK_PRIMITIVES]
 
 
 # --------------------------------------------------------------------------------------------

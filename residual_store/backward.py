@@ -11,6 +11,7 @@ serialized backward was loaded.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +52,11 @@ class Backward:
       out_avals: one ``ShapeDtypeStruct`` per output leaf; non-float leaves take no cotangent.
       grad_tree: the structure of the returned gradients.
       on_compile: called after each compile (used to count compiles per split).
+      jitted: ``jax.jit(flat_fn)``, if the caller already traced it (its trace is reused).
+      unexportable: why ``jax.export`` cannot serialize this backward, when that is known
+        without trying (host callbacks); ``None`` otherwise.
+      unavailable: for a backward known to exist but unusable here (a damaged stored one, one
+        exported for more devices): the error every call raises.
     """
 
     def __init__(
@@ -62,6 +68,9 @@ class Backward:
         out_avals: Sequence[jax.ShapeDtypeStruct],
         grad_tree: Any,
         on_compile: Callable[[], None] | None = None,
+        jitted: Any = None,
+        unexportable: str | None = None,
+        unavailable: Exception | None = None,
     ) -> None:
         self.signature = signature
         self.out_tree = out_tree
@@ -70,6 +79,9 @@ class Backward:
         self.flat_fn = flat_fn
         self.float_leaves = tuple(i for i, a in enumerate(self.out_avals) if _is_float(a.dtype))
         self._on_compile = on_compile
+        self._jitted = jitted if jitted is not None else jax.jit(flat_fn)
+        self.unexportable = unexportable
+        self.unavailable = unavailable
         self._compiled: Any = None
         self._lock = threading.Lock()
         self.compiles = 0
@@ -114,7 +126,7 @@ class Backward:
     def _compile(self, residuals: Sequence[Any], cts: Sequence[Any]) -> Any:
         with self._lock:
             if self._compiled is None:
-                self._compiled = jax.jit(self.flat_fn).lower(list(residuals), list(cts)).compile()
+                self._compiled = self._jitted.lower(list(residuals), list(cts)).compile()
                 self.compiles += 1
                 if self._on_compile is not None:
                     self._on_compile()
@@ -136,6 +148,8 @@ class Backward:
                 f"context has signature {ctx.spec.signature}, this backward is for "
                 f"{self.signature}: the context comes from another function or other input avals"
             )
+        if self.unavailable is not None:
+            raise type(self.unavailable)(*self.unavailable.args)
         cts = self._cotangent_leaves(cotangent)
         residuals = list(ctx.residuals)
         compiled = self._compiled or self._compile(residuals, cts)
@@ -155,19 +169,23 @@ class Backward:
                 )
 
 
-_REGISTRY: dict[str, Backward] = {}
+# Weak: a backward lives as long as an owner holds it (the split that traced it, the contexts it
+# made, the store that loaded it), so a deleted split and its executables can be collected.
+_REGISTRY: weakref.WeakValueDictionary[str, Backward] = weakref.WeakValueDictionary()
 _REGISTRY_LOCK = threading.Lock()
 
 
 def register_backward(bwd: Backward) -> None:
-    """Makes ``bwd`` the backward that :func:`backward` uses for its signature in this process."""
+    """Makes ``bwd`` the backward that :func:`backward` uses for its signature in this process,
+    for as long as something else holds it."""
     with _REGISTRY_LOCK:
         _REGISTRY[bwd.signature] = bwd
 
 
 def lookup_backward(signature: str) -> Backward | None:
     """The registered backward for ``signature``, or ``None``."""
-    return _REGISTRY.get(signature)
+    with _REGISTRY_LOCK:
+        return _REGISTRY.get(signature)
 
 
 def backward(ctx: ResidualContext, cotangent: Any = None) -> Any:
@@ -186,10 +204,18 @@ def backward(ctx: ResidualContext, cotangent: Any = None) -> Any:
     """
     if not isinstance(ctx, ResidualContext):
         raise InvalidArgumentError(f"backward expects a rs.ResidualContext, got {type(ctx).__name__}")
-    bwd = lookup_backward(ctx.spec.signature)
+    bwd = ctx._backward or lookup_backward(ctx.spec.signature)
     if bwd is None:
+        sig = ctx.spec.signature
+        if not sig.startswith("rs2-"):
+            raise BackwardUnavailableError(
+                f"context signature {sig} was written by residual-store 0.1, whose signatures could "
+                "name two different functions: its stored backward is not trusted. Run its forward "
+                "again with this version"
+            )
         raise BackwardUnavailableError(
-            f"no backward for signature {ctx.spec.signature} in this process: make the context "
-            "with rs.split here, or load it from a rs.Store that saved its backward"
+            f"no backward for signature {sig} in this process: make the context with rs.split "
+            "here, run it with the split that makes it (split.backward rebuilds it from the "
+            "context), or load it from a rs.Store that saved its backward"
         )
     return bwd(ctx, cotangent)

@@ -24,14 +24,16 @@ class _UsageError(Exception):
     """A bad path or key: reported as one line on stderr."""
 
 
-def _open_disk(path: str) -> Any:
-    from residual_store.store.disk import STORE_MARKER, DiskTier
+def _open_disk(path: str, *, read_only: bool = True) -> Any:
+    """The store at ``path``: read-only for the commands that only read (nothing on disk
+    changes, not even a marker), and never created."""
+    from residual_store.errors import StoreNotFoundError
+    from residual_store.store.disk import DiskTier
 
-    if not os.path.isdir(path):
-        raise _UsageError(f"{path}: no such folder")
-    if not os.path.exists(os.path.join(path, STORE_MARKER)):
-        raise _UsageError(f"{path}: not a residual store (no {STORE_MARKER})")
-    return DiskTier(path)
+    try:
+        return DiskTier(path, create=False, read_only=read_only)
+    except StoreNotFoundError as err:
+        raise _UsageError(str(err)) from None
 
 
 def _progress(items: Sequence[T], label: str, enabled: bool) -> Iterable[T]:
@@ -169,24 +171,48 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     damaged, checked = [], 0
     for key in _progress(keys, "verifying", not args.json):
         try:
-            disk.read(key)
+            disk.read(key, place=False)
             checked += 1
         except (CorruptContextError, ContextNotFoundError) as err:
             damaged.append({"key": key, "error": str(err)})
-    text = "\n".join(f"DAMAGED {d['key']}: {d['error']}" for d in damaged)
-    text = (text + "\n" if text else "") + f"{checked} of {len(keys)} contexts verified, {len(damaged)} damaged"
-    _emit(args, {"checked": len(keys), "ok": checked, "damaged": damaged}, text)
-    return 1 if damaged else 0
+    # every stored backward too: a damaged one cannot be run by processes without the model
+    signatures = disk.backward_signatures()
+    broken = []
+    for sig in _progress(signatures, "verifying backwards", not args.json):
+        try:
+            disk.read_backward(sig)
+        except CorruptContextError as err:
+            broken.append({"signature": sig, "error": str(err)})
+    lines = [f"DAMAGED {d['key']}: {d['error']}" for d in damaged]
+    lines += [f"DAMAGED backward {b['signature']}: {b['error']}" for b in broken]
+    lines.append(
+        f"{checked} of {len(keys)} contexts verified, {len(signatures) - len(broken)} of "
+        f"{len(signatures)} stored backwards verified, {len(damaged) + len(broken)} damaged"
+    )
+    _emit(
+        args,
+        {"checked": len(keys), "ok": checked, "damaged": damaged, "backwards": len(signatures), "damaged_backwards": broken},
+        "\n".join(lines),
+    )
+    return 1 if damaged or broken else 0
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    disk = _open_disk(args.path)
+    disk = _open_disk(args.path, read_only=False)
     removed = disk.gc(older_than=args.older_than)
+    if removed.get("skipped_corrupt"):
+        print(
+            f"residual-store gc: {args.path} holds an unreadable manifest, so nothing was removed "
+            "(it may reference anything); run `residual-store verify` and remove the damaged context",
+            file=sys.stderr,
+        )
+        return 1
     _emit(
         args,
         removed,
-        f"removed {removed['weights']} unreferenced weights, {removed['data']} data folders and "
-        f"{removed['recycled']} recycled folders",
+        f"removed {removed['weights']} unreferenced weights, {removed['data']} data folders, "
+        f"{removed['recycled']} recycled folders, {removed['backwards']} stored backwards and "
+        f"{removed['temporary']} temporary files",
     )
     return 0
 
@@ -200,17 +226,19 @@ def _cmd_du(args: argparse.Namespace) -> int:
     for _, stored in disk.iter_manifests():
         if not isinstance(stored, StoredContext):
             continue
-        entry = per_sig.setdefault(stored.spec.signature, {"contexts": 0, "intermediate": 0, "weights": 0})
+        entry = per_sig.setdefault(
+            stored.spec.signature, {"contexts": 0, "intermediate": 0, "input": 0, "weights": 0}
+        )
         entry["contexts"] += 1
-        for record in stored.records:
-            if not record.shared:
-                entry["intermediate"] += record.nbytes
+        for record, kind in zip(stored.records, stored.spec.kinds):
+            if not record.shared:  # the context's own: intermediates and per-context inputs
+                entry["input" if kind == "input" else "intermediate"] += record.nbytes
             elif record.path not in seen:
                 seen.add(record.path)
                 entry["weights"] += record.nbytes
-    rows = [["signature", "contexts", "intermediate", "weights (once)"]]
+    rows = [["signature", "contexts", "intermediate", "inputs", "weights (once)"]]
     for sig, e in sorted(per_sig.items()):
-        rows.append([sig, str(e["contexts"]), _human(e["intermediate"]), _human(e["weights"])])
+        rows.append([sig, str(e["contexts"]), _human(e["intermediate"]), _human(e["input"]), _human(e["weights"])])
     _emit(args, per_sig, _table(rows))
     return 0
 
@@ -242,11 +270,11 @@ def _parser() -> argparse.ArgumentParser:
     verify = command("verify", "check every checksum; exit 1 if anything is damaged", _cmd_verify, json_flag=True)
     verify.add_argument("path")
     verify.add_argument("keys", nargs="*", help="keys to check (default: all)")
-    gc = command("gc", "remove weights and data no context references", _cmd_gc, json_flag=True)
+    gc = command("gc", "remove weights, data and backwards no context needs", _cmd_gc, json_flag=True)
     gc.add_argument("path")
     gc.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
                     help="only remove what is at least this old (default 3600; 0: everything unreferenced)")
-    command("du", "bytes per signature, intermediates and weights", _cmd_du, json_flag=True).add_argument("path")
+    command("du", "bytes per signature: intermediates, inputs, and weights once", _cmd_du, json_flag=True).add_argument("path")
     return parser
 
 

@@ -15,11 +15,82 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-__all__ = ["ResidualSpec", "ResidualContext", "ResidualKind"]
+__all__ = [
+    "CallSpec",
+    "InputAval",
+    "OWN_KINDS",
+    "ResidualContext",
+    "ResidualKind",
+    "ResidualSpec",
+    "SHARED_KINDS",
+]
 
-ResidualKind = Literal["input", "constant", "intermediate"]
-"""``input``: a primal argument itself (weights, the batch); ``constant``: an array the function
-closes over; ``intermediate``: a value computed by the forward."""
+ResidualKind = Literal["weight", "input", "constant", "intermediate"]
+"""``weight``: a leaf of an argument in ``weight_argnums`` (shared by every context of the split);
+``input``: any other primal argument itself (a pipeline stage's input activation, the batch);
+``constant``: an array the function closes over; ``intermediate``: a value computed by the
+forward."""
+
+SHARED_KINDS: frozenset[str] = frozenset({"weight", "constant"})
+"""Residuals held by reference: the model's memory, stored once per store, never counted against
+budgets."""
+
+OWN_KINDS: frozenset[str] = frozenset({"input", "intermediate"})
+"""Residuals that are the context's own memory: counted against budgets, offloaded, stored with
+the context."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputAval:
+    """One leaf of the arguments a forward was called with (see :class:`CallSpec`).
+
+    Attributes:
+      shape, dtype, weak_type: the leaf's aval (``dtype`` as ``str``, e.g. ``"bfloat16"`` or
+        ``"key<fry>"``).
+      placement: the text the signature records of its sharding and memory kind.
+      sharding: the ``NamedSharding`` record (canonical JSON) for a leaf sharded over several
+        devices, so another process can place it alike; ``None`` otherwise.
+      memory_kind: the memory kind of its sharding (``"device"``, ``"pinned_host"``...).
+      key_impl: the PRNG implementation of a typed key leaf.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    weak_type: bool
+    placement: str
+    sharding: str | None = None
+    memory_kind: str | None = None
+    key_impl: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """How a forward was called: what a split needs to rebuild the backward of a context from
+    avals alone, without running or compiling the forward (in a process where it never ran).
+
+    Attributes:
+      n_args: the number of positional arguments.
+      argnums, weight_argnums, static_argnums, has_aux: the split's options.
+      in_avals: one :class:`InputAval` per leaf of the non-static arguments.
+      in_tree: the structure of the non-static arguments as a record of
+        :mod:`residual_store.structure` (nested tuples of scalars), or ``None`` when it holds
+        values no record can describe (then ``unrecorded`` says which).
+      statics: ``((position, value record), ...)`` of the static arguments, or ``None`` likewise.
+      context_mesh: the abstract mesh the forward was traced under (``jax.set_mesh``), as
+        ``(axis names, axis sizes, axis types)``, or ``None``.
+      unrecorded: why ``in_tree`` or ``statics`` is ``None``.
+    """
+
+    n_args: int
+    argnums: int | tuple[int, ...]
+    weight_argnums: tuple[int, ...]
+    static_argnums: tuple[int, ...]
+    has_aux: bool
+    in_avals: tuple[InputAval, ...]
+    in_tree: Any = None
+    statics: Any = None
+    context_mesh: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None = None
+    unrecorded: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +104,9 @@ class ResidualSpec:
         ``checkpoint_name`` label.
       input_paths: for leaves that *are* a primal input, its key path (``"params['w1']"``);
         ``None`` for constants and intermediates.
-      kinds: ``"input"``, ``"constant"`` or ``"intermediate"`` per leaf.
+      kinds: ``"weight"``, ``"input"``, ``"constant"`` or ``"intermediate"`` per leaf.
+      call: how the forward was called (:class:`CallSpec`); ``None`` for contexts written by
+        residual-store 0.1, which did not record it.
     """
 
     signature: str
@@ -41,6 +114,7 @@ class ResidualSpec:
     names: tuple[str, ...]
     input_paths: tuple[str | None, ...]
     kinds: tuple[ResidualKind, ...]
+    call: CallSpec | None = None
 
     def __post_init__(self) -> None:
         n = len(self.avals)
@@ -83,7 +157,7 @@ class ResidualContext:
       >>> grads = rs.backward(ctx)
     """
 
-    __slots__ = ("_residuals", "_spec")
+    __slots__ = ("_residuals", "_spec", "_backward")
 
     def __init__(self, residuals: Sequence[Any], spec: ResidualSpec) -> None:
         residuals = tuple(residuals)
@@ -94,6 +168,7 @@ class ResidualContext:
             )
         self._residuals = residuals
         self._spec = spec
+        self._backward: Any = None  # the backward that made it, if a split did (kept alive here)
 
     @property
     def residuals(self) -> tuple[Any, ...]:
@@ -109,7 +184,8 @@ class ResidualContext:
     def nbytes(self) -> int:
         """Bytes this context holds, each distinct array counted once.
 
-        Inputs (weights) are held by reference, not copied; :meth:`describe` splits the total.
+        Weights and constants are held by reference, not copied; :meth:`describe` splits the
+        total.
         """
         seen: set[int] = set()
         total = 0
@@ -129,13 +205,14 @@ class ResidualContext:
             rows.append((str(i), name, shape, str(aval.dtype), f"{_aval_nbytes(aval):,}", kind))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        held = {k: 0 for k in ("input", "constant", "intermediate")}
+        held = {k: 0 for k in ("weight", "input", "constant", "intermediate")}
         for aval, kind in zip(self._spec.avals, self._spec.kinds):
             held[kind] += _aval_nbytes(aval)
         lines.append(
-            f"signature {self._spec.signature}: {self.nbytes:,} bytes held "
-            f"({held['intermediate']:,} intermediate, {held['input']:,} input and "
-            f"{held['constant']:,} constant bytes by reference)"
+            f"signature {self._spec.signature}: {self.nbytes:,} bytes held; its own "
+            f"{held['intermediate'] + held['input']:,} ({held['intermediate']:,} intermediate, "
+            f"{held['input']:,} input), by reference {held['weight']:,} weight and "
+            f"{held['constant']:,} constant bytes"
         )
         return "\n".join(lines)
 
@@ -153,4 +230,5 @@ class ResidualContext:
         obj = object.__new__(cls)
         obj._residuals = tuple(residuals)
         obj._spec = spec
+        obj._backward = None
         return obj

@@ -17,6 +17,8 @@ __all__ = [
     "CorruptContextError",
     "StoreFullError",
     "BackwardUnavailableError",
+    "StoreNotFoundError",
+    "ReadOnlyStoreError",
     "ResidualStoreWarning",
     "RecomputeWarning",
 ]
@@ -55,6 +57,14 @@ class StoreFullError(ResidualStoreError):
 
 class BackwardUnavailableError(ResidualStoreError):
     """No backward is available for a context's signature in this process."""
+
+
+class StoreNotFoundError(ResidualStoreError, FileNotFoundError):
+    """``create=False`` or ``read_only=True`` on a path that holds no store; nothing was created."""
+
+
+class ReadOnlyStoreError(ResidualStoreError, PermissionError):
+    """A write (``put``, ``pop``, ``delete``, ``gc``) on a store opened with ``read_only=True``."""
 
 
 class ResidualStoreWarning(UserWarning):

@@ -1,123 +1,112 @@
-"""The signature: a digest that names one compiled forward/backward pair in every process.
+"""The signature: a digest of what a split computes, the same in every process.
 
-A signature is the SHA-256 (first 128 bits, hex, prefixed ``rs1-``) of a canonical byte string
-made of, in order:
+A signature is ``"rs2-"`` and the first 128 bits (hex) of the SHA-256 of a canonical text
+(:mod:`residual_store.canonical`) made of, in order:
 
-1. the format tag ``residual-store/signature/1``, the JAX and jaxlib versions;
-2. the function's code: bytecode, names and constants of ``fun`` (following ``functools.partial``,
-   ``__wrapped__`` and closures over functions), never memory addresses;
-3. the traced primal jaxpr, printed, with addresses scrubbed, plus a code digest of every
-   callable that its equations carry (custom_vjp rules, host callbacks);
-4. the *values* of the arrays the function closes over (the jaxpr's constants), each hashed;
-5. the input tree (node types and their static data, not ``str(treedef)``, which holds memory
-   addresses), and per input leaf its shape, dtype, weak type and sharding (mesh axis names and
-   sizes plus partition spec; not device ids);
-6. the output tree, ``argnums``, ``has_aux`` and the ``repr`` of each static argument.
+1. the format tag ``residual-store/signature/2``, the JAX and jaxlib versions;
+2. the call: the number of positional arguments, ``argnums`` (an ``int`` and a 1-tuple return
+   differently shaped gradients), ``weight_argnums``, ``has_aux``, the static arguments' positions
+   and values, the abstract mesh the forward was traced under;
+3. the input tree (node types and their static data) and per input leaf its shape, dtype, weak
+   type, placement (mesh axis names, sizes and types and the partition spec of a
+   ``NamedSharding``, or a single device; not device ids) and memory kind; the output and aux
+   trees;
+4. the **forward computation**: the jaxpr of the forward executable (``fun`` evaluated under
+   ``jax.vjp``, returning the outputs and the residuals it computes), its constants' values, and
+   which residuals are inputs or closed-over constants rather than computed;
+5. the **backward computation**: the jaxpr of the backward over the residual avals and the
+   cotangent, with its constants' values.
 
-Two processes running the same code on inputs of the same structure and avals get the same
-signature; two closures over different weights get different ones.
+Jaxprs are written by ``_jax_internals.jaxpr_text``: primitives, params (nested jaxprs, remat
+policies, dtypes, shardings, host callbacks by their code and closure values), variables
+numbered in order, literal values, effects; never memory addresses, source locations or
+set/dict iteration order. ``custom_vjp``/``custom_jvp`` rules are traced into these jaxprs, so
+their code and the values they close over are covered. Two functions whose forward or backward
+differ get different signatures; the same computation gets the same one in every process.
+
+Contexts written by residual-store 0.1 carry ``rs1-`` signatures, which hashed code rather than
+computations and could name two different functions: they can be read, but their stored
+backward is never run (see ``docs/concepts.md``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jaxlib
-import numpy as np
 
 from residual_store import _jax_internals
+from residual_store.canonical import Canonicalizer
+from residual_store.context import CallSpec
 
-__all__ = ["compute_signature", "treedef_fingerprint", "sharding_fingerprint", "array_digest"]
+__all__ = ["SIGNATURE_PREFIX", "compute_signature", "is_current", "treedef_fingerprint"]
 
-_FORMAT_TAG = b"residual-store/signature/1"
-_HEX_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+SIGNATURE_PREFIX = "rs2-"
+_FORMAT_TAG = "residual-store/signature/2"
 
 
-def _type_name(t: type) -> str:
-    return f"{t.__module__}.{t.__qualname__}"
+def is_current(signature: str) -> bool:
+    """Whether ``signature`` is of the format this version computes."""
+    return signature.startswith(SIGNATURE_PREFIX)
 
 
 def treedef_fingerprint(treedef: Any) -> str:
     """A canonical text for a ``PyTreeDef``: node types and static node data, recursively."""
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
-        return "*"
-    node = treedef.node_data()
-    if node is None:
-        return "*" if treedef.num_leaves == 1 else "None"
-    node_type, aux = node
-    children = ",".join(treedef_fingerprint(c) for c in treedef.children())
-    aux_text = _HEX_ADDRESS.sub("0x?", repr(aux))
-    return f"{_type_name(node_type)}[{aux_text}]({children})"
-
-
-def sharding_fingerprint(sharding: Any) -> str:
-    """Mesh axis names/sizes and partition spec for a ``NamedSharding``; a kind name otherwise."""
-    if sharding is None:
-        return "none"
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        mesh = sharding.mesh
-        axes = ",".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.axis_sizes))
-        return f"named({axes};{sharding.spec})"
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return "single"
-    return f"{type(sharding).__name__}({len(sharding.device_set)})"
-
-
-def _is_key_array(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def array_digest(x: Any) -> str:
-    """SHA-256 of an array's dtype, shape and bytes (typed PRNG keys: impl and key data)."""
-    h = hashlib.sha256()
-    if _is_key_array(x):
-        h.update(str(x.dtype).encode())
-        x = jax.random.key_data(x)
-    data = np.ascontiguousarray(np.asarray(x))
-    h.update(f"{data.dtype.str}{data.shape}".encode())
-    h.update(memoryview(data).cast("B"))
-    return h.hexdigest()
+    return Canonicalizer().value(treedef)
 
 
 def compute_signature(
     *,
-    fun: Any,
-    closed_jaxpr: Any,
+    call: CallSpec,
     in_tree: Any,
-    in_avals: Sequence[tuple[Any, ...]],
-    out_tree: Any,
-    argnums: int | tuple[int, ...],
-    has_aux: bool,
     statics: Sequence[tuple[int, Any]],
+    out_tree: Any,
+    aux_tree: Any | None,
+    forward: Any,
+    forward_consts: Sequence[Any],
+    slots: Sequence[tuple[int, int]],
+    backward: Any,
 ) -> str:
-    """The signature string for one traced forward (see the module docstring for what goes in).
+    """The signature of one traced forward/backward pair (see the module docstring).
 
-    ``in_avals`` holds ``(shape, dtype, weak_type, sharding)`` per input leaf.
+    Args:
+      call: the call record (options, input avals and placements, the context mesh).
+      in_tree, statics: the input structure and the static arguments' ``(position, value)``.
+      out_tree, aux_tree: the output's structure and the aux output's (``None`` without aux).
+      forward: the forward executable's closed jaxpr; ``forward_consts`` the values passed as
+        its leading arguments (the arrays ``fun`` closes over).
+      slots: per residual ``(source, index)``: a constant, an input or a computed output.
+      backward: the backward's closed jaxpr.
     """
+    canon = _jax_internals.canonicalizer()
     h = hashlib.sha256()
 
-    def add(label: str, data: bytes | str) -> None:
-        data = data.encode() if isinstance(data, str) else data
+    def add(label: str, text: str) -> None:
+        data = text.encode()
         h.update(f"{label}:{len(data)}:".encode())
         h.update(data)
 
     add("format", _FORMAT_TAG)
     add("jax", jax.__version__)
     add("jaxlib", jaxlib.__version__)
-    add("code", _jax_internals.callable_fingerprint(fun))
-    add("jaxpr", _jax_internals.jaxpr_fingerprint(closed_jaxpr))
-    for const in closed_jaxpr.consts:
-        add("const", array_digest(const))
-    add("in_tree", treedef_fingerprint(in_tree))
-    for shape, dtype, weak_type, sharding in in_avals:
-        add("aval", f"{tuple(shape)}|{dtype}|{bool(weak_type)}|{sharding_fingerprint(sharding)}")
-    add("out_tree", treedef_fingerprint(out_tree))
-    add("argnums", repr(argnums))  # an int and a 1-tuple return differently shaped gradients
-    add("has_aux", repr(bool(has_aux)))
+    add("n_args", str(call.n_args))
+    add("argnums", repr(call.argnums))
+    add("weight_argnums", repr(call.weight_argnums))
+    add("has_aux", repr(call.has_aux))
     for index, value in statics:
-        add("static", f"{index}={_HEX_ADDRESS.sub('0x?', repr(value))}")
-    return "rs1-" + h.hexdigest()[:32]
+        add("static", f"{index}={canon.value(value)}")
+    add("context_mesh", repr(call.context_mesh))
+    add("in_tree", canon.value(in_tree))
+    for a in call.in_avals:
+        add("in_aval", f"{a.shape}|{a.dtype}|{a.weak_type}|{a.placement}|{a.memory_kind}")
+    add("out_tree", canon.value(out_tree))
+    add("aux_tree", canon.value(aux_tree))
+    add("forward", _jax_internals.jaxpr_text(forward, canon))
+    for const in forward_consts:
+        add("forward_const", canon.value(const))
+    add("slots", repr(tuple(slots)))
+    add("backward", _jax_internals.jaxpr_text(backward, canon))
+    return SIGNATURE_PREFIX + h.hexdigest()[:32]

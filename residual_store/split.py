@@ -9,7 +9,12 @@ the function's own ``jax.checkpoint`` policies ask to recompute.
 How it works, per new signature: ``fun`` is traced once to a jaxpr; the forward executable
 evaluates that jaxpr under ``jax.vjp`` and returns the output and the *computed* residuals.
 Residuals that are the inputs themselves (weights, the batch) or closed-over constants are not
-returned by the executable: the context takes the live arrays, so weights are never copied.
+returned by the executable: the context takes the live arrays, so weights are never copied. The
+backward is traced too (not compiled) so that the signature covers what both compute.
+
+A context records how the forward was called (:class:`~residual_store.context.CallSpec`), so a
+split in another process, which never ran this forward, can trace the same forward and backward
+from avals alone, check that they give the context's signature, and run the backward.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import dataclasses
 import inspect
 import threading
 import warnings
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,16 +32,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from residual_store import _jax_internals
+from residual_store import _jax_internals, placement, structure
 from residual_store.backward import Backward, register_backward
 from residual_store.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
-from residual_store.context import ResidualContext, ResidualSpec
+from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec
 from residual_store.errors import (
     InvalidArgumentError,
     RecomputeWarning,
+    ResidualStoreError,
     SignatureMismatchError,
 )
-from residual_store.signature import compute_signature
+from residual_store.signature import compute_signature, is_current
 
 __all__ = ["Split", "split"]
 
@@ -43,6 +51,22 @@ _FROM_CONST, _FROM_INPUT, _FROM_OUTPUT = 0, 1, 2
 
 _WARNED_SIGNATURES: set[str] = set()
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
+_MAX_FOREIGN = 256  # signatures a split remembers it does not make
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """One signature's forward, traced (not compiled), with its backward."""
+
+    closed: Any  # fun's jaxpr
+    traced: Any  # jax.stages.Traced of the forward executable
+    consts: tuple[Any, ...]
+    slots: tuple[tuple[int, int], ...]  # (source, index) per residual
+    n_out: int
+    out_tree: Any
+    aux_tree: Any | None
+    spec: ResidualSpec
+    backward: Backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +75,7 @@ class _Forward:
 
     executable: Any
     consts: tuple[Any, ...]
-    slots: tuple[tuple[int, int], ...]  # (source, index) per residual
+    slots: tuple[tuple[int, int], ...]
     n_out: int
     out_tree: Any
     aux_tree: Any | None
@@ -89,6 +113,44 @@ def _as_array(x: Any, where: str) -> jax.Array:
     )
 
 
+def _explicit_axes(aval: Any) -> bool:
+    sharding = getattr(aval, "sharding", None)
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    return explicit is not None and explicit in tuple(getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ())
+
+
+def _abstract(aval: Any) -> jax.ShapeDtypeStruct:
+    """A ``ShapeDtypeStruct`` of a jaxpr aval, keeping a sharding only where it is part of the
+    type (meshes with explicit axes)."""
+    sharding = aval.sharding if _explicit_axes(aval) else None
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
+
+
+def _context_mesh() -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None:
+    """The abstract mesh the caller traces under (``jax.set_mesh``), as names, sizes, types."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.axis_names:
+        return None
+    types = tuple(getattr(t, "name", str(t)) for t in (mesh.axis_types or ()))
+    return tuple(mesh.axis_names), tuple(int(n) for n in mesh.axis_sizes), types
+
+
+def _enter_mesh(record: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None) -> Any:
+    """A context manager re-entering a recorded context mesh: concrete where this process has
+    the devices, abstract otherwise."""
+    import contextlib
+
+    if record is None:
+        return contextlib.nullcontext()
+    names, sizes, types = record
+    kinds = tuple(jax.sharding.AxisType[t] for t in types) if types else None
+    n = int(np.prod(sizes))
+    if len(jax.devices()) >= n:
+        devices = np.array(jax.devices()[:n], dtype=object).reshape(sizes)
+        return jax.set_mesh(jax.sharding.Mesh(devices, names, axis_types=kinds))
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(sizes, names, axis_types=kinds))
+
+
 class Split:
     """A function split into a forward that returns residuals and a backward that consumes them.
 
@@ -104,24 +166,37 @@ class Split:
         *,
         has_aux: bool = False,
         static_argnums: int | Sequence[int] = (),
+        weight_argnums: int | Sequence[int] | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
         if not callable(fun):
             raise InvalidArgumentError(f"split expects a callable, got {type(fun).__name__}")
         self.fun = fun
         self.argnums = _normalize_argnums(argnums, "argnums")
+        if not self.argnums:
+            raise InvalidArgumentError("argnums must name at least one argument")
         self._single = isinstance(argnums, int)
         self.static_argnums = tuple(sorted(_normalize_argnums(static_argnums, "static_argnums")))
         clash = set(self.argnums) & set(self.static_argnums)
         if clash:
             raise InvalidArgumentError(f"arguments {sorted(clash)} are in both argnums and static_argnums")
+        self.weight_argnums = (
+            (self.argnums[0],) if weight_argnums is None else _normalize_argnums(weight_argnums, "weight_argnums")
+        )
+        extra = sorted(set(self.weight_argnums) - set(self.argnums))
+        if extra:
+            raise InvalidArgumentError(
+                f"weight_argnums {extra} are not in argnums {self.argnums}: weights are arguments "
+                "the split differentiates"
+            )
         self.has_aux = bool(has_aux)
         self._param_names = _parameter_names(fun)
         self._forward_compiles = 0
         self._backward_compiles = 0
         self._count_lock = threading.Lock()
         self._trace_lock = threading.Lock()
-        self._by_signature: dict[str, Backward] = {}
+        self._by_signature: dict[str, Backward] = {}  # this split owns its backwards
+        self._foreign: OrderedDict[str, str] = OrderedDict()  # signatures it does not make -> why
         self._cache: ExecutableCache[_Forward] = ExecutableCache(
             cache_size, on_evict=lambda entry: entry.backward.drop_compiled()
         )
@@ -129,7 +204,11 @@ class Split:
 
     def __repr__(self) -> str:
         name = getattr(self.fun, "__qualname__", type(self.fun).__name__)
-        return f"Split({name}, argnums={self.argnums if not self._single else self.argnums[0]})"
+        return f"Split({name}, argnums={self._argnums_option})"
+
+    @property
+    def _argnums_option(self) -> int | tuple[int, ...]:
+        return self.argnums[0] if self._single else self.argnums
 
     # -- calling ----------------------------------------------------------------------------
 
@@ -154,7 +233,7 @@ class Split:
             ) from None
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._trace(args, leaves, treedef, statics, key)
+            entry = self._compile_forward(args, leaves, treedef, statics, key)
         outputs = entry.executable(list(entry.consts), leaves)
         residuals = tuple(
             entry.consts[i] if src == _FROM_CONST else leaves[i] if src == _FROM_INPUT else outputs[i]
@@ -162,6 +241,7 @@ class Split:
         )
         out = jax.tree.unflatten(entry.out_tree, outputs[: entry.n_out])
         ctx = ResidualContext.tree_unflatten(entry.spec, residuals)
+        ctx._backward = entry.backward  # the context keeps its backward alive (the registry is weak)
         if entry.aux_tree is not None:
             n_aux = entry.aux_tree.num_leaves
             aux = jax.tree.unflatten(entry.aux_tree, outputs[entry.n_out : entry.n_out + n_aux])
@@ -169,20 +249,26 @@ class Split:
         return out, ctx
 
     def backward(self, ctx: ResidualContext, cotangent: Any = None) -> Any:
-        """Gradients from a context this split made; never re-runs the forward.
+        """Gradients from a context of a signature this split makes; never re-runs the forward.
+
+        The context may come from a store, written by another process: a signature this split
+        has not traced yet is rebuilt from the avals the context records (the forward and the
+        backward are traced, nothing is run or compiled but the backward), checked against the
+        context's signature, and kept for later contexts of that signature.
 
         ``cotangent`` matches the output (not aux); ``None`` means 1 for a scalar float output.
         May be called any number of times on one context.
+
+        Raises:
+          SignatureMismatchError: the context was made by another function, with other options,
+            or from closed-over values that differ from this process's; or the cotangent does
+            not match the output.
         """
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"backward expects a rs.ResidualContext, got {type(ctx).__name__}")
         bwd = self._by_signature.get(ctx.spec.signature)
         if bwd is None:
-            known = ", ".join(sorted(self._by_signature)) or "none yet"
-            raise SignatureMismatchError(
-                f"context signature {ctx.spec.signature} was not made by this split "
-                f"({self!r}; its signatures: {known})"
-            )
+            bwd = self._rebuild(ctx.spec)
         return bwd(ctx, cotangent)
 
     def cache_info(self) -> CacheInfo:
@@ -195,6 +281,84 @@ class Split:
             currsize=len(self._cache),
             maxsize=self._cache.maxsize,
         )
+
+    # -- rebuilding a backward from a context's record --------------------------------------
+
+    def _rebuild(self, spec: ResidualSpec) -> Backward:
+        sig = spec.signature
+        with self._trace_lock:
+            bwd = self._by_signature.get(sig)
+            if bwd is not None:
+                return bwd
+            why = self._foreign.get(sig)
+            if why is None:
+                try:
+                    return self._rebuild_locked(spec)
+                except SignatureMismatchError as err:
+                    why = str(err)
+                    self._foreign[sig] = why
+                    while len(self._foreign) > _MAX_FOREIGN:
+                        self._foreign.popitem(last=False)
+        raise SignatureMismatchError(why)
+
+    def _rebuild_locked(self, spec: ResidualSpec) -> Backward:
+        sig, call = spec.signature, spec.call
+        head = f"context signature {sig} is not one {self!r} makes"
+        if not is_current(sig) or call is None:
+            raise SignatureMismatchError(
+                f"{head}: it was written by residual-store 0.1, whose signatures did not cover "
+                "what is computed and recorded no input structure; run the forward again"
+            )
+        mine = (self._argnums_option, self.weight_argnums, self.static_argnums, self.has_aux)
+        theirs = (call.argnums, call.weight_argnums, call.static_argnums, call.has_aux)
+        if mine != theirs:
+            names = ("argnums", "weight_argnums", "static_argnums", "has_aux")
+            diff = ", ".join(f"{n}={t!r} (this split: {m!r})" for n, m, t in zip(names, mine, theirs) if m != t)
+            raise SignatureMismatchError(f"{head}: it was made by a split with {diff}")
+        if call.in_tree is None or call.statics is None:
+            raise SignatureMismatchError(
+                f"{head} from its record: its input structure could not be recorded "
+                f"({call.unrecorded}); run a forward of the same shapes in this split first"
+            )
+        try:
+            treedef = structure.decode_treedef(call.in_tree)
+            statics = [(int(i), structure.decode_value(v)) for i, v in call.statics]
+            leaves = [placement.abstract_input(a) for a in call.in_avals]
+        except structure.UnresolvableError as err:
+            raise SignatureMismatchError(
+                f"{head} yet, and its input structure names what this process lacks: {err}. "
+                "Import the model's modules before running its backward"
+            ) from None
+        except (ValueError, TypeError, KeyError) as err:
+            raise SignatureMismatchError(f"{head}: its call record is malformed ({err})") from None
+        if treedef.num_leaves != len(leaves) or [i for i, _ in statics] != list(self.static_argnums):
+            raise SignatureMismatchError(f"{head}: its call record is malformed (leaf or static count)")
+        args = list(jax.tree.unflatten(treedef, leaves))
+        for index, value in statics:
+            args.insert(index, value)
+        if len(args) != call.n_args:
+            raise SignatureMismatchError(f"{head}: its call record is malformed (argument count)")
+        try:
+            with _enter_mesh(call.context_mesh):
+                self._check_arity(tuple(args))
+                traced = self._trace_call(
+                    tuple(args), leaves, treedef, tuple(v for _, v in statics), call.in_avals, call.context_mesh
+                )
+        except ResidualStoreError:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever fun raises on these inputs
+            raise SignatureMismatchError(
+                f"{head}: tracing it on the context's recorded inputs failed "
+                f"({type(err).__name__}: {err})"
+            ) from err
+        got = traced.spec.signature
+        if got != sig or traced.spec.avals != spec.avals:
+            raise SignatureMismatchError(
+                f"{head}: on the inputs the context records, this split computes signature {got}. "
+                "The context comes from another function, or from one whose code or closed-over "
+                "values (weights, constants) differ in this process"
+            )
+        return traced.backward
 
     # -- tracing (once per signature) -------------------------------------------------------
 
@@ -233,7 +397,7 @@ class Split:
         except ValueError:
             pass  # no introspectable signature (builtins); JAX's trace will complain if needed
 
-    def _trace(
+    def _compile_forward(
         self,
         args: tuple[Any, ...],
         leaves: list[jax.Array],
@@ -246,29 +410,69 @@ class Split:
             if entry is not None:
                 return entry
             self._check_arity(args)
-            entry = self._build(args, leaves, treedef, statics)
+            t = self._trace_call(args, leaves, treedef, statics, None, _context_mesh())
+            self._warn_recompute(t.closed, t.spec.signature)
+            executable = t.traced.lower().compile()
+            self._count("forward")
+            entry = _Forward(
+                executable=executable,
+                consts=t.consts,
+                slots=t.slots,
+                n_out=t.n_out,
+                out_tree=t.out_tree,
+                aux_tree=t.aux_tree,
+                spec=t.spec,
+                backward=t.backward,
+            )
             self._cache.put(key, entry)
             return entry
 
-    def _build(
+    def _record_call(
+        self,
+        n_args: int,
+        treedef: Any,
+        static_pairs: list[tuple[int, Any]],
+        in_avals: Sequence[InputAval],
+        context_mesh: Any,
+    ) -> CallSpec:
+        try:
+            tree_record = structure.encode_treedef(treedef)
+            statics_record: Any = tuple((i, structure.encode_value(v)) for i, v in static_pairs)
+            unrecorded = None
+        except structure.UnrecordableError as err:
+            tree_record = statics_record = None
+            unrecorded = str(err)
+        return CallSpec(
+            n_args=n_args,
+            argnums=self._argnums_option,
+            weight_argnums=self.weight_argnums,
+            static_argnums=self.static_argnums,
+            has_aux=self.has_aux,
+            in_avals=tuple(in_avals),
+            in_tree=tree_record,
+            statics=statics_record,
+            context_mesh=context_mesh,
+            unrecorded=unrecorded,
+        )
+
+    def _trace_call(
         self,
         args: tuple[Any, ...],
-        leaves: list[jax.Array],
+        leaves: Sequence[Any],
         treedef: Any,
         statics: tuple[Any, ...],
-    ) -> _Forward:
+        in_avals: Sequence[InputAval] | None,
+        context_mesh: Any,
+    ) -> _Traced:
+        """Traces the forward and the backward of one signature (``leaves``: arrays, or
+        ``ShapeDtypeStruct``s when rebuilding from a record); compiles nothing."""
         n_args = len(args)
         positions = self._dyn_positions(n_args)
-        dyn = jax.tree.unflatten(treedef, leaves)
+        dyn = jax.tree.unflatten(treedef, list(leaves))
         paths = self._leaf_paths(dyn, n_args)
         counts = [c.num_leaves for c in treedef.children()]
-        starts = np.cumsum([0] + counts)
-        diff_idx = [
-            j
-            for k, pos in enumerate(positions)
-            if pos in self.argnums
-            for j in range(starts[k], starts[k + 1])
-        ]
+        leaf_args = [pos for pos, count in zip(positions, counts) for _ in range(count)]
+        diff_idx = [j for j, pos in enumerate(leaf_args) if pos in self.argnums]
         for j in diff_idx:
             if not jax.dtypes.issubdtype(leaves[j].dtype, np.inexact):
                 raise InvalidArgumentError(
@@ -284,9 +488,8 @@ class Split:
                 rebuilt.insert(index, value)
             return rebuilt
 
-        closed, out_shape = jax.make_jaxpr(
-            lambda *flat: self.fun(*full_args(flat)), return_shape=True
-        )(*leaves)
+        fun = self.fun
+        closed, out_shape = jax.make_jaxpr(lambda *flat: fun(*full_args(flat)), return_shape=True)(*leaves)
         if self.has_aux:
             if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
                 raise InvalidArgumentError(
@@ -330,57 +533,55 @@ class Split:
             return list(out) + list(aux) + computed
 
         consts = [jnp.asarray(c) if not isinstance(c, jax.Array) else c for c in closed.consts]
-        traced = jax.jit(forward).trace(consts, leaves)
-        slots = box["slots"]
+        traced = jax.jit(forward).trace(consts, list(leaves))
+        slots: tuple[tuple[int, int], ...] = box["slots"]
+        jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
+        residual_types = [
+            jaxpr_in[i] if src == _FROM_CONST else jaxpr_in[n_consts + i] if src == _FROM_INPUT else jaxpr_out[i]
+            for src, i in slots
+        ]
+        flat_bwd, grad_tree = self._flat_backward(box["vjp_tree"], out_avals, treedef, positions)
+        float_out = [i for i, a in enumerate(out_avals) if jax.dtypes.issubdtype(a.dtype, np.inexact)]
+        bwd_jit = jax.jit(flat_bwd)
+        bwd_traced = bwd_jit.trace(
+            [_abstract(a) for a in residual_types], [_abstract(jaxpr_out[i]) for i in float_out]
+        )
+        if in_avals is None:
+            in_avals = [placement.input_aval(x) for x in leaves]
+        call = self._record_call(n_args, treedef, static_pairs, in_avals, context_mesh)
         signature = compute_signature(
-            fun=self.fun,
-            closed_jaxpr=closed,
+            call=call,
             in_tree=treedef,
-            in_avals=[(x.shape, x.dtype, x.aval.weak_type, x.sharding) for x in leaves],
-            out_tree=jax.tree.structure(out_shape),
-            argnums=self.argnums[0] if self._single else self.argnums,
-            has_aux=self.has_aux,
             statics=static_pairs,
+            out_tree=out_tree,
+            aux_tree=aux_tree,
+            forward=traced.jaxpr,
+            forward_consts=consts,
+            slots=slots,
+            backward=bwd_traced.jaxpr,
         )
-        self._warn_recompute(closed, signature)
-        executable = traced.lower().compile()
-        self._count("forward")
-
-        out_info = jax.tree.leaves(traced.out_info)
-        output_slots = [i for src, i in slots if src == _FROM_OUTPUT]
-        origins = dict(zip(output_slots, _jax_internals.output_origins(traced.jaxpr, output_slots)))
-        avals, names, input_paths, kinds = [], [], [], []
-        for src, i in slots:
-            if src == _FROM_CONST:
-                x = consts[i]
-                avals.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
-                names.append(f"constant #{i} (closed over)")
-                input_paths.append(None)
-                kinds.append("constant")
-            elif src == _FROM_INPUT:
-                x = leaves[i]
-                avals.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
-                names.append(f"input {paths[i]}")
-                input_paths.append(paths[i])
-                kinds.append("input")
-            else:
-                info = out_info[i]
-                avals.append(jax.ShapeDtypeStruct(info.shape, info.dtype))
-                names.append(self._origin_name(origins[i], paths, n_consts))
-                input_paths.append(None)
-                kinds.append("intermediate")
-        spec = ResidualSpec(
-            signature=signature,
-            avals=tuple(avals),
-            names=tuple(names),
-            input_paths=tuple(input_paths),
-            kinds=tuple(kinds),
-        )
-        bwd = self._make_backward(
-            signature, box["vjp_tree"], out_tree, out_avals, diff_idx, leaves, treedef, positions
-        )
-        return _Forward(
-            executable=executable,
+        spec = self._spec(signature, call, slots, residual_types, consts, paths, leaf_args, n_consts, traced)
+        bwd = self._by_signature.get(signature)
+        if bwd is None:
+            callbacks = _jax_internals.host_callbacks(bwd_traced.jaxpr)
+            split_ref = weakref.ref(self)
+            bwd = Backward(
+                signature=signature,
+                flat_fn=flat_bwd,
+                out_tree=out_tree,
+                out_avals=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals],
+                grad_tree=grad_tree,
+                on_compile=lambda: _count_backward(split_ref),
+                jitted=bwd_jit,
+                unexportable=f"its backward calls back into Python ({', '.join(sorted(set(callbacks)))})"
+                if callbacks
+                else None,
+            )
+            self._by_signature[signature] = bwd
+        register_backward(bwd)
+        return _Traced(
+            closed=closed,
+            traced=traced,
             consts=tuple(consts),
             slots=slots,
             n_out=n_out,
@@ -388,6 +589,43 @@ class Split:
             aux_tree=aux_tree,
             spec=spec,
             backward=bwd,
+        )
+
+    def _spec(
+        self,
+        signature: str,
+        call: CallSpec,
+        slots: Sequence[tuple[int, int]],
+        residual_types: Sequence[Any],
+        consts: Sequence[Any],
+        paths: list[str],
+        leaf_args: list[int],
+        n_consts: int,
+        traced: Any,
+    ) -> ResidualSpec:
+        output_slots = [i for src, i in slots if src == _FROM_OUTPUT]
+        origins = dict(zip(output_slots, _jax_internals.output_origins(traced.jaxpr, output_slots)))
+        names, input_paths, kinds = [], [], []
+        for src, i in slots:
+            if src == _FROM_CONST:
+                names.append(f"constant #{i} (closed over)")
+                input_paths.append(None)
+                kinds.append("constant")
+            elif src == _FROM_INPUT:
+                names.append(f"input {paths[i]}")
+                input_paths.append(paths[i])
+                kinds.append("weight" if leaf_args[i] in self.weight_argnums else "input")
+            else:
+                names.append(self._origin_name(origins[i], paths, n_consts))
+                input_paths.append(None)
+                kinds.append("intermediate")
+        return ResidualSpec(
+            signature=signature,
+            avals=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in residual_types),
+            names=tuple(names),
+            input_paths=tuple(input_paths),
+            kinds=tuple(kinds),
+            call=call,
         )
 
     @staticmethod
@@ -403,31 +641,17 @@ class Split:
         )
         return f"{base} ({', '.join(notes)})" if notes else base
 
-    def _make_backward(
-        self,
-        signature: str,
-        vjp_tree: Any,
-        out_tree: Any,
-        out_avals: Sequence[Any],
-        diff_idx: list[int],
-        leaves: list[jax.Array],
-        treedef: Any,
-        positions: list[int],
-    ) -> Backward:
+    def _flat_backward(
+        self, vjp_tree: Any, out_avals: Sequence[Any], treedef: Any, positions: list[int]
+    ) -> tuple[Callable[[Sequence[Any], Sequence[Any]], list[Any]], Any]:
+        """``(residuals, float cotangents) -> gradient leaves in argnums order``, and the
+        gradients' tree (the differentiated arguments; a tuple when argnums is a tuple)."""
         float_out = [jax.dtypes.issubdtype(a.dtype, np.inexact) for a in out_avals]
         zero_cts = [
             None if is_float else np.zeros(a.shape, jax.dtypes.float0)
             for a, is_float in zip(out_avals, float_out)
         ]
-
-        def flat_backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
-            vjp_fn = jax.tree.unflatten(vjp_tree, residuals)
-            given = iter(cts)
-            full = [next(given) if z is None else z for z in zero_cts]
-            return list(vjp_fn(full))
-
-        # The gradient tree: the differentiated arguments, a tuple when argnums is a tuple.
-        dyn = jax.tree.unflatten(treedef, [0] * len(leaves))
+        dyn = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
         subtrees = [jax.tree.structure(dyn[k]) for k, p in enumerate(positions) if p in self.argnums]
         order = [p for p in positions if p in self.argnums]
         by_pos = dict(zip(order, subtrees))
@@ -439,21 +663,14 @@ class Split:
         perm = [int(starts[p]) + j for p in self.argnums for j in range(by_pos[p].num_leaves)]
         grad_tree = jax.tree.structure(grad_struct[0] if self._single else grad_struct)
 
-        def ordered_backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
-            grads = flat_backward(residuals, cts)
+        def flat_backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
+            vjp_fn = jax.tree.unflatten(vjp_tree, residuals)
+            given = iter(cts)
+            full = [next(given) if z is None else z for z in zero_cts]
+            grads = list(vjp_fn(full))
             return [grads[k] for k in perm]
 
-        bwd = Backward(
-            signature=signature,
-            flat_fn=ordered_backward,
-            out_tree=out_tree,
-            out_avals=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals],
-            grad_tree=grad_tree,
-            on_compile=lambda: self._count("backward"),
-        )
-        self._by_signature[signature] = bwd
-        register_backward(bwd)
-        return bwd
+        return flat_backward, grad_tree
 
     def _count(self, which: str) -> None:
         with self._count_lock:
@@ -479,12 +696,21 @@ class Split:
             )
 
 
+def _count_backward(split_ref: weakref.ref[Split]) -> None:
+    """Counts a backward compile on its split, if the split is still alive (a backward does not
+    keep its split alive: contexts may outlive it)."""
+    split_obj = split_ref()
+    if split_obj is not None:
+        split_obj._count("backward")
+
+
 def split(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
     has_aux: bool = False,
     static_argnums: int | Sequence[int] = (),
+    weight_argnums: int | Sequence[int] | None = None,
     cache_size: int = DEFAULT_CACHE_SIZE,
 ) -> Split:
     """Splits ``fun`` into a forward that returns typed residuals and a backward that uses them.
@@ -495,6 +721,11 @@ def split(
         Other positional arguments (integer tokens, PRNG keys, masks) get no gradient.
       has_aux: ``fun`` returns ``(out, aux)``; only ``out`` is differentiated.
       static_argnums: hashable Python arguments that become part of the signature.
+      weight_argnums: the arguments (a subset of ``argnums``; ``None``: the first of
+        ``argnums``) that hold weights: shared by every context, held by reference, stored once
+        per store and never counted against a store's budgets. Every other input residual (a
+        pipeline stage's input activation, the data batch) is the context's own memory:
+        counted, offloaded and stored with the context.
       cache_size: how many signatures keep their compiled executables (least recently used
         dropped first).
 
@@ -513,4 +744,11 @@ def split(
       >>> bool(jnp.allclose(grads["w"], jax.grad(loss)(params, x)["w"], atol=1e-6))
       True
     """
-    return Split(fun, argnums, has_aux=has_aux, static_argnums=static_argnums, cache_size=cache_size)
+    return Split(
+        fun,
+        argnums,
+        has_aux=has_aux,
+        static_argnums=static_argnums,
+        weight_argnums=weight_argnums,
+        cache_size=cache_size,
+    )

@@ -50,7 +50,7 @@ __all__ = [
     "is_safe_relpath",
 ]
 
-FORMAT_VERSION: Final[int] = 1
+FORMAT_VERSION: Final[int] = 2
 """The manifest version this library writes, and the newest it reads."""
 
 CONTEXT_FORMAT: Final[str] = "residual-store/context"

@@ -146,8 +146,9 @@ def flat_tree(tree: Any) -> dict[str, np.ndarray]:
     }
 
 
-def intermediate_bytes(ctx: Any) -> int:
-    return sum(raw(x).nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k == "intermediate")
+def own_bytes(ctx: Any) -> int:
+    """Bytes a store counts against its budgets: the context's intermediates and inputs."""
+    return sum(raw(x).nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in ("input", "intermediate"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def store_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("cli-store"))
-    fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
-    w = jax.random.normal(jax.random.key(0), (3, 2))
+    fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w[0]) @ w[1]))
+    w = (jax.random.normal(jax.random.key(0), (3, 2)), jax.random.normal(jax.random.key(9), (2, 2)))
     with rs.Store(path) as store:
         for i in range(3):
             x = jax.random.normal(jax.random.key(i + 1), (4, 3))
@@ -41,14 +41,17 @@ def store_path(tmp_path_factory):
 def test_ls_and_inspect(store_path):
     out = _cli("ls", store_path)
     assert out.returncode == 0, out.stderr
-    assert "mb0" in out.stdout and "rs1-" in out.stdout and "3 contexts" in out.stdout
+    assert "mb0" in out.stdout and "rs2-" in out.stdout and "3 contexts" in out.stdout
     listed = json.loads(_cli("ls", store_path, "--json").stdout)
     assert sorted(e["key"] for e in listed) == ["mb0", "mb1", "mb2"]
     inspected = json.loads(_cli("inspect", store_path, "mb1", "--json").stdout)
     kinds = {r["kind"] for r in inspected["residuals"]}
     assert all(r["chunks"] == 1 and r["chunk_shape"] is None for r in inspected["residuals"])
-    assert kinds == {"input", "intermediate"}
-    assert any(r["name"] == "input x" and r["shared"] for r in inspected["residuals"])
+    assert kinds == {"weight", "input", "intermediate"}
+    by_kind = {r["kind"]: r for r in inspected["residuals"]}
+    assert by_kind["weight"]["shared"] and by_kind["weight"]["path"].startswith("weights/")
+    assert by_kind["input"]["name"] == "input x" and not by_kind["input"]["shared"]  # its own
+    assert by_kind["input"]["path"].startswith("data/mb1.")
     text = _cli("inspect", store_path, "mb1").stdout
     assert "tanh" in text and "intermediate" in text
 
@@ -57,10 +60,12 @@ def test_du_and_gc(store_path):
     du = json.loads(_cli("du", store_path, "--json").stdout)
     (entry,) = du.values()
     assert entry["contexts"] == 3 and entry["intermediate"] > 0 and entry["weights"] > 0
+    assert entry["input"] == 3 * 4 * 3 * 4  # each context's batch x, float32[4, 3]
     orphan = os.path.join(store_path, "weights", "0" * 32)
     os.makedirs(orphan)
     gc = json.loads(_cli("gc", store_path, "--older-than", "0", "--json").stdout)
     assert gc["weights"] == 1 and not os.path.exists(orphan)
+    assert gc["backwards"] == 0  # the one stored backward has its contexts
     assert json.loads(_cli("verify", store_path, "--json").stdout)["damaged"] == []
 
 
@@ -91,6 +96,7 @@ def test_verify_finds_damage(tmp_path):
     [
         (("ls", "/no/such/store"), "no such folder"),
         (("inspect", "{tmp}", "k"), "not a residual store"),
+        (("gc", "{tmp}/typo"), "no such folder"),
         (("inspect", "{store}", "missing"), "no context 'missing'"),
         (("inspect", "{store}", "../escape"), "invalid store key"),
         (("verify", "{store}", "a/b"), "invalid store key"),

@@ -91,20 +91,67 @@ def test_vjp_is_a_pytree_with_input_residuals_by_identity():
     assert any(box["identity"])
 
 
-def test_jaxpr_fingerprint_is_address_free_and_sees_rule_code():
+def _vjp_jaxprs(f, *args):
+    """The forward (under jax.vjp) and backward jaxprs of ``f``, as rs.split traces them."""
+    box = {}
+
+    def forward(*a):
+        out, vjp = jax.vjp(f, *a)
+        leaves, box["tree"] = jax.tree.flatten(vjp)
+        return out, leaves
+
+    fwd = jax.jit(forward).trace(*args)
+    out, leaves = jax.eval_shape(forward, *args)
+    bwd = jax.make_jaxpr(lambda res, ct: jax.tree.unflatten(box["tree"], res)(ct))(leaves, out)
+    return fwd.jaxpr, bwd
+
+
+def test_assumption_JAXPR_TEXT():
     import re
 
-    first = ji.jaxpr_fingerprint(jax.make_jaxpr(jax.checkpoint(_custom(False)))(1.0))
-    again = ji.jaxpr_fingerprint(jax.make_jaxpr(jax.checkpoint(_custom(False)))(1.0))
-    assert not re.search(rb"0x[0-9a-f]{6,}", first)
+    first = ji.jaxpr_text(jax.make_jaxpr(jax.checkpoint(_custom(False)))(1.0))
+    again = ji.jaxpr_text(jax.make_jaxpr(jax.checkpoint(_custom(False)))(1.0))
+    assert not re.search(r"0x[0-9a-f]{6,}", first), first
     assert first == again
+    assert "remat" in first or "checkpoint" in first
+    # weak types and literals are written
+    text = ji.jaxpr_text(jax.make_jaxpr(lambda x: x * 2.5)(1.0))
+    assert "~float32" in text and "lit(" in text
+    # a custom_vjp bwd rule is traced into the backward jaxpr, with the value it closes over
+    def scaled(scale):
+        @jax.custom_vjp
+        def f(x):
+            return jnp.sin(x)
 
-    @jax.custom_vjp
-    def k(x):
-        return jnp.sin(x)
+        f.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (g * c * scale,))
+        return f
 
-    k.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (2 * g * c,))  # another bwd body
-    assert ji.jaxpr_fingerprint(jax.make_jaxpr(jax.checkpoint(k))(1.0)) != first
+    a, b = (_vjp_jaxprs(scaled(s), jnp.ones(3))[1] for s in (0.5, 2.0))
+    assert ji.jaxpr_text(a) != ji.jaxpr_text(b)
+    assert ji.jaxpr_text(a) == ji.jaxpr_text(_vjp_jaxprs(scaled(0.5), jnp.ones(3))[1])
+
+
+def test_jaxpr_text_sorts_sets_in_params():
+    """A remat policy holding a frozenset of names prints in string-hash order; the text sorts it."""
+    policy = jax.checkpoint_policies.save_only_these_names("b", "a", "c")
+    closed = jax.make_jaxpr(jax.checkpoint(lambda x: jnp.sin(x), policy=policy))(1.0)
+    text = ji.jaxpr_text(closed)
+    assert "frozenset{s'a',s'b',s'c'}" in text, text
+
+
+def test_assumption_HOST_CALLBACK():
+    import numpy as np
+    from jax.experimental import io_callback
+
+    def f(x):
+        jax.debug.print("x {}", x)
+        y = jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        z = io_callback(lambda a: np.asarray(a), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return jnp.sum(y * z)
+
+    found = ji.host_callbacks(jax.make_jaxpr(f)(jnp.ones(3)))
+    assert len(found) == 3 and set(found) <= ji.HOST_CALLBACK_PRIMITIVES, found
+    assert ji.host_callbacks(jax.make_jaxpr(jnp.sin)(1.0)) == []
 
 
 def test_assumption_DISTRIBUTED_CLIENT():

@@ -218,7 +218,7 @@ def test_encode_refuses_invalid() -> None:
     with pytest.raises(ValueError, match="'signature'"):
         encode_manifest({**_manifest(), "signature": 3})
     with pytest.raises(ValueError, match="version"):
-        encode_manifest({**_manifest(), "version": 2})
+        encode_manifest({**_manifest(), "version": FORMAT_VERSION + 1})
     with pytest.raises(ValueError, match="msgpack"):
         encode_manifest({**_manifest(), "extra": object()})
 

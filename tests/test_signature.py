@@ -1,7 +1,10 @@
-"""The signature: the same in every process for the same function and avals, different otherwise."""
+"""The signature: a digest of what is computed, the same in every process, different for any two
+functions whose forward or backward differ."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,47 +12,108 @@ from collections import namedtuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import residual_store as rs
 from residual_store.signature import treedef_fingerprint
+from signature_cases import CASES, DISTINCT, SAME, inputs, signature_of
 
-SCRIPT = textwrap.dedent(
-    """
-    import sys
-    import jax, jax.numpy as jnp
-    sys.path.insert(0, {tests!r})
-    import residual_store as rs
-    from models import init_mlp, mlp_loss
-    params = init_mlp(jax.random.key(0))
-    x, y = jnp.ones((3, 8)), jnp.ones((3, 4))
-    print(rs.split(mlp_loss)(params, x, y)[1].spec.signature)
-    """
-)
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def _signature_in_subprocess() -> str:
-    import os
+@pytest.fixture(scope="module")
+def here() -> dict[str, str]:
+    return {name: signature_of(name) for name in CASES}
 
-    tests = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(tests=tests)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
-    return out.stdout.strip().splitlines()[-1]
+
+@pytest.mark.parametrize("a, b", DISTINCT, ids=[f"{a}|{b}" for a, b in DISTINCT])
+def test_functions_that_compute_differently_get_distinct_signatures(here, a, b):
+    assert here[a].startswith("rs2-") and here[b].startswith("rs2-")
+    assert here[a] != here[b]
+
+
+def test_equal_computations_get_one_signature(here):
+    for a, b in SAME:
+        assert here[a] == here[b], (a, b)
+    assert len(set(here.values())) == len(here) - len(SAME)
+    again = rs.split(CASES["bwd_closure_2.0"][0])(*inputs(1))[1].spec.signature
+    assert again == here["bwd_closure_2.0"]  # other values, same avals: the same signature
 
 
 @pytest.mark.subprocess
-def test_same_signature_in_two_processes():
-    from models import init_mlp, mlp_loss
+def test_every_signature_is_the_same_under_four_hash_seeds(here):
+    """String hashing (set and dict order) changes with PYTHONHASHSEED: no signature may."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(TESTS, "signature_cases.py")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": TESTS},
+        )
+        for seed in range(4)
+    ]
+    for seed, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1]) == here, f"PYTHONHASHSEED={seed}"
 
-    params = init_mlp(jax.random.key(0))
-    here = rs.split(mlp_loss)(params, jnp.ones((3, 8)), jnp.ones((3, 4)))[1].spec.signature
-    assert here.startswith("rs1-")
-    assert _signature_in_subprocess() == here
+
+def test_the_issue_collision_gives_the_right_gradient_through_a_store(tmp_path):
+    """Two losses that differ only in a custom_vjp bwd closure: each context's backward, loaded
+    from the store where one backward is kept per signature, is its own function's."""
+    w, x = inputs(3)
+    la, lb = CASES["bwd_closure_0.5"][0], CASES["bwd_closure_2.0"][0]
+    with rs.Store(tmp_path / "s") as store:
+        store.put(rs.split(la)(w, x)[1], "a")
+        store.put(rs.split(lb)(w, x)[1], "b")
+    script = tmp_path / "reader.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys, numpy as np, residual_store as rs
+        with rs.Store(sys.argv[1], read_only=True) as store:
+            np.savez(sys.argv[2], a=rs.backward(store.get("a")), b=rs.backward(store.get("b")))
+        """
+    ))
+    out = tmp_path / "grads.npz"
+    subprocess.run([sys.executable, str(script), str(tmp_path / "s"), str(out)], check=True, timeout=120)
+    got = np.load(out)
+    np.testing.assert_allclose(got["b"], jax.grad(lb)(w, x), rtol=1e-6)
+    np.testing.assert_allclose(got["a"], jax.grad(la)(w, x), rtol=1e-6)
+    np.testing.assert_allclose(got["b"], 4 * got["a"], rtol=1e-6)  # 2.0 vs 0.5: never the same
+
+
+_SOURCE = '''
+import jax.numpy as jnp
+
+def loss(w, x):
+    h = jnp.tanh(x @ w)
+    return jnp.sum(h ** 2)
+'''
+_SOURCE_EDITED = '''
+import jax.numpy as jnp
+# a comment, and the function moved down by a few lines
+
+
+def loss(w, x):
+    # what it computes is unchanged
+    h = jnp.tanh(x @ w)   # same op
+    return jnp.sum(h ** 2)
+'''
+
+
+def test_comments_and_moved_lines_do_not_change_it_a_changed_op_does():
+    def load(source, filename):
+        namespace: dict = {}
+        exec(compile(source, filename, "exec"), namespace)
+        return namespace["loss"]
+
+    w, x = inputs()
+    sig = lambda f: rs.split(f)(w, x)[1].spec.signature
+    base = sig(load(_SOURCE, "model.py"))
+    assert sig(load(_SOURCE_EDITED, "model_v2.py")) == base
+    assert sig(load(_SOURCE.replace("h ** 2", "h ** 3"), "model.py")) != base
 
 
 def _sig(fun, *args, **kw):
@@ -69,7 +133,7 @@ def test_what_changes_a_signature(rng):
     x = jax.random.normal(rng, (4,))
     base = _sig(lambda x: jnp.sum(jnp.sin(x)), x)
     assert base == _sig(lambda x: jnp.sum(jnp.sin(x)), x)
-    assert base != _sig(lambda x: jnp.sum(jnp.cos(x)), x)  # code
+    assert base != _sig(lambda x: jnp.sum(jnp.cos(x)), x)  # computation
     assert base != _sig(lambda x: jnp.sum(jnp.sin(x)), x[:3])  # shape
     assert base != _sig(lambda x: jnp.sum(jnp.sin(x)), x.astype(jnp.bfloat16))  # dtype
     assert base != _sig(lambda x: jnp.sum(jnp.sin(x)), 1.0 * x, argnums=(0,))  # argnums
@@ -78,6 +142,26 @@ def test_what_changes_a_signature(rng):
     assert _sig(lambda x, n: jnp.sum(x**n), x, 2, static_argnums=1) != _sig(
         lambda x, n: jnp.sum(x**n), x, 3, static_argnums=1
     )
+
+
+def test_memory_kind_is_part_of_the_signature_and_both_backwards_are_right(rng):
+    kw, kx = jax.random.split(rng)
+    w, x = jax.random.normal(kw, (4, 3)), jax.random.normal(kx, (5, 4))
+    device = jax.devices()[0]
+    if "unpinned_host" not in {m.kind for m in device.addressable_memories()}:
+        pytest.skip("this backend has no unpinned_host memory")
+    x_host = jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind="unpinned_host"))
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
+    fwd = rs.split(loss, argnums=(0, 1))
+    _, ctx = fwd(w, x)
+    _, ctx_host = fwd(w, x_host)
+    assert ctx.spec.signature != ctx_host.spec.signature
+    assert ctx_host.spec.call.in_avals[1].memory_kind == "unpinned_host"
+    ref = jax.grad(loss, argnums=(0, 1))(w, x)
+    for c in (ctx, ctx_host, ctx):
+        for got, want in zip(fwd.backward(c), ref):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert fwd.cache_info().backward_compiles == 2
 
 
 def test_treedef_fingerprint_has_no_addresses():

@@ -24,7 +24,7 @@ from store_helpers import (
     disk_usage,
     flat_tree,
     init_params,
-    intermediate_bytes,
+    own_bytes,
     mixed_inputs,
     mixed_loss,
     mlp_batch,
@@ -158,7 +158,7 @@ def test_plain_zarr_reads_every_residual_array(tmp_path, mixed_split, rng):
     with rs.Store(root) as store:
         store.put(ctx, "z")
     manifest = read_manifest(root, "z")
-    assert manifest["format"] == "residual-store/context" and manifest["version"] == 1
+    assert manifest["format"] == "residual-store/context" and manifest["version"] == 2
     assert len(manifest["arrays"]) == len(ctx.residuals)
     for record, x in zip(manifest["arrays"], ctx.residuals):
         want = raw(x)
@@ -193,9 +193,9 @@ def test_contexts_sharing_weights_store_them_once(tmp_path, rng):
         assert store.stats()["disk"] == {"bytes": weights + 8 * acts, "contexts": 8}
     total = disk_usage(root)
     assert 8 * acts <= total < 1.5 * weights + 1.2 * 8 * acts, (total, weights, acts)
-    n_weight_arrays = sum(is_weight)
-    n_inputs = sum(1 for k in ctx.spec.kinds if k != "intermediate")  # weights + each batch's x
-    assert len(os.listdir(root / "weights")) == n_weight_arrays + 8 * (n_inputs - n_weight_arrays)
+    assert [k == "weight" for k in ctx.spec.kinds] == is_weight  # weight_argnums: params
+    assert "input" in ctx.spec.kinds  # the batch: each context's own, stored with it
+    assert len(os.listdir(root / "weights")) == sum(is_weight)
     with rs.Store(root) as store:
         assert store.stats()["disk"] == {"bytes": weights + 8 * acts, "contexts": 8}
         a, b = store.get("mb0"), store.get("mb7")
@@ -416,7 +416,7 @@ def test_unknown_key_is_context_not_found(where, tmp_path, mlp_split, rng):
 
 def test_contexts_move_down_the_tiers_and_come_back(tmp_path, mlp_split, rng):
     params, batches, ctxs = _mlp_contexts(mlp_split, rng, 4)
-    size = intermediate_bytes(ctxs[0])
+    size = own_bytes(ctxs[0])
     assert size > 0
     with rs.Store(tmp_path / "s", device_budget=size, host_budget=size) as store:
         for i, c in enumerate(ctxs):
@@ -444,7 +444,7 @@ def test_prefetch_then_get(tmp_path, mlp_split, rng):
             store.put(c, f"k{i}")
         store.flush()
         assert store.stats()["device"]["contexts"] == store.stats()["host"]["contexts"] == 0
-    with rs.Store(tmp_path / "s", device_budget=3 * intermediate_bytes(ctxs[0])) as store:
+    with rs.Store(tmp_path / "s", device_budget=3 * own_bytes(ctxs[0])) as store:
         for i in range(3):
             store.prefetch(f"k{i}")
             store.prefetch(f"k{i}")  # twice: one load
@@ -459,7 +459,7 @@ def test_prefetch_then_get(tmp_path, mlp_split, rng):
 
 def test_write_through_false_writes_only_what_budgets_push_out(tmp_path, mlp_split, rng):
     params, batches, ctxs = _mlp_contexts(mlp_split, rng, 4)
-    size = intermediate_bytes(ctxs[0])
+    size = own_bytes(ctxs[0])
     root = tmp_path / "s"
     with rs.Store(root, device_budget=size, host_budget=size, write_through=False) as store:
         for i, c in enumerate(ctxs):
@@ -492,7 +492,7 @@ def test_write_through_false_replacing_a_key_being_written(tmp_path, mlp_split, 
     """put(k) while an older k is still being spilled: the newer one must win, in memory and on disk."""
     _, _, ctxs = _mlp_contexts(mlp_split, rng, 3)
     _, _, (newer,) = _mlp_contexts(mlp_split, jax.random.fold_in(rng, 1), 1)
-    size = intermediate_bytes(ctxs[0])
+    size = own_bytes(ctxs[0])
     root = tmp_path / "s"
     for attempt in range(3):
         with rs.Store(
@@ -510,7 +510,7 @@ def test_write_through_false_replacing_a_key_being_written(tmp_path, mlp_split, 
 
 def test_memory_only_store_over_budget_raises_and_stays_intact(mlp_split, rng):
     params, batches, ctxs = _mlp_contexts(mlp_split, rng, 3)
-    size = intermediate_bytes(ctxs[0])
+    size = own_bytes(ctxs[0])
     with rs.Store(None, device_budget=size, host_budget=size) as store:
         store.put(ctxs[0], "a")
         store.put(ctxs[1], "b")
@@ -543,7 +543,7 @@ def test_memory_only_get_never_drops_a_context(mlp_split, rng):
     for key, batch, salt in (("x", 5, 0), ("a", 5, 1), ("b", 6, 2), ("c", 4, 3)):
         x, y = mlp_batch(jax.random.fold_in(rng, salt), batch)
         ctxs[key] = split(params, x, y)[1]
-        sizes[key] = intermediate_bytes(ctxs[key])
+        sizes[key] = own_bytes(ctxs[key])
     assert sizes["a"] + sizes["b"] > sizes["b"] + sizes["c"]
     budget = sizes["b"] + sizes["c"]
     with rs.Store(None, device_budget=budget, host_budget=sizes["x"] + sizes["a"]) as store:
@@ -837,7 +837,7 @@ def test_replaced_data_is_recycled_and_rewritten_exactly(tmp_path, mlp_split, rn
         reader.flush()
         reader._janitor.submit(lambda: None).result()
         assert len(os.listdir(free)) == 1
-        # the batches x of both contexts once stored under "k", and the recycled data folder of "k"
-        assert reader.gc(older_than=0) == {"weights": 2, "data": 0, "recycled": 1}
+        # the recycled data folder of "k" (its batch was stored with it: inputs are its own)
+        assert reader.gc(older_than=0) == {"weights": 0, "data": 0, "recycled": 1, "backwards": 0, "temporary": 0}
         assert not os.listdir(free)
         assert_contexts_identical(reader.get("other"), ctxs[2])

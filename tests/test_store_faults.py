@@ -19,7 +19,7 @@ from store_helpers import (
     assert_trees_close,
     committed_keys,
     init_params,
-    intermediate_bytes,
+    own_bytes,
     last_json_line,
     mlp_batch,
     mlp_loss,
@@ -203,7 +203,7 @@ def test_two_writer_processes_with_distinct_keys(tmp_path, split, model):
         for key in expected:
             w, i = int(key[1]), int(key[3:])
             model.check(store, key, split, 1000 * w + i, 16)
-        assert store.gc(older_than=0) == {"weights": 0, "data": 0, "recycled": 0}
+        assert store.gc(older_than=0) == {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,7 +308,8 @@ def test_disk_full_raises_store_full_and_leaves_nothing(disk_full, split):
         assert store.keys() == ["after", "s0", "s1", "s2"]
         for key, tag in (("s0", 0), ("s1", 1), ("s2", 2), ("after", 3)):
             model.check(store, key, split, tag, 4)
-        assert store.gc(older_than=0) == {"weights": 0, "data": 0, "recycled": 0}  # no bytes of the failed write
+        # no bytes of the failed write: only the backward its put saved, which no context needs
+        assert store.gc(older_than=0) == {"weights": 0, "data": 0, "recycled": 0, "backwards": 1, "temporary": 0}
 
 
 @pytest.mark.subprocess
@@ -342,7 +343,7 @@ def test_a_failed_write_of_shared_weights_never_damages_a_committed_context(disk
     with rs.Store(base / "race") as store:
         assert store.keys() == ["a"]
         model.check(store, "a", split, 0, 4)
-        assert store.gc(older_than=0) == {"weights": 0, "data": 0, "recycled": 0}
+        assert store.gc(older_than=0) == {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,7 +359,7 @@ def test_many_threads_putting_and_getting(tmp_path, split, model, write_through)
         for t in range(n_threads)
         for i in range(per_thread)
     }
-    size = intermediate_bytes(next(iter(contexts.values())))
+    size = own_bytes(next(iter(contexts.values())))
     store = rs.Store(
         tmp_path / "s", device_budget=3 * size, host_budget=3 * size, write_through=write_through
     )
@@ -407,7 +408,7 @@ def test_put_while_a_get_of_the_same_key_reads_the_disk(tmp_path, split, model, 
     put it back in memory over the newer one (nor mark the key as already on disk)."""
     params = model.params
     old, new, other = (split(params, *model.batch(tag, 8))[1] for tag in (40, 41, 42))
-    size = intermediate_bytes(old)
+    size = own_bytes(old)
     with rs.Store(tmp_path / "s") as first:
         first.put(old, "k")
     store = rs.Store(tmp_path / "s", device_budget=size, host_budget=0, write_through=write_through)

@@ -50,6 +50,11 @@ class Backend(Protocol):
     def delete_tree(self, prefix: str) -> None: ...
     def age_seconds(self, prefix: str) -> float | None: ...
     def version(self, key: str) -> Any | None: ...
+    def exists(self, key: str) -> bool: ...
+    def is_file(self) -> bool: ...
+    def root_exists(self) -> bool: ...
+    def is_empty(self) -> bool: ...
+    def list_temporary(self, prefix: str) -> list[str]: ...
 
 
 class _LocalBackend:
@@ -57,8 +62,7 @@ class _LocalBackend:
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
-        self.description = self.root
-        os.makedirs(self.root, exist_ok=True)
+        self.description = self.root  # nothing is created until something is written
 
     def _path(self, key: str) -> str:
         path = os.path.normpath(os.path.join(self.root, *key.split("/")))
@@ -151,14 +155,38 @@ class _LocalBackend:
         try:
             with open(self._path(key), "rb") as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def is_file(self) -> bool:
+        return os.path.exists(self.root) and not os.path.isdir(self.root)
+
+    def root_exists(self) -> bool:
+        return os.path.isdir(self.root)
+
+    def is_empty(self) -> bool:
+        """No entries but hidden ones (another process's marker being written is hidden)."""
+        try:
+            return not any(not n.startswith(".") for n in os.listdir(self.root))
+        except FileNotFoundError:
+            return True
 
     def list_dir(self, prefix: str) -> list[str]:
         try:
             return sorted(n for n in os.listdir(self._path(prefix)) if not n.startswith("."))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def list_temporary(self, prefix: str) -> list[str]:
+        """Temporary files of :meth:`put_bytes` (``.<name>.<id>.tmp``) left by interrupted writes."""
+        try:
+            names = os.listdir(self._path(prefix)) if prefix else os.listdir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(n for n in names if n.startswith(".") and n.endswith(".tmp"))
 
     def delete(self, key: str) -> None:
         _remove_quietly(self._path(key))
@@ -256,6 +284,22 @@ class _KvBackend:
 
     def age_seconds(self, prefix: str) -> float | None:
         return None  # kvstores have no portable mtime: gc only removes with older_than=0
+
+    def exists(self, key: str) -> bool:
+        return self.get_bytes(key) is not None
+
+    def is_file(self) -> bool:
+        return False
+
+    def root_exists(self) -> bool:
+        return True  # a kvstore prefix exists as soon as anything is under it
+
+    def is_empty(self) -> bool:
+        prefix = ts.KvStore.KeyRange("", "")
+        return not self.kv.list(prefix).result()
+
+    def list_temporary(self, prefix: str) -> list[str]:
+        return []  # every object is written in one put: nothing temporary is left behind
 
     def version(self, key: str) -> Any | None:
         return None  # no cheap version: manifests are read each time

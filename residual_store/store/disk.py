@@ -4,8 +4,8 @@ Layout under the store root (a local folder or any tensorstore kvstore)::
 
     residual-store.json                 store marker: {"format": "residual-store", "version": 1}
     contexts/<key>.manifest             msgpack manifest; its presence is the commit
-    data/<key>.<write id>/<i>/          zarr v3 arrays: the context's intermediates
-    weights/<content digest>/           zarr v3 arrays: inputs and constants, stored once
+    data/<key>.<write id>/<i>/          zarr v3 arrays: the context's own (intermediates, inputs)
+    weights/<content digest>/           zarr v3 arrays: weights and constants, stored once
     backwards/<signature>.export        serialized backward (jax.export), once per signature
     backwards/<signature>.manifest      its manifest (checksum, JAX version, platforms)
 
@@ -46,13 +46,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import serializers
-from residual_store.context import ResidualSpec
+from residual_store.context import OWN_KINDS, SHARED_KINDS, ResidualSpec
 from residual_store.errors import (
     ContextNotFoundError,
     CorruptContextError,
+    InvalidArgumentError,
+    ReadOnlyStoreError,
     ResidualStoreError,
     StoreFullError,
+    StoreNotFoundError,
 )
+from residual_store.placement import rebuild_sharding
 from residual_store.store.backends import open_backend
 from residual_store.store.collective import Channel, Collective
 from residual_store.store.records import (
@@ -64,7 +68,6 @@ from residual_store.store.records import (
     chunked_digest,
     chunked_digest_of,
     layout_digest,
-    rebuild_sharding,
     spec_from_map,
     spec_to_map,
 )
@@ -136,7 +139,7 @@ def _chunk_sums(spec: ResidualSpec, arrays: HostArrays) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
         if isinstance(x, ShardedHost) and x.chunk_shape is not None:
-            shared = kind != "intermediate"
+            shared = kind in SHARED_KINDS
             out[str(i)] = [
                 [list(idx), serializers.checksum(c), serializers.content_digest(c) if shared else None]
                 for idx, c in sorted(x.chunks.items())
@@ -178,15 +181,42 @@ def _check_same_everywhere(key: str, spec: ResidualSpec, local_sums: Sequence[Ma
 class DiskTier:
     """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete, gc."""
 
-    def __init__(self, path: str | os.PathLike[str] | Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Mapping[str, Any],
+        *,
+        create: bool = True,
+        read_only: bool = False,
+    ) -> None:
         self.backend = open_backend(path)
+        self.read_only = bool(read_only)
         self._lock = threading.Lock()
         self._stat_cache: dict[str, tuple[Any, StoredContext]] = {}
         self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
         self._channel: Channel | None = None  # made at the first collective operation
-        marker = self.backend.get_bytes(STORE_MARKER)
-        if marker is None:
-            self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
+        if self.backend.get_bytes(STORE_MARKER) is not None:
+            return
+        where = self.backend.description
+        if self.read_only or not create:
+            what = "no such folder" if not self.backend.root_exists() else f"not a residual store (no {STORE_MARKER})"
+            raise StoreNotFoundError(
+                f"{where}: {what}; check the path, or open it with create=True (and "
+                "read_only=False) to make a new store"
+            )
+        if self.backend.is_file():
+            raise InvalidArgumentError(f"{where} is a file, not a folder: a store needs a folder")
+        if not self.backend.is_empty():
+            # gc removes what no context references under data/ and weights/: never in a folder
+            # of someone else's files
+            raise InvalidArgumentError(
+                f"{where} holds files but no residual store (no {STORE_MARKER}); give the store "
+                "an empty or new folder"
+            )
+        self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ReadOnlyStoreError(f"{what}: the store at {self.description} was opened read_only=True")
 
     @property
     def description(self) -> str:
@@ -208,19 +238,20 @@ class DiskTier:
         Returns the data of the context this write replaced, if any: it is unreferenced now, and
         the caller hands it to :meth:`drop_data` off the write path.
         """
+        self._check_writable(f"put {key!r}")
         data_dir = f"data/{key}.{uuid.uuid4().hex[:12]}"
         previous = self._read_manifest_bytes(key)
         layout = layout_digest(
             (str(i), x.shape, serializers.zarr_dtype_name(x.dtype), getattr(x, "chunk_shape", None))
             for i, (x, kind) in enumerate(zip(arrays, spec.kinds))
-            if kind == "intermediate"
+            if kind in OWN_KINDS
         )
         reuse = self._claim_free(layout, data_dir)
         to_write: dict[str, Any] = {}
         records = []
         shardings: list[dict[str, Any] | None] = []
         for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
-            shared = kind != "intermediate"
+            shared = kind in SHARED_KINDS
             chunk_fields: dict[str, Any] = {}
             checksum: str | None = None
             if isinstance(x, ShardedHost):
@@ -305,6 +336,7 @@ class DiskTier:
         under the weight's content address (the same bytes whoever writes them), and
         ``zarr.json``, written last by process 0, makes the weight exist.
         """
+        self._check_writable(f"put {key!r}")
         local_sums = _process_local_sums(arrays)
         coll, infos = self._begin(
             f"put {key!r}",
@@ -329,7 +361,7 @@ class DiskTier:
         records = []
         shardings: list[dict[str, Any] | None] = []
         for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
-            shared = kind != "intermediate"
+            shared = kind in SHARED_KINDS
             chunk_fields: dict[str, Any] = {}
             shardings.append(x.sharding if isinstance(x, ShardedHost) else None)
             if isinstance(x, ShardedHost) and x.chunk_shape is not None:
@@ -451,6 +483,7 @@ class DiskTier:
         """:meth:`delete` by every process at once: process 0 removes the manifest once all have
         begun (so none can still be checking whether ``key`` exists), and all learn the outcome.
         Returns the removed context's data (process 0 only)."""
+        self._check_writable(f"delete {key!r}")
         coll, _ = self._begin(f"delete {key!r}")
         stale, error = None, None
         if coll.index == 0:
@@ -464,6 +497,7 @@ class DiskTier:
         return stale
 
     def write_blob(self, name: str, data: bytes, *, fsync: bool) -> None:
+        self._check_writable(f"write {name}")
         try:
             self.backend.put_bytes(name, data, fsync=fsync)
         except OSError as err:  # put_bytes leaves nothing behind on failure
@@ -492,7 +526,7 @@ class DiskTier:
             raise CorruptContextError(str(err)) from err
         if m["key"] != key:
             raise CorruptContextError(f"{what}: manifest names key {m['key']!r}")
-        spec, impls, shardings = spec_from_map(m["signature"], m["spec"], records, what)
+        spec, impls, shardings = spec_from_map(m["signature"], m["spec"], records, what, version=m["version"])
         data_dir = m.get("data_dir")
         if not isinstance(data_dir, str) or not serializers.is_safe_relpath(data_dir):
             raise CorruptContextError(f"{what}: invalid data_dir in manifest")
@@ -692,6 +726,7 @@ class DiskTier:
         creating some 50 files and folders (file creation dominates small writes); otherwise it
         is removed.
         """
+        self._check_writable("drop data")
         if recycle and self.backend.can_rename:
             with self._lock:
                 pool = self._free.setdefault(stale.layout, [])
@@ -709,6 +744,7 @@ class DiskTier:
 
         Returns whether it was there and its data, for the caller to :meth:`drop_data`.
         """
+        self._check_writable(f"delete {key!r}")
         data = self._read_manifest_bytes(key)
         if data is None:
             return False, None
@@ -724,35 +760,91 @@ class DiskTier:
             except CorruptContextError as err:
                 yield key, err
 
+    # -- stored backwards ---------------------------------------------------------------------
+
+    @staticmethod
+    def _backward_paths(signature: str) -> tuple[str, str]:
+        return f"backwards/{signature}.export", f"backwards/{signature}.manifest"
+
+    def backward_signatures(self) -> list[str]:
+        """Signatures with a stored backward (a committed manifest)."""
+        suffix = ".manifest"
+        return [n[: -len(suffix)] for n in self.backend.list_dir("backwards") if n.endswith(suffix)]
+
+    def has_backward(self, signature: str) -> bool:
+        return self.backend.get_bytes(self._backward_paths(signature)[1]) is not None
+
+    def write_backward(self, signature: str, data: bytes, manifest: bytes, *, fsync: bool) -> None:
+        """The export, then its manifest (the commit: an export without one is a torn write)."""
+        export_path, manifest_path = self._backward_paths(signature)
+        self.write_blob(export_path, data, fsync=fsync)
+        self.write_blob(manifest_path, manifest, fsync=fsync)
+
+    def read_backward(self, signature: str) -> bytes | None:
+        """The verified export of the stored backward of ``signature``, or ``None`` if none is
+        committed (no manifest).
+
+        Raises:
+          CorruptContextError: its export is missing, its manifest is unreadable, of a future
+            version or names another signature, or the export fails its size or checksum.
+        """
+        export_path, manifest_path = self._backward_paths(signature)
+        manifest = self.backend.get_bytes(manifest_path)
+        if manifest is None:
+            return None
+        data = self.backend.get_bytes(export_path)
+        what = f"stored backward of signature {signature}"
+        try:
+            if data is None:
+                raise serializers.CorruptDataError(f"{what}: its export ({export_path}) is missing")
+            m = serializers.decode_manifest(manifest, what=what, schema=serializers.BACKWARD_SCHEMA)
+            if m["signature"] != signature:
+                raise serializers.CorruptDataError(f"{what}: its manifest names signature {m['signature']!r}")
+            if m.get("nbytes", len(data)) != len(data):
+                raise serializers.CorruptDataError(f"{what}: {len(data)} bytes, its manifest says {m['nbytes']}")
+            serializers.verify(np.frombuffer(data, np.uint8), m.get("checksum"), what=what)
+        except serializers.CorruptDataError as err:
+            raise CorruptContextError(str(err)) from err
+        return data
+
+    # -- garbage collection -------------------------------------------------------------------
+
+    def _old_enough(self, path: str, older_than: float) -> bool:
+        if older_than <= 0:
+            return True
+        age = self.backend.age_seconds(path)
+        return age is not None and age >= older_than
+
     def gc(self, older_than: float = 3600.0) -> dict[str, int]:
-        """Removes weights no manifest references and data folders of no committed context.
+        """Removes what no committed context needs: weights no manifest references, data folders
+        of no committed context, recycled folders, stored backwards of signatures no context has
+        (and damaged ones), and temporary files of interrupted writes.
 
         Only items at least ``older_than`` seconds old are removed, so writes in flight in other
         processes are left alone (on kvstores without modification times, nothing is removed
-        unless ``older_than`` is 0). Returns counts of what was removed.
+        unless ``older_than`` is 0). A store holding an unreadable manifest is left alone (it may
+        reference anything). Returns counts of what was removed.
         """
+        self._check_writable("gc")
         referenced: set[str] = set()
+        signatures: set[str] = set()
         for _, stored in self.iter_manifests():
             if isinstance(stored, StoredContext):
                 referenced.add(stored.data_dir)
                 referenced.update(r.path for r in stored.records if r.shared)
+                signatures.add(stored.spec.signature)
             else:
-                return {"weights": 0, "data": 0, "recycled": 0, "skipped_corrupt": 1}
-        removed = {"weights": 0, "data": 0, "recycled": 0}
+                return {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0, "skipped_corrupt": 1}
+        removed = {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0}
         for kind, prefix in (("weights", "weights"), ("data", "data")):
             for name in self.backend.list_dir(prefix):
                 path = f"{prefix}/{name}"
-                if path in referenced:
-                    continue
-                age = self.backend.age_seconds(path)
-                if older_than > 0 and (age is None or age < older_than):
-                    continue
-                self.backend.delete_tree(path)
-                removed[kind] += 1
+                if path not in referenced and self._old_enough(path, older_than):
+                    self.backend.delete_tree(path)
+                    removed[kind] += 1
         for name in self.backend.list_dir(_FREE_DIR):  # recycled folders kept for reuse
             path = f"{_FREE_DIR}/{name}"
-            age = self.backend.age_seconds(path)
-            if older_than > 0 and (age is None or age < older_than):
+            if not self._old_enough(path, older_than):
                 continue
             with self._lock:
                 for pool in self._free.values():
@@ -760,4 +852,24 @@ class DiskTier:
                         pool.remove(path)
             self.backend.delete_tree(path)
             removed["recycled"] += 1
+        stems = {n.rsplit(".", 1)[0] for n in self.backend.list_dir("backwards")}
+        for sig in sorted(stems):
+            if sig in signatures:
+                try:
+                    if self.read_backward(sig) is not None:
+                        continue  # intact and needed
+                except CorruptContextError:
+                    pass  # damaged: removed, so a later put of this signature saves it again
+            # unneeded, damaged, or a torn write (an export without its manifest)
+            paths = [p for p in self._backward_paths(sig) if self.backend.exists(p)]
+            if all(self._old_enough(p, older_than) for p in paths):
+                for p in paths:
+                    self.backend.delete(p)
+                removed["backwards"] += 1
+        for prefix in ("", "contexts", "backwards"):
+            for name in self.backend.list_temporary(prefix):
+                path = f"{prefix}/{name}" if prefix else name
+                if self._old_enough(path, older_than):
+                    self.backend.delete(path)
+                    removed["temporary"] += 1
         return removed

@@ -4,17 +4,30 @@
 in which case it waits for the worker to catch up: memory held by pending writes stays bounded.
 One worker thread keeps writes in submission order, so the last ``put`` of a key is the one
 that lands.
+
+Nothing queued is lost on a normal exit: every live writer is drained when the interpreter
+exits (the end of the script, ``sys.exit``, an uncaught exception), by a hook that runs when the
+main thread ends, before ``concurrent.futures`` stops the thread pools the writes use and before
+``atexit`` handlers (such as ``jax.distributed``'s shutdown). A writer whose owner is collected
+finishes its queue before its thread ends. A killed process (``kill -9``, an unhandled SIGTERM,
+``os._exit``) loses what was queued.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["Writer", "Loader"]
+__all__ = ["Writer", "Loader", "drain_all"]
+
+_LIVE: weakref.WeakSet[Writer] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
 
 
 class Writer:
@@ -29,6 +42,8 @@ class Writer:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="residual-store-writer", daemon=True)
         self._thread.start()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def submit(self, job: Callable[[], Any], nbytes: int) -> Future[Any]:
         """Queues ``job``; waits while more than ``max_pending_bytes`` are queued (backpressure)."""
@@ -57,6 +72,9 @@ class Writer:
                 future.set_exception(err)
                 with self._cv:
                     self._errors.append(err)
+            # Drop the job (and the context it holds) before anyone learns it is done: a flushed
+            # store must not keep the arrays of what it wrote alive.
+            del job, future
             with self._cv:
                 self._queue.popleft()
                 self._pending_bytes -= nbytes
@@ -76,10 +94,41 @@ class Writer:
             raise errors[0]
 
     def close(self) -> None:
+        """Runs what is queued, then stops the worker (from the worker itself: without waiting)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def drain(self) -> list[BaseException]:
+        """Waits until every queued job has run; returns (and clears) the errors since the last
+        flush instead of raising them."""
+        with self._cv:
+            while self._queue and self._thread.is_alive():
+                self._cv.wait()
+            errors, self._errors = self._errors, []
+        return errors
+
+
+def drain_all() -> None:
+    """Completes the queued writes of every live writer; a failed write is reported on stderr
+    (at exit nobody is left to raise it to)."""
+    with _LIVE_LOCK:
+        writers = list(_LIVE)
+    for writer in writers:
+        for err in writer.drain():
+            print(f"residual-store: a background write failed at exit: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+# threading's own exit hooks run when the main thread ends, in reverse order of registration:
+# this one (registered after concurrent.futures.thread, imported above) runs before the thread
+# pools stop taking work, and all of them run before atexit handlers.
+_register_exit = getattr(threading, "_register_atexit", None)
+if _register_exit is not None:
+    _register_exit(drain_all)
+else:  # pragma: no cover - CPython has had it since 3.9
+    atexit.register(drain_all)
 
 
 class Loader:
@@ -91,5 +140,5 @@ class Loader:
     def submit(self, job: Callable[[], Any]) -> Future[Any]:
         return self._pool.submit(job)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait)

@@ -9,7 +9,6 @@ that lets a data folder be recycled by a write of the same shapes and dtypes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -17,11 +16,13 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import xxhash
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 import serializers
-from residual_store.context import ResidualContext, ResidualSpec
+from residual_store import structure
+from residual_store.context import SHARED_KINDS, CallSpec, InputAval, ResidualContext, ResidualSpec
 from residual_store.errors import CorruptContextError, InvalidArgumentError
+from residual_store.placement import check_sharding_record, key_dtype, sharding_record
 
 __all__ = [
     "HostArrays",
@@ -33,8 +34,6 @@ __all__ = [
     "chunked_digest_of",
     "host_arrays",
     "layout_digest",
-    "rebuild_sharding",
-    "sharding_record",
     "spec_from_map",
     "spec_to_map",
     "to_device_sharded",
@@ -95,116 +94,6 @@ class ShardedHost:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-
-def _spec_entry(entry: Any) -> Any:
-    """One dimension of a PartitionSpec as msgpack: None, an axis name, or a list of names."""
-    if entry is None or isinstance(entry, str):
-        return entry
-    if isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
-        return list(entry)
-    raise ValueError(f"unsupported PartitionSpec entry {entry!r}")
-
-
-def sharding_record(x: Any) -> dict[str, Any] | None:
-    """The msgpack-able record of ``x``'s sharding, if it is a ``NamedSharding`` over more than
-    one device; ``None`` otherwise (single device, other sharding types, specs with unreduced or
-    unconstrained dimensions): those arrays are stored and loaded as before."""
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding):
-        return None
-    if len(sharding.device_set) <= 1:
-        return None
-    mesh, spec = sharding.mesh, sharding.spec
-    if not isinstance(mesh, Mesh) or getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
-        return None
-    try:
-        entries = [_spec_entry(e) for e in spec]
-    except ValueError:
-        return None
-    record: dict[str, Any] = {
-        "mesh_axis_names": [str(n) for n in mesh.axis_names],
-        "mesh_axis_sizes": [int(n) for n in mesh.devices.shape],
-        "spec": entries,
-        "device_ids": [int(d.id) for d in mesh.devices.flat],
-    }
-    axis_types = getattr(mesh, "axis_types", None)
-    if axis_types is not None:
-        record["mesh_axis_types"] = [getattr(t, "name", str(t)) for t in axis_types]
-    return record
-
-
-def _check_sharding_map(m: Any, ndim: int) -> dict[str, Any]:
-    """Validates an untrusted sharding record; raises ValueError."""
-    if not isinstance(m, dict):
-        raise ValueError("a sharding must be a map")  # noqa: TRY004 - callers catch ValueError
-    names, sizes, entries = m.get("mesh_axis_names"), m.get("mesh_axis_sizes"), m.get("spec")
-    if not (isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)):
-        raise ValueError("mesh_axis_names must be a non-empty list of str")
-    if len(set(names)) != len(names):
-        raise ValueError("mesh_axis_names has duplicates")
-    if not (
-        isinstance(sizes, list)
-        and len(sizes) == len(names)
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
-    ):
-        raise ValueError("mesh_axis_sizes must be one int >= 1 per axis")
-    if not isinstance(entries, list) or len(entries) > ndim:
-        raise ValueError(f"spec must be a list of at most {ndim} entries")
-    used: list[str] = []
-    for e in entries:
-        axes = [] if e is None else [e] if isinstance(e, str) else e
-        if not isinstance(axes, list) or not all(isinstance(a, str) and a in names for a in axes):
-            raise ValueError(f"spec entry {e!r} names no axis of the mesh")
-        used += axes
-    if len(set(used)) != len(used):
-        raise ValueError("spec uses a mesh axis twice")
-    ids = m.get("device_ids")
-    if ids is not None and not (
-        isinstance(ids, list)
-        and len(ids) == int(np.prod(sizes))
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-    ):
-        raise ValueError("device_ids must be one int per mesh device")
-    types = m.get("mesh_axis_types")
-    if types is not None and not (
-        isinstance(types, list) and len(types) == len(names) and all(isinstance(t, str) for t in types)
-    ):
-        raise ValueError("mesh_axis_types must be one str per axis")
-    return m
-
-
-def rebuild_sharding(record: Mapping[str, Any]) -> NamedSharding | None:
-    """The ``NamedSharding`` of a sharding record on this process's devices, or ``None`` when
-    the process has fewer devices than the mesh.
-
-    The mesh gets the recorded axis names, sizes and types. Its devices are the recorded device
-    ids when this process has all of them (the same mesh as the writer's), else the first
-    devices of ``jax.devices()`` in order.
-    """
-    names = tuple(record["mesh_axis_names"])
-    sizes = tuple(int(n) for n in record["mesh_axis_sizes"])
-    n = int(np.prod(sizes))
-    devices = jax.devices()
-    if len(devices) < n:
-        return None
-    by_id = {d.id: d for d in devices}
-    ids = record.get("device_ids")
-    if ids is not None and len(set(ids)) == n and all(i in by_id for i in ids):
-        chosen = [by_id[i] for i in ids]
-    else:
-        chosen = list(devices[:n])
-    kwargs: dict[str, Any] = {}
-    types = record.get("mesh_axis_types")
-    axis_type = getattr(jax.sharding, "AxisType", None)
-    if types is not None and axis_type is not None:
-        try:
-            kwargs["axis_types"] = tuple(axis_type[t] for t in types)
-        except KeyError:
-            pass  # a type this JAX does not know: its default
-    mesh = Mesh(np.array(chosen, dtype=object).reshape(sizes), names, **kwargs)
-    spec = PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in record["spec"]])
-    return NamedSharding(mesh, spec)
 
 
 def chunk_index(region: Sequence[slice] | None, chunk_shape: Sequence[int]) -> tuple[int, ...]:
@@ -314,10 +203,89 @@ def layout_digest(items: Iterable[tuple[str, tuple[int, ...], str, tuple[int, ..
     return h.hexdigest()[:16]
 
 
-@functools.cache
-def _key_dtype(impl: str) -> Any:
-    """The typed key dtype of a PRNG implementation, by tracing only (no device dispatch)."""
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+def _call_to_map(call: CallSpec) -> dict[str, Any]:
+    def listify(x: Any) -> Any:
+        return [listify(v) for v in x] if isinstance(x, tuple) else x
+
+    return {
+        "n_args": call.n_args,
+        "argnums": listify(call.argnums),
+        "weight_argnums": list(call.weight_argnums),
+        "static_argnums": list(call.static_argnums),
+        "has_aux": call.has_aux,
+        "in_avals": [
+            {k: listify(v) for k, v in dataclasses.asdict(a).items() if v is not None} for a in call.in_avals
+        ],
+        "in_tree": listify(call.in_tree),
+        "statics": listify(call.statics),
+        "context_mesh": listify(call.context_mesh),
+        "unrecorded": call.unrecorded,
+    }
+
+
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    if not (isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)):
+        raise ValueError(f"{what} must be a list of ints >= 0")
+    return tuple(v)
+
+
+def _opt_str(m: Mapping[str, Any], key: str) -> str | None:
+    v = m.get(key)
+    if v is not None and not isinstance(v, str):
+        raise ValueError(f"{key} must be a str")
+    return v
+
+
+def _input_aval(m: Any) -> InputAval:
+    if not isinstance(m, dict):
+        raise ValueError("an input aval must be a map")
+    shape, dtype, weak, where = m.get("shape"), m.get("dtype"), m.get("weak_type"), m.get("placement")
+    if not (isinstance(dtype, str) and isinstance(weak, bool) and isinstance(where, str)):
+        raise ValueError("an input aval needs dtype (str), weak_type (bool) and placement (str)")
+    return InputAval(
+        shape=_ints(shape, "input aval shape"),
+        dtype=dtype,
+        weak_type=weak,
+        placement=where,
+        sharding=_opt_str(m, "sharding"),
+        memory_kind=_opt_str(m, "memory_kind"),
+        key_impl=_opt_str(m, "key_impl"),
+    )
+
+
+def _call_from_map(m: Any) -> CallSpec:
+    """Validates an untrusted call record's shape; raises ValueError. (Its tree and static value
+    records are checked when a split decodes them.)"""
+    if not isinstance(m, dict):
+        raise ValueError("call must be a map")
+    n_args, argnums, has_aux = m.get("n_args"), m.get("argnums"), m.get("has_aux")
+    if not (isinstance(n_args, int) and not isinstance(n_args, bool) and n_args >= 0 and isinstance(has_aux, bool)):
+        raise ValueError("call needs n_args (int >= 0) and has_aux (bool)")
+    if not (isinstance(argnums, int) and not isinstance(argnums, bool)):
+        argnums = _ints(argnums, "argnums")
+    mesh = m.get("context_mesh")
+    if mesh is not None:
+        if not (isinstance(mesh, list) and len(mesh) == 3 and all(isinstance(p, list) for p in mesh)):
+            raise ValueError("context_mesh must be [names, sizes, types]")
+        names, sizes, types = mesh
+        if not (all(isinstance(n, str) for n in names + types) and len(names) == len(sizes)):
+            raise ValueError("context_mesh names and types must be str, one size per name")
+        mesh = (tuple(names), _ints(sizes, "context_mesh sizes"), tuple(types))
+    avals = m.get("in_avals")
+    if not isinstance(avals, list):
+        raise ValueError("in_avals must be a list")
+    return CallSpec(
+        n_args=n_args,
+        argnums=argnums,
+        weight_argnums=_ints(m.get("weight_argnums"), "weight_argnums"),
+        static_argnums=_ints(m.get("static_argnums"), "static_argnums"),
+        has_aux=has_aux,
+        in_avals=tuple(_input_aval(a) for a in avals),
+        in_tree=structure.freeze(m.get("in_tree")),
+        statics=structure.freeze(m.get("statics")),
+        context_mesh=mesh,
+        unrecorded=_opt_str(m, "unrecorded"),
+    )
 
 
 def spec_to_map(
@@ -330,29 +298,37 @@ def spec_to_map(
         "kinds": list(spec.kinds),
         "key_impls": list(impls),
     }
-    if any(s is not None for s in shardings):  # absent when nothing is sharded: same bytes as before
+    if any(s is not None for s in shardings):  # absent when nothing is sharded
         out["shardings"] = list(shardings)
+    if spec.call is not None:
+        out["call"] = _call_to_map(spec.call)
     return out
 
 
 def spec_from_map(
-    signature: str, m: Mapping[str, Any], records: Sequence[Any], what: str
+    signature: str, m: Mapping[str, Any], records: Sequence[Any], what: str, version: int = 2
 ) -> tuple[ResidualSpec, tuple[str | None, ...], tuple[dict[str, Any] | None, ...]]:
+    """The spec of a manifest of format ``version``. Version 1 (residual-store 0.1) called every
+    primal input ``"input"`` and stored them all once: those are ``"weight"`` now."""
     try:
         n = len(records)
         avals_raw, names = m["avals"], m["names"]
         input_paths, kinds, impls = m["input_paths"], m["kinds"], m["key_impls"]
         if not all(isinstance(v, list) and len(v) == n for v in (avals_raw, names, input_paths, kinds, impls)):
             raise ValueError(f"spec lists must all have {n} entries")
-        if any(k not in ("input", "constant", "intermediate") for k in kinds):
-            raise ValueError(f"unknown residual kinds {sorted(set(kinds))}")
+        if version == 1:
+            kinds = ["weight" if k == "input" else k for k in kinds]
+        if any(k not in ("weight", "input", "constant", "intermediate") for k in kinds):
+            raise ValueError(f"unknown residual kinds {sorted(set(map(str, kinds)))}")
+        if any((k in SHARED_KINDS) != r.shared for k, r in zip(kinds, records)):
+            raise ValueError("a residual's kind disagrees with whether its array is shared")
         avals = []
         for (shape, dtype), impl, record in zip(avals_raw, impls, records):
             if impl is not None:
-                key_dtype = _key_dtype(impl)
-                if str(key_dtype) != dtype:
+                typed = key_dtype(impl)
+                if str(typed) != dtype:
                     raise ValueError(f"key dtype {dtype} does not match impl {impl}")
-                avals.append(jax.ShapeDtypeStruct(tuple(shape), key_dtype))
+                avals.append(jax.ShapeDtypeStruct(tuple(shape), typed))
             else:
                 if dtype != record.dtype or list(shape) != list(record.shape):
                     raise ValueError(f"spec aval {dtype}{shape} disagrees with its array record")
@@ -363,15 +339,17 @@ def spec_from_map(
         shardings = []
         for j, (sh, record) in enumerate(zip(shardings_raw, records)):
             try:
-                shardings.append(None if sh is None else _check_sharding_map(sh, len(record.shape)))
+                shardings.append(None if sh is None else check_sharding_record(sh, len(record.shape)))
             except ValueError as err:
                 raise ValueError(f"sharding of residual {j}: {err}") from None
+        call = _call_from_map(m["call"]) if "call" in m else None
         spec = ResidualSpec(
             signature=signature,
             avals=tuple(avals),
             names=tuple(str(s) for s in names),
             input_paths=tuple(p if p is None else str(p) for p in input_paths),
             kinds=tuple(kinds),
+            call=call,
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptContextError(f"{what}: invalid spec in manifest ({err})") from None

@@ -13,18 +13,19 @@ from typing import Any
 import jax
 import numpy as np
 
-import serializers
-from residual_store.backward import Backward, lookup_backward, register_backward
+from residual_store.backward import lookup_backward
 from residual_store.context import ResidualContext
 from residual_store.errors import (
     BackwardUnavailableError,
     ContextNotFoundError,
     CorruptContextError,
     InvalidArgumentError,
+    ReadOnlyStoreError,
     ResidualStoreWarning,
+    SignatureMismatchError,
     StoreFullError,
 )
-from residual_store.export import export_backward, load_backward
+from residual_store.store import backwards
 from residual_store.store.collective import is_multiprocess
 from residual_store.store.disk import DiskTier
 from residual_store.store.io import Loader, Writer
@@ -37,7 +38,7 @@ from residual_store.store.records import (
 )
 from residual_store.store.tiers import (
     MemoryTier,
-    intermediate_nbytes,
+    own_nbytes,
     to_device,
     to_host,
 )
@@ -49,59 +50,28 @@ StorePath = str | os.PathLike[str] | Mapping[str, Any] | None
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 
 
-def _explicit_mesh(ctx: ResidualContext) -> Any:
-    """The mesh of a residual sharded over a mesh with explicit axis types, if any."""
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-    for x in ctx.residuals:
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding) and explicit in tuple(
-            getattr(sharding.mesh, "axis_types", ()) or ()
-        ):
-            return sharding.mesh
-    return None
+def _check_representable(key: str, spec: Any) -> None:
+    """Raises if a stored dtype has no exact counterpart in this process (64-bit types without
+    ``jax_enable_x64``, which JAX would silently narrow to 32 bits)."""
+    for i, aval in enumerate(spec.avals):
+        dtype = aval.dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            continue
+        if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+            raise SignatureMismatchError(
+                f"context {key!r}, residual {i} ({spec.names[i]}) is {np.dtype(dtype).name}, which "
+                "this process cannot represent: jax_enable_x64 is off, and JAX would make it "
+                f"{np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name}. Set "
+                "jax.config.update('jax_enable_x64', True) (or JAX_ENABLE_X64=1) before loading it"
+            )
 
 
-def _export_in_mesh(bwd: Backward, ctx: ResidualContext) -> bytes:
-    """``export_backward``; a backward over residuals sharded with explicit axis types traces
-    only inside their mesh, so if the export fails for one, it is tried again under
-    ``jax.set_mesh`` of their mesh (the artifact is then for that mesh's device count)."""
-    try:
-        return export_backward(bwd, ctx.spec.avals)
-    except BackwardUnavailableError:
-        mesh = _explicit_mesh(ctx)
-        set_mesh = getattr(jax, "set_mesh", None)
-        if mesh is None or set_mesh is None:
-            raise
-        with set_mesh(mesh):
-            return export_backward(bwd, ctx.spec.avals)
-
-
-def _exported_device_count(data: bytes) -> int:
-    """How many devices a serialized backward was exported for (``Exported.nr_devices``).
-
-    A backward exported for one device (the usual case: ``jax.export`` of plain avals) runs on
-    sharded residuals over any number of devices too; one exported for N > 1 devices (a backward
-    with sharding constraints, or traced under a mesh with explicit axis types) needs N devices.
-    """
-    try:
-        return int(jax.export.deserialize(bytearray(data)).nr_devices)
-    except Exception:  # noqa: BLE001 - load_backward already accepted these bytes
-        return 1
-
-
-def _unavailable_backward(bwd: Backward, reason: str) -> Backward:
-    """A backward of ``bwd``'s signature and structures that raises BackwardUnavailableError."""
-
-    def flat_fn(residuals: Any, cotangents: Any) -> Any:
-        raise BackwardUnavailableError(reason)
-
-    return Backward(
-        signature=bwd.signature,
-        flat_fn=flat_fn,
-        out_tree=bwd.out_tree,
-        out_avals=bwd.out_avals,
-        grad_tree=bwd.grad_tree,
-    )
+def _shut_down(writer: Writer | None, loader: Loader, janitor: Loader) -> None:
+    """Finalizer of a collected store: its queued writes complete, then its threads stop."""
+    if writer is not None:
+        writer.close()
+    loader.close(wait=False)
+    janitor.close(wait=False)
 
 
 class Store:
@@ -118,6 +88,15 @@ class Store:
       durable: fsync arrays and manifests before a write counts as done (``flush`` then means
         "survives a power loss"); ``False`` leaves that to the OS.
       max_pending_bytes: bytes of queued background writes before ``put`` waits (backpressure).
+      create: with ``False``, a path that holds no store raises :class:`StoreNotFoundError`
+        instead of becoming a new store (a resume loop over a mistyped path fails loudly).
+      read_only: open an existing store to read: nothing on disk changes, and ``put``, ``pop``,
+        ``delete`` and ``gc`` raise :class:`ReadOnlyStoreError`. Implies ``create=False``.
+
+    Nothing put is lost on a normal exit: pending writes complete at interpreter exit (the end
+    of the script, ``sys.exit``, an uncaught exception) and when the store is garbage-collected.
+    Only a killed process (``kill -9``, an unhandled ``SIGTERM``) loses what was put after the
+    last ``flush``; see ``docs/store.md`` for flushing on ``SIGTERM``.
 
     Example:
       >>> import jax.numpy as jnp, residual_store as rs, tempfile
@@ -137,8 +116,13 @@ class Store:
         write_through: bool = True,
         durable: bool = True,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        create: bool = True,
+        read_only: bool = False,
     ) -> None:
-        self._disk = DiskTier(path) if path is not None else None
+        self._read_only = bool(read_only)
+        if path is None and self._read_only:
+            raise InvalidArgumentError("a memory-only store (path=None) cannot be read_only")
+        self._disk = DiskTier(path, create=create, read_only=read_only) if path is not None else None
         self._device = MemoryTier("device", device_budget)
         self._host = MemoryTier("host", host_budget)
         # Several processes (jax.process_count() > 1) write each context collectively, in put
@@ -150,12 +134,17 @@ class Store:
         self._loading: dict[str, Future[ResidualContext]] = {}
         self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
-        self._backwards_seen: set[str] = set()
+        self._backwards_seen: set[str] = set()  # signatures whose backward this store saved
+        self._backwards_absent: set[str] = set()  # signatures with no stored backward (looked)
+        self._warnings: list[str] = []  # from background work, emitted on the caller's thread
         self._weights: dict[Any, weakref.ref[Any]] = {}  # path (and sharding) -> live weight
-        self._writer = Writer(max_pending_bytes) if self._disk is not None else None
+        writes = self._disk is not None and not self._read_only
+        self._writer = Writer(max_pending_bytes) if writes else None
         self._loader = Loader()
         self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
         self._closed = False
+        # A collected store's pending writes still complete (the writer runs its queue first).
+        self._finalizer = weakref.finalize(self, _shut_down, self._writer, self._loader, self._janitor)
 
     # -- context manager ----------------------------------------------------------------------
 
@@ -188,8 +177,11 @@ class Store:
             unchanged. Disk-full errors of background writes surface from ``flush``/``close``.
           InvalidArgumentError: not a context, or no ``key`` for a store with a path in a
             multi-process job (see docs/store.md).
+          ReadOnlyStoreError: the store was opened ``read_only=True``.
         """
         self._check_open()
+        self._check_writable("put")
+        self._emit_warnings()
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"put expects a rs.ResidualContext, got {type(ctx).__name__}")
         if key is None and self._disk is not None and is_multiprocess():
@@ -200,7 +192,7 @@ class Store:
         key = new_key() if key is None else validate_key(key)
         if self._disk is not None:
             self._save_backward(ctx)
-        size = intermediate_nbytes(ctx)
+        size = own_nbytes(ctx)
         with self._lock:
             if self._disk is None:
                 self._check_memory_capacity(key, size)
@@ -260,7 +252,7 @@ class Store:
         while self._device.over_budget():
             victim = self._device.least_recent(exclude=protect) or protect
             ctx = self._device.remove(victim)
-            if self._host.fits(intermediate_nbytes(ctx)):
+            if self._host.fits(own_nbytes(ctx)):
                 self._host.add(victim, to_host(ctx))
             elif self._needs_write(victim):
                 spills.append(self._mark_pending(victim, ctx))
@@ -328,7 +320,10 @@ class Store:
             self._janitor.submit(lambda: disk.drop_data(stale, recycle=not collective))
 
     def _save_backward(self, ctx: ResidualContext) -> None:
-        """Once per signature and store: save the backward, so other processes can run it."""
+        """Once per signature and store, on the writer thread: save the backward, so other
+        processes can run it without the model. A backward known to be unexportable (host
+        callbacks) warns here, at the ``put``; other export failures warn at the next ``put``,
+        ``flush`` or ``close``."""
         assert self._disk is not None and self._writer is not None
         sig = ctx.spec.signature
         with self._lock:
@@ -337,38 +332,47 @@ class Store:
             self._backwards_seen.add(sig)
         if is_multiprocess() and jax.process_index() != 0:
             return  # process 0 saves it for the job
-        if self._disk.read_blob(f"backwards/{sig}.manifest") is not None:
+        bwd = ctx._backward or lookup_backward(sig)
+        if bwd is None or bwd.unavailable is not None:
             return
-        bwd = lookup_backward(sig)
-        if bwd is None:
-            return
-        try:
-            data = _export_in_mesh(bwd, ctx)
-        except BackwardUnavailableError as err:
-            warnings.warn(
-                f"{err}. The context is stored; only processes that define the function can "
-                "run its backward.",
-                ResidualStoreWarning,
-                stacklevel=3,
+        if bwd.unexportable is not None:
+            self._warn_unexportable(
+                f"the backward of signature {sig} cannot be serialized with jax.export: "
+                f"{bwd.unexportable}",
+                stacklevel=4,
             )
             return
-        manifest = serializers.encode_manifest(
-            {
-                "signature": sig,
-                "jax_version": jax.__version__,
-                "platform": jax.default_backend(),
-                "checksum": serializers.checksum(np.frombuffer(data, np.uint8)),
-                "nbytes": len(data),
-            },
-            schema=serializers.BACKWARD_SCHEMA,
-        )
         disk, durable = self._disk, self._durable
+        avals, mesh = ctx.spec.avals, backwards.explicit_mesh(ctx.residuals)
 
-        def job() -> None:
-            disk.write_blob(f"backwards/{sig}.export", data, fsync=durable)
-            disk.write_blob(f"backwards/{sig}.manifest", manifest, fsync=durable)
+        def save() -> None:
+            if disk.has_backward(sig):
+                return
+            try:
+                data, manifest = backwards.serialize(bwd, avals, mesh)
+            except BackwardUnavailableError as err:
+                with self._lock:
+                    self._warnings.append(str(err))
+                return
+            disk.write_backward(sig, data, manifest, fsync=durable)
 
-        self._writer.submit(job, len(data))
+        self._writer.submit(save, 0)
+
+    @staticmethod
+    def _warn_unexportable(reason: str, stacklevel: int) -> None:
+        warnings.warn(
+            f"{reason}; processes without the model cannot run it. The context is stored; only "
+            "processes that define the function can run its backward.",
+            ResidualStoreWarning,
+            stacklevel=stacklevel,
+        )
+
+    def _emit_warnings(self) -> None:
+        """Warnings of background work, on the caller's thread (stack level: its call)."""
+        with self._lock:
+            pending, self._warnings = self._warnings, []
+        for reason in pending:
+            self._warn_unexportable(reason, stacklevel=4)
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
 
@@ -410,7 +414,7 @@ class Store:
             source = self._host.get(key) if in_host else self._pending.get(key, (None, None))[0]
             if source is None:
                 return None, []
-            size = intermediate_nbytes(source)
+            size = own_nbytes(source)
             stays = not self._device.fits(size)
             if not stays and self._disk is None and in_host:
                 try:  # a memory-only store has no tier below host: promoting must not push one out
@@ -428,6 +432,7 @@ class Store:
     def _load_and_promote(self, key: str) -> ResidualContext:
         if self._disk is None:
             raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
+        _check_representable(key, self._disk.stat(key).spec)
         stored, arrays = self._disk.read(key)  # sharded residuals: only this process's chunks
         own = [i for i, r in enumerate(stored.records) if not r.shared]
         plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
@@ -464,29 +469,13 @@ class Store:
             return live
 
     def _ensure_backward(self, signature: str) -> None:
-        if lookup_backward(signature) is not None or self._disk is None:
+        """Makes the stored backward of ``signature`` available to ``rs.backward`` (once per
+        signature); never raises for a damaged one (see :mod:`residual_store.store.backwards`)."""
+        if self._disk is None or signature in self._backwards_absent:
             return
-        manifest = self._disk.read_blob(f"backwards/{signature}.manifest")
-        data = self._disk.read_blob(f"backwards/{signature}.export")
-        if manifest is None or data is None:
-            return  # rs.backward will say that no backward is available
-        what = f"stored backward of signature {signature}"
-        try:
-            m = serializers.decode_manifest(manifest, what=what, schema=serializers.BACKWARD_SCHEMA)
-            serializers.verify(np.frombuffer(data, np.uint8), m.get("checksum"), what=what)
-        except serializers.CorruptDataError as err:
-            raise CorruptContextError(str(err)) from err
-        bwd = load_backward(data, signature)
-        needed = _exported_device_count(data)
-        if needed > jax.device_count():
-            bwd = _unavailable_backward(
-                bwd,
-                f"the stored backward of signature {signature} was exported for {needed} devices "
-                f"(its avals or sharding constraints name a mesh of that size, e.g. explicit axis types), "
-                f"and this process has {jax.device_count()}: run it where that many devices exist, "
-                "or make the context with rs.split in this process",
-            )
-        register_backward(bwd)
+        if not backwards.load(self._disk, signature):
+            with self._lock:
+                self._backwards_absent.add(signature)
 
     def prefetch(self, key: str) -> None:
         """Starts bringing ``key`` to the device in the background; the next ``get`` takes it.
@@ -514,6 +503,7 @@ class Store:
 
     def pop(self, key: str) -> ResidualContext:
         """``get`` then ``delete``."""
+        self._check_writable("pop")
         ctx = self.get(key)
         self.delete(key)
         return ctx
@@ -522,6 +512,7 @@ class Store:
         """Removes ``key`` from every tier; the disk removal runs in the background, after any
         pending write of it (``flush`` waits). Unknown key: :class:`ContextNotFoundError`."""
         self._check_open()
+        self._check_writable("delete")
         key = validate_key(key)
         with self._lock:
             found = key not in self._deleting and (
@@ -619,13 +610,19 @@ class Store:
         Raises the first error of a background write since the last flush, e.g.
         :class:`StoreFullError` for a disk that filled up (that context was not committed).
         """
-        if self._writer is not None:
-            self._writer.flush()
+        try:
+            if self._writer is not None:
+                self._writer.flush()
+        finally:
+            self._emit_warnings()
 
     def gc(self, older_than: float = 3600.0) -> dict[str, int]:
-        """Removes stored weights and data no committed context references (see ``DiskTier.gc``)."""
+        """Removes what no committed context needs: unreferenced weights and data, recycled
+        folders, stored backwards of signatures no context has (and damaged ones), temporary
+        files of interrupted writes; only items at least ``older_than`` seconds old."""
+        self._check_writable("gc")
         if self._disk is None:
-            return {"weights": 0, "data": 0, "recycled": 0}
+            return {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0}
         self.flush()
         return self._disk.gc(older_than)
 
@@ -637,6 +634,7 @@ class Store:
             self.flush()
         finally:
             self._closed = True
+            self._finalizer.detach()
             if self._writer is not None:
                 self._writer.close()
             self._loader.close()
@@ -645,3 +643,11 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError("this store is closed")
+
+    def _check_writable(self, what: str) -> None:
+        if self._read_only:
+            where = self._disk.description if self._disk is not None else "memory"
+            raise ReadOnlyStoreError(
+                f"{what}: the store at {where} was opened read_only=True; open it with "
+                "read_only=False to change it"
+            )

@@ -1,8 +1,10 @@
 """The in-memory tiers: device (live ``jax.Array``s) and host memory, each an LRU under a budget.
 
-A tier counts the bytes of its contexts' intermediates; the weights a context holds by
-reference are the model's memory and stay where they are. The host tier keeps arrays in JAX's host memory space (``pinned_host``) where the
-backend has one, so the same code really offloads on a GPU; otherwise it keeps NumPy copies.
+A tier counts the bytes of its contexts' own residuals (intermediates and per-context inputs such
+as a stage's input activation or the batch); the weights and constants a context holds by
+reference are the model's memory and stay where they are. The host tier keeps arrays in JAX's
+host memory space (``pinned_host``) where the backend has one, so the same code really offloads
+on a GPU; otherwise it keeps NumPy copies.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from residual_store.context import ResidualContext
+from residual_store.context import OWN_KINDS, ResidualContext
 
-__all__ = ["MemoryTier", "intermediate_nbytes", "to_host", "to_device", "host_memory_kind"]
+__all__ = ["MemoryTier", "own_nbytes", "to_host", "to_device", "host_memory_kind"]
 
 
 def _nbytes(x: Any) -> int:
@@ -26,17 +28,17 @@ def _nbytes(x: Any) -> int:
     return int(x.nbytes)
 
 
-def intermediate_nbytes(ctx: ResidualContext) -> int:
-    """Bytes of a context's intermediates: what offloading it frees.
+def own_nbytes(ctx: ResidualContext) -> int:
+    """Bytes of a context's own residuals (intermediates and inputs): what offloading it frees.
 
-    Inputs and constants (the weights) are held by reference, belong to the model, and are
-    neither counted against budgets nor moved between the memory tiers.
+    Weights and constants are held by reference, belong to the model, and are neither counted
+    against budgets nor moved between the memory tiers.
     """
-    return sum(_nbytes(x) for x, k in zip(ctx.residuals, ctx.spec.kinds) if k == "intermediate")
+    return sum(_nbytes(x) for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in OWN_KINDS)
 
 
 class MemoryTier:
-    """An LRU of contexts with a byte budget (``None``: unbounded) on their intermediates."""
+    """An LRU of contexts with a byte budget (``None``: unbounded) on their own residuals."""
 
     def __init__(self, name: str, budget: int | None) -> None:
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
@@ -64,7 +66,7 @@ class MemoryTier:
 
     def add(self, key: str, ctx: ResidualContext) -> None:
         self.remove(key)
-        size = intermediate_nbytes(ctx)
+        size = own_nbytes(ctx)
         self._entries[key] = (ctx, size)
         self.nbytes += size
 
@@ -100,11 +102,11 @@ def _is_key(x: Any) -> bool:
 
 
 def to_host(ctx: ResidualContext) -> ResidualContext:
-    """A copy of ``ctx`` with its intermediates in host memory; weights stay where they are."""
+    """A copy of ``ctx`` with its own residuals in host memory; weights stay where they are."""
     copies: dict[int, Any] = {}
 
     def move(x: Any, kind: str) -> Any:
-        if kind != "intermediate":
+        if kind not in OWN_KINDS:
             return x
         if id(x) in copies:
             return copies[id(x)]
