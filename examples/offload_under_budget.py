@@ -8,7 +8,7 @@ back for the backwards, which run in reverse order with the next context prefetc
 (``store.prefetch``), so that reading from disk overlaps the current backward.
 
 The script polls ``store.stats()`` after every ``put`` and ``get`` and reports the peak bytes
-(intermediates; the weights are the model's memory, held by reference and not counted) per
+(intermediates and inputs; the weights are the model's memory, held by reference and not counted) per
 tier; it checks that the device and host tiers stay within their budgets (plus at most one
 context in flight), that contexts really went to disk, and that the summed gradients equal those
 of the same forwards and backwards with every context kept in memory (and ``jax.grad``). It
@@ -48,8 +48,9 @@ def loss(params, x, y):
 
 
 def own_bytes(ctx):
-    """What a budget counts: the context's intermediates (its weights are held by reference)."""
-    return sum(int(x.nbytes) for x, k in zip(ctx.residuals, ctx.spec.kinds) if k == "intermediate")
+    """What a budget counts: the context's own intermediates and inputs (its weights are held by
+    reference)."""
+    return sum(int(x.nbytes) for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in ("input", "intermediate"))
 
 
 def main(argv=None):
@@ -84,7 +85,7 @@ def main(argv=None):
 
     device_budget = args.device_contexts * per_ctx
     host_budget = args.host_contexts * per_ctx
-    print(f"{n} microbatches, {per_ctx:,} bytes of intermediates per context, "
+    print(f"{n} microbatches, {per_ctx:,} bytes of its own per context, "
           f"{n * per_ctx:,} bytes in all")
     print(f"budgets: device {device_budget:,} bytes ({args.device_contexts} contexts), "
           f"host {host_budget:,} bytes ({args.host_contexts} contexts), the rest to disk")

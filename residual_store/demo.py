@@ -178,7 +178,7 @@ def run_demo(
     )
     # Size the budgets from one context: the device holds 2, host memory 3, the rest go to disk.
     probe_tokens = jnp.zeros((cfg.microbatch, cfg.seq_len + 1), jnp.int32)
-    context_bytes = _intermediate_bytes(fwd(params, probe_tokens, key)[1])
+    context_bytes = _own_bytes(fwd(params, probe_tokens, key)[1])
     budgets = {"device": 2 * context_bytes, "host": 3 * context_bytes}
     store = rs.Store(path, device_budget=budgets["device"], host_budget=budgets["host"], durable=False)
     try:
@@ -235,8 +235,11 @@ def run_demo(
     }
 
 
-def _intermediate_bytes(ctx: Any) -> int:
-    return sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k == "intermediate")
+def _own_bytes(ctx: Any) -> int:
+    """What a store's budgets count of a context: its intermediates and inputs (tokens, keys)."""
+    from residual_store.context import OWN_KINDS
+
+    return sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in OWN_KINDS)
 
 
 def _print_report(

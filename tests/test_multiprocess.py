@@ -191,6 +191,16 @@ WORKER = textwrap.dedent(
             from residual_store import _jax_internals
             entries = _jax_internals.distributed_client().key_value_dir_get("residual_store/")
             result["coordinator_ops"] = sorted({"/".join(k.split("/")[:3]) for k, _ in entries})
+        elif phase == "resume_split":  # a new pair with the model: fresh splits, no forward run
+            sys.path.insert(0, sys.argv[6])
+            from test_multiprocess import loss
+            fwd = rs.split(loss)
+            grads = None
+            for i in range(2):
+                g = fwd.backward(store.get(f"mb{i}"))
+                grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+            result["grads"] = jax.tree.map(gather, grads)
+            result["cache_info"] = fwd.cache_info()._asdict()
         else:  # backward, in processes that never define the model
             grads = None
             for i in range(2):
@@ -323,6 +333,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         check=False,
         env=_worker_env(),
     )
+
+
+def test_a_fresh_split_in_a_new_pair_resumes_sharded_contexts(tmp_path, forward_store):
+    """``fwd = rs.split(loss); fwd.backward(store.get(k))`` in two processes that never ran the
+    forward: the split rebuilds the backward of the sharded contexts from their recorded avals
+    and shardings, compiles only the backward, and the gradients are right."""
+    root, _ = forward_store
+    params = init_params()
+    expected = jax.tree.map(lambda *g: sum(g), *[jax.grad(loss)(params, x, y) for x, y in batches()])
+    result = _run_pair(tmp_path, "resume_split", root)
+    info = result["cache_info"]
+    assert info["forward_compiles"] == 0 and info["backward_compiles"] == 1, info
+    for name in ("w1", "w2"):
+        np.testing.assert_allclose(np.asarray(result["grads"][name]), expected[name], rtol=1e-5, atol=1e-6)
 
 
 def test_two_processes_put_then_resume_backward(tmp_path, forward_store):

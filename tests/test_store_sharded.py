@@ -56,7 +56,7 @@ def raw(x):
     return np.asarray(x)
 """
 
-WRITER = _PRELUDE + """
+_MODEL = """
 assert jax.device_count() == 4
 auto = (AxisType.Auto,)
 mesh = jax.make_mesh((4,), ("data",), axis_types=auto)
@@ -73,7 +73,9 @@ def loss(params, x, y, keys):
     h = jnp.tanh(x @ params["w1"] + params["b1"])
     h = jax.checkpoint(dropout, policy=jax.checkpoint_policies.nothing_saveable)(h, keys)
     return jnp.mean((h @ params["w2"] - y) ** 2)
+"""
 
+WRITER = _PRELUDE + _MODEL + """
 
 def inputs(m, w2_spec, seed):
     k = jax.random.split(jax.random.key(seed), 6)
@@ -216,6 +218,22 @@ print(json.dumps(result))
 """
 
 
+SPLIT_READER = _PRELUDE + _MODEL + """
+# A process with the model that never ran its forward: fresh splits rebuild each backward from
+# the context's record (the mesh the forward ran under is re-entered), and only it is compiled.
+exp = np.load(os.path.join(out, "expected.npz"))
+result = {}
+with rs.Store(root, read_only=True) as store:
+    for key in KEYS:
+        fwd = rs.split(loss)
+        g = fwd.backward(store.get(key))
+        for p, v in g.items():
+            np.testing.assert_allclose(np.asarray(v), exp[f"{key}/g/{p}"], rtol=1e-5, atol=1e-6)
+        result[key] = fwd.cache_info()._asdict()
+print(json.dumps(result))
+"""
+
+
 def _run(script: str, devices: int, *args: str) -> dict[str, Any]:
     env = python_env()
     env.pop("XLA_FLAGS", None)  # the 4-device scripts set it themselves, before importing JAX
@@ -247,6 +265,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "summary": summary,
         "expected": dict(np.load(out / "expected.npz")),
         "reader": write_script(base, "reader.py", READER),
+        "split_reader": write_script(base, "split_reader.py", SPLIT_READER),
     }
 
 
@@ -360,6 +379,17 @@ def test_four_device_process_without_the_model(written: dict[str, Any], tmp_path
         assert result["keys"][key]["backward"] == "ok", result["keys"][key]["backward"]
     err = result["corrupt"]
     assert err is not None and "'k'" in err and f"residual {i} ({name})" in err and "chunk c.2.0" in err
+
+
+@pytest.mark.subprocess
+def test_four_device_process_with_the_model_resumes_with_fresh_splits(written: dict[str, Any]) -> None:
+    """``rs.split(loss).backward(store.get(k))`` in a new 4-device process, for a mesh with Auto
+    axes, a 2x2 mesh and a mesh with explicit axis types: the gradients of the writer, no forward
+    compiled."""
+    result = _run(written["split_reader"], 4, str(written["root"]), str(written["out"]))
+    for key in ("k", "k2", "ke"):
+        info = result[key]
+        assert info["forward_compiles"] == 0 and info["backward_compiles"] == 1, (key, info)
 
 
 @pytest.mark.subprocess

@@ -1,0 +1,144 @@
+"""Opening a store: ``create=False`` and ``read_only=True`` never make one, a read-only store
+changes nothing on disk, and bad paths get the library's own errors with nothing written."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import residual_store as rs
+from models import init_mlp, mlp_loss
+
+
+def snapshot(root) -> dict[str, tuple[int, int, str]]:
+    """Every file and folder under ``root``: size, mtime and content digest."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            st = os.stat(path)
+            digest = ""
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()
+            out[os.path.relpath(path, root)] = (st.st_size if digest else 0, st.st_mtime_ns, digest)
+    return out
+
+
+@pytest.fixture
+def stored(tmp_path, rng):
+    kp, kx, ky = jax.random.split(rng, 3)
+    params = init_mlp(kp)
+    batches = [(jax.random.normal(jax.random.fold_in(kx, i), (3, 8)), jax.random.normal(jax.random.fold_in(ky, i), (3, 4))) for i in range(2)]
+    fwd = rs.split(mlp_loss)
+    root = tmp_path / "store"
+    with rs.Store(root) as store:
+        for i, (x, y) in enumerate(batches):
+            store.put(fwd(params, x, y)[1], f"mb{i}")
+    return root, fwd, params, batches
+
+
+@pytest.mark.parametrize("options", [{"create": False}, {"read_only": True}])
+def test_no_store_at_the_path_raises_and_creates_nothing(tmp_path, options):
+    missing = tmp_path / "typo" / "store"
+    with pytest.raises(rs.StoreNotFoundError, match="no such folder") as info:
+        rs.Store(missing, **options)
+    assert isinstance(info.value, FileNotFoundError)
+    assert not (tmp_path / "typo").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(rs.StoreNotFoundError, match="not a residual store"):
+        rs.Store(empty, **options)
+    assert os.listdir(empty) == []
+    with pytest.raises(rs.StoreNotFoundError):
+        rs.Store({"driver": "memory", "path": "nothing/"}, **options)
+
+
+def test_a_read_only_store_reads_everything_and_changes_nothing(stored):
+    root, fwd, params, batches = stored
+    before = snapshot(root)
+    with rs.Store(root, read_only=True, device_budget=0) as store:
+        assert store.keys() == ["mb0", "mb1"] and "mb0" in store and len(store) == 2
+        store.prefetch("mb1")
+        for i, (x, y) in enumerate(batches):
+            got = rs.backward(store.get(f"mb{i}"))
+            want = jax.grad(mlp_loss)(params, x, y)
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        assert store.stats()["disk"]["contexts"] == 2
+        ctx = store.get("mb0")
+        for call in (lambda: store.put(ctx, "new"), lambda: store.pop("mb0"),
+                     lambda: store.delete("mb0"), lambda: store.gc(older_than=0)):
+            with pytest.raises(rs.ReadOnlyStoreError, match="read_only=True") as info:
+                call()
+            assert isinstance(info.value, PermissionError)
+        store.flush()
+    assert snapshot(root) == before
+
+
+@pytest.mark.subprocess
+def test_the_command_line_only_reads_a_store_it_inspects(stored):
+    root, *_ = stored
+    before = snapshot(root)
+    cli = [sys.executable, "-m", "residual_store"]
+    for args in (["ls", str(root)], ["inspect", str(root), "mb0"], ["verify", str(root)], ["du", str(root)]):
+        out = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+    assert snapshot(root) == before
+    # and a mistyped path is an error, not a new empty store
+    typo = str(root) + "-typo"
+    for command in ("ls", "verify", "gc", "du"):
+        out = subprocess.run([*cli, command, typo], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "no such folder" in out.stderr, (command, out.stderr)
+    assert not os.path.exists(typo)
+
+
+def test_a_path_that_is_a_file_or_a_folder_of_other_files_is_refused(tmp_path, rng):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("my notes")
+    with pytest.raises(rs.InvalidArgumentError, match="is a file"):
+        rs.Store(afile)
+    with pytest.raises(rs.StoreNotFoundError):
+        rs.Store(afile, create=False)
+    assert afile.read_text() == "my notes"
+    project = tmp_path / "project"
+    (project / "weights").mkdir(parents=True)  # someone's model checkpoint, say
+    (project / "weights" / "w.npy").write_bytes(b"important")
+    before = snapshot(project)
+    with pytest.raises(rs.InvalidArgumentError, match="holds files but no residual store"):
+        rs.Store(project)
+    assert snapshot(project) == before
+
+
+def test_create_false_opens_an_existing_store(stored):
+    root, fwd, params, batches = stored
+    with rs.Store(root, create=False) as store:
+        store.put(fwd(params, *batches[0])[1], "mb9")
+    with rs.Store(root, read_only=True) as store:
+        assert store.keys() == ["mb0", "mb1", "mb9"]
+
+
+def test_bad_inputs_change_nothing_on_disk(stored):
+    root, fwd, params, batches = stored
+    before = snapshot(root)
+    other = rs.split(lambda v: jnp.sum(jnp.sin(v)))
+    with rs.Store(root, read_only=True) as store:
+        ctx = store.get("mb0")
+        with pytest.raises(rs.SignatureMismatchError):
+            other.backward(ctx)
+        with pytest.raises(rs.SignatureMismatchError, match="cotangent"):
+            fwd.backward(ctx, jnp.ones((2,)))
+        with pytest.raises(rs.SignatureMismatchError, match="cotangent leaf 0 must be float32"):
+            rs.backward(ctx, {"a": jnp.float32(1.0)})
+        with pytest.raises(rs.ContextNotFoundError):
+            store.get("nope")
+        with pytest.raises(rs.InvalidKeyError):
+            store.get("../etc")
+    assert snapshot(root) == before

@@ -1,0 +1,151 @@
+"""``weight_argnums``: weights are shared and held by reference; every other input residual (a
+pipeline stage's input activation, the batch) is the context's own memory."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import residual_store as rs
+from residual_store.backward import lookup_backward
+
+# Shapes no other residual has, so jax.live_arrays() can find the activation by shape.
+ACT, W, OUT = (37, 19), (19, 11), 11
+
+
+def stage2(params, h):
+    """A pipeline stage: parameters, and the activation the previous stage sent."""
+    return jnp.sum(jnp.tanh(h @ params["w"] + params["b"]) ** 2)
+
+
+def _stage_inputs(rng):
+    kw, kb, kh = jax.random.split(rng, 3)
+    params = {"w": jax.random.normal(kw, W) * 0.3, "b": jax.random.normal(kb, (OUT,)) * 0.1}
+    return params, jax.random.normal(kh, ACT)
+
+
+def _live_of_shape(shape):
+    """Live arrays of ``shape`` in device memory (not in a host memory space)."""
+    return [a for a in jax.live_arrays() if a.shape == shape and a.sharding.memory_kind in (None, "device")]
+
+
+def test_a_stage_input_is_the_contexts_own_and_is_freed_when_offloaded(tmp_path, rng):
+    params, h = _stage_inputs(rng)
+    # copies: on a CPU np.asarray shares the device buffer, which would keep an array of ACT alive
+    want = [np.array(g, copy=True) for g in jax.tree.leaves(jax.grad(stage2, argnums=(0, 1))(params, h))]
+    fwd = rs.split(stage2, argnums=(0, 1))  # weight_argnums: argnums[0], the parameters
+    _, ctx = fwd(params, h)
+    kinds = dict(zip(ctx.spec.names, ctx.spec.kinds))
+    assert kinds["input h"] == "input" and kinds["input params['w']"] == "weight"
+    own = sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in ("input", "intermediate"))
+    assert own >= h.nbytes
+    with rs.Store(tmp_path / "s", device_budget=0, host_budget=0) as store:
+        store.put(ctx, "mb0")
+        store.flush()
+        stats = store.stats()
+        assert stats["device"] == stats["host"] == {"bytes": 0, "contexts": 0}
+        del ctx, h
+        gc.collect()
+        assert _live_of_shape(ACT) == []  # the activation left the device with its context
+        got = fwd.backward(store.get("mb0"))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    # on disk: the activation with the context, the parameters once under weights/
+    manifest = _manifest(tmp_path / "s", "mb0")
+    by_name = {r["name"]: r for r in manifest["arrays"]}
+    assert not by_name["input h"]["shared"] and by_name["input h"]["path"].startswith("data/mb0.")
+    assert by_name["input params['w']"]["shared"]
+    assert by_name["input params['w']"]["path"].startswith("weights/")
+
+
+def test_a_stage_input_spilled_to_host_memory_leaves_the_device(rng):
+    params, h = _stage_inputs(rng)
+    fwd = rs.split(stage2, argnums=(0, 1))
+    _, ctx = fwd(params, h)
+    want = np.array(fwd.backward(ctx)[1], copy=True)
+    with rs.Store(None, device_budget=0) as store:  # host memory only
+        store.put(ctx, "mb0")
+        del ctx, h
+        gc.collect()
+        assert _live_of_shape(ACT) == []
+        assert store.stats()["host"]["contexts"] == 1
+        np.testing.assert_allclose(fwd.backward(store.get("mb0"))[1], want, rtol=1e-6)
+
+
+def test_budgets_count_inputs_and_not_weights(tmp_path, rng):
+    params, h = _stage_inputs(rng)
+    fwd = rs.split(stage2, argnums=(0, 1))
+    _, ctx = fwd(params, h)
+    own = sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in ("input", "intermediate"))
+    with rs.Store(None) as store:
+        store.put(ctx, "a")
+        assert store.stats()["device"] == {"bytes": own, "contexts": 1}
+    with rs.Store(None, device_budget=own - 1) as store:  # the activation alone does not fit
+        store.put(ctx, "a")
+        assert store.stats()["host"] == {"bytes": own, "contexts": 1}
+        assert store.get("a").residuals[ctx.spec.names.index("input h")].shape == ACT
+
+
+def test_weight_argnums_makes_an_argument_a_weight(tmp_path, rng):
+    params, h = _stage_inputs(rng)
+    shared = rs.split(stage2, argnums=(0, 1), weight_argnums=(0, 1))
+    _, ctx = shared(params, h)
+    assert {k for n, k in zip(ctx.spec.names, ctx.spec.kinds) if n.startswith("input")} == {"weight"}
+    with rs.Store(None) as store:
+        store.put(ctx, "a")
+        own = sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k == "intermediate")
+        assert store.stats()["device"]["bytes"] == own
+    with pytest.raises(rs.InvalidArgumentError, match="not in argnums"):
+        rs.split(stage2, argnums=0, weight_argnums=1)
+
+
+@pytest.mark.subprocess
+def test_du_and_inspect_tell_inputs_from_weights(tmp_path, rng):
+    params, h = _stage_inputs(rng)
+    fwd = rs.split(stage2, argnums=(0, 1))
+    root = str(tmp_path / "s")
+    with rs.Store(root) as store:
+        for i in range(3):
+            store.put(fwd(params, h + i)[1], f"mb{i}")
+    cli = [sys.executable, "-m", "residual_store"]
+    du = json.loads(subprocess.run([*cli, "du", root, "--json"], capture_output=True, text=True, check=True).stdout)
+    (entry,) = du.values()
+    assert entry["input"] == 3 * int(np.prod(ACT)) * 4  # each context's own activation
+    assert entry["weights"] == int(np.prod(W)) * 4  # the weight matrix, once (b is no residual)
+    rows = json.loads(
+        subprocess.run([*cli, "inspect", root, "mb1", "--json"], capture_output=True, text=True, check=True).stdout
+    )["residuals"]
+    kinds = {r["name"]: (r["kind"], r["shared"]) for r in rows}
+    assert kinds["input h"] == ("input", False)
+    assert kinds["input params['w']"] == ("weight", True)
+
+
+def test_a_deleted_split_is_collected_and_its_contexts_keep_their_backward(rng):
+    x = jax.random.normal(rng, (5,))
+    fwd = rs.split(lambda v: jnp.sum(jnp.sin(v) ** 2))
+    _, ctx = fwd(x)
+    want = np.asarray(fwd.backward(ctx))
+    sig, alive = ctx.spec.signature, weakref.ref(fwd)
+    del fwd
+    gc.collect()
+    assert alive() is None  # the registry does not hold the split, its executables or constants
+    np.testing.assert_allclose(rs.backward(ctx), want, rtol=1e-6)  # the context holds its backward
+    del ctx
+    gc.collect()
+    assert lookup_backward(sig) is None
+
+
+def _manifest(root, key):
+    import msgpack
+
+    with open(os.path.join(root, "contexts", f"{key}.manifest"), "rb") as f:
+        return msgpack.unpackb(f.read())
