@@ -7,9 +7,12 @@ every residual context in an ``rs.Store`` folder, then exits. A second process
 (``--phase backward``) opens the folder and runs ``rs.backward`` on every context, summing and
 saving the gradients. That process does not import the model: the model's module is blocked
 (``import residual_store.demo`` raises ``ImportError`` there) and no model function is defined;
-it runs the backward that the store serialized with ``jax.export`` on the first ``put``. The
-parent process runs both phases with ``subprocess``, computes ``jax.grad`` of the full batch
-itself, prints both and exits non-zero if they differ by more than the stated tolerance.
+it runs the backward that the store serialized with ``jax.export`` on the first ``put``. A third
+process (``--phase resume``) has the model's code and resumes the natural way: a fresh
+``rs.split`` runs ``fwd.backward(store.get(key))``, rebuilding the backward from what each
+context records without running or compiling the forward. The parent process runs the phases
+with ``subprocess``, computes ``jax.grad`` of the full batch itself, prints the three and exits
+non-zero if they differ by more than the stated tolerance.
 
 Why: a backward can then run where and when the forward is gone: after a restart, on another
 worker of a pipeline, or from a job that only holds the stored contexts.
@@ -121,13 +124,43 @@ def backward_phase(store_path: str, out_path: str) -> int:
     return 0
 
 
+def resume_phase(store_path: str, out_path: str) -> int:
+    """The natural way to resume, in a process that has the model's code: a fresh split, which
+    never runs the forward, rebuilds the backward from what each context records."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import residual_store as rs
+    from residual_store.demo import transformer_loss
+
+    print(f"  [resume process, pid {os.getpid()}] has the model's code; runs no forward")
+    fwd = rs.split(transformer_loss, has_aux=True, static_argnums=3)
+    with rs.Store(store_path, read_only=True) as store:  # a mistyped path fails here
+        keys = sorted(store.keys())
+        cotangent = jnp.float32(1.0 / len(keys))
+        total = None
+        for key in reversed(keys):
+            g = fwd.backward(store.get(key), cotangent)
+            total = g if total is None else jax.tree.map(jnp.add, total, g)
+    info = fwd.cache_info()
+    print(f"  {len(keys)} backwards by a fresh split: {info.forward_compiles} forward compiles, "
+          f"{info.backward_compiles} backward compile")
+    assert info.forward_compiles == 0 and info.backward_compiles == 1, info
+    flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(total)}
+    np.savez(out_path, **flat)
+    return 0
+
+
 def parent(store_path: str | None, small: bool) -> int:
     folder = tempfile.TemporaryDirectory(prefix="resume-example-")
     store_path = store_path or os.path.join(folder.name, "store")
     out_path = os.path.join(folder.name, "grads.npz")
+    resumed_path = os.path.join(folder.name, "grads_resumed.npz")
     script = os.path.abspath(__file__)
     small_flag = ["--small"] if small else []
-    for phase, extra in (("forward", small_flag), ("backward", ["--out", out_path])):
+    phases = (("forward", small_flag), ("backward", ["--out", out_path]), ("resume", ["--out", resumed_path]))
+    for phase, extra in phases:
         print(f"[parent pid {os.getpid()}] starting: python {os.path.basename(script)} --phase {phase} ...")
         sys.stdout.flush()
         done = subprocess.run([sys.executable, script, "--phase", phase, "--store", store_path, *extra])
@@ -149,34 +182,39 @@ def parent(store_path: str | None, small: bool) -> int:
         return jnp.mean(losses)
 
     reference = jax.jit(jax.grad(full_batch_loss))(params)
-    stored = np.load(out_path)
-    print("gradients: backward process vs jax.grad in the parent")
-    print(f"  {'parameter':<22} {'|g| backward proc':>17} {'|g| jax.grad':>13} {'max rel diff':>12}")
-    worst = 0.0
-    for path, ref in jax.tree_util.tree_leaves_with_path(reference):
-        name = jax.tree_util.keystr(path)
-        got, ref = stored[name], np.asarray(ref)
-        diff = float(np.max(np.abs(got - ref)) / (np.max(np.abs(ref)) + 1e-30))
-        worst = max(worst, diff)
-        print(f"  {name:<22} {np.linalg.norm(got):17.6f} {np.linalg.norm(ref):13.6f} {diff:12.2e}")
-    ok = worst <= RTOL and len(stored.files) == len(jax.tree.leaves(reference))
-    print(f"{'OK' if ok else 'FAIL'}: gradients from the new process match jax.grad "
-          f"(max rel diff {worst:.2e}, tolerance {RTOL:.0e})")
+    ok = True
+    for label, path in (("backward process (no model)", out_path), ("resume process (fresh split)", resumed_path)):
+        stored = np.load(path)
+        print(f"gradients: {label} vs jax.grad in the parent")
+        print(f"  {'parameter':<22} {'|g| new process':>15} {'|g| jax.grad':>13} {'max rel diff':>12}")
+        worst = 0.0
+        for leaf_path, ref in jax.tree_util.tree_leaves_with_path(reference):
+            name = jax.tree_util.keystr(leaf_path)
+            got, ref = stored[name], np.asarray(ref)
+            diff = float(np.max(np.abs(got - ref)) / (np.max(np.abs(ref)) + 1e-30))
+            worst = max(worst, diff)
+            print(f"  {name:<22} {np.linalg.norm(got):15.6f} {np.linalg.norm(ref):13.6f} {diff:12.2e}")
+        this_ok = worst <= RTOL and len(stored.files) == len(jax.tree.leaves(reference))
+        ok = ok and this_ok
+        print(f"{'OK' if this_ok else 'FAIL'}: gradients from the {label} match jax.grad "
+              f"(max rel diff {worst:.2e}, tolerance {RTOL:.0e})")
     folder.cleanup()
     return 0 if ok else 1
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=["parent", "forward", "backward"], default="parent")
+    parser.add_argument("--phase", choices=["parent", "forward", "backward", "resume"], default="parent")
     parser.add_argument("--store", help="store folder (default: a temporary one)")
-    parser.add_argument("--out", help="backward phase: where to save the gradients (.npz)")
+    parser.add_argument("--out", help="backward and resume phases: where to save the gradients (.npz)")
     parser.add_argument("--small", action="store_true", help="tiny sizes (for the tests)")
     args = parser.parse_args(argv)
     if args.phase == "forward":
         return forward_phase(args.store, args.small)
     if args.phase == "backward":
         return backward_phase(args.store, args.out)
+    if args.phase == "resume":
+        return resume_phase(args.store, args.out)
     return parent(args.store, args.small)
 
 

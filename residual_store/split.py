@@ -19,6 +19,7 @@ from avals alone, check that they give the context's signature, and run the back
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import threading
@@ -138,8 +139,6 @@ def _context_mesh() -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] 
 def _enter_mesh(record: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None) -> Any:
     """A context manager re-entering a recorded context mesh: concrete where this process has
     the devices, abstract otherwise."""
-    import contextlib
-
     if record is None:
         return contextlib.nullcontext()
     names, sizes, types = record
@@ -285,6 +284,11 @@ class Split:
     # -- rebuilding a backward from a context's record --------------------------------------
 
     def _rebuild(self, spec: ResidualSpec) -> Backward:
+        """The backward of ``spec``'s signature, traced from the context's call record.
+
+        A trace whose signature differs is remembered (tracing again would give the same); a
+        record this process cannot read yet (a module not imported) is not: importing it fixes
+        that."""
         sig = spec.signature
         with self._trace_lock:
             bwd = self._by_signature.get(sig)
@@ -292,71 +296,83 @@ class Split:
                 return bwd
             why = self._foreign.get(sig)
             if why is None:
+                args, leaves, treedef, statics = self._rebuilt_inputs(spec)
                 try:
-                    return self._rebuild_locked(spec)
+                    return self._retrace(spec, args, leaves, treedef, statics)
                 except SignatureMismatchError as err:
-                    why = str(err)
-                    self._foreign[sig] = why
+                    why = self._foreign[sig] = str(err)
                     while len(self._foreign) > _MAX_FOREIGN:
                         self._foreign.popitem(last=False)
         raise SignatureMismatchError(why)
 
-    def _rebuild_locked(self, spec: ResidualSpec) -> Backward:
-        sig, call = spec.signature, spec.call
-        head = f"context signature {sig} is not one {self!r} makes"
-        if not is_current(sig) or call is None:
-            raise SignatureMismatchError(
-                f"{head}: it was written by residual-store 0.1, whose signatures did not cover "
-                "what is computed and recorded no input structure; run the forward again"
+    def _mismatch(self, spec: ResidualSpec, why: str) -> SignatureMismatchError:
+        return SignatureMismatchError(f"context signature {spec.signature} is not one {self!r} makes{why}")
+
+    def _rebuilt_inputs(self, spec: ResidualSpec) -> tuple[tuple[Any, ...], list[Any], Any, tuple[Any, ...]]:
+        """The arguments a context's call record describes, with ``ShapeDtypeStruct`` leaves."""
+        call = spec.call
+        if not is_current(spec.signature) or call is None:
+            raise self._mismatch(
+                spec,
+                ": it was written by residual-store 0.1, whose signatures did not cover what is "
+                "computed and recorded no input structure; run the forward again",
             )
         mine = (self._argnums_option, self.weight_argnums, self.static_argnums, self.has_aux)
         theirs = (call.argnums, call.weight_argnums, call.static_argnums, call.has_aux)
         if mine != theirs:
             names = ("argnums", "weight_argnums", "static_argnums", "has_aux")
             diff = ", ".join(f"{n}={t!r} (this split: {m!r})" for n, m, t in zip(names, mine, theirs) if m != t)
-            raise SignatureMismatchError(f"{head}: it was made by a split with {diff}")
+            raise self._mismatch(spec, f": it was made by a split with {diff}")
         if call.in_tree is None or call.statics is None:
-            raise SignatureMismatchError(
-                f"{head} from its record: its input structure could not be recorded "
-                f"({call.unrecorded}); run a forward of the same shapes in this split first"
+            raise self._mismatch(
+                spec,
+                f" from its record: its input structure could not be recorded ({call.unrecorded}); "
+                "run a forward of the same shapes in this split first",
             )
         try:
             treedef = structure.decode_treedef(call.in_tree)
             statics = [(int(i), structure.decode_value(v)) for i, v in call.statics]
             leaves = [placement.abstract_input(a) for a in call.in_avals]
         except structure.UnresolvableError as err:
-            raise SignatureMismatchError(
-                f"{head} yet, and its input structure names what this process lacks: {err}. "
-                "Import the model's modules before running its backward"
+            raise self._mismatch(
+                spec,
+                f" yet: its input structure names what this process lacks ({err}). Import the "
+                "model's modules before running its backward",
             ) from None
         except (ValueError, TypeError, KeyError) as err:
-            raise SignatureMismatchError(f"{head}: its call record is malformed ({err})") from None
+            raise self._mismatch(spec, f": its call record is malformed ({err})") from None
         if treedef.num_leaves != len(leaves) or [i for i, _ in statics] != list(self.static_argnums):
-            raise SignatureMismatchError(f"{head}: its call record is malformed (leaf or static count)")
+            raise self._mismatch(spec, ": its call record is malformed (leaf or static count)")
         args = list(jax.tree.unflatten(treedef, leaves))
         for index, value in statics:
             args.insert(index, value)
         if len(args) != call.n_args:
-            raise SignatureMismatchError(f"{head}: its call record is malformed (argument count)")
+            raise self._mismatch(spec, ": its call record is malformed (argument count)")
+        return tuple(args), leaves, treedef, tuple(v for _, v in statics)
+
+    def _retrace(
+        self, spec: ResidualSpec, args: tuple[Any, ...], leaves: list[Any], treedef: Any, statics: tuple[Any, ...]
+    ) -> Backward:
+        """Traces this split on a context's recorded inputs; its backward if the signature matches."""
+        call = spec.call
+        assert call is not None
         try:
             with _enter_mesh(call.context_mesh):
-                self._check_arity(tuple(args))
-                traced = self._trace_call(
-                    tuple(args), leaves, treedef, tuple(v for _, v in statics), call.in_avals, call.context_mesh
-                )
+                self._check_arity(args)
+                traced = self._trace_call(args, leaves, treedef, statics, call.in_avals, call.context_mesh)
         except ResidualStoreError:
             raise
         except Exception as err:  # noqa: BLE001 - whatever fun raises on these inputs
-            raise SignatureMismatchError(
-                f"{head}: tracing it on the context's recorded inputs failed "
-                f"({type(err).__name__}: {err})"
+            raise self._mismatch(
+                spec, f": tracing it on the context's recorded inputs failed ({type(err).__name__}: {err})"
             ) from err
         got = traced.spec.signature
-        if got != sig or traced.spec.avals != spec.avals:
-            raise SignatureMismatchError(
-                f"{head}: on the inputs the context records, this split computes signature {got}. "
-                "The context comes from another function, or from one whose code or closed-over "
-                "values (weights, constants) differ in this process"
+        if got != spec.signature or traced.spec.avals != spec.avals:
+            raise self._mismatch(
+                spec,
+                f": on the inputs the context records, this split computes signature {got}. The "
+                "context comes from another function, or from one whose code or closed-over values "
+                "(weights, constants) differ in this process",
             )
         return traced.backward
 

@@ -77,7 +77,7 @@ def _lookup(module: str, qualname: str) -> Any:
     if obj is None:
         raise UnresolvableError(f"module {module!r} is not imported in this process")
     for part in qualname.split("."):
-        if not part.isidentifier():
+        if not part.isidentifier() or part.startswith("__"):
             raise UnresolvableError(f"{module}.{qualname} is not a module-level name")
         namespace = vars(obj) if hasattr(obj, "__dict__") else {}
         if part not in namespace:
@@ -255,7 +255,7 @@ def decode_treedef(r: Any) -> Any:
         return jax.tree_util.PyTreeDef.from_node_data_and_children(
             jax.tree_util.default_registry, (node_type, aux), children
         )
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RuntimeError) as err:
         raise UnresolvableError(
             f"{node_type.__module__}.{node_type.__qualname__} is not a pytree node type in this "
             f"process, or its record does not fit it ({err})"

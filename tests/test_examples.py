@@ -39,7 +39,9 @@ def test_resume_in_new_process():
     out = run_example("resume_in_new_process.py", "--small").stdout
     assert "residual_store.demo is not importable here" in out
     assert "backward mb000" in out
-    assert "OK: gradients from the new process match jax.grad" in out
+    assert "OK: gradients from the backward process (no model) match jax.grad" in out
+    assert "8 backwards by a fresh split: 0 forward compiles, 1 backward compile" in out
+    assert "OK: gradients from the resume process (fresh split) match jax.grad" in out
 
 
 @pytest.mark.subprocess

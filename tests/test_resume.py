@@ -20,7 +20,6 @@ import jax
 import numpy as np
 import pytest
 
-import residual_store as rs
 from libraries import MAKERS, batch, flat
 
 pytestmark = pytest.mark.subprocess

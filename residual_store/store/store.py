@@ -266,6 +266,7 @@ class Store:
     def _needs_write(self, key: str) -> bool:
         return (
             self._disk is not None
+            and not self._read_only
             and not self._write_through
             and key not in self._on_disk
             and key not in self._pending
