@@ -142,3 +142,27 @@ def test_bad_inputs_change_nothing_on_disk(stored):
         with pytest.raises(rs.InvalidKeyError):
             store.get("../etc")
     assert snapshot(root) == before
+
+
+@pytest.mark.subprocess
+def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path):
+    """The processes of a job open one new store together: whichever writes the marker first,
+    the others must not take its files for someone else's folder."""
+    script = (
+        "import sys, time, residual_store as rs\n"
+        "start = float(sys.argv[2])\n"
+        "while time.time() < start: time.sleep(0.001)\n"
+        "for i in range(30):\n"
+        "    rs.Store(f'{sys.argv[1]}/s{i}').close()\n"
+    )
+    import time
+
+    start = time.time() + 4.0  # after every process has imported JAX
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(start)], stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    assert all((tmp_path / f"s{i}" / "residual-store.json").exists() for i in range(30))

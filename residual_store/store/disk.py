@@ -206,6 +206,8 @@ class DiskTier:
         if self.backend.is_file():
             raise InvalidArgumentError(f"{where} is a file, not a folder: a store needs a folder")
         if not self.backend.is_empty():
+            if self.backend.get_bytes(STORE_MARKER) is not None:
+                return  # another process of the job made the store meanwhile
             # gc removes what no context references under data/ and weights/: never in a folder
             # of someone else's files
             raise InvalidArgumentError(
@@ -862,7 +864,7 @@ class DiskTier:
                     pass  # damaged: removed, so a later put of this signature saves it again
             # unneeded, damaged, or a torn write (an export without its manifest)
             paths = [p for p in self._backward_paths(sig) if self.backend.exists(p)]
-            if all(self._old_enough(p, older_than) for p in paths):
+            if paths and all(self._old_enough(p, older_than) for p in paths):
                 for p in paths:
                     self.backend.delete(p)
                 removed["backwards"] += 1

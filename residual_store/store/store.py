@@ -433,8 +433,8 @@ class Store:
     def _load_and_promote(self, key: str) -> ResidualContext:
         if self._disk is None:
             raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
-        _check_representable(key, self._disk.stat(key).spec)
         stored, arrays = self._disk.read(key)  # sharded residuals: only this process's chunks
+        _check_representable(key, stored.spec)
         own = [i for i, r in enumerate(stored.records) if not r.shared]
         plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
         placed = dict(zip(plain, jax.device_put([arrays[i] for i in plain])))  # one call, zero-copy on CPU
