@@ -24,6 +24,7 @@ from residual_store.errors import (
     InvalidArgumentError,
     SignatureMismatchError,
 )
+from residual_store.signature import is_current
 
 __all__ = ["Backward", "backward", "register_backward", "lookup_backward"]
 
@@ -207,7 +208,7 @@ def backward(ctx: ResidualContext, cotangent: Any = None) -> Any:
     bwd = ctx._backward or lookup_backward(ctx.spec.signature)
     if bwd is None:
         sig = ctx.spec.signature
-        if not sig.startswith("rs2-"):
+        if not is_current(sig):
             raise BackwardUnavailableError(
                 f"context signature {sig} was written by residual-store 0.1, whose signatures could "
                 "name two different functions: its stored backward is not trusted. Run its forward "
