@@ -158,6 +158,7 @@ def run_demo(
     import tempfile
 
     import residual_store as rs
+    from residual_store.store.tiers import own_nbytes
 
     key = jax.random.key(cfg.seed)
     params = init_transformer(key, cfg)
@@ -178,7 +179,7 @@ def run_demo(
     )
     # Size the budgets from one context: the device holds 2, host memory 3, the rest go to disk.
     probe_tokens = jnp.zeros((cfg.microbatch, cfg.seq_len + 1), jnp.int32)
-    context_bytes = _own_bytes(fwd(params, probe_tokens, key)[1])
+    context_bytes = own_nbytes(fwd(params, probe_tokens, key)[1])  # what the budgets count
     budgets = {"device": 2 * context_bytes, "host": 3 * context_bytes}
     store = rs.Store(path, device_budget=budgets["device"], host_budget=budgets["host"], durable=False)
     try:
@@ -233,13 +234,6 @@ def run_demo(
         "budgets": budgets,
         "plot": plot,
     }
-
-
-def _own_bytes(ctx: Any) -> int:
-    """What a store's budgets count of a context: its intermediates and inputs (tokens, keys)."""
-    from residual_store.context import OWN_KINDS
-
-    return sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in OWN_KINDS)
 
 
 def _print_report(

@@ -20,10 +20,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from residual_store.canonical import Canonicalizer
 from residual_store.context import InputAval
 
 __all__ = [
     "abstract_input",
+    "has_explicit_axes",
     "check_sharding_record",
     "input_aval",
     "key_dtype",
@@ -146,21 +148,24 @@ def rebuild_sharding(record: Mapping[str, Any]) -> NamedSharding | None:
     return NamedSharding(mesh, spec)
 
 
+def has_explicit_axes(sharding: Any) -> bool:
+    """Whether ``sharding`` is a ``NamedSharding`` over a mesh (concrete or abstract) with an
+    axis of type ``Explicit``: then the sharding is part of an array's type, in jaxprs too."""
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    mesh = getattr(sharding, "mesh", None) if isinstance(sharding, NamedSharding) else None
+    return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", None) or ())
+
+
 def placement_text(sharding: Any) -> str:
-    """What the signature records of an input's placement: for a ``NamedSharding`` the mesh axis
-    names, sizes and types and the partition spec (not device ids: another process may number its
-    devices differently); for one device ``single``; and the memory kind."""
+    """What the signature records of an input's placement: the canonical text of its sharding
+    (for a ``NamedSharding`` the mesh axis names, sizes and types and the partition spec, not
+    device ids, since another process may number its devices differently; for one device
+    ``single``; the memory kind), or the type and device count of other shardings."""
     if sharding is None:
         return "none"
-    kind = getattr(sharding, "memory_kind", None)
-    if isinstance(sharding, NamedSharding):
-        mesh = sharding.mesh
-        axes = ",".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.axis_sizes))
-        types = ",".join(getattr(t, "name", str(t)) for t in getattr(mesh, "axis_types", None) or ())
-        return f"named({axes};{types};{sharding.spec});{kind}"
-    if isinstance(sharding, SingleDeviceSharding):
-        return f"single;{kind}"
-    return f"{type(sharding).__name__}({len(sharding.device_set)});{kind}"
+    if isinstance(sharding, (NamedSharding, SingleDeviceSharding)):
+        return Canonicalizer().value(sharding)
+    return f"{type(sharding).__name__}({len(sharding.device_set)});{getattr(sharding, 'memory_kind', None)}"
 
 
 @functools.cache
@@ -206,7 +211,7 @@ def abstract_input(aval: InputAval) -> jax.ShapeDtypeStruct:
     if aval.sharding is not None:
         record = check_sharding_record(json.loads(aval.sharding), len(aval.shape))
         sharding = rebuild_sharding(record)
-    elif aval.placement.startswith("single;") and aval.memory_kind is not None:
+    elif aval.memory_kind is not None:  # one device (or no record): its memory kind still counts
         device = jax.devices()[0]
         if aval.memory_kind != device.default_memory().kind:
             sharding = SingleDeviceSharding(device, memory_kind=aval.memory_kind)

@@ -114,16 +114,10 @@ def _as_array(x: Any, where: str) -> jax.Array:
     )
 
 
-def _explicit_axes(aval: Any) -> bool:
-    sharding = getattr(aval, "sharding", None)
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-    return explicit is not None and explicit in tuple(getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ())
-
-
 def _abstract(aval: Any) -> jax.ShapeDtypeStruct:
     """A ``ShapeDtypeStruct`` of a jaxpr aval, keeping a sharding only where it is part of the
     type (meshes with explicit axes)."""
-    sharding = aval.sharding if _explicit_axes(aval) else None
+    sharding = aval.sharding if placement.has_explicit_axes(getattr(aval, "sharding", None)) else None
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
 
 
@@ -576,7 +570,7 @@ class Split:
             slots=slots,
             backward=bwd_traced.jaxpr,
         )
-        spec = self._spec(signature, call, slots, residual_types, consts, paths, leaf_args, n_consts, traced)
+        spec = self._spec(signature, call, slots, residual_types, paths, leaf_args, n_consts, traced)
         bwd = self._by_signature.get(signature)
         if bwd is None:
             callbacks = _jax_internals.host_callbacks(bwd_traced.jaxpr)
@@ -613,7 +607,6 @@ class Split:
         call: CallSpec,
         slots: Sequence[tuple[int, int]],
         residual_types: Sequence[Any],
-        consts: Sequence[Any],
         paths: list[str],
         leaf_args: list[int],
         n_consts: int,

@@ -25,6 +25,7 @@ import serializers
 from residual_store.backward import Backward, lookup_backward, register_backward
 from residual_store.errors import BackwardUnavailableError, CorruptContextError, ResidualStoreError
 from residual_store.export import export_backward, load_backward
+from residual_store.placement import has_explicit_axes
 from residual_store.signature import is_current
 
 if TYPE_CHECKING:
@@ -39,12 +40,9 @@ _LOADED_LOCK = threading.Lock()
 
 def explicit_mesh(residuals: Sequence[Any]) -> Any:
     """The mesh of a residual sharded over a mesh with explicit axis types, if any."""
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
     for x in residuals:
         sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding) and explicit in tuple(
-            getattr(sharding.mesh, "axis_types", ()) or ()
-        ):
+        if has_explicit_axes(sharding):
             return sharding.mesh
     return None
 

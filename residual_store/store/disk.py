@@ -774,7 +774,7 @@ class DiskTier:
         return [n[: -len(suffix)] for n in self.backend.list_dir("backwards") if n.endswith(suffix)]
 
     def has_backward(self, signature: str) -> bool:
-        return self.backend.get_bytes(self._backward_paths(signature)[1]) is not None
+        return self.backend.exists(self._backward_paths(signature)[1])
 
     def write_backward(self, signature: str, data: bytes, manifest: bytes, *, fsync: bool) -> None:
         """The export, then its manifest (the commit: an export without one is a torn write)."""

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 import serializers
 from residual_store import structure
-from residual_store.context import SHARED_KINDS, CallSpec, InputAval, ResidualContext, ResidualSpec
+from residual_store.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualContext, ResidualSpec
 from residual_store.errors import CorruptContextError, InvalidArgumentError
 from residual_store.placement import check_sharding_record, key_dtype, sharding_record
 
@@ -204,21 +204,18 @@ def layout_digest(items: Iterable[tuple[str, tuple[int, ...], str, tuple[int, ..
 
 
 def _call_to_map(call: CallSpec) -> dict[str, Any]:
-    def listify(x: Any) -> Any:
-        return [listify(v) for v in x] if isinstance(x, tuple) else x
-
+    """The call record as a msgpack map (msgpack writes its tuples as arrays, read back as lists:
+    :func:`_call_from_map` freezes them)."""
     return {
         "n_args": call.n_args,
-        "argnums": listify(call.argnums),
-        "weight_argnums": list(call.weight_argnums),
-        "static_argnums": list(call.static_argnums),
+        "argnums": call.argnums,
+        "weight_argnums": call.weight_argnums,
+        "static_argnums": call.static_argnums,
         "has_aux": call.has_aux,
-        "in_avals": [
-            {k: listify(v) for k, v in dataclasses.asdict(a).items() if v is not None} for a in call.in_avals
-        ],
-        "in_tree": listify(call.in_tree),
-        "statics": listify(call.statics),
-        "context_mesh": listify(call.context_mesh),
+        "in_avals": [{k: v for k, v in dataclasses.asdict(a).items() if v is not None} for a in call.in_avals],
+        "in_tree": call.in_tree,
+        "statics": call.statics,
+        "context_mesh": call.context_mesh,
         "unrecorded": call.unrecorded,
     }
 
@@ -318,7 +315,7 @@ def spec_from_map(
             raise ValueError(f"spec lists must all have {n} entries")
         if version == 1:
             kinds = ["weight" if k == "input" else k for k in kinds]
-        if any(k not in ("weight", "input", "constant", "intermediate") for k in kinds):
+        if any(k not in SHARED_KINDS | OWN_KINDS for k in kinds):
             raise ValueError(f"unknown residual kinds {sorted(set(map(str, kinds)))}")
         if any((k in SHARED_KINDS) != r.shared for k, r in zip(kinds, records)):
             raise ValueError("a residual's kind disagrees with whether its array is shared")
