@@ -196,6 +196,37 @@ def new_signature_cost(repeats: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in timed.items()}
 
 
+def export_cost(repeats: int) -> dict[str, float]:
+    """Median seconds to export the demo transformer's backward for the current platform alone
+    and for every platform (what a store saves per signature, on its writer thread), against
+    compiling that backward."""
+    from residual_store.demo import DemoConfig, init_transformer, transformer_loss
+    from residual_store.export import PLATFORMS, export_backward
+
+    cfg = DemoConfig()
+    params = init_transformer(jax.random.key(0), cfg)
+    tokens = jax.random.randint(jax.random.key(1), (cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
+    (_, _), ctx = rs.split(lambda p, t, k: transformer_loss(p, t, k, cfg), has_aux=True)(params, tokens, jax.random.key(2))
+    bwd = ctx._backward
+    start = time.perf_counter()  # once: JAX caches the executable of an identical computation
+    jax.jit(bwd.flat_fn).lower(list(ctx.residuals), [jnp.float32(1.0)]).compile()
+    timed: dict[str, list[float]] = {"one platform": [], "all platforms": [], "backward compile": [time.perf_counter() - start]}
+    for _ in range(repeats):
+        for name, platforms in (("one platform", ()), ("all platforms", PLATFORMS)):
+            start = time.perf_counter()
+            export_backward(bwd, ctx.spec.avals, platforms=platforms)
+            timed[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in timed.items()}
+
+
+def _ms_and_ratio(title: str, seconds: dict[str, float], base: str) -> list[dict[str, Any]]:
+    """Two table rows: ``seconds`` in milliseconds, and each over ``seconds[base]``."""
+    return [
+        {title: "ms", **{k: 1e3 * v for k, v in seconds.items()}},
+        {title: f"/ {base}", **{k: v / seconds[base] for k, v in seconds.items()}},
+    ]
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     cols = list(rows[0])
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -240,24 +271,20 @@ def main() -> None:
     ]))
     c = new_signature_cost(repeats=3 if args.quick else 7)
     print()
-    print(_table([
-        {
-            "new signature, demo transformer": "ms",
-            "signature": 1e3 * c["signature"],
-            "trace (incl. signature)": 1e3 * c["trace"],
-            "forward compile": 1e3 * (c["first call"] - c["trace"]),
-            "first call": 1e3 * c["first call"],
-            "fused v&g compile": 1e3 * c["fused compile"],
-        },
-        {
-            "new signature, demo transformer": "/ first call",
-            "signature": c["signature"] / c["first call"],
-            "trace (incl. signature)": c["trace"] / c["first call"],
-            "forward compile": (c["first call"] - c["trace"]) / c["first call"],
-            "first call": 1.0,
-            "fused v&g compile": c["fused compile"] / c["first call"],
-        },
-    ]))
+    print(_table(_ms_and_ratio("new signature, demo transformer", {
+        "signature": c["signature"],
+        "trace (incl. signature)": c["trace"],
+        "forward compile": c["first call"] - c["trace"],
+        "first call": c["first call"],
+        "fused v&g compile": c["fused compile"],
+    }, base="first call")))
+    e = export_cost(repeats=3 if args.quick else 7)
+    print()
+    print(_table(_ms_and_ratio("stored backward, demo transformer", {
+        "export, this platform": e["one platform"],
+        "export, all platforms": e["all platforms"],
+        "backward compile": e["backward compile"],
+    }, base="backward compile")))
     print("\ngoals: split total / fused <= 1.10; backward dispatch added <= 30 us; a new signature's")
     print("cost is paid once (its first call), never per call")
 

@@ -18,6 +18,7 @@ from residual_store.errors import (
     StoreFullError,
     StoreNotFoundError,
 )
+from residual_store.filters import is_inexact
 from residual_store.split import Split, split
 from residual_store.store import Store
 
@@ -27,6 +28,7 @@ __all__ = [
     "split",
     "Split",
     "backward",
+    "is_inexact",
     "Store",
     "enable_compilation_cache",
     "ResidualContext",

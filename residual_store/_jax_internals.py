@@ -8,8 +8,15 @@ Assumptions (the tests refer to them by these tags):
 
 * ``EVAL_JAXPR``: ``jax._src.core.eval_jaxpr(jaxpr, consts, *args)`` evaluates an open jaxpr,
   binding each equation with its own params and source information.
-* ``EQN_SOURCE``: ``eqn.source_info`` can be summarised to a user frame (file, line) with
-  ``jax.extend.source_info_util.user_frame``.
+* ``EQN_SOURCE``: ``eqn.source_info.traceback`` is ``None`` or has ``raw_frames()``, the code
+  objects and last instructions of the frames that bound the equation, innermost first;
+  ``jax._src.source_info_util.is_user_filename`` is false for JAX's and the standard library's
+  files and ``raw_frame_to_frame(code, lasti)`` gives a frame's ``file_name`` and ``start_line``.
+* ``NAME_STACK``: ``eqn.source_info.name_stack.stack`` is a tuple of
+  ``source_info_util.Scope`` (a ``jax.named_scope``, ``jax.named_call``, a Flax linen module)
+  and ``source_info_util.Transform`` (``jvp``, ``vmap``...) entries, each with a ``name``; the
+  equations of an inner jaxpr (``scan``, ``jit``, ``checkpoint`` bodies) carry name stacks
+  relative to the equation that holds them.
 * ``SUBJAXPR_OUTVARS``: a higher-order equation (``jit``, ``scan``, ``checkpoint``/``remat``,
   ``while``, ``cond``, custom derivative calls) whose inner jaxpr has as many outputs as the
   equation has, maps output *i* of the equation to output *i* of the inner jaxpr; and, for
@@ -36,13 +43,18 @@ Assumptions (the tests refer to them by these tags):
   ``params``; extended dtypes (typed PRNG keys) are ``jax._src.dtypes.ExtendedDType``. Tracing a ``custom_vjp``/``custom_jvp`` rule under ``jax.vjp`` inlines the rule's
   computation (closed-over values included) into the traced jaxprs.
 * ``HOST_CALLBACK``: host callbacks bind primitives named in ``HOST_CALLBACK_PRIMITIVES``.
+* ``TRACER_KINDS``: a value being staged out (``jax.jit``, ``lax.scan`` bodies, ``eval_shape``)
+  is a ``partial_eval.DynamicJaxprTracer``; under ``jax.vmap`` a ``batching.BatchTracer``; under
+  ``jax.grad``/``jax.jvp``/``jax.linearize`` an ``ad.JVPTracer`` or ``ad.LinearizeTracer``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,6 +63,9 @@ from jax._src import distributed as _distributed
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import partial_eval as _pe
 
 from residual_store.canonical import Canonicalizer, qualified_name, scrub
 
@@ -76,9 +91,14 @@ class Origin:
 
     ``primitive`` is the producing primitive's name (``None`` when the output is an input of the
     outermost jaxpr or a literal), ``label`` a ``checkpoint_name`` label if one was applied,
-    ``file``/``line`` the user's source line, ``scopes`` the higher-order primitives it sits in
-    (outermost first), ``invar`` the index of the outer input it forwards, if it does;
-    ``per_iteration`` marks a loop's inputs stacked over its iterations (e.g. a scan carry).
+    ``file``/``line`` the user's source line (see :func:`user_line`), ``scopes`` the higher-order
+    primitives it sits in (outermost first), ``invar`` the index of the outer input it forwards,
+    if it does; ``per_iteration`` marks a loop's inputs stacked over its iterations (e.g. a scan
+    carry). ``name_stack`` is the producing equation's name stack from the outermost jaxpr down
+    (only its scopes: ``jax.named_scope``/``named_call`` names, Flax linen module names, never
+    transformations such as ``jvp``); ``nearest_input`` the index of the outermost jaxpr's input,
+    among the ones :func:`output_origins` was asked to look for, that feeds the value in the
+    fewest equations (``None`` if none does).
     """
 
     primitive: str | None
@@ -88,17 +108,115 @@ class Origin:
     scopes: tuple[str, ...] = ()
     invar: int | None = None
     per_iteration: bool = False
+    name_stack: tuple[str, ...] = ()
+    nearest_input: int | None = None
+
+
+# Packages whose frames are not "the user's line": model and utility libraries, whose files say
+# nothing about where in a model a value was computed. Only those already imported are looked
+# at (their folders come from ``__file__``/``__path__``); none is ever imported here.
+LIBRARY_PACKAGES: tuple[str, ...] = (
+    "flax",
+    "equinox",
+    "haiku",
+    "penzai",
+    "optax",
+    "chex",
+    "jaxtyping",
+    "typeguard",
+    "beartype",
+    "treescope",
+    "einops",
+    "numpy",
+    "ml_dtypes",
+    "residual_store",
+)
+# Models that live inside a library's folder (residual-store's demo transformer): their lines
+# are the user's.
+_MODEL_MODULES = ("residual_store.demo",)
+# The module whose frame calls the traced function: frames outside it (the caller of the split)
+# are never a residual's line.
+_TRACING_MODULE = "residual_store.split"
+_PACKAGE_DIRS: dict[str, tuple[str, ...]] = {}
+
+
+def _package_dirs(name: str) -> tuple[str, ...]:
+    found = _PACKAGE_DIRS.get(name)
+    if found is not None:
+        return found
+    module = sys.modules.get(name)
+    if module is None:
+        return ()
+    file = getattr(module, "__file__", None)
+    folders = [os.path.dirname(file)] if file else list(getattr(module, "__path__", None) or ())
+    found = tuple(os.path.join(folder, "") for folder in folders if folder)
+    _PACKAGE_DIRS[name] = found
+    return found
+
+
+def _library_dirs() -> tuple[str, ...]:
+    return tuple(d for name in LIBRARY_PACKAGES for d in _package_dirs(name))
+
+
+def _module_files(names: Sequence[str]) -> frozenset[str]:
+    files = (getattr(sys.modules.get(name), "__file__", None) for name in names)
+    return frozenset(f for f in files if f)
+
+
+@functools.lru_cache(maxsize=4096)
+def _user_line_of(
+    traceback: Any, libraries: tuple[str, ...], models: frozenset[str], boundary: frozenset[str]
+) -> tuple[str | None, int | None]:
+    codes, lastis = traceback.raw_frames()
+    chosen = fallback = None
+    for code, lasti in zip(codes, lastis):  # innermost first
+        file = code.co_filename
+        if file in boundary:
+            break
+        if not _source_info_util.is_user_filename(file):  # JAX's own files, the standard library
+            continue
+        if fallback is None:
+            fallback = (code, lasti)
+        if not file.startswith(libraries) or file in models:
+            chosen = (code, lasti)
+            break
+    chosen = chosen or fallback
+    if chosen is None:
+        return None, None
+    frame = _source_info_util.raw_frame_to_frame(*chosen)
+    return os.path.basename(frame.file_name), frame.start_line
+
+
+def user_line(traceback: Any) -> tuple[str | None, int | None]:
+    """The (file basename, line) of the innermost frame of the user's code in a traceback
+    (assumption ``EQN_SOURCE``), or ``(None, None)``.
+
+    Skipped: JAX's and the standard library's frames, and those in the folders of the
+    :data:`LIBRARY_PACKAGES` already imported (Flax, Equinox, Haiku, ..., residual-store
+    itself); frames outside residual-store's call of the traced function (the caller of the
+    split) are never looked at. Where every frame inside is a library's, the innermost of those
+    (so ``_mlp.py:25`` rather than nothing).
+    """
+    if traceback is None:
+        return None, None
+    try:
+        return _user_line_of(traceback, _library_dirs(), _module_files(_MODEL_MODULES), _module_files((_TRACING_MODULE,)))
+    except Exception:  # noqa: BLE001 - a missing frame only costs a less precise name.
+        return None, None
 
 
 def _user_frame(eqn: Any) -> tuple[str | None, int | None]:
     """The user's (file basename, line) for an equation (assumption ``EQN_SOURCE``)."""
+    return user_line(getattr(eqn.source_info, "traceback", None))
+
+
+def _name_scopes(eqn: Any) -> tuple[str, ...]:
+    """The scope names of an equation's own name stack, transformations left out (``NAME_STACK``)."""
     try:
-        frame = _source_info_util.user_frame(eqn.source_info.traceback)
-    except Exception:  # noqa: BLE001 - a missing frame only costs a less precise name.
-        return None, None
-    if frame is None:
-        return None, None
-    return os.path.basename(frame.file_name), frame.start_line
+        stack = eqn.source_info.name_stack.stack
+    except AttributeError:
+        return ()
+    return tuple(str(e.name) for e in stack if isinstance(e, _source_info_util.Scope))
 
 
 def _inner_jaxprs(eqn: Any) -> list[Any]:
@@ -140,30 +258,97 @@ def _inputs_map_one_to_one(eqn: Any, body: Any) -> bool:
     return name not in _LOOP_PRIMITIVES and name != "cond" and len(body.invars) == len(eqn.invars)
 
 
-def _producers(jaxpr: Any) -> dict[Any, Any]:
-    return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+# The nearest input of a value: (rank, equations away, index of the outermost jaxpr's input);
+# rank 0 inputs (weights) win over rank 1 (other differentiated inputs) at any distance.
+_Nearest = tuple[int, int, int]
 
 
-def _origin_of(jaxpr: Any, atom: Any, scopes: tuple[str, ...], depth: int = 0) -> Origin:
+class _Frame:
+    """One jaxpr as reached from the outermost: its producers, the nearest inputs of its
+    variables (from ``seeds``, one per invar) and the scopes of the equations holding it."""
+
+    def __init__(self, jaxpr: Any, seeds: Sequence[_Nearest | None], prefix: tuple[str, ...]) -> None:
+        self.jaxpr = jaxpr
+        self.seeds = tuple(seeds)
+        self.prefix = prefix
+        self._producers: dict[Any, Any] | None = None
+        self._nearest: dict[Any, _Nearest] | None = None
+
+    def producer(self, var: Any) -> Any | None:
+        if self._producers is None:
+            self._producers = {v: eqn for eqn in self.jaxpr.eqns for v in eqn.outvars}
+        return self._producers.get(var)
+
+    def nearest(self, atom: Any) -> _Nearest | None:
+        """The nearest seeded input feeding ``atom``: one pass over the equations in order, each
+        output taking its closest operand's (ties: the first operand), one equation further."""
+        if isinstance(atom, _core.Literal):
+            return None
+        if self._nearest is None:
+            best: dict[Any, _Nearest] = {v: s for v, s in zip(self.jaxpr.invars, self.seeds) if s is not None}
+            for eqn in self.jaxpr.eqns:
+                found = None
+                for v in eqn.invars:
+                    if isinstance(v, _core.Literal):
+                        continue
+                    c = best.get(v)
+                    if c is not None and (found is None or c[:2] < found[:2]):
+                        found = c
+                if found is not None:
+                    step = (found[0], found[1] + 1, found[2])
+                    for v in eqn.outvars:
+                        if not isinstance(v, _core.DropVar):
+                            best[v] = step
+            self._nearest = best
+        return self._nearest.get(atom)
+
+    def nearest_index(self, atom: Any) -> int | None:
+        found = self.nearest(atom)
+        return None if found is None else found[2]
+
+
+def _inner_frame(frames: dict[tuple[Any, ...], _Frame], outer: _Frame, eqn: Any, body: Any) -> _Frame:
+    """The frame of ``body`` held by ``eqn``: its invars fed by the equation's last inputs
+    (``SUBJAXPR_OUTVARS``: after the loop's or branch's own leading operands)."""
+    n = len(body.invars)
+    feeding = list(eqn.invars[len(eqn.invars) - n :]) if n <= len(eqn.invars) else []
+    seeds = tuple(outer.nearest(v) for v in feeding) if feeding else (None,) * n
+    prefix = outer.prefix + _name_scopes(eqn)
+    key = (id(body), seeds, prefix)
+    frame = frames.get(key)
+    if frame is None:
+        frame = frames[key] = _Frame(body, seeds, prefix)
+    return frame
+
+
+def _origin_of(
+    frames: dict[tuple[Any, ...], _Frame],
+    frame: _Frame,
+    atom: Any,
+    scopes: tuple[str, ...],
+    depth: int = 0,
+) -> Origin:
     if isinstance(atom, _core.Literal):
         return Origin(primitive="literal", scopes=scopes)
     if depth > 64:
         return Origin(primitive=None, scopes=scopes)
-    eqn = _producers(jaxpr).get(atom)
+    eqn = frame.producer(atom)
     if eqn is None:
-        index = next((i for i, v in enumerate(jaxpr.invars) if v is atom), None)
+        index = next((i for i, v in enumerate(frame.jaxpr.invars) if v is atom), None)
         return Origin(primitive=None, scopes=scopes, invar=index)
     name = eqn.primitive.name
+    here = {"name_stack": frame.prefix + _name_scopes(eqn), "nearest_input": frame.nearest_index(atom)}
     if name == NAME_PRIMITIVE:
         file, line = _user_frame(eqn)
-        return Origin(name, label=str(eqn.params.get("name")), file=file, line=line, scopes=scopes)
+        return Origin(name, label=str(eqn.params.get("name")), file=file, line=line, scopes=scopes, **here)
     if name in _TRANSPARENT_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
-        return _origin_of(jaxpr, eqn.invars[eqn.outvars.index(atom)], scopes, depth + 1)
+        return _origin_of(frames, frame, eqn.invars[eqn.outvars.index(atom)], scopes, depth + 1)
     body = _body_for_outputs(eqn)
     if body is not None:
-        inner = _origin_of(body, body.outvars[eqn.outvars.index(atom)], scopes + (name,), depth + 1)
+        inner_frame = _inner_frame(frames, frame, eqn, body)
+        inner = _origin_of(frames, inner_frame, body.outvars[eqn.outvars.index(atom)], scopes + (name,), depth + 1)
         if inner.invar is not None and _inputs_map_one_to_one(eqn, body):
-            return _origin_of(jaxpr, eqn.invars[inner.invar], scopes, depth + 1)
+            return _origin_of(frames, frame, eqn.invars[inner.invar], scopes, depth + 1)
         if inner.primitive is not None:
             if inner.file is None:  # e.g. inside jnp's own jitted helpers: use the call site
                 file, line = _user_frame(eqn)
@@ -171,15 +356,31 @@ def _origin_of(jaxpr: Any, atom: Any, scopes: tuple[str, ...], depth: int = 0) -
             return inner
         if inner.invar is not None and name in _LOOP_PRIMITIVES:
             file, line = _user_frame(eqn)
-            return Origin(name, label=None, file=file, line=line, scopes=scopes, per_iteration=True)
+            return Origin(name, label=None, file=file, line=line, scopes=scopes, per_iteration=True, **here)
     file, line = _user_frame(eqn)
-    return Origin(name, file=file, line=line, scopes=scopes)
+    return Origin(name, file=file, line=line, scopes=scopes, **here)
 
 
-def output_origins(closed_jaxpr: Any, indices: Sequence[int]) -> list[Origin]:
-    """The :class:`Origin` of each listed output of ``closed_jaxpr``, looking inside nested jaxprs."""
+def output_origins(
+    closed_jaxpr: Any,
+    indices: Sequence[int],
+    weights: Collection[int] = (),
+    inputs: Collection[int] = (),
+) -> list[Origin]:
+    """The :class:`Origin` of each listed output of ``closed_jaxpr``, looking inside nested jaxprs.
+
+    ``weights`` and ``inputs`` are indices of ``closed_jaxpr``'s inputs that
+    :attr:`Origin.nearest_input` may name: the nearest weight feeding a value, or, where no
+    weight does, the nearest of ``inputs``.
+    """
     jaxpr = closed_jaxpr.jaxpr
-    return [_origin_of(jaxpr, jaxpr.outvars[i], ()) for i in indices]
+    weights, inputs = frozenset(weights), frozenset(inputs)
+    seeds = [
+        (0, 0, i) if i in weights else (1, 0, i) if i in inputs else None for i in range(len(jaxpr.invars))
+    ]
+    frames: dict[tuple[Any, ...], _Frame] = {}
+    top = _Frame(jaxpr, seeds, ())
+    return [_origin_of(frames, top, jaxpr.outvars[i], ()) for i in indices]
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,3 +551,21 @@ def host_callbacks(closed_jaxpr: Any) -> list[str]:
 def distributed_client() -> Any | None:
     """The coordination client of ``jax.distributed`` (``DISTRIBUTED_CLIENT``), or ``None``."""
     return _distributed.global_state.client
+
+
+# --------------------------------------------------------------------------------------------
+# Which transformation a value is under
+
+
+def transformation(x: Any) -> str | None:
+    """``None`` for a concrete value, ``"jit"`` for one being staged out (``TRACER_KINDS``), else
+    the name of the transformation it is under (``"jax.vmap"``, ``"jax.grad"``...)."""
+    if not isinstance(x, _core.Tracer):
+        return None
+    if isinstance(x, _pe.DynamicJaxprTracer):
+        return "jit"
+    if isinstance(x, _batching.BatchTracer):
+        return "jax.vmap"
+    if isinstance(x, (_ad.JVPTracer, _ad.LinearizeTracer)):
+        return "jax.grad (or jax.jvp, jax.linearize)"
+    return f"a {type(x).__name__} transformation"

@@ -18,15 +18,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from residual_store import _jax_internals
 from residual_store.context import ResidualContext
 from residual_store.errors import (
     BackwardUnavailableError,
     InvalidArgumentError,
     SignatureMismatchError,
 )
+from residual_store.keypaths import PathStructure
 from residual_store.signature import is_current
 
-__all__ = ["Backward", "backward", "register_backward", "lookup_backward"]
+__all__ = ["Backward", "backward", "lookup_backward", "register_backward", "staged"]
 
 FlatBackward = Callable[[Sequence[Any], Sequence[Any]], Sequence[Any]]
 
@@ -49,9 +51,9 @@ class Backward:
     Args:
       signature: the signature it serves.
       flat_fn: ``flat_fn(residuals, float_cotangents) -> gradient leaves``; traceable by JAX.
-      out_tree: the structure of the forward's differentiated output (the cotangent's structure).
+      out_structure: the structure of the forward's differentiated output (the cotangent's).
       out_avals: one ``ShapeDtypeStruct`` per output leaf; non-float leaves take no cotangent.
-      grad_tree: the structure of the returned gradients.
+      grad_structure: the structure of the returned gradients.
       on_compile: called after each compile (used to count compiles per split).
       jitted: ``jax.jit(flat_fn)``, if the caller already traced it (its trace is reused).
       unexportable: why ``jax.export`` cannot serialize this backward, when that is known
@@ -65,18 +67,18 @@ class Backward:
         *,
         signature: str,
         flat_fn: FlatBackward,
-        out_tree: Any,
+        out_structure: PathStructure,
         out_avals: Sequence[jax.ShapeDtypeStruct],
-        grad_tree: Any,
+        grad_structure: PathStructure,
         on_compile: Callable[[], None] | None = None,
         jitted: Any = None,
         unexportable: str | None = None,
         unavailable: Exception | None = None,
     ) -> None:
         self.signature = signature
-        self.out_tree = out_tree
+        self.out_structure = out_structure
         self.out_avals = tuple(out_avals)
-        self.grad_tree = grad_tree
+        self.grad_structure = grad_structure
         self.flat_fn = flat_fn
         self.float_leaves = tuple(i for i, a in enumerate(self.out_avals) if _is_float(a.dtype))
         self._on_compile = on_compile
@@ -97,13 +99,7 @@ class Backward:
                 "cotangent=None is allowed only for a scalar floating output; this output is "
                 f"{self._describe_out()}: pass a cotangent of that structure"
             )
-        try:
-            leaves = self.out_tree.flatten_up_to(cotangent)
-        except (ValueError, TypeError) as err:
-            raise SignatureMismatchError(
-                f"cotangent structure does not match the output: expected {self._describe_out()}, "
-                f"got {jax.tree.structure(cotangent)} ({err})"
-            ) from None
+        leaves = self.out_structure.flatten_up_to(cotangent, "the cotangent's structure")
         checked = []
         for i in self.float_leaves:
             leaf, aval = leaves[i], self.out_avals[i]
@@ -120,7 +116,8 @@ class Backward:
 
     def _describe_out(self) -> str:
         leaves = ", ".join(f"{a.dtype}{list(a.shape)}" for a in self.out_avals)
-        return f"{self.out_tree} with leaves [{leaves}]"
+        tree = self.out_structure.resolved() or f"paths {list(self.out_structure.paths)}"
+        return f"{tree} with leaves [{leaves}]"
 
     # -- execution --------------------------------------------------------------------------
 
@@ -138,8 +135,10 @@ class Backward:
         with self._lock:
             self._compiled = None
 
-    def __call__(self, ctx: ResidualContext, cotangent: Any = None) -> Any:
-        """Gradients for ``ctx`` and ``cotangent``, shaped like the differentiated arguments."""
+    def __call__(self, ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -> Any:
+        """Gradients for ``ctx`` and ``cotangent``, shaped like the differentiated arguments
+        (on ``like``'s structure when given). Inside ``jax.jit`` the backward is inlined into
+        the caller's computation instead of running its own executable."""
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(
                 f"backward expects a rs.ResidualContext, got {type(ctx).__name__}"
@@ -153,13 +152,16 @@ class Backward:
             raise type(self.unavailable)(*self.unavailable.args)
         cts = self._cotangent_leaves(cotangent)
         residuals = list(ctx.residuals)
-        compiled = self._compiled or self._compile(residuals, cts)
-        try:
-            grads = compiled(residuals, cts)
-        except (TypeError, ValueError) as err:
-            self._check_residuals(ctx)
-            raise SignatureMismatchError(f"the backward rejected its inputs: {err}") from err
-        return jax.tree.unflatten(self.grad_tree, grads)
+        if staged(residuals + cts, "the backward"):
+            grads = self._jitted(residuals, cts)
+        else:
+            compiled = self._compiled or self._compile(residuals, cts)
+            try:
+                grads = compiled(residuals, cts)
+            except (TypeError, ValueError) as err:
+                self._check_residuals(ctx)
+                raise SignatureMismatchError(f"the backward rejected its inputs: {err}") from err
+        return self.grad_structure.unflatten(grads, like=like)
 
     def _check_residuals(self, ctx: ResidualContext) -> None:
         for i, (x, aval) in enumerate(zip(ctx.residuals, ctx.spec.avals)):
@@ -168,6 +170,29 @@ class Backward:
                     f"residual {i} ({ctx.spec.names[i]}) must be {aval.dtype}{list(aval.shape)}, "
                     f"got {_describe_aval(x)}"
                 )
+
+
+def staged(values: Sequence[Any], what: str) -> bool:
+    """Whether ``values`` are being staged out by ``jax.jit`` (then ``what`` runs inlined into
+    the caller's trace); ``False`` for concrete arrays.
+
+    Raises:
+      InvalidArgumentError: a value is under ``jax.vmap``, ``jax.grad`` or another
+        transformation, which a split's forward and backward do not support.
+    """
+    found = False
+    for x in values:
+        kind = _jax_internals.transformation(x)
+        if kind is None:
+            continue
+        if kind != "jit":
+            raise InvalidArgumentError(
+                f"{what} cannot run under {kind}: call it outside the transformation (batch "
+                "inside the function with jax.vmap there; differentiate with the split's "
+                "backward, not through it). Inside jax.jit it works"
+            )
+        found = True
+    return found
 
 
 # Weak: a backward lives as long as an owner holds it (the split that traced it, the contexts it
@@ -189,12 +214,18 @@ def lookup_backward(signature: str) -> Backward | None:
         return _REGISTRY.get(signature)
 
 
-def backward(ctx: ResidualContext, cotangent: Any = None) -> Any:
+def backward(ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -> Any:
     """Runs the backward of any context this process has a backward for.
 
     Gradients come back shaped like the differentiated arguments (a tuple when ``argnums`` was a
     tuple). ``cotangent`` matches the forward's output (not its aux); ``None`` means 1 for a
     scalar floating output.
+
+    A backward loaded from a store, in a process without the model, rebuilds the gradients'
+    structure where every node type is a JAX container or registered in this process (nothing
+    is imported for it); otherwise pass ``like=``, a tree of that structure (the parameters, a
+    previous step's gradients), or get a ``dict`` from key path (``jax.tree_util.keystr``) to
+    array. ``like`` of another structure raises :class:`SignatureMismatchError` naming the path.
 
     Example:
       >>> import jax.numpy as jnp, residual_store as rs
@@ -219,4 +250,4 @@ def backward(ctx: ResidualContext, cotangent: Any = None) -> Any:
             "here, run it with the split that makes it (split.backward rebuilds it from the "
             "context), or load it from a rs.Store that saved its backward"
         )
-    return bwd(ctx, cotangent)
+    return bwd(ctx, cotangent, like=like)

@@ -86,6 +86,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _backward_status(disk: Any, signature: str) -> dict[str, Any]:
+    """Whether a backward of ``signature`` is stored, for which platforms and JAX, or why not."""
+    from residual_store.errors import CorruptContextError
+    from residual_store.store import backwards
+
+    try:
+        return backwards.describe(disk.backward_manifest(signature))
+    except CorruptContextError as err:
+        return {"stored": False, "reason": f"damaged: {err}"}
+
+
+def _backward_text(status: dict[str, Any]) -> str:
+    if status["stored"]:
+        left = status["left_out"]
+        note = f"; not for {', '.join(sorted(left))}" if left else ""
+        return f"stored for {', '.join(status['platforms'])} (jax {status['jax_version']}{note})"
+    return f"not stored: {status['reason']}"
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     from residual_store.errors import CorruptContextError
 
@@ -106,16 +125,21 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     "created": stored.created,
                 }
             )
-    rows = [["key", "residuals", "size", "own", "signature", "age"]]
+    statuses = {sig: _backward_status(disk, sig) for sig in sorted({e["signature"] for e in entries if "signature" in e})}
+    rows = [["key", "residuals", "size", "own", "signature", "backward", "age"]]
     for e in entries:
         if "error" in e:
-            rows.append([e["key"], "-", "-", "-", "CORRUPT", e["error"]])
+            rows.append([e["key"], "-", "-", "-", "CORRUPT", "-", e["error"]])
         else:
+            status = statuses[e["signature"]]
+            e["backward"] = status
             rows.append([
                 e["key"], str(e["residuals"]), _human(e["bytes"]), _human(e["intermediate_bytes"]),
-                e["signature"], _age(now - e["created"]),
+                e["signature"], ",".join(status["platforms"]) if status["stored"] else "no",
+                _age(now - e["created"]),
             ])
-    _emit(args, entries, _table(rows) + f"\n{len(entries)} contexts")
+    lines = [f"{len(entries)} contexts"] + [f"{sig}: backward {_backward_text(st)}" for sig, st in statuses.items()]
+    _emit(args, entries, _table(rows) + "\n" + "\n".join(lines))
     return 0
 
 
@@ -150,16 +174,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             str(i), record.name, str(tuple(aval.shape)), str(aval.dtype), f"{record.nbytes:,}",
             kind, "yes" if record.shared else "no", str(item["chunks"]), record.path,
         ])
+    status = _backward_status(disk, stored.spec.signature)
     header = (
         f"context {stored.key}: signature {stored.spec.signature}, jax {stored.jax_version}, "
-        f"{_human(stored.nbytes)}"
+        f"{_human(stored.nbytes)}\nbackward: {_backward_text(status)}"
     )
-    _emit(args, {"key": stored.key, "signature": stored.spec.signature, "residuals": data}, header + "\n" + _table(rows))
+    _emit(
+        args,
+        {"key": stored.key, "signature": stored.spec.signature, "backward": status, "residuals": data},
+        header + "\n" + _table(rows),
+    )
     return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from residual_store.errors import ContextNotFoundError, CorruptContextError, InvalidKeyError
+    from residual_store.store import backwards
     from residual_store.store.keys import validate_key
 
     disk = _open_disk(args.path)
@@ -179,7 +209,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     broken = []
     for sig in _progress(signatures, "verifying backwards", not args.json):
         try:
-            disk.read_backward(sig)
+            stored = disk.read_backward(sig)
+            if stored is not None:
+                backwards.check_records(sig, stored[0])
         except CorruptContextError as err:
             broken.append({"signature": sig, "error": str(err)})
     lines = [f"DAMAGED {d['key']}: {d['error']}" for d in damaged]

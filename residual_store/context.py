@@ -79,6 +79,8 @@ class CallSpec:
       context_mesh: the abstract mesh the forward was traced under (``jax.set_mesh``), as
         ``(axis names, axis sizes, axis types)``, or ``None``.
       unrecorded: why ``in_tree`` or ``statics`` is ``None``.
+      differentiated: with a split ``filter``, whether each leaf of ``in_avals`` is
+        differentiated; ``None`` without one (every leaf of ``argnums`` is).
     """
 
     n_args: int
@@ -91,6 +93,7 @@ class CallSpec:
     statics: Any = None
     context_mesh: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None = None
     unrecorded: str | None = None
+    differentiated: tuple[bool, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,6 +96,8 @@ def compute_signature(
     add("argnums", repr(call.argnums))
     add("weight_argnums", repr(call.weight_argnums))
     add("has_aux", repr(call.has_aux))
+    if call.differentiated is not None:
+        add("differentiated", repr(call.differentiated))
     for index, value in statics:
         add("static", f"{index}={canon.value(value)}")
     add("context_mesh", repr(call.context_mesh))

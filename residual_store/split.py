@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from residual_store import _jax_internals, placement, structure
-from residual_store.backward import Backward, register_backward
+from residual_store import _jax_internals, filters, names, placement, structure
+from residual_store.backward import Backward, register_backward, staged
 from residual_store.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
 from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec
 from residual_store.errors import (
@@ -43,6 +43,7 @@ from residual_store.errors import (
     ResidualStoreError,
     SignatureMismatchError,
 )
+from residual_store.keypaths import PathStructure
 from residual_store.signature import compute_signature, is_current
 
 __all__ = ["Split", "split"]
@@ -61,6 +62,7 @@ class _Traced:
 
     closed: Any  # fun's jaxpr
     traced: Any  # jax.stages.Traced of the forward executable
+    jitted: Any  # jax.jit of the forward, for calls inside the caller's jax.jit
     consts: tuple[Any, ...]
     slots: tuple[tuple[int, int], ...]  # (source, index) per residual
     n_out: int
@@ -160,6 +162,7 @@ class Split:
         has_aux: bool = False,
         static_argnums: int | Sequence[int] = (),
         weight_argnums: int | Sequence[int] | None = None,
+        filter: Callable[[Any], bool] | None = None,  # noqa: A002 - named like eqx.filter_grad's
         cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
         if not callable(fun):
@@ -183,6 +186,9 @@ class Split:
                 "the split differentiates"
             )
         self.has_aux = bool(has_aux)
+        if filter is not None and not callable(filter):
+            raise InvalidArgumentError(f"filter must be a predicate on leaves, got {type(filter).__name__}")
+        self.filter = filter
         self._param_names = _parameter_names(fun)
         self._forward_compiles = 0
         self._backward_compiles = 0
@@ -212,21 +218,26 @@ class Split:
             )
         statics = tuple(args[i] for i in self.static_argnums if i < len(args))
         dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        if self.filter is not None:  # non-array leaves are static, as under eqx.filter_jit
+            dyn = filters.freeze_non_arrays(dyn)
         leaves, treedef = jax.tree.flatten(dyn)
         leaves = [
             x if isinstance(x, jax.Array) else _as_array(x, self._leaf_where(treedef, leaves, i))
             for i, x in enumerate(leaves)
         ]
+        inlined = staged(leaves, f"{self!r}")  # inside the caller's jax.jit
         try:
-            key = (len(args), treedef, statics, tuple((x.aval, x.sharding) for x in leaves))
+            placements = tuple((x.aval, None if inlined else x.sharding) for x in leaves)
+            key = (len(args), treedef, statics, placements, inlined)
             hash(key)
         except TypeError:
             raise InvalidArgumentError(
-                f"static arguments must be hashable, got {[type(s).__name__ for s in statics]}"
+                f"static arguments (and, under a filter, the leaves that are not arrays) must be "
+                f"hashable, got {[type(s).__name__ for s in statics]}"
             ) from None
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._compile_forward(args, leaves, treedef, statics, key)
+            entry = self._compile_forward(args, leaves, treedef, statics, key, inlined)
         outputs = entry.executable(list(entry.consts), leaves)
         residuals = tuple(
             entry.consts[i] if src == _FROM_CONST else leaves[i] if src == _FROM_INPUT else outputs[i]
@@ -241,7 +252,7 @@ class Split:
             return (out, aux), ctx
         return out, ctx
 
-    def backward(self, ctx: ResidualContext, cotangent: Any = None) -> Any:
+    def backward(self, ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -> Any:
         """Gradients from a context of a signature this split makes; never re-runs the forward.
 
         The context may come from a store, written by another process: a signature this split
@@ -250,7 +261,8 @@ class Split:
         context's signature, and kept for later contexts of that signature.
 
         ``cotangent`` matches the output (not aux); ``None`` means 1 for a scalar float output.
-        May be called any number of times on one context.
+        ``like``: a tree to rebuild the gradients on (see :func:`residual_store.backward`).
+        May be called any number of times on one context; inside ``jax.jit`` it is inlined.
 
         Raises:
           SignatureMismatchError: the context was made by another function, with other options,
@@ -262,7 +274,7 @@ class Split:
         bwd = self._by_signature.get(ctx.spec.signature)
         if bwd is None:
             bwd = self._rebuild(ctx.spec)
-        return bwd(ctx, cotangent)
+        return bwd(ctx, cotangent, like=like)
 
     def cache_info(self) -> CacheInfo:
         """Compile counts and cache statistics (see :class:`CacheInfo`)."""
@@ -317,6 +329,9 @@ class Split:
             names = ("argnums", "weight_argnums", "static_argnums", "has_aux")
             diff = ", ".join(f"{n}={t!r} (this split: {m!r})" for n, m, t in zip(names, mine, theirs) if m != t)
             raise self._mismatch(spec, f": it was made by a split with {diff}")
+        if (call.differentiated is None) != (self.filter is None):
+            made, mine = ("without", "has one") if call.differentiated is None else ("with", "has none")
+            raise self._mismatch(spec, f": it was made by a split {made} a filter, and this one {mine}")
         if call.in_tree is None or call.statics is None:
             raise self._mismatch(
                 spec,
@@ -353,7 +368,9 @@ class Split:
         try:
             with _enter_mesh(call.context_mesh):
                 self._check_arity(args)
-                traced = self._trace_call(args, leaves, treedef, statics, call.in_avals, call.context_mesh)
+                traced = self._trace_call(
+                    args, leaves, treedef, statics, call.in_avals, call.context_mesh, call.differentiated
+                )
         except ResidualStoreError:
             raise
         except Exception as err:  # noqa: BLE001 - whatever fun raises on these inputs
@@ -407,6 +424,32 @@ class Split:
         except ValueError:
             pass  # no introspectable signature (builtins); JAX's trace will complain if needed
 
+    def _differentiated(
+        self, leaves: Sequence[Any], leaf_args: list[int], paths: list[str], recorded: Sequence[bool] | None
+    ) -> list[bool]:
+        """Per input leaf, whether it is differentiated: every leaf of ``argnums``, or those
+        ``filter`` accepts (as recorded, when rebuilding: the predicate may not understand
+        abstract leaves)."""
+        if recorded is not None and self.filter is not None and len(recorded) == len(leaves):
+            chosen = [bool(d) for d in recorded]
+        else:
+            chosen = [pos in self.argnums and (self.filter is None or bool(self.filter(x)))
+                      for x, pos in zip(leaves, leaf_args)]
+        for j, d in enumerate(chosen):
+            if d and not jax.dtypes.issubdtype(leaves[j].dtype, np.inexact):
+                hint = (
+                    "the filter chose it" if self.filter is not None else
+                    "pass filter=rs.is_inexact to differentiate only the floating leaves of a "
+                    "model that holds others (as eqx.filter_grad and nnx.grad do), or pass integer "
+                    "tokens, PRNG keys and masks as other positional arguments"
+                )
+                raise InvalidArgumentError(
+                    f"argument {paths[j]} has dtype {leaves[j].dtype} and cannot be differentiated: {hint}"
+                )
+        if self.filter is not None and not any(chosen):
+            raise InvalidArgumentError(f"{self!r} has no leaf to differentiate (the filter rejects them all)")
+        return chosen
+
     def _compile_forward(
         self,
         args: tuple[Any, ...],
@@ -414,7 +457,10 @@ class Split:
         treedef: Any,
         statics: tuple[Any, ...],
         key: Any,
+        inlined: bool,
     ) -> _Forward:
+        """The forward of a new signature: compiled ahead of time, or (``inlined``: called
+        inside the caller's ``jax.jit``) a jitted function the caller's trace inlines."""
         with self._trace_lock:
             entry = self._cache.peek(key)
             if entry is not None:
@@ -422,8 +468,11 @@ class Split:
             self._check_arity(args)
             t = self._trace_call(args, leaves, treedef, statics, None, _context_mesh())
             self._warn_recompute(t.closed, t.spec.signature)
-            executable = t.traced.lower().compile()
-            self._count("forward")
+            if inlined:
+                executable = t.jitted
+            else:
+                executable = t.traced.lower().compile()
+                self._count("forward")
             entry = _Forward(
                 executable=executable,
                 consts=t.consts,
@@ -444,6 +493,7 @@ class Split:
         static_pairs: list[tuple[int, Any]],
         in_avals: Sequence[InputAval],
         context_mesh: Any,
+        differentiated: Sequence[bool],
     ) -> CallSpec:
         try:
             tree_record = structure.encode_treedef(treedef)
@@ -463,6 +513,7 @@ class Split:
             statics=statics_record,
             context_mesh=context_mesh,
             unrecorded=unrecorded,
+            differentiated=None if self.filter is None else tuple(differentiated),
         )
 
     def _trace_call(
@@ -473,27 +524,23 @@ class Split:
         statics: tuple[Any, ...],
         in_avals: Sequence[InputAval] | None,
         context_mesh: Any,
+        recorded_mask: Sequence[bool] | None = None,
     ) -> _Traced:
         """Traces the forward and the backward of one signature (``leaves``: arrays, or
-        ``ShapeDtypeStruct``s when rebuilding from a record); compiles nothing."""
+        ``ShapeDtypeStruct``s when rebuilding from a record, with the recorded choice of
+        differentiated leaves); compiles nothing."""
         n_args = len(args)
         positions = self._dyn_positions(n_args)
         dyn = jax.tree.unflatten(treedef, list(leaves))
         paths = self._leaf_paths(dyn, n_args)
         counts = [c.num_leaves for c in treedef.children()]
         leaf_args = [pos for pos, count in zip(positions, counts) for _ in range(count)]
-        diff_idx = [j for j, pos in enumerate(leaf_args) if pos in self.argnums]
-        for j in diff_idx:
-            if not jax.dtypes.issubdtype(leaves[j].dtype, np.inexact):
-                raise InvalidArgumentError(
-                    f"argument {paths[j]} has dtype {leaves[j].dtype} and cannot be "
-                    "differentiated: only floating inputs can be in argnums (pass integer tokens, "
-                    "PRNG keys and masks as other positional arguments)"
-                )
+        differentiated = self._differentiated(leaves, leaf_args, paths, recorded_mask)
+        diff_idx = [j for j, d in enumerate(differentiated) if d]
         static_pairs = list(zip(self.static_argnums, statics))
 
         def full_args(flat: Sequence[Any]) -> list[Any]:
-            rebuilt = list(jax.tree.unflatten(treedef, flat))
+            rebuilt = list(filters.thaw(jax.tree.unflatten(treedef, flat)))
             for index, value in static_pairs:
                 rebuilt.insert(index, value)
             return rebuilt
@@ -543,14 +590,15 @@ class Split:
             return list(out) + list(aux) + computed
 
         consts = [jnp.asarray(c) if not isinstance(c, jax.Array) else c for c in closed.consts]
-        traced = jax.jit(forward).trace(consts, list(leaves))
+        forward_jit = jax.jit(forward)
+        traced = forward_jit.trace(consts, list(leaves))
         slots: tuple[tuple[int, int], ...] = box["slots"]
         jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
         residual_types = [
             jaxpr_in[i] if src == _FROM_CONST else jaxpr_in[n_consts + i] if src == _FROM_INPUT else jaxpr_out[i]
             for src, i in slots
         ]
-        flat_bwd, grad_tree = self._flat_backward(box["vjp_tree"], out_avals, treedef, positions)
+        flat_bwd, grad_tree = self._flat_backward(box["vjp_tree"], out_avals, treedef, positions, differentiated)
         float_out = [i for i, a in enumerate(out_avals) if jax.dtypes.issubdtype(a.dtype, np.inexact)]
         bwd_jit = jax.jit(flat_bwd)
         bwd_traced = bwd_jit.trace(
@@ -558,7 +606,7 @@ class Split:
         )
         if in_avals is None:
             in_avals = [placement.input_aval(x) for x in leaves]
-        call = self._record_call(n_args, treedef, static_pairs, in_avals, context_mesh)
+        call = self._record_call(n_args, treedef, static_pairs, in_avals, context_mesh, differentiated)
         signature = compute_signature(
             call=call,
             in_tree=treedef,
@@ -578,9 +626,9 @@ class Split:
             bwd = Backward(
                 signature=signature,
                 flat_fn=flat_bwd,
-                out_tree=out_tree,
+                out_structure=PathStructure.of(out_tree),
                 out_avals=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals],
-                grad_tree=grad_tree,
+                grad_structure=PathStructure.of_template(grad_tree),
                 on_compile=lambda: _count_backward(split_ref),
                 jitted=bwd_jit,
                 unexportable=f"its backward calls back into Python ({', '.join(sorted(set(callbacks)))})"
@@ -592,6 +640,7 @@ class Split:
         return _Traced(
             closed=closed,
             traced=traced,
+            jitted=forward_jit,
             consts=tuple(consts),
             slots=slots,
             n_out=n_out,
@@ -613,64 +662,61 @@ class Split:
         traced: Any,
     ) -> ResidualSpec:
         output_slots = [i for src, i in slots if src == _FROM_OUTPUT]
-        origins = dict(zip(output_slots, _jax_internals.output_origins(traced.jaxpr, output_slots)))
-        names, input_paths, kinds = [], [], []
+        # Intermediates are placed after the nearest weight (else differentiated input) feeding
+        # them; the forward jaxpr's inputs are the constants, then the flat input leaves.
+        weights = [n_consts + j for j, pos in enumerate(leaf_args) if pos in self.weight_argnums]
+        diffs = [n_consts + j for j, pos in enumerate(leaf_args) if pos in self.argnums]
+        found = _jax_internals.output_origins(traced.jaxpr, output_slots, weights=weights, inputs=diffs)
+        origins = dict(zip(output_slots, found))
+        labels, input_paths, kinds = [], [], []
         for src, i in slots:
             if src == _FROM_CONST:
-                names.append(f"constant #{i} (closed over)")
+                labels.append(names.constant_name(i))
                 input_paths.append(None)
                 kinds.append("constant")
             elif src == _FROM_INPUT:
-                names.append(f"input {paths[i]}")
+                labels.append(names.input_name(paths[i]))
                 input_paths.append(paths[i])
                 kinds.append("weight" if leaf_args[i] in self.weight_argnums else "input")
             else:
-                names.append(self._origin_name(origins[i], paths, n_consts))
+                labels.append(names.origin_name(origins[i], paths, n_consts))
                 input_paths.append(None)
                 kinds.append("intermediate")
         return ResidualSpec(
             signature=signature,
             avals=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in residual_types),
-            names=tuple(names),
+            names=tuple(labels),
             input_paths=tuple(input_paths),
             kinds=tuple(kinds),
             call=call,
         )
 
-    @staticmethod
-    def _origin_name(origin: _jax_internals.Origin, paths: list[str], n_consts: int) -> str:
-        if origin.invar is not None and origin.primitive is None:
-            i = origin.invar - n_consts
-            return f"input {paths[i]} (copy)" if i >= 0 else f"constant #{origin.invar} (copy)"
-        base = origin.label or origin.primitive or "value"
-        if origin.label is None and origin.file is not None:
-            base = f"{base} {origin.file}:{origin.line}"
-        notes = (["inputs per iteration"] if origin.per_iteration else []) + (
-            [f"in {'/'.join(origin.scopes)}"] if origin.scopes else []
-        )
-        return f"{base} ({', '.join(notes)})" if notes else base
-
     def _flat_backward(
-        self, vjp_tree: Any, out_avals: Sequence[Any], treedef: Any, positions: list[int]
+        self,
+        vjp_tree: Any,
+        out_avals: Sequence[Any],
+        treedef: Any,
+        positions: list[int],
+        differentiated: Sequence[bool],
     ) -> tuple[Callable[[Sequence[Any], Sequence[Any]], list[Any]], Any]:
-        """``(residuals, float cotangents) -> gradient leaves in argnums order``, and the
-        gradients' tree (the differentiated arguments; a tuple when argnums is a tuple)."""
+        """``(residuals, float cotangents) -> gradient leaves in argnums order``, and a template
+        of the gradients (the differentiated arguments with ``0`` leaves, ``None`` where a leaf
+        is passed through; a tuple when argnums is a tuple)."""
         float_out = [jax.dtypes.issubdtype(a.dtype, np.inexact) for a in out_avals]
         zero_cts = [
             None if is_float else np.zeros(a.shape, jax.dtypes.float0)
             for a, is_float in zip(out_avals, float_out)
         ]
-        dyn = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
-        subtrees = [jax.tree.structure(dyn[k]) for k, p in enumerate(positions) if p in self.argnums]
-        order = [p for p in positions if p in self.argnums]
-        by_pos = dict(zip(order, subtrees))
-        grad_struct = tuple(
-            jax.tree.unflatten(by_pos[p], [0] * by_pos[p].num_leaves) for p in self.argnums
-        )
-        # Leaves come back in flat-input order; reorder them to follow argnums.
-        starts = {p: s for p, s in zip(order, np.cumsum([0] + [t.num_leaves for t in subtrees]))}
-        perm = [int(starts[p]) + j for p in self.argnums for j in range(by_pos[p].num_leaves)]
-        grad_tree = jax.tree.structure(grad_struct[0] if self._single else grad_struct)
+        # vjp_fn returns one gradient per differentiated leaf, in flat-input order; the result
+        # follows argnums, each argument's leaves in its own order.
+        marks = list(filters.thaw(jax.tree.unflatten(treedef, [0 if d else None for d in differentiated]), None))
+        by_pos = {p: marks[k] for k, p in enumerate(positions)}
+        starts = np.cumsum([0] + [c.num_leaves for c in treedef.children()])
+        leaf_range = {p: range(int(starts[k]), int(starts[k + 1])) for k, p in enumerate(positions)}
+        rank = {j: r for r, j in enumerate(j for j, d in enumerate(differentiated) if d)}
+        perm = [rank[j] for p in self.argnums for j in leaf_range[p] if differentiated[j]]
+        grad_struct = tuple(by_pos[p] for p in self.argnums)
+        grad_tree = grad_struct[0] if self._single else grad_struct
 
         def flat_backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
             vjp_fn = jax.tree.unflatten(vjp_tree, residuals)
@@ -720,6 +766,7 @@ def split(
     has_aux: bool = False,
     static_argnums: int | Sequence[int] = (),
     weight_argnums: int | Sequence[int] | None = None,
+    filter: Callable[[Any], bool] | None = None,  # noqa: A002
     cache_size: int = DEFAULT_CACHE_SIZE,
 ) -> Split:
     """Splits ``fun`` into a forward that returns typed residuals and a backward that uses them.
@@ -735,6 +782,11 @@ def split(
         per store and never counted against a store's budgets. Every other input residual (a
         pipeline stage's input activation, the data batch) is the context's own memory:
         counted, offloaded and stored with the context.
+      filter: a predicate on the leaves of the ``argnums`` arguments choosing which to
+        differentiate (e.g. :func:`residual_store.is_inexact`, as ``eqx.filter_grad`` and
+        ``nnx.grad`` do); the others are passed through and get ``None`` gradients. ``None``
+        (the default): every leaf is differentiated, and must be floating. The choice per
+        leaf is part of the signature.
       cache_size: how many signatures keep their compiled executables (least recently used
         dropped first).
 
@@ -759,5 +811,6 @@ def split(
         has_aux=has_aux,
         static_argnums=static_argnums,
         weight_argnums=weight_argnums,
+        filter=filter,
         cache_size=cache_size,
     )

@@ -23,7 +23,7 @@ Grammar (every non-scalar is a tuple whose first item is its tag)::
              | ("int", digits)              ints outside int64
              | ("bytes", bytes)
              | ("tuple" | "list" | "set" | "frozenset", (value, ...))
-             | ("dict", ((value, value), ...))
+             | ("dict" | "odict", ((value, value), ...))   dict, collections.OrderedDict
              | ("ref", module, qualname)    a module-level object, e.g. jax.nn.relu or a sentinel
              | ("enum", module, qualname, member)
              | ("dtype", name)
@@ -34,6 +34,7 @@ Grammar (every non-scalar is a tuple whose first item is its tag)::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import sys
@@ -143,8 +144,9 @@ def encode_value(v: Any, depth: int = 0) -> Any:
         if isinstance(v, (set, frozenset)):
             items = tuple(sorted(items, key=repr))
         return (type(v).__name__, items)
-    if type(v) is dict:
-        return ("dict", tuple((each(k), each(x)) for k, x in v.items()))
+    if type(v) in (dict, collections.OrderedDict):
+        tag = "dict" if type(v) is dict else "odict"
+        return (tag, tuple((each(k), each(x)) for k, x in v.items()))
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         fields = tuple((f.name, each(getattr(v, f.name))) for f in dataclasses.fields(v))
         return ("dataclass", *_typeref(type(v)), fields)
@@ -188,8 +190,9 @@ def decode_value(r: Any) -> Any:
             return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset}[tag](
                 decode_value(x) for x in args[0]
             )
-        if tag == "dict":
-            return {decode_value(k): decode_value(x) for k, x in args[0]}
+        if tag in ("dict", "odict"):
+            items = ((decode_value(k), decode_value(x)) for k, x in args[0])
+            return dict(items) if tag == "dict" else collections.OrderedDict(items)
         if tag == "dtype":
             return np.dtype(jax.numpy.dtype(args[0]))
         if tag == "npscalar":

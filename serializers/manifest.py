@@ -139,9 +139,23 @@ BACKWARD_SCHEMA: Final[ManifestSchema] = ManifestSchema(
     fields=(
         Field("signature", "str"),
         Field("jax_version", "str"),
+        Field("available", "bool", required=False),
+        Field("reason", "optional_str", required=False),
+        Field("interface", "str", required=False),
+        Field("platforms", "str_list", required=False),
+        Field("left_out", "map", required=False),
+        Field("cotangent", "map", required=False),
+        Field("gradients", "map", required=False),
     ),
 )
-"""A serialized backward (``jax.export``) artifact, stored once per signature."""
+"""A serialized backward (``jax.export``) artifact, stored once per signature.
+
+``available`` is false (and ``reason`` says why) for a backward that could not be exported: the
+manifest is then stored alone. Otherwise ``interface`` names how the artifact is called
+(``"flat"``: lists of residuals and floating cotangents in, gradient leaves out), ``platforms``
+lists those it was lowered for and ``left_out`` maps the others to why, and ``cotangent`` and
+``gradients`` describe the structures around the flat artifact (key paths, a structure record,
+and for the cotangent one ``[shape, dtype]`` per output leaf)."""
 
 
 # --------------------------------------------------------------------------- kinds

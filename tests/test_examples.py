@@ -14,8 +14,8 @@ EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 300
 
 
-def run_example(name: str, *args: str, python_prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, *python_prefix, *(() if python_prefix else (str(EXAMPLES / name),)), *args]
+def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(EXAMPLES / name), *args]
     done = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ}
     )
@@ -58,22 +58,21 @@ def test_custom_kernel():
     assert "OK: kernel call counts as documented" in out
 
 
-@pytest.mark.subprocess
-def test_flax_or_equinox():
-    pytest.importorskip("equinox")
-    out = run_example("flax_or_equinox.py", "--small").stdout
-    assert "OK: Equinox gradients match jax.grad" in out
+LIBRARY_EXAMPLES = {  # script: what its PASS line starts with (the libraries are test dependencies)
+    "flax_nnx.py": "PASS: Flax NNX gradients match jax.grad",
+    "flax_linen.py": "PASS: Flax linen gradients match jax.grad",
+    "equinox_model.py": "PASS: Equinox gradients match jax.grad",
+    "haiku_model.py": "PASS: Haiku gradients match jax.grad",
+}
 
 
 @pytest.mark.subprocess
-def test_flax_or_equinox_without_equinox_exits_cleanly():
-    # As on a machine without Equinox: the import fails, the script explains and exits 0.
-    code = (
-        "import runpy, sys; sys.modules['equinox'] = None; sys.argv = ['flax_or_equinox.py', '--small']; "
-        f"runpy.run_path({str(EXAMPLES / 'flax_or_equinox.py')!r}, run_name='__main__')"
-    )
-    out = run_example("flax_or_equinox.py", python_prefix=("-c", code)).stdout
-    assert "install equinox to run this example" in out
+@pytest.mark.parametrize("name", sorted(LIBRARY_EXAMPLES))
+def test_library_example(name, tmp_path):
+    out = run_example(name, "--store", str(tmp_path / "store")).stdout
+    assert "[new process] 4 backwards from the store, no model code" in out
+    assert LIBRARY_EXAMPLES[name] in out
+    assert (tmp_path / "store").is_dir()  # --store keeps the store
 
 
 @pytest.mark.subprocess

@@ -19,11 +19,79 @@ def test_assumption_EVAL_JAXPR():
     assert jnp.allclose(out[0], jnp.sin(0.5) * 3.0) and jnp.allclose(out[1], 1.5)
 
 
+def _tanh(x):
+    return jnp.tanh(x)
+
+
 def test_assumption_EQN_SOURCE():
+    line = _line() + 1
     closed = jax.make_jaxpr(lambda x: jnp.tanh(x))(1.0)
     origin = ji.output_origins(closed, [0])[0]
     assert origin.primitive == "tanh"
-    assert origin.file == "test_jax_internals.py" and isinstance(origin.line, int)
+    assert (origin.file, origin.line) == ("test_jax_internals.py", line), origin
+    # The pieces residual names are built from, checked one by one so a change names itself.
+    sui = ji._source_info_util
+    tb = closed.jaxpr.eqns[0].source_info.traceback
+    assert tb is not None and hasattr(tb, "raw_frames"), "EQN_SOURCE: no Traceback.raw_frames()"
+    codes, lastis = tb.raw_frames()
+    assert len(codes) == len(lastis) and codes, "EQN_SOURCE: raw_frames() is not (codes, lastis)"
+    files = [c.co_filename for c in codes]
+    assert not sui.is_user_filename(files[0]), f"EQN_SOURCE: innermost frame is not JAX's: {files[0]}"
+    assert not sui.is_user_filename(jax.__file__), "EQN_SOURCE: is_user_filename accepts JAX's files"
+    mine = [i for i, c in enumerate(codes) if c.co_filename == __file__]
+    assert [codes[i].co_name for i in mine] == ["<lambda>"], mine
+    nested = jax.make_jaxpr(lambda x: _tanh(x))(1.0).jaxpr.eqns[0].source_info.traceback.raw_frames()[0]
+    assert [c.co_name for c in nested if c.co_filename == __file__] == ["_tanh", "<lambda>"], (
+        "EQN_SOURCE: raw_frames() is not innermost first"
+    )
+    frame = sui.raw_frame_to_frame(codes[mine[0]], lastis[mine[0]])
+    assert (frame.file_name, frame.start_line) == (__file__, line), "EQN_SOURCE: raw_frame_to_frame"
+    assert ji.user_line(tb) == ("test_jax_internals.py", line) and ji.user_line(None) == (None, None)
+
+
+def _line() -> int:
+    import inspect
+
+    return inspect.currentframe().f_back.f_lineno
+
+
+def test_assumption_NAME_STACK():
+    sui = ji._source_info_util
+
+    def f(x):
+        with jax.named_scope("outer"):
+            y = jax.jit(lambda a: jnp.sin(a))(x)
+            with jax.named_scope("inner"):
+                z = jnp.cos(y)
+        return jax.vmap(jnp.exp)(z)
+
+    closed = jax.make_jaxpr(f)(jnp.ones(2))
+    jit_eqn, cos_eqn, exp_eqn = closed.jaxpr.eqns
+    for eqn in (jit_eqn, cos_eqn, exp_eqn):
+        stack = eqn.source_info.name_stack.stack
+        assert isinstance(stack, tuple) and all(isinstance(e, (sui.Scope, sui.Transform)) for e in stack), (
+            f"NAME_STACK: name_stack.stack is not a tuple of Scope/Transform: {stack!r}"
+        )
+    assert ji._name_scopes(jit_eqn) == ("outer",) and ji._name_scopes(cos_eqn) == ("outer", "inner")
+    assert any(isinstance(e, sui.Transform) for e in exp_eqn.source_info.name_stack.stack), (
+        "NAME_STACK: vmap is no longer a Transform on the name stack"
+    )
+    assert ji._name_scopes(exp_eqn) == (), "NAME_STACK: transformations leak into the scopes"
+    (sin_eqn,) = jit_eqn.params["jaxpr"].jaxpr.eqns
+    assert ji._name_scopes(sin_eqn) == (), "NAME_STACK: inner name stacks are no longer relative"
+
+    def h(a):
+        with jax.named_scope("inner"):
+            return jnp.cos(a)
+
+    def g(x):
+        with jax.named_scope("top"):
+            return jax.jit(h)(x)
+
+    origin = ji.output_origins(jax.make_jaxpr(g)(1.0), [0])[0]
+    assert origin.primitive == "cos" and origin.name_stack == ("top", "inner"), (
+        f"NAME_STACK: inner name stacks are not relative to their equation: {origin}"
+    )
 
 
 def test_assumption_NAME_PRIMITIVE():
@@ -182,3 +250,29 @@ def _extension_modules(jaxlib):
             continue
         yield module
         yield getattr(module, "distributed", module)
+
+
+def test_assumption_TRACER_KINDS():
+    seen = {}
+
+    def record(tag):
+        def f(x):
+            seen[tag] = ji.transformation(x)
+            return x
+
+        return f
+
+    jax.jit(record("jit"))(1.0)
+    jax.eval_shape(record("eval_shape"), 1.0)
+    jax.vmap(record("vmap"))(jnp.ones(2))
+    jax.grad(record("grad"))(1.0)
+    jax.jvp(record("jvp"), (1.0,), (1.0,))
+    record("concrete")(jnp.ones(2))
+    assert seen == {
+        "jit": "jit",
+        "eval_shape": "jit",
+        "vmap": "jax.vmap",
+        "grad": "jax.grad (or jax.jvp, jax.linearize)",
+        "jvp": "jax.grad (or jax.jvp, jax.linearize)",
+        "concrete": None,
+    }, f"TRACER_KINDS: JAX's tracer classes changed: {seen}"

@@ -62,13 +62,15 @@ def test_builtin_and_named_nodes_round_trip():
 
 
 def test_static_values_round_trip_without_calling_constructors(monkeypatch):
-    value = (Config(), Point(1, "two"), 2**80, b"raw", np.float32(1.5), jnp.bfloat16, None, 3.25, Mode.EVAL)
+    value = (Config(), Point(1, "two"), 2**80, b"raw", np.float32(1.5), jnp.bfloat16, None, 3.25, Mode.EVAL,
+             collections.OrderedDict(b=1, a=("x", 2)))  # OrderedDict: e.g. Penzai's NamedArray axes
     record = structure.encode_value(value)
     calls = []
     monkeypatch.setattr(Config, "__post_init__", lambda self: calls.append(self), raising=False)
     back = structure.decode_value(structure.freeze(_as_msgpack(record)))
     assert back == value and calls == []  # rebuilt field by field, no __init__ ran
-    assert back[0].activation is jax.nn.gelu and back[-1] is Mode.EVAL
+    assert back[0].activation is jax.nn.gelu and back[-2] is Mode.EVAL
+    assert type(back[-1]) is collections.OrderedDict and list(back[-1]) == ["b", "a"]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Stored backwards: once per signature and store, the backward serialized with ``jax.export``, so
 a process without the model can run ``rs.backward(store.get(key))``.
 
-Saving runs on the store's writer thread (exporting takes a few hundred milliseconds; ``put``
+Saving runs on the store's writer thread (exporting takes tens of milliseconds; ``put``
 returns at once). Loading checks a stored backward like data (its manifest, its checksum, that
 it names its signature) and matches it to this process's platform and device count. A damaged,
 unreadable or unsuitable stored backward never blocks ``get``: it is registered as a backward
@@ -25,14 +25,20 @@ import serializers
 from residual_store.backward import Backward, lookup_backward, register_backward
 from residual_store.errors import BackwardUnavailableError, CorruptContextError, ResidualStoreError
 from residual_store.export import export_backward, load_backward
+from residual_store.keypaths import PathStructure
 from residual_store.placement import has_explicit_axes
 from residual_store.signature import is_current
 
 if TYPE_CHECKING:
     from residual_store.store.disk import DiskTier
 
-__all__ = ["explicit_mesh", "load", "serialize"]
+__all__ = ["check_records", "describe", "explicit_mesh", "load", "serialize", "structures", "unavailable_manifest"]
 
+_INTERFACE = "flat"  # how the artifact is called (see serializers.BACKWARD_SCHEMA)
+_OLD_INTERFACE = (
+    "its backward was exported by an earlier development version with pytree arguments, which "
+    "this version does not run: put a context of this signature again, or run it with the split"
+)
 _MAX_LOADED = 64
 _LOADED: OrderedDict[str, Backward] = OrderedDict()  # owner of loaded backwards (the registry is weak)
 _LOADED_LOCK = threading.Lock()
@@ -47,6 +53,36 @@ def explicit_mesh(residuals: Sequence[Any]) -> Any:
     return None
 
 
+def _aval_records(avals: Sequence[Any]) -> list[list[Any]]:
+    return [[list(a.shape), str(a.dtype)] for a in avals]
+
+
+def _avals_from_records(records: Any) -> list[jax.ShapeDtypeStruct]:
+    if not isinstance(records, list):
+        raise ValueError("avals must be a list")
+    avals = []
+    for r in records:
+        if not (isinstance(r, list) and len(r) == 2 and isinstance(r[0], list) and isinstance(r[1], str)):
+            raise ValueError("each aval must be [shape, dtype]")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in r[0]):
+            raise ValueError("a shape must hold ints >= 0")
+        avals.append(jax.ShapeDtypeStruct(tuple(r[0]), jax.numpy.dtype(r[1])))
+    return avals
+
+
+def _manifest(signature: str, **fields: Any) -> bytes:
+    return serializers.encode_manifest(
+        {"signature": signature, "jax_version": jax.__version__, "platform": jax.default_backend(), **fields},
+        schema=serializers.BACKWARD_SCHEMA,
+    )
+
+
+def unavailable_manifest(signature: str, reason: str) -> bytes:
+    """The manifest recording that the backward of ``signature`` could not be exported, and why:
+    ``ls``/``inspect`` show it, and a process without the model gets it as the reason."""
+    return _manifest(signature, available=False, reason=reason)
+
+
 def serialize(bwd: Backward, avals: Sequence[Any], mesh: Any) -> tuple[bytes, bytes]:
     """The exported backward and its manifest. A backward over residuals sharded with explicit
     axis types traces only inside their mesh: if the export fails, it is tried again under
@@ -56,24 +92,43 @@ def serialize(bwd: Backward, avals: Sequence[Any], mesh: Any) -> tuple[bytes, by
       BackwardUnavailableError: ``jax.export`` cannot serialize it (the message says why).
     """
     try:
-        data = export_backward(bwd, avals)
+        exported = export_backward(bwd, avals)
     except BackwardUnavailableError:
         set_mesh = getattr(jax, "set_mesh", None)
         if mesh is None or set_mesh is None:
             raise
         with set_mesh(mesh):
-            data = export_backward(bwd, avals)
-    manifest = serializers.encode_manifest(
-        {
-            "signature": bwd.signature,
-            "jax_version": jax.__version__,
-            "platform": jax.default_backend(),
-            "checksum": serializers.checksum(np.frombuffer(data, np.uint8)),
-            "nbytes": len(data),
-        },
-        schema=serializers.BACKWARD_SCHEMA,
+            exported = export_backward(bwd, avals)
+    data = exported.data
+    manifest = _manifest(
+        bwd.signature,
+        available=True,
+        interface=_INTERFACE,
+        platforms=list(exported.platforms),
+        left_out=dict(exported.left_out),
+        cotangent={**bwd.out_structure.record(), "avals": _aval_records(bwd.out_avals)},
+        gradients=bwd.grad_structure.record(),
+        checksum=serializers.checksum(np.frombuffer(data, np.uint8)),
+        nbytes=len(data),
     )
     return data, manifest
+
+
+def describe(m: dict[str, Any] | None) -> dict[str, Any]:
+    """What ``ls`` and ``inspect`` show of a stored backward's manifest (``None``: none stored)."""
+    if m is None:
+        return {"stored": False, "reason": "no backward stored (the put that saves it has not run, or gc removed it)"}
+    if m.get("available") is False:
+        return {"stored": False, "jax_version": m["jax_version"], "reason": m.get("reason")}
+    if m.get("interface") != _INTERFACE:
+        return {"stored": False, "jax_version": m["jax_version"], "reason": _OLD_INTERFACE}
+    return {
+        "stored": True,
+        "jax_version": m["jax_version"],
+        "platforms": list(m.get("platforms") or [m.get("platform", "?")]),
+        "left_out": dict(m.get("left_out") or {}),
+        "gradient_leaves": len((m.get("gradients") or {}).get("paths") or []),
+    }
 
 
 def _exported_device_count(data: bytes) -> int:
@@ -96,7 +151,12 @@ def _refusing(signature: str, error: ResidualStoreError) -> Backward:
         raise error
 
     return Backward(
-        signature=signature, flat_fn=never, out_tree=None, out_avals=(), grad_tree=None, unavailable=error
+        signature=signature,
+        flat_fn=never,
+        out_structure=PathStructure(paths=()),
+        out_avals=(),
+        grad_structure=PathStructure(paths=()),
+        unavailable=error,
     )
 
 
@@ -118,7 +178,7 @@ def load(disk: DiskTier, signature: str) -> bool:
     if not is_current(signature):
         return False  # residual-store 0.1's signatures could collide: its backwards are not run
     try:
-        data = disk.read_backward(signature)
+        stored = disk.read_backward(signature)
     except CorruptContextError as err:
         _keep(_refusing(signature, CorruptContextError(
             f"{err}. The contexts of this signature are intact, but a process without the model "
@@ -127,14 +187,15 @@ def load(disk: DiskTier, signature: str) -> bool:
             "signature saves it again"
         )))
         return True
-    if data is None:
+    if stored is None:
         return False
+    manifest, data = stored
     try:
-        bwd = load_backward(data, signature)
-    except BackwardUnavailableError as err:
+        bwd = _loaded(signature, manifest, data)
+    except (BackwardUnavailableError, CorruptContextError) as err:
         _keep(_refusing(signature, err))
         return True
-    needed = _exported_device_count(data)
+    needed = _exported_device_count(data) if data is not None else 1
     if needed > jax.device_count():
         bwd = _refusing(
             signature,
@@ -147,3 +208,55 @@ def load(disk: DiskTier, signature: str) -> bool:
         )
     _keep(bwd)
     return True
+
+
+def structures(
+    signature: str, manifest: dict[str, Any]
+) -> tuple[PathStructure, list[jax.ShapeDtypeStruct], PathStructure]:
+    """The cotangent's structure and avals and the gradients' structure a stored backward's
+    manifest records (``verify`` checks them too).
+
+    Raises:
+      CorruptContextError: a record is damaged or names an unknown kind of node.
+    """
+    what = f"the stored backward of signature {signature}"
+    cotangent = manifest.get("cotangent")
+    try:
+        out_avals = _avals_from_records(cotangent.get("avals") if isinstance(cotangent, dict) else None)
+    except (ValueError, TypeError) as err:
+        raise CorruptContextError(f"{what}: its cotangent record is damaged ({err})") from None
+    out_structure = PathStructure.from_record(cotangent, f"{what} (cotangent)")
+    if out_structure.num_leaves != len(out_avals):
+        raise CorruptContextError(
+            f"{what}: its cotangent record has {len(out_avals)} avals for {out_structure.num_leaves} leaves"
+        )
+    return out_structure, out_avals, PathStructure.from_record(manifest.get("gradients"), f"{what} (gradients)")
+
+
+def check_records(signature: str, manifest: dict[str, Any]) -> None:
+    """Raises :class:`CorruptContextError` if the structure records of a stored backward that
+    has an export of this version's interface are damaged (what ``verify`` checks)."""
+    if manifest.get("available") is not False and manifest.get("interface") == _INTERFACE:
+        structures(signature, manifest)
+
+
+def _loaded(signature: str, manifest: dict[str, Any], data: bytes | None) -> Backward:
+    """The backward a stored manifest and export describe.
+
+    Raises:
+      BackwardUnavailableError: it records that no backward could be exported, or was exported
+        in a form this version does not run, or not for this platform.
+      CorruptContextError: its structure records are damaged.
+    """
+    what = f"the stored backward of signature {signature}"
+    if data is None:
+        raise BackwardUnavailableError(
+            f"{what} could not be exported when its first context was put: {manifest.get('reason')}. "
+            "Processes that define the function can run it with its split"
+        )
+    if manifest.get("interface") != _INTERFACE:
+        raise BackwardUnavailableError(f"{what}: {_OLD_INTERFACE}")
+    out_structure, out_avals, grad_structure = structures(signature, manifest)
+    return load_backward(
+        data, signature, out_structure=out_structure, out_avals=out_avals, grad_structure=grad_structure
+    )

@@ -776,38 +776,59 @@ class DiskTier:
     def has_backward(self, signature: str) -> bool:
         return self.backend.exists(self._backward_paths(signature)[1])
 
-    def write_backward(self, signature: str, data: bytes, manifest: bytes, *, fsync: bool) -> None:
-        """The export, then its manifest (the commit: an export without one is a torn write)."""
+    def write_backward(self, signature: str, data: bytes | None, manifest: bytes, *, fsync: bool) -> None:
+        """The export, then its manifest (the commit: an export without one is a torn write).
+        ``data`` is ``None`` for a backward that could not be exported: the manifest alone
+        records why."""
         export_path, manifest_path = self._backward_paths(signature)
-        self.write_blob(export_path, data, fsync=fsync)
+        if data is not None:
+            self.write_blob(export_path, data, fsync=fsync)
         self.write_blob(manifest_path, manifest, fsync=fsync)
 
-    def read_backward(self, signature: str) -> bytes | None:
-        """The verified export of the stored backward of ``signature``, or ``None`` if none is
-        committed (no manifest).
+    def backward_manifest(self, signature: str) -> dict[str, Any] | None:
+        """The decoded manifest of the stored backward of ``signature`` (the export itself is
+        not read), or ``None`` if none is committed.
+
+        Raises:
+          CorruptContextError: the manifest is unreadable, of a future version or names another
+            signature.
+        """
+        manifest = self.backend.get_bytes(self._backward_paths(signature)[1])
+        if manifest is None:
+            return None
+        what = f"stored backward of signature {signature}"
+        try:
+            m = serializers.decode_manifest(manifest, what=what, schema=serializers.BACKWARD_SCHEMA)
+            if m["signature"] != signature:
+                raise serializers.CorruptDataError(f"{what}: its manifest names signature {m['signature']!r}")
+        except serializers.CorruptDataError as err:
+            raise CorruptContextError(str(err)) from err
+        return m
+
+    def read_backward(self, signature: str) -> tuple[dict[str, Any], bytes | None] | None:
+        """The manifest and verified export of the stored backward of ``signature`` (the export
+        is ``None`` where the manifest records that it could not be exported), or ``None`` if
+        none is committed.
 
         Raises:
           CorruptContextError: its export is missing, its manifest is unreadable, of a future
             version or names another signature, or the export fails its size or checksum.
         """
-        export_path, manifest_path = self._backward_paths(signature)
-        manifest = self.backend.get_bytes(manifest_path)
-        if manifest is None:
-            return None
+        m = self.backward_manifest(signature)
+        if m is None or m.get("available") is False:
+            return None if m is None else (m, None)
+        export_path = self._backward_paths(signature)[0]
         data = self.backend.get_bytes(export_path)
         what = f"stored backward of signature {signature}"
         try:
             if data is None:
                 raise serializers.CorruptDataError(f"{what}: its export ({export_path}) is missing")
-            m = serializers.decode_manifest(manifest, what=what, schema=serializers.BACKWARD_SCHEMA)
-            if m["signature"] != signature:
-                raise serializers.CorruptDataError(f"{what}: its manifest names signature {m['signature']!r}")
             if m.get("nbytes", len(data)) != len(data):
                 raise serializers.CorruptDataError(f"{what}: {len(data)} bytes, its manifest says {m['nbytes']}")
             serializers.verify(np.frombuffer(data, np.uint8), m.get("checksum"), what=what)
         except serializers.CorruptDataError as err:
             raise CorruptContextError(str(err)) from err
-        return data
+        return m, data
 
     # -- garbage collection -------------------------------------------------------------------
 

@@ -217,6 +217,7 @@ def _call_to_map(call: CallSpec) -> dict[str, Any]:
         "statics": call.statics,
         "context_mesh": call.context_mesh,
         "unrecorded": call.unrecorded,
+        **({} if call.differentiated is None else {"differentiated": list(call.differentiated)}),
     }
 
 
@@ -271,6 +272,12 @@ def _call_from_map(m: Any) -> CallSpec:
     avals = m.get("in_avals")
     if not isinstance(avals, list):
         raise ValueError("in_avals must be a list")
+    differentiated = m.get("differentiated")
+    if differentiated is not None:
+        if not (isinstance(differentiated, list) and len(differentiated) == len(avals)
+                and all(isinstance(d, bool) for d in differentiated)):
+            raise ValueError("differentiated must be a list of bools, one per input aval")
+        differentiated = tuple(differentiated)
     return CallSpec(
         n_args=n_args,
         argnums=argnums,
@@ -282,6 +289,7 @@ def _call_from_map(m: Any) -> CallSpec:
         statics=structure.freeze(m.get("statics")),
         context_mesh=mesh,
         unrecorded=_opt_str(m, "unrecorded"),
+        differentiated=differentiated,
     )
 
 

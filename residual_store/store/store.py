@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from residual_store import _jax_internals
 from residual_store.backward import lookup_backward
 from residual_store.context import ResidualContext
 from residual_store.errors import (
@@ -184,6 +185,11 @@ class Store:
         self._emit_warnings()
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"put expects a rs.ResidualContext, got {type(ctx).__name__}")
+        if any(_jax_internals.transformation(x) is not None for x in ctx.residuals):
+            raise InvalidArgumentError(
+                "put cannot store a context inside jax.jit or another transformation (its residuals "
+                "are tracers, not arrays): return the context from the jitted function and put it there"
+            )
         if key is None and self._disk is not None and is_multiprocess():
             raise InvalidArgumentError(
                 "in a multi-process job, put needs a key: every process puts the same context "
@@ -336,14 +342,12 @@ class Store:
         bwd = ctx._backward or lookup_backward(sig)
         if bwd is None or bwd.unavailable is not None:
             return
-        if bwd.unexportable is not None:
-            self._warn_unexportable(
-                f"the backward of signature {sig} cannot be serialized with jax.export: "
-                f"{bwd.unexportable}",
-                stacklevel=4,
-            )
-            return
         disk, durable = self._disk, self._durable
+        if bwd.unexportable is not None:
+            reason = f"the backward of signature {sig} cannot be serialized with jax.export: {bwd.unexportable}"
+            self._warn_unexportable(reason, stacklevel=4)
+            self._writer.submit(lambda: self._record_unavailable(sig, reason), 0)
+            return
         avals, mesh = ctx.spec.avals, backwards.explicit_mesh(ctx.residuals)
 
         def save() -> None:
@@ -354,10 +358,18 @@ class Store:
             except BackwardUnavailableError as err:
                 with self._lock:
                     self._warnings.append(str(err))
+                self._record_unavailable(sig, str(err))
                 return
             disk.write_backward(sig, data, manifest, fsync=durable)
 
         self._writer.submit(save, 0)
+
+    def _record_unavailable(self, sig: str, reason: str) -> None:
+        """Stores why the backward of ``sig`` could not be exported (``ls`` and ``inspect`` show
+        it; a process without the model gets it as the reason)."""
+        assert self._disk is not None
+        if not self._disk.has_backward(sig):
+            self._disk.write_backward(sig, None, backwards.unavailable_manifest(sig, reason), fsync=self._durable)
 
     @staticmethod
     def _warn_unexportable(reason: str, stacklevel: int) -> None:
