@@ -153,18 +153,40 @@ class Backward:
         cts = self._cotangent_leaves(cotangent)
         residuals = list(ctx.residuals)
         if staged(residuals + cts, "the backward"):
+            self._check_residuals(ctx)  # at trace time only: named here, not deep inside JAX
             grads = self._jitted(residuals, cts)
         else:
+            if self._compiled is None:
+                # the executable is compiled for these residuals: a replaced or deleted one is
+                # named here, not by an error from inside the compiler
+                self._check_residuals(ctx)
             compiled = self._compiled or self._compile(residuals, cts)
             try:
                 grads = compiled(residuals, cts)
-            except (TypeError, ValueError) as err:
+            except (TypeError, ValueError, RuntimeError) as err:
                 self._check_residuals(ctx)
+                if not isinstance(err, (TypeError, ValueError)):
+                    raise  # a failure of the computation itself, not of its inputs
                 raise SignatureMismatchError(f"the backward rejected its inputs: {err}") from err
         return self.grad_structure.unflatten(grads, like=like)
 
     def _check_residuals(self, ctx: ResidualContext) -> None:
+        """Raises, naming the residual, if one is not what the signature says: another shape
+        or dtype (:class:`SignatureMismatchError`), or a deleted array
+        (:class:`InvalidArgumentError`)."""
+        if len(ctx.residuals) != len(ctx.spec.avals):
+            raise SignatureMismatchError(
+                f"the context holds {len(ctx.residuals)} residuals, its signature "
+                f"{ctx.spec.signature} has {len(ctx.spec.avals)}"
+            )
         for i, (x, aval) in enumerate(zip(ctx.residuals, ctx.spec.avals)):
+            is_deleted = getattr(x, "is_deleted", None)
+            if callable(is_deleted) and _jax_internals.transformation(x) is None and is_deleted():
+                raise InvalidArgumentError(
+                    f"residual {i} ({ctx.spec.names[i]}) of this context was deleted (by "
+                    "x.delete() or a donation to a jitted function): run the forward again, or "
+                    "get the context from its store again"
+                )
             if getattr(x, "shape", None) != tuple(aval.shape) or getattr(x, "dtype", None) != aval.dtype:
                 raise SignatureMismatchError(
                     f"residual {i} ({ctx.spec.names[i]}) must be {aval.dtype}{list(aval.shape)}, "

@@ -192,20 +192,36 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from residual_store.store import backwards
     from residual_store.store.keys import validate_key
 
-    disk = _open_disk(args.path)
+    def store_damaged(err: CorruptContextError) -> int:  # the marker or a folder of the store
+        _emit(args, {"damaged_store": str(err)}, f"DAMAGED store {args.path}: {err}")
+        return 1
+
+    try:
+        disk = _open_disk(args.path)
+    except CorruptContextError as err:
+        return store_damaged(err)
     try:
         keys = [validate_key(k) for k in args.keys] if args.keys else disk.keys()
     except InvalidKeyError as err:
         raise _UsageError(str(err)) from None
+    except CorruptContextError as err:
+        return store_damaged(err)
+    check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
     damaged, checked = [], 0
     for key in _progress(keys, "verifying", not args.json):
         try:
-            disk.read(key, place=False)
+            stored, _ = disk.read(key, place=False)
+            if check_metadata is not None:
+                for r in {r.path: r for r in stored.records}.values():
+                    check_metadata(r.path, r.shape, r.dtype, r.chunk_shape)
             checked += 1
         except (CorruptContextError, ContextNotFoundError) as err:
             damaged.append({"key": key, "error": str(err)})
     # every stored backward too: a damaged one cannot be run by processes without the model
-    signatures = disk.backward_signatures()
+    try:
+        signatures = disk.backward_signatures()
+    except CorruptContextError as err:
+        return store_damaged(err)
     broken = []
     for sig in _progress(signatures, "verifying backwards", not args.json):
         try:

@@ -72,6 +72,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -120,6 +121,9 @@ __all__ = [
     "read_chunk_async",
     "write_chunks_local",
     "read_chunk_local",
+    "read_file_local",
+    "check_folders_local",
+    "check_array_metadata_local",
     "register_zarr_dtypes",
 ]
 
@@ -1044,13 +1048,155 @@ def read_chunk(
 # --------------------------------------------------------------------------- fast path
 
 
-class _Undo:
-    """The files and folders one local write created, to remove them on failure."""
+# Every file of a local store is opened without following a symbolic link (``O_NOFOLLOW``) and
+# without blocking (``O_NONBLOCK``: a FIFO opens at once), then ``fstat``-checked to be a regular
+# file of a plausible size before a byte is read; every folder below the store's root is checked
+# with ``lstat`` not to be a symbolic link before anything is read, written or created in it. A
+# store never makes a link, a FIFO or a device, so any such entry is damage (CorruptDataError),
+# and nothing outside the root is ever read, written or removed through one. The root itself may
+# be a symbolic link (the user's choice of path).
+_O_CLOEXEC: Final[int] = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW: Final[int] = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK: Final[int] = getattr(os, "O_NONBLOCK", 0)
+_O_DIRECTORY: Final[int] = getattr(os, "O_DIRECTORY", 0)
+_READ_FLAGS: Final[int] = os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC
+_MAX_METADATA_BYTES: Final[int] = 1 << 20  # a zarr.json is a few hundred bytes
 
-    def __init__(self) -> None:
+
+def _kind(mode: int) -> str:
+    """What a file of this ``st_mode`` is, for messages."""
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _open_error(p: str, e: OSError, doing: str) -> CorruptDataError:
+    """The CorruptDataError for an ``os.open`` of ``p`` that failed with ``e``."""
+    if e.errno == errno.ELOOP:
+        why = "is a symbolic link (a store never makes one, and never follows one)"
+    elif e.errno == errno.EISDIR:
+        why = "is a folder, not a file"
+    elif e.errno == errno.ENXIO:
+        why = "is a FIFO or socket, not a regular file"
+    else:
+        why = f"cannot be opened ({e.strerror or e})"
+    return CorruptDataError(f"{p} {why}: refusing to {doing} it")
+
+
+def _not_regular(p: str, st: os.stat_result, doing: str) -> CorruptDataError:
+    return CorruptDataError(f"{p} is {_kind(st.st_mode)}, not a regular file: refusing to {doing} it")
+
+
+def _is_regular(p: str) -> bool:
+    """Whether ``p`` is a regular file itself (not through a symbolic link)."""
+    try:
+        return stat.S_ISREG(os.lstat(p).st_mode)
+    except OSError:
+        return False
+
+
+def check_folders_local(root: PathLike, parts: Sequence[str]) -> str:
+    """The path ``root/parts[0]/.../parts[-1]``, after checking with ``lstat`` that none of these
+    folders below ``root`` is a symbolic link (nor something else that would be followed: a
+    store never holds one).
+
+    The walk stops at the first missing component or one that is not a folder: what the caller
+    then opens, lists or creates there fails as missing (or as not a folder).
+
+    Raises:
+      CorruptDataError: a component is a symbolic link, or cannot be examined.
+    """
+    p = os.fspath(root)
+    walking = True
+    for part in parts:
+        p = os.path.join(p, part)
+        if not walking:
+            continue
+        try:
+            st = os.lstat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            walking = False
+            continue
+        except OSError as e:
+            raise CorruptDataError(f"{p} cannot be examined ({e.strerror or e})") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CorruptDataError(
+                f"{p} is a symbolic link: a store never makes one, and never reads, writes or "
+                "removes anything through one"
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            walking = False
+    return p
+
+
+def read_file_local(p: str, *, max_bytes: int, what: str | None = None) -> bytes | None:
+    """The bytes of the small file ``p`` (a manifest, a marker, metadata), or ``None`` if there
+    is no such file (or a folder on the way is missing or a file).
+
+    Opened without following a symbolic link and without blocking, checked to be a regular
+    file of at most ``max_bytes`` before anything is read, and read with that bound: a FIFO, a
+    folder, a device, a link (a loop, one to ``/dev/zero``) or a sparse giant in its place is
+    refused at once, with memory bounded. The caller has checked the folders on the way
+    (:func:`check_folders_local`).
+
+    Raises:
+      CorruptDataError: not a regular file, larger than ``max_bytes``, or unreadable.
+    """
+    label = f"{what}: " if what else ""
+    try:
+        fd = os.open(p, _READ_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise CorruptDataError(label + str(_open_error(p, e, "read"))) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptDataError(label + str(_not_regular(p, st, "read")))
+        if st.st_size > max_bytes:
+            raise CorruptDataError(
+                f"{label}{p} is {st.st_size:,} bytes, over the {max_bytes:,} allowed: refusing to read it"
+            )
+        buf = bytearray(st.st_size)
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < st.st_size:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break  # shrank meanwhile: the caller's decoding finds it truncated
+                got += n
+        except OSError as e:
+            raise CorruptDataError(f"{label}{p} cannot be read ({e.strerror or e})") from None
+        finally:
+            view.release()
+        if got < len(buf):
+            del buf[got:]
+        return bytes(buf)
+    finally:
+        os.close(fd)
+
+
+class _Undo:
+    """The files and folders one local write created, to remove them on failure.
+
+    Folders below ``root`` are made (or found) one component at a time with ``lstat``, refusing
+    one that is a symbolic link; ``root`` itself and its parents are taken as they are."""
+
+    def __init__(self, root: str | None = None) -> None:
+        self.root = root
         self.created: list[tuple[str, bool]] = []  # (path, is_dir), in creation order
         self.dirty_dirs: set[str] = set()  # folders whose entries changed
         self._lock = threading.Lock()  # arrays are written from several threads
+        self._checked: set[str] = set()  # folders below root found or made safe by this write
 
     def add_file(self, path: str) -> None:
         with self._lock:
@@ -1058,7 +1204,14 @@ class _Undo:
             self.dirty_dirs.add(os.path.dirname(path))
 
     def makedirs(self, folder: str) -> bool:
-        """Creates ``folder`` and missing parents; whether this call created ``folder`` itself."""
+        """Creates ``folder`` and missing parents; whether this call created ``folder`` itself.
+
+        Raises:
+          CorruptDataError: a folder on the way below ``root`` is a symbolic link or not a folder.
+        """
+        root = self.root
+        if root is not None and folder.startswith(root + os.sep):
+            return self._makedirs_below(root, folder[len(root) + 1 :].split(os.sep))
         missing = []
         d = folder
         while not os.path.isdir(d):
@@ -1077,6 +1230,37 @@ class _Undo:
                 self.created.append((d, True))
                 self.dirty_dirs.add(os.path.dirname(d) or ".")
             created = d == folder
+        return created
+
+    def _makedirs_below(self, root: str, parts: Sequence[str]) -> bool:
+        d = root
+        created = False
+        for part in parts:
+            d = os.path.join(d, part)
+            created = False
+            if d in self._checked:
+                continue
+            try:
+                st = os.lstat(d)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(d)
+                except FileExistsError:  # made concurrently by someone else: not ours to remove
+                    st = os.lstat(d)
+                else:
+                    with self._lock:
+                        self.created.append((d, True))
+                        self.dirty_dirs.add(os.path.dirname(d))
+                    self._checked.add(d)
+                    created = True
+                    continue
+            if stat.S_ISLNK(st.st_mode):
+                raise CorruptDataError(
+                    f"{d} is a symbolic link: a store never makes one, and never writes through one"
+                )
+            if not stat.S_ISDIR(st.st_mode):
+                raise CorruptDataError(f"{d} is {_kind(st.st_mode)} where the store needs a folder")
+            self._checked.add(d)
         return created
 
     def remove(self) -> None:
@@ -1118,15 +1302,47 @@ def _in_parallel(fn: Callable[[Any], None], items: Sequence[Any]) -> None:
 
 
 def _fsync_path(p: str) -> None:
-    fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    """fsyncs a file this write made (never through a link)."""
+    fd = os.open(p, _READ_FLAGS)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool) -> None:
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+def _fsync_dir_path(p: str) -> None:
+    """fsyncs a folder (the root, or one checked below it)."""
+    fd = os.open(p, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool, fresh: bool = False) -> None:
+    """Creates (or truncates) the regular file ``p`` and writes ``data``; never through a link,
+    never blocking on a FIFO; ``fresh``: ``p``'s folder was just made, so ``p`` must be new.
+
+    Raises:
+      CorruptDataError: ``p`` is a symbolic link, a folder, a FIFO or anything but a regular file.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC
+    fd = _open_for_write(p, flags | os.O_EXCL if fresh else flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(p, st, "write")
+        if st.st_nlink > 1:  # its bytes are shared with another name, maybe outside the store
+            os.close(fd)
+            fd = -1
+            os.unlink(p)  # replaced, never written into
+            fd = _open_for_write(p, flags | os.O_EXCL)
+        elif st.st_size:
+            os.ftruncate(fd, 0)  # truncated only once known to be a regular file of its own
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
     undo.add_file(p)
     try:
         if data.nbytes >= _PREALLOCATE_BYTES and hasattr(os, "posix_fallocate"):
@@ -1147,6 +1363,15 @@ def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool) -> None:
         os.close(fd)
 
 
+def _open_for_write(p: str, flags: int) -> int:
+    try:
+        return os.open(p, flags, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EEXIST):
+            raise _open_error(p, e, "write") from None
+        raise
+
+
 def _overwrite_in_place(folder: str, a: np.ndarray, undo: _Undo) -> bool:
     """Writes ``a`` over the chunk of an existing array of the same shape and dtype, creating no
     file or folder (creations dominate small writes here); ``False`` if there is no such chunk.
@@ -1156,20 +1381,30 @@ def _overwrite_in_place(folder: str, a: np.ndarray, undo: _Undo) -> bool:
     """
     chunks = _disk_chunks(a)
     if not chunks:
-        return os.path.exists(os.path.join(folder, _METADATA_KEY))
+        return _is_regular(os.path.join(folder, _METADATA_KEY))
     ((key, view),) = chunks
     return _overwrite_file_in_place(os.path.join(folder, key), view, undo)
 
 
 def _overwrite_file_in_place(chunk: str, view: memoryview, undo: _Undo) -> bool:
     """Writes ``view`` over the existing file ``chunk`` of exactly that size; ``False`` if there
-    is no such file (then nothing was written)."""
+    is no such file (then nothing was written).
+
+    Raises:
+      CorruptDataError: ``chunk`` is a symbolic link, a folder, a FIFO or anything but a regular
+        file (a recycled folder is never written through a link planted in it).
+    """
     try:
-        fd = os.open(chunk, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        fd = os.open(chunk, os.O_WRONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
         return False
+    except OSError as e:
+        raise _open_error(chunk, e, "write") from None
     try:
-        if os.fstat(fd).st_size != view.nbytes:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(chunk, st, "write")
+        if st.st_size != view.nbytes or st.st_nlink > 1:  # a hard link: replaced, not written into
             return False
         undo.add_file(chunk)  # fsynced with the rest; removed if the write fails
         while view.nbytes:
@@ -1188,7 +1423,7 @@ def _write_chunk_local(folder: str, key: str, view: memoryview, undo: _Undo, *, 
 
 def _write_metadata_local(folder: str, arr: ChunkedArray, undo: _Undo, *, reuse: bool) -> None:
     p = os.path.join(folder, _METADATA_KEY)
-    if reuse and os.path.exists(p):
+    if reuse and _is_regular(p):
         return  # a recycled folder of the same layout: its zarr.json is already this one
     _write_file(p, memoryview(_disk_metadata(arr)), undo, fsync=False)
 
@@ -1199,9 +1434,9 @@ def _write_one_local(
     _check_relpath(path)
     a = _disk_array(arr)
     folder = os.path.join(root, *path.split("/"))
-    if reuse and _overwrite_in_place(folder, a, undo):
-        return
     fresh = undo.makedirs(folder)  # a folder this call made holds no stale chunks
+    if reuse and not fresh and _overwrite_in_place(folder, a, undo):
+        return
     for name in [] if fresh else os.listdir(folder):  # chunks of an array this one replaces
         if name == "c" or name.startswith("c" + CHUNK_KEY_SEPARATOR):
             stale = os.path.join(folder, name)
@@ -1210,8 +1445,9 @@ def _write_one_local(
             else:
                 os.unlink(stale)
     for key, view in _disk_chunks(a):
-        _write_file(os.path.join(folder, key), view, undo, fsync=fsync)
-    _write_file(os.path.join(folder, _METADATA_KEY), memoryview(_disk_metadata(a)), undo, fsync=fsync)
+        _write_file(os.path.join(folder, key), view, undo, fsync=fsync, fresh=fresh)
+    meta = memoryview(_disk_metadata(a))
+    _write_file(os.path.join(folder, _METADATA_KEY), meta, undo, fsync=fsync, fresh=fresh)
 
 
 def write_arrays_local(
@@ -1247,8 +1483,8 @@ def write_arrays_local(
       DiskFullError: on ``ENOSPC``/``EFBIG``/``EDQUOT``; every file and folder
         this call created is removed first. Any other error removes them too.
     """
-    root = os.fspath(root)
-    undo = _Undo()
+    root = os.path.normpath(os.fspath(root))
+    undo = _Undo(root)
     try:
         undo.makedirs(root)
         for path in arrays:
@@ -1277,7 +1513,7 @@ def write_arrays_local(
             )
         if fsync:  # files first, then the folders that name them
             _in_parallel(_fsync_path, [p for p, is_dir in undo.created if not is_dir])
-            _in_parallel(_fsync_path, sorted(undo.dirty_dirs, key=len, reverse=True))
+            _in_parallel(_fsync_dir_path, sorted(undo.dirty_dirs, key=len, reverse=True))
     except BaseException as e:
         undo.remove()
         if (
@@ -1336,16 +1572,14 @@ def read_array_local(
     _check_relpath(path)
     shape = tuple(int(d) for d in shape)
     name = zarr_dtype_name(numpy_dtype(dtype))
-    folder = os.path.join(os.fspath(root), *path.split("/"))
+    folder = check_folders_local(root, path.split("/"))
     what = f"array {path!r}"
     if check_metadata:
         _check_metadata_file(folder, shape, name, what, None)
-    out = aligned_empty(shape, SUPPORTED_DTYPES[name])
     key = chunk_key(shape)
     if key is None:
-        return out
-    _read_chunk_file(os.path.join(folder, key), out, what)
-    return out
+        return aligned_empty(shape, SUPPORTED_DTYPES[name])
+    return _read_chunk_file(os.path.join(folder, key), shape, SUPPORTED_DTYPES[name], what)
 
 
 def write_chunks_local(
@@ -1400,41 +1634,65 @@ def read_chunk_local(
     name = zarr_dtype_name(numpy_dtype(dtype))
     cs = check_chunk_shape(shape, chunk_shape)
     idx = _check_chunk_index(chunk_index, chunk_grid(shape, cs), f"array {path!r}")
-    folder = os.path.join(os.fspath(root), *path.split("/"))
+    folder = check_folders_local(root, path.split("/"))
     what = f"array {path!r}"
     if check_metadata:
         _check_metadata_file(folder, shape, name, what, cs)
-    out = aligned_empty(cs, SUPPORTED_DTYPES[name])
-    _read_chunk_file(os.path.join(folder, chunk_index_key(idx)), out, what)
-    return out
+    return _read_chunk_file(os.path.join(folder, chunk_index_key(idx)), cs, SUPPORTED_DTYPES[name], what)
 
 
 def _check_metadata_file(
     folder: str, shape: tuple[int, ...], name: str, what: str, chunks: tuple[int, ...] | None
 ) -> None:
     meta_path = os.path.join(folder, _METADATA_KEY)
-    try:
-        with open(meta_path, "rb") as f:
-            raw = f.read(1 << 20)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        raise CorruptDataError(f"{what}: metadata file {meta_path} is missing") from None
+    raw = read_file_local(meta_path, max_bytes=_MAX_METADATA_BYTES, what=what)
+    if raw is None:
+        raise CorruptDataError(f"{what}: metadata file {meta_path} is missing")
     _check_zarr_metadata(raw, shape, name, f"{what} ({meta_path})", chunks)
 
 
-def _read_chunk_file(p: str, out: np.ndarray, what: str) -> None:
-    """Reads the chunk file ``p`` into ``out``, which must be exactly its size."""
+def check_array_metadata_local(
+    root: PathLike, path: str, shape: Shape, dtype: DTypeLike, chunk_shape: Shape | None = None
+) -> None:
+    """Checks that the ``zarr.json`` of the array ``path`` under the local folder ``root`` is a
+    regular file describing ``shape``, ``dtype`` and ``chunk_shape`` (default: one chunk) in the
+    raw layout: what plain ``zarr`` needs to read the array (the fast readers do not read it).
+
+    Raises:
+      CorruptDataError: it is missing, not a regular file, oversized, or describes another array.
+    """
+    _check_relpath(path)
+    shape = tuple(int(d) for d in shape)
+    name = zarr_dtype_name(numpy_dtype(dtype))
+    cs = check_chunk_shape(shape, chunk_shape) if chunk_shape is not None else None
+    folder = check_folders_local(root, path.split("/"))
+    _check_metadata_file(folder, shape, name, f"array {path!r}", cs)
+
+
+def _read_chunk_file(p: str, shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+    """The chunk file ``p`` as a fresh aligned array of ``shape`` and ``dtype``: opened without
+    following a link or blocking, and refused unless it is a regular file of exactly that many
+    bytes, checked before anything is allocated (a manifest's shape is never trusted for that)."""
+    expected = math.prod(shape) * dtype.itemsize
     try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        fd = os.open(p, _READ_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
         raise CorruptDataError(f"{what}: chunk file {p} is missing") from None
+    except OSError as e:
+        raise CorruptDataError(f"{what}: chunk file {_open_error(p, e, 'read')}") from None
     try:
-        size = os.fstat(fd).st_size
-        if size != out.nbytes:
-            kind = "truncated" if size < out.nbytes else "too long"
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptDataError(f"{what}: chunk file {_not_regular(p, st, 'read')}")
+        size = st.st_size
+        if size != expected:
+            kind = "truncated" if size < expected else "too long"
             raise CorruptDataError(
-                f"{what}: chunk file {p} is {kind}: {size} bytes, expected {out.nbytes}"
+                f"{what}: chunk file {p} is {kind}: {size} bytes, expected {expected}"
             )
+        out = aligned_empty(shape, dtype)
         _read_exact(fd, _byte_view(out), p, what)
+        return out
     finally:
         os.close(fd)
 

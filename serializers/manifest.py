@@ -18,6 +18,14 @@ field is checked for presence and type. Unknown extra keys are kept: a minor
 addition by a later writer must not break an older reader. A version newer than
 :data:`FORMAT_VERSION` is refused before the fields are looked at, since a future
 version may have changed them.
+
+A manifest protects itself (version 3 on): its last field, ``"manifest_checksum"``, holds
+:func:`~serializers.checksums.checksum` of every byte of the encoding before that field's
+value, so a flipped bit anywhere in it (a field name, a value, the map header, the version
+itself) is :class:`~serializers.errors.CorruptDataError` before any field is trusted. See
+:func:`seal_manifest`. Versions 1 and 2 had no such field; they are still read (the store
+cross-checks their fields instead), and a manifest of any version that carries the field must
+match it.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any, Final, NoReturn, TypeGuard
 
 import msgpack
 
-from serializers.checksums import checksum
+from serializers.checksums import checksum, verify
 from serializers.errors import CorruptDataError, UnsupportedVersionError
 
 __all__ = [
@@ -48,9 +56,14 @@ __all__ = [
     "encode_manifest",
     "decode_manifest",
     "is_safe_relpath",
+    "seal_manifest",
+    "SELF_CHECKSUM_FIELD",
+    "SEALED_SINCE",
+    "MAX_ARRAY_ELEMENTS",
+    "MAX_CHUNKS_PER_ARRAY",
 ]
 
-FORMAT_VERSION: Final[int] = 2
+FORMAT_VERSION: Final[int] = 3
 """The manifest version this library writes, and the newest it reads."""
 
 CONTEXT_FORMAT: Final[str] = "residual-store/context"
@@ -59,7 +72,22 @@ BACKWARD_FORMAT: Final[str] = "residual-store/backward"
 MAX_MANIFEST_BYTES: Final[int] = 64 << 20
 """Default cap on the size of a manifest :func:`decode_manifest` accepts."""
 
-_MAX_CONTAINER_LEN: Final[int] = 1 << 22  # elements of one msgpack array or map
+SELF_CHECKSUM_FIELD: Final[str] = "manifest_checksum"
+"""The field that holds a manifest's checksum of its own bytes (see :func:`seal_manifest`)."""
+
+SEALED_SINCE: Final[int] = 3
+"""The first version whose manifests must carry :data:`SELF_CHECKSUM_FIELD`."""
+
+MAX_ARRAY_ELEMENTS: Final[int] = 1 << 40
+"""The most elements (and the largest dimension) a shape or chunk shape may declare."""
+
+MAX_CHUNKS_PER_ARRAY: Final[int] = 1 << 16
+"""The most chunks one array record may list (one per shard: a mesh of 65,536 devices)."""
+
+# elements of one msgpack array or map: a hostile manifest's huge list is refused while it is
+# decoded, before it is built (a context's residual list, a record's chunk list, a call
+# record's input list all stay far below)
+_MAX_CONTAINER_LEN: Final[int] = 1 << 18
 _MAX_RELPATH_LEN: Final[int] = 1024
 _MAX_NDIM: Final[int] = 64
 _MAX_DTYPE_LEN: Final[int] = 64
@@ -191,9 +219,12 @@ _KINDS: Final[dict[str, tuple[Callable[[object], bool], str]]] = {
     "relpath": (lambda v: is_safe_relpath(v), "a safe relative path ([A-Za-z0-9._/-], no '..')"),
     "shape": (
         lambda v: (
-            isinstance(v, list) and len(v) <= _MAX_NDIM and all(_is_int(d) and d >= 0 for d in v)
+            isinstance(v, list)
+            and len(v) <= _MAX_NDIM
+            and all(_is_int(d) and 0 <= d <= MAX_ARRAY_ELEMENTS for d in v)
+            and math.prod(v) <= MAX_ARRAY_ELEMENTS
         ),
-        f"a list of at most {_MAX_NDIM} ints >= 0",
+        f"a list of at most {_MAX_NDIM} ints >= 0 of at most 2**40 elements in all",
     ),
     "dtype": (
         lambda v: isinstance(v, str) and 0 < len(v) <= _MAX_DTYPE_LEN,
@@ -207,6 +238,7 @@ _KINDS: Final[dict[str, tuple[Callable[[object], bool], str]]] = {
     "chunk_checksums": (
         lambda v: (
             isinstance(v, list)
+            and len(v) <= MAX_CHUNKS_PER_ARRAY  # before looking at any entry
             and all(
                 isinstance(p, list)
                 and len(p) == 2
@@ -217,7 +249,7 @@ _KINDS: Final[dict[str, tuple[Callable[[object], bool], str]]] = {
                 for p in v
             )
         ),
-        "a list of [chunk index (list of ints >= 0), checksum str] pairs",
+        f"a list of at most {MAX_CHUNKS_PER_ARRAY} [chunk index (list of ints >= 0), checksum str] pairs",
     ),
 }
 
@@ -413,17 +445,70 @@ def _plain(v: Any) -> Any:
     return v
 
 
+_SEAL_PLACEHOLDER: Final[str] = checksum(b"")  # same length as every checksum of this algorithm
+
+
+def _pack(d: Mapping[str, Any]) -> bytes:
+    return msgpack.packb(d, use_bin_type=True, datetime=False)
+
+
+def seal_manifest(d: Mapping[str, Any]) -> bytes:
+    """Encodes the map ``d`` as msgpack with its self checksum as the last field.
+
+    The map is ``d`` (any ``"manifest_checksum"`` it has dropped) followed by
+    ``"manifest_checksum": "xxh3_64:<16 hex digits>"``, whose value is
+    :func:`~serializers.checksums.checksum` of every byte of the encoding before that value (the
+    map header, every other field, the key ``"manifest_checksum"``). The value is a 24-character
+    str, so its encoding is the manifest's last 25 bytes (``0xb8`` and the 24 characters), and
+    ``checksum(data[:-25]) == data[-24:].decode()`` checks a manifest by hand.
+
+    Nothing is validated: :func:`encode_manifest` checks the schema first. Tools and tests use
+    this to write a deliberately odd manifest that still passes the self check.
+
+    Raises:
+      ValueError: ``d`` is not msgpack-able.
+    """
+    out = {k: v for k, v in d.items() if k != SELF_CHECKSUM_FIELD}
+    out[SELF_CHECKSUM_FIELD] = _SEAL_PLACEHOLDER
+    try:
+        data = _pack(out)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"manifest is not msgpack-able: {e}") from None
+    body = data[: -len(_pack_str(_SEAL_PLACEHOLDER))]
+    return body + _pack_str(checksum(body))
+
+
+def _pack_str(s: str) -> bytes:
+    return msgpack.packb(s, use_bin_type=True)
+
+
+def _check_seal(data: bytes | bytearray | memoryview, doc: dict[str, Any], what: str) -> None:
+    """Raises :class:`CorruptDataError` unless ``doc`` (decoded from ``data``) ends with a
+    ``"manifest_checksum"`` that matches the bytes before its value."""
+    value = doc.get(SELF_CHECKSUM_FIELD)
+    if value is None and SELF_CHECKSUM_FIELD not in doc:
+        raise CorruptDataError(f"{what}: missing required field {SELF_CHECKSUM_FIELD!r}")
+    if not isinstance(value, str) or next(reversed(doc)) != SELF_CHECKSUM_FIELD:
+        raise CorruptDataError(f"{what}: field {SELF_CHECKSUM_FIELD!r} must be a str, the last field")
+    tail = _pack_str(value)
+    view = memoryview(data).cast("B")
+    if len(view) <= len(tail) or view[-len(tail) :] != tail:  # a str of this value, at the very end
+        raise CorruptDataError(f"{what}: field {SELF_CHECKSUM_FIELD!r} must be the last field")
+    verify(view[: -len(tail)], value, what=f"{what}: manifest")
+
+
 def encode_manifest(d: Mapping[str, Any], *, schema: ManifestSchema = CONTEXT_SCHEMA) -> bytes:
     """Encodes a manifest map as msgpack, after checking it against ``schema``.
 
     ``"format"`` and ``"version"`` are filled in when absent. Values of the
-    ``"arrays"`` list may be :class:`ArrayRecord`\\ s; tuples become lists.
+    ``"arrays"`` list may be :class:`ArrayRecord`\\ s; tuples become lists. The
+    result is sealed with its self checksum (:func:`seal_manifest`).
 
     Raises:
       ValueError: if ``d`` does not match ``schema`` or cannot be encoded (a bug
         in the caller: nothing invalid is ever written).
     """
-    out = {k: _plain(v) for k, v in d.items()}
+    out = {k: _plain(v) for k, v in d.items() if k != SELF_CHECKSUM_FIELD}
     out.setdefault("format", schema.format)
     out.setdefault("version", FORMAT_VERSION)
     if out["format"] != schema.format or out["version"] != FORMAT_VERSION:
@@ -435,10 +520,7 @@ def encode_manifest(d: Mapping[str, Any], *, schema: ManifestSchema = CONTEXT_SC
         _check_fields(out, schema.fields, "")
     except _Invalid as e:
         raise ValueError(f"refusing to encode an invalid manifest: {e}") from None
-    try:
-        return msgpack.packb(out, use_bin_type=True, datetime=False)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"manifest is not msgpack-able: {e}") from None
+    return seal_manifest(out)
 
 
 def _reject_ext(code: int, data: bytes) -> NoReturn:
@@ -470,11 +552,15 @@ def decode_manifest(
 
     Returns:
       The manifest map, with all of ``schema``'s required fields present and well
-      typed, plus whatever extra keys it had.
+      typed, plus whatever extra keys it had; its ``"manifest_checksum"``, checked,
+      is left out.
 
     Raises:
       UnsupportedVersionError: ``version`` is newer than :data:`FORMAT_VERSION`.
-      CorruptDataError: anything else wrong, naming ``what`` and the field.
+      CorruptDataError: anything else wrong, naming ``what`` and the field. For a
+        manifest of version 3 or later (or any that has a ``"manifest_checksum"``),
+        a self checksum that is missing or does not match its bytes comes first,
+        before any field other than ``format`` and ``version`` is looked at.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CorruptDataError(f"{what}: manifest must be bytes, got {_type_name(data)}")
@@ -513,6 +599,9 @@ def decode_manifest(
             f"{what}: manifest version {version} is newer than this library reads "
             f"(versions 1 to {FORMAT_VERSION}); upgrade residual-store to read it"
         )
+    if version >= SEALED_SINCE or SELF_CHECKSUM_FIELD in doc:  # a flipped version bit is caught too
+        _check_seal(data, doc, what)
+        del doc[SELF_CHECKSUM_FIELD]
     try:
         _check_fields(doc, schema.fields, "")
     except _Invalid as e:

@@ -22,6 +22,7 @@ import residual_store as rs
 from residual_store.backward import Backward
 from residual_store.export import export_backward, load_backward
 from residual_store.keypaths import PathStructure
+from serializers.manifest import seal_manifest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -105,7 +106,7 @@ def stored(tmp_path, rng):
 def _rewrite(manifest_path, change) -> None:
     m = msgpack.unpackb(manifest_path.read_bytes(), raw=False)
     change(m)
-    manifest_path.write_bytes(msgpack.packb(m, use_bin_type=True))
+    manifest_path.write_bytes(seal_manifest(m))  # re-sealed: the checks behind the seal
 
 
 @pytest.mark.subprocess

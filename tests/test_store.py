@@ -158,7 +158,7 @@ def test_plain_zarr_reads_every_residual_array(tmp_path, mixed_split, rng):
     with rs.Store(root) as store:
         store.put(ctx, "z")
     manifest = read_manifest(root, "z")
-    assert manifest["format"] == "residual-store/context" and manifest["version"] == 2
+    assert manifest["format"] == "residual-store/context" and manifest["version"] == 3
     assert len(manifest["arrays"]) == len(ctx.residuals)
     for record, x in zip(manifest["arrays"], ctx.residuals):
         want = raw(x)

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 from store_helpers import python_env, raw, read_manifest, write_script
 
 import residual_store as rs
 import serializers
+from serializers.manifest import seal_manifest
 
 SUBPROCESS_TIMEOUT = 120
 
@@ -412,7 +412,7 @@ def test_flipped_bit_in_one_chunk_is_corruption(written: dict[str, Any], tmp_pat
     manifest = read_manifest(tmp_path / "s", "ke")
     k = next(k for k, r in enumerate(manifest["arrays"]) if "chunk_checksums" in r)
     manifest["arrays"][k]["chunk_checksums"] = manifest["arrays"][k]["chunk_checksums"][1:]
-    (tmp_path / "s" / "contexts" / "ke.manifest").write_bytes(msgpack.packb(manifest))
+    (tmp_path / "s" / "contexts" / "ke.manifest").write_bytes(seal_manifest(manifest))
     with rs.Store(tmp_path / "s") as store, pytest.raises(rs.CorruptContextError, match="chunk_checksums"):
         store.get("ke")
 
@@ -439,12 +439,12 @@ def test_sharding_records_are_validated(tmp_path: Path) -> None:
     ]
     for shardings in bad_maps:
         manifest = {**good, "spec": {**good["spec"], "shardings": shardings}}
-        (tmp_path / "contexts" / "c.manifest").write_bytes(msgpack.packb(manifest))
+        (tmp_path / "contexts" / "c.manifest").write_bytes(seal_manifest(manifest))
         with rs.Store(tmp_path) as store, pytest.raises(rs.CorruptContextError, match="invalid spec"):
             store.get("c")
     # a 4-device mesh recorded for a residual: this 1-device process loads it whole
     manifest = {**good, "spec": {**good["spec"], "shardings": [{**mesh, "spec": [None]}] + [None] * (n - 1)}}
-    (tmp_path / "contexts" / "c.manifest").write_bytes(msgpack.packb(manifest))
+    (tmp_path / "contexts" / "c.manifest").write_bytes(seal_manifest(manifest))
     with rs.Store(tmp_path) as store:
         got = store.get("c")
     assert [raw(x).tobytes() for x in got.residuals] == [raw(x).tobytes() for x in ctx.residuals]

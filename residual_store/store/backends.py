@@ -8,21 +8,51 @@ uses the serializers' fast path, atomic renames and fsync; any other kvstore (``
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import shutil
+import stat
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
 import tensorstore as ts
 
 import serializers
+from residual_store.errors import CorruptContextError
+from serializers.arrays import (
+    check_array_metadata_local,
+    check_folders_local,
+    read_file_local,
+)
 
-__all__ = ["Backend", "open_backend"]
+__all__ = ["Backend", "DamagedFileError", "open_backend"]
 
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+class DamagedFileError(CorruptContextError, OSError):
+    """An entry below a local store's root is not what the store puts there: a symbolic link, a
+    FIFO, a device, a folder where a file belongs (or a file where a folder does), or a file
+    larger than it can be. The store never follows such a link nor blocks on such a file: the
+    read, write or removal that met it is refused, and nothing outside the root is touched.
+
+    A :class:`~residual_store.errors.CorruptContextError` (the store is damaged), and an
+    ``OSError`` so that a failed write cleans up as for any other I/O error."""
+
+
+def _damaged(err: Exception) -> DamagedFileError:
+    return DamagedFileError(str(err))
+
+
+_GC_LOCK = ".gc.lock"  # hidden: listings and the empty-folder check skip dot files
 
 
 class Backend(Protocol):
@@ -44,7 +74,7 @@ class Backend(Protocol):
     ) -> np.ndarray: ...
     def array_exists(self, path: str) -> bool: ...
     def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None: ...
-    def get_bytes(self, key: str) -> bytes | None: ...
+    def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes | None: ...
     def list_dir(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
     def delete_tree(self, prefix: str) -> None: ...
@@ -55,10 +85,17 @@ class Backend(Protocol):
     def root_exists(self) -> bool: ...
     def is_empty(self) -> bool: ...
     def list_temporary(self, prefix: str) -> list[str]: ...
+    def gc_lock(self, *, exclusive: bool) -> AbstractContextManager[None]: ...
+    def touch(self, prefix: str) -> bool: ...
 
 
 class _LocalBackend:
-    """A local folder: the serializers' fast path, atomic renames, fsync."""
+    """A local folder: the serializers' fast path, atomic renames, fsync.
+
+    Nothing below the root is followed if it is a symbolic link: every folder on the way to what
+    is read, written, listed, renamed or removed is checked with ``lstat`` (the root itself may
+    be a link), files are opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked to be regular files
+    of a plausible size, and a refusal is a :class:`DamagedFileError`."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -70,17 +107,73 @@ class _LocalBackend:
             raise ValueError(f"refusing a path outside the store: {key!r}")
         return path
 
+    def _parts(self, key: str) -> list[str]:
+        path = self._path(key)
+        return [] if path == self.root else path[len(self.root) + 1 :].split(os.sep)
+
+    def _safe(self, key: str, *, itself: bool = False) -> str:
+        """The path of ``key`` once no folder on the way to it below the root (nor ``key``
+        itself, with ``itself``) is a symbolic link; :class:`DamagedFileError` otherwise."""
+        parts = self._parts(key)
+        try:
+            check_folders_local(self.root, parts if itself else parts[:-1])
+        except serializers.CorruptDataError as err:
+            raise _damaged(err) from None
+        return os.path.join(self.root, *parts)
+
+    def _makedirs(self, folder_key: str) -> str:
+        """Makes the folder ``folder_key`` (``""``: the root) and what is missing on the way,
+        one component at a time, refusing any that is a link or not a folder."""
+        os.makedirs(self.root, exist_ok=True)  # the root (and above) as the user gave it
+        d = self.root
+        for part in self._parts(folder_key) if folder_key else []:
+            d = os.path.join(d, part)
+            try:
+                st = os.lstat(d)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(d)
+                    continue
+                except FileExistsError:  # made meanwhile by another writer
+                    st = os.lstat(d)
+            if stat.S_ISLNK(st.st_mode):
+                raise DamagedFileError(
+                    f"{d} is a symbolic link: a store never makes one, and never writes through one"
+                )
+            if not stat.S_ISDIR(st.st_mode):
+                raise DamagedFileError(f"{d} is not a folder, where the store keeps a folder")
+        return d
+
+    def _remove_entry(self, path: str) -> None:
+        """Removes the entry ``path`` itself (checked below the root by the caller): a link or a
+        file is unlinked (a link's target is never touched), a folder removed with everything in
+        it without following any link inside (``shutil.rmtree`` works on file descriptors)."""
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _remove_quietly(path)
+
     can_rename = True
 
     def write_arrays(
         self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
     ) -> None:
-        serializers.write_arrays_local(self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata)
+        try:
+            serializers.write_arrays_local(self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata)
+        except serializers.CorruptDataError as err:  # a link or a FIFO in the way: nothing written
+            raise _damaged(err) from err
 
     def rename(self, src: str, dst: str) -> bool:
+        """Renames the entry ``src`` (a link there is renamed itself, never followed) to ``dst``;
+        whether it worked. :class:`DamagedFileError` for a link on the way to either."""
+        source, target = self._safe(src), self._safe(dst)
+        self._makedirs(os.path.dirname(dst.rstrip("/")))
         try:
-            os.makedirs(os.path.dirname(self._path(dst)), exist_ok=True)
-            os.rename(self._path(src), self._path(dst))
+            os.rename(source, target)
             return True
         except OSError:
             return False
@@ -91,29 +184,37 @@ class _LocalBackend:
         """Content-addressed arrays that committed contexts of other writers may already hold:
         each is written under a temporary name and renamed into place, never rewritten in place,
         so a concurrent or failing writer cannot tear one that is already there. Partial arrays
-        (``write_metadata=False``) go to a temporary folder through :meth:`write_arrays` here."""
+        (``write_metadata=False``) go to a temporary folder through :meth:`write_arrays` here.
+
+        What is in the way and is not a complete array (a torn leftover, a planted link or file)
+        is removed (a link itself, never its target) and replaced."""
         if not arrays:
             return
         if not write_metadata:
             raise ValueError("a local folder renames whole shared arrays into place")
         temps = {f"{path}.{uuid.uuid4().hex[:12]}.tmp": path for path in arrays}
-        serializers.write_arrays_local(self.root, {t: arrays[p] for t, p in temps.items()}, fsync=fsync)
-        for temp, path in temps.items():
-            try:
-                os.rename(self._path(temp), self._path(path))
-            except OSError as err:
-                if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    for t in temps:
-                        shutil.rmtree(self._path(t), ignore_errors=True)
-                    raise
-                if not self.array_exists(path):  # a torn leftover, not a committed array
-                    shutil.rmtree(self._path(path), ignore_errors=True)
+        self.write_arrays({t: arrays[p] for t, p in temps.items()}, fsync=fsync)
+        try:
+            for temp, path in temps.items():
+                source, target = self._safe(temp), self._safe(path)
+                try:
+                    os.rename(source, target)
+                    continue
+                except OSError as err:
+                    if err.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                        raise
+                if not self.array_exists(path):  # a torn leftover or a planted entry, not an array
+                    self._remove_entry(target)
                     try:
-                        os.rename(self._path(temp), self._path(path))
+                        os.rename(source, target)
                         continue
                     except OSError:
                         pass
-                shutil.rmtree(self._path(temp), ignore_errors=True)  # the same bytes are there
+                self._remove_entry(source)  # the same bytes are there
+        except BaseException:
+            for t in temps:
+                self._remove_entry(self._path(t))
+            raise
         if fsync:
             for folder in {os.path.dirname(self._path(p)) for p in arrays}:
                 _fsync_dir(folder)
@@ -130,36 +231,71 @@ class _LocalBackend:
             self.root, path, shape, dtype, chunk_shape, index, check_metadata=False
         )
 
+    def check_metadata(
+        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...] | None = None
+    ) -> None:
+        """Checks the array's ``zarr.json`` (which the store's own reads skip, but plain ``zarr``
+        needs): :class:`DamagedFileError` if it is missing, not a regular file or wrong."""
+        try:
+            check_array_metadata_local(self.root, path, shape, dtype, chunk_shape)
+        except (serializers.CorruptDataError, serializers.UnsupportedDTypeError, ValueError) as err:
+            raise _damaged(err) from None
+
     def array_exists(self, path: str) -> bool:
-        return os.path.exists(os.path.join(self._path(path), "zarr.json"))
+        """Whether ``path`` is a folder (not a link) holding a regular ``zarr.json``."""
+        folder = self._safe(path)
+        try:
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                return False
+            return stat.S_ISREG(os.lstat(os.path.join(folder, "zarr.json")).st_mode)
+        except OSError:
+            return False
 
     def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None:
-        final = self._path(key)
-        folder = os.path.dirname(final)
-        os.makedirs(folder, exist_ok=True)
+        final = self._safe(key)
+        folder = self._makedirs(os.path.dirname(key.rstrip("/")))
         tmp = os.path.join(folder, f".{os.path.basename(final)}.{uuid.uuid4().hex}.tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+            try:
+                view = memoryview(data)
+                while view.nbytes:
+                    view = view[os.write(fd, view) :]
                 if fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.replace(tmp, final)  # a link or a FIFO there is replaced itself, never followed
+            except IsADirectoryError:  # a folder where the file goes: removed (no link followed)
+                self._remove_entry(final)
+                try:
+                    os.replace(tmp, final)
+                except OSError as err:
+                    raise DamagedFileError(f"{final} is a folder where the store keeps a file: {err}") from None
         except BaseException:
             _remove_quietly(tmp)
             raise
         if fsync:
             _fsync_dir(folder)
 
-    def get_bytes(self, key: str) -> bytes | None:
+    def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        """The bytes of the file ``key`` (``None`` if there is none): a regular file of at most
+        ``max_bytes`` (default: the manifest cap), never read through a link nor blocking."""
+        path = self._safe(key)
+        limit = serializers.MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
         try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+            return read_file_local(path, max_bytes=limit)
+        except serializers.CorruptDataError as err:
+            raise _damaged(err) from None
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self._path(key))
+        """Whether there is an entry ``key`` (whatever it is: a damaged one counts)."""
+        try:
+            os.lstat(self._safe(key))
+            return True
+        except OSError:
+            return False
 
     def is_file(self) -> bool:
         return os.path.exists(self.root) and not os.path.isdir(self.root)
@@ -175,37 +311,71 @@ class _LocalBackend:
             return True
 
     def list_dir(self, prefix: str) -> list[str]:
+        folder = self._safe(prefix, itself=True)
         try:
-            return sorted(n for n in os.listdir(self._path(prefix)) if not n.startswith("."))
+            return sorted(n for n in os.listdir(folder) if not n.startswith("."))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def list_temporary(self, prefix: str) -> list[str]:
         """Temporary files of :meth:`put_bytes` (``.<name>.<id>.tmp``) left by interrupted writes."""
         try:
-            names = os.listdir(self._path(prefix)) if prefix else os.listdir(self.root)
+            names = os.listdir(self._safe(prefix, itself=True)) if prefix else os.listdir(self.root)
         except (FileNotFoundError, NotADirectoryError):
             return []
         return sorted(n for n in names if n.startswith(".") and n.endswith(".tmp"))
 
     def delete(self, key: str) -> None:
-        _remove_quietly(self._path(key))
+        """Removes the entry ``key`` itself (a link is unlinked, never followed; a folder in place
+        of a file goes with what is in it); :class:`DamagedFileError` for a link on the way."""
+        self._remove_entry(self._safe(key))
 
     def delete_tree(self, prefix: str) -> None:
-        shutil.rmtree(self._path(prefix), ignore_errors=True)
+        self._remove_entry(self._safe(prefix))
 
     def age_seconds(self, prefix: str) -> float | None:
         try:
-            return time.time() - os.stat(self._path(prefix)).st_mtime
-        except FileNotFoundError:
+            return time.time() - os.lstat(self._safe(prefix)).st_mtime
+        except (FileNotFoundError, NotADirectoryError):
             return None
 
     def version(self, key: str) -> Any | None:
         try:
-            st = os.stat(self._path(key))
-        except FileNotFoundError:
+            st = os.lstat(self._safe(key))
+        except (FileNotFoundError, NotADirectoryError):
             return None
         return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    @contextlib.contextmanager
+    def gc_lock(self, *, exclusive: bool) -> Iterator[None]:
+        """The store's gc lock, across processes (``flock`` on ``.gc.lock``): shared by writers
+        from checking which weights exist to committing the manifest, exclusive for gc's
+        removals. Each acquisition opens its own descriptor, so threads of one process exclude
+        each other too."""
+        lock = os.path.join(self.root, _GC_LOCK)
+        try:  # never through a link, never blocking on a FIFO planted there
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise DamagedFileError(f"{lock} is not a regular file: refusing to lock it ({err.strerror})") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise DamagedFileError(f"{lock} is not a regular file: refusing to lock it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def touch(self, prefix: str) -> bool:
+        """Sets ``prefix``'s modification time to now (gc's age rule then keeps it); ``False``
+        if it is gone."""
+        try:
+            os.utime(self._safe(prefix), follow_symlinks=False)
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
 
 class _KvBackend:
@@ -265,9 +435,16 @@ class _KvBackend:
     def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None:
         self.kv.write(key, data).result()
 
-    def get_bytes(self, key: str) -> bytes | None:
+    def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         result = self.kv.read(key).result()
-        return bytes(result.value) if result.state == "value" else None
+        if result.state != "value":
+            return None
+        limit = serializers.MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
+        if len(result.value) > limit:
+            raise CorruptContextError(
+                f"{self.description}: {key} is {len(result.value):,} bytes, over the {limit:,} allowed"
+            )
+        return bytes(result.value)
 
     def list_dir(self, prefix: str) -> list[str]:
         prefix = prefix.rstrip("/") + "/"
@@ -304,6 +481,12 @@ class _KvBackend:
     def version(self, key: str) -> Any | None:
         return None  # no cheap version: manifests are read each time
 
+    def gc_lock(self, *, exclusive: bool) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # no cross-process lock: gc needs older_than=0 (see age_seconds)
+
+    def touch(self, prefix: str) -> bool:
+        return True  # nothing to refresh: gc on a kvstore has no age rule
+
 
 def _remove_quietly(path: str) -> None:
     try:
@@ -313,7 +496,7 @@ def _remove_quietly(path: str) -> None:
 
 
 def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+    fd = os.open(folder, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

@@ -33,10 +33,12 @@ the same sharding record.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -68,17 +70,20 @@ from residual_store.store.records import (
     chunked_digest,
     chunked_digest_of,
     layout_digest,
-    spec_from_map,
+    parse_context_manifest,
     spec_to_map,
 )
 
 __all__ = ["DiskTier", "STORE_MARKER"]
 
 STORE_MARKER = "residual-store.json"
+STORE_VERSION = 1
 STORE_FORMAT = b'{"format": "residual-store", "version": 1}\n'
 
 _FREE_DIR = "data/.free"
+_TRASH_DIR = "data/.trash"  # folders gc took, being removed
 _MAX_FREE_PER_LAYOUT = 64
+_STAT_CACHE_MAX = 4096  # parsed manifests kept for listing (least recently used dropped)
 _READ_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
 _READ_ATTEMPTS = 8
@@ -191,10 +196,11 @@ class DiskTier:
         self.backend = open_backend(path)
         self.read_only = bool(read_only)
         self._lock = threading.Lock()
-        self._stat_cache: dict[str, tuple[Any, StoredContext]] = {}
+        # key -> (manifest version, parsed manifest), least recently used first
+        self._stat_cache: OrderedDict[str, tuple[Any, StoredContext]] = OrderedDict()
         self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
         self._channel: Channel | None = None  # made at the first collective operation
-        if self.backend.get_bytes(STORE_MARKER) is not None:
+        if self._has_marker():
             return
         where = self.backend.description
         if self.read_only or not create:
@@ -205,16 +211,51 @@ class DiskTier:
             )
         if self.backend.is_file():
             raise InvalidArgumentError(f"{where} is a file, not a folder: a store needs a folder")
-        if not self.backend.is_empty():
-            if self.backend.get_bytes(STORE_MARKER) is not None:
-                return  # another process of the job made the store meanwhile
-            # gc removes what no context references under data/ and weights/: never in a folder
-            # of someone else's files
+        try:
+            if not self.backend.is_empty():
+                if self._has_marker():
+                    return  # another process of the job made the store meanwhile
+                # gc removes what no context references under data/ and weights/: never in a
+                # folder of someone else's files
+                raise InvalidArgumentError(
+                    f"{where} holds files but no residual store (no {STORE_MARKER}); give the "
+                    "store an empty or new folder"
+                )
+            self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
+        except (NotADirectoryError, FileExistsError) as err:  # a part of the path is a file
             raise InvalidArgumentError(
-                f"{where} holds files but no residual store (no {STORE_MARKER}); give the store "
-                "an empty or new folder"
+                f"{where}: a part of this path is a file, not a folder ({err}); a store needs a folder"
+            ) from err
+
+    def _has_marker(self) -> bool:
+        """Whether the root holds a store marker this version can open; a marker of a later
+        format version, or a damaged one, is refused (:class:`CorruptContextError`) before
+        anything is read or written."""
+        try:
+            data = self.backend.get_bytes(STORE_MARKER)
+        except IsADirectoryError as err:
+            raise CorruptContextError(
+                f"{self.backend.description}: the store marker {STORE_MARKER} is not a file"
+            ) from err
+        if data is None:
+            return False
+        what = f"{self.backend.description}: store marker {STORE_MARKER}"
+        try:
+            marker = json.loads(data[: 1 << 16].decode("utf-8")) if len(data) <= 1 << 16 else None
+        except (UnicodeDecodeError, ValueError):
+            marker = None
+        if not isinstance(marker, dict) or marker.get("format") != "residual-store":
+            raise CorruptContextError(f"{what} is damaged (not a residual-store marker): {data[:80]!r}")
+        version = marker.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CorruptContextError(f"{what} has an invalid format version {version!r}")
+        if version > STORE_VERSION:
+            raise CorruptContextError(
+                f"{what} has format version {version}, newer than the version {STORE_VERSION} this "
+                f"residual-store reads: upgrade residual-store to open it (nothing was read or "
+                "written)"
             )
-        self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
+        return True
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
@@ -242,7 +283,10 @@ class DiskTier:
         """
         self._check_writable(f"put {key!r}")
         data_dir = f"data/{key}.{uuid.uuid4().hex[:12]}"
-        previous = self._read_manifest_bytes(key)
+        try:
+            previous = self._read_manifest_bytes(key)
+        except CorruptContextError:  # a damaged one (a FIFO, a folder): replaced; gc takes its data
+            previous = None
         layout = layout_digest(
             (str(i), x.shape, serializers.zarr_dtype_name(x.dtype), getattr(x, "chunk_shape", None))
             for i, (x, kind) in enumerate(zip(arrays, spec.kinds))
@@ -274,10 +318,7 @@ class DiskTier:
                 digest = serializers.content_digest(x) if shared else None
             if shared:
                 path = f"weights/{digest}"
-                # Checked on every write (one stat locally): gc in another process may have
-                # removed a weight that no context referenced a moment ago.
-                if path not in to_write and not self.backend.array_exists(path):
-                    to_write[path] = data
+                to_write.setdefault(path, data)  # written below unless the store holds it already
             else:
                 path = f"{data_dir}/{i}"
                 to_write[path] = data
@@ -286,21 +327,52 @@ class DiskTier:
             records.append(_record(spec, i, path, x, checksum, shared, chunk_fields))
         manifest = _encode_manifest(key, spec, impls, shardings, data_dir, records)
         shared_arrays = {p: x for p, x in to_write.items() if p.startswith("weights/")}
+        created: list[str] = []  # weights this write added: removed again if it fails
         try:
             self.backend.write_arrays(
                 {p: x for p, x in to_write.items() if p not in shared_arrays}, fsync=fsync, reuse=reuse
             )
-            self.backend.write_shared_arrays(shared_arrays, fsync=fsync)
-            self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
+            # Under the shared gc lock from "which weights exist" to the commit: gc (which takes
+            # it exclusively) cannot remove a weight between this check and the manifest that
+            # references it.
+            with self.backend.gc_lock(exclusive=False):
+                created = [p for p in shared_arrays if not self.backend.array_exists(p)]
+                self.backend.write_shared_arrays({p: shared_arrays[p] for p in created}, fsync=fsync)
+                self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
         except (serializers.DiskFullError, OSError) as err:
-            self.backend.delete_tree(data_dir)
+            self._undo_write(data_dir, created)
             if isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS:
                 raise StoreFullError(
                     f"the disk cannot take context {key!r} ({sum(a.nbytes for a in to_write.values()):,} "
                     f"bytes to write under {self.description}): {err}"
                 ) from err
             raise
-        return self._data_of(previous) if previous is not None else None
+        return self._data_of(previous, key) if previous is not None else None
+
+    def _undo_write(self, data_dir: str, weights: Sequence[str]) -> None:
+        """Removes what a failed write left: its data folder, and the weights it added that no
+        committed manifest references (another writer may have committed one meanwhile)."""
+        self.backend.delete_tree(data_dir)
+        if not weights:
+            return
+        with self.backend.gc_lock(exclusive=True):
+            found = self._references()
+            for path in weights:
+                if found is not None and path not in found[0]:
+                    self.backend.delete_tree(path)
+
+    def _references(self) -> tuple[set[str], set[str]] | None:
+        """Every data folder and shared array a committed manifest references, and their
+        signatures; ``None`` if a manifest is unreadable (it may reference anything)."""
+        referenced: set[str] = set()
+        signatures: set[str] = set()
+        for _, stored in self.iter_manifests():
+            if not isinstance(stored, StoredContext):
+                return None
+            referenced.add(stored.data_dir)
+            referenced.update(r.path for r in stored.records if r.shared)
+            signatures.add(stored.spec.signature)
+        return referenced, signatures
 
     def _begin(self, what: str, value: Any = None) -> tuple[Collective, list[Any]]:
         """Begins a collective operation on this store's channel (see :meth:`Channel.begin`); a
@@ -449,7 +521,7 @@ class DiskTier:
         errors = [e for e in coll.allgather("committed", error if lead else None) if e is not None]
         if errors:
             raise ResidualStoreError(f"collective write of context {key!r} failed, nothing committed: {errors[0]}")
-        return self._data_of(previous) if previous is not None else None
+        return self._data_of(previous, key) if previous is not None else None
 
     def _commit_collective(
         self,
@@ -486,6 +558,7 @@ class DiskTier:
         begun (so none can still be checking whether ``key`` exists), and all learn the outcome.
         Returns the removed context's data (process 0 only)."""
         self._check_writable(f"delete {key!r}")
+        self._forget_stat(key)
         coll, _ = self._begin(f"delete {key!r}")
         stale, error = None, None
         if coll.index == 0:
@@ -518,23 +591,9 @@ class DiskTier:
         return self.backend.get_bytes(f"contexts/{key}.manifest")
 
     def parse_manifest(self, key: str, data: bytes) -> StoredContext:
-        what = f"context {key!r}"
-        try:
-            m = serializers.decode_manifest(data, what=f"manifest of {what}")
-            records = tuple(
-                serializers.ArrayRecord.from_dict(r, what=f"{what} array {i}") for i, r in enumerate(m["arrays"])
-            )
-        except serializers.CorruptDataError as err:
-            raise CorruptContextError(str(err)) from err
-        if m["key"] != key:
-            raise CorruptContextError(f"{what}: manifest names key {m['key']!r}")
-        spec, impls, shardings = spec_from_map(m["signature"], m["spec"], records, what, version=m["version"])
-        data_dir = m.get("data_dir")
-        if not isinstance(data_dir, str) or not serializers.is_safe_relpath(data_dir):
-            raise CorruptContextError(f"{what}: invalid data_dir in manifest")
-        return StoredContext(
-            key, spec, records, impls, float(m["created"]), m["jax_version"], data_dir, shardings
-        )
+        """The manifest of ``key``, self checksum and every field checked (see
+        :func:`~residual_store.store.records.parse_context_manifest`)."""
+        return parse_context_manifest(key, data)
 
     def stat(self, key: str) -> StoredContext:
         """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed.
@@ -546,8 +605,10 @@ class DiskTier:
         if version is not None:
             with self._lock:
                 cached = self._stat_cache.get(key)
-            if cached is not None and cached[0] == version:
-                return cached[1]
+                if cached is not None and cached[0] == version:
+                    self._stat_cache.move_to_end(key)
+                    return cached[1]
+        self._forget_stat(key)
         data = self._read_manifest_bytes(key)
         if data is None:
             raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
@@ -555,7 +616,13 @@ class DiskTier:
         if version is not None:
             with self._lock:
                 self._stat_cache[key] = (version, stored)
+                while len(self._stat_cache) > _STAT_CACHE_MAX:
+                    self._stat_cache.popitem(last=False)
         return stored
+
+    def _forget_stat(self, key: str) -> None:
+        with self._lock:
+            self._stat_cache.pop(key, None)
 
     def read(self, key: str, *, place: bool = True) -> tuple[StoredContext, HostArrays]:
         """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one.
@@ -685,20 +752,23 @@ class DiskTier:
         return [n[: -len(suffix)] for n in self.backend.list_dir("contexts") if n.endswith(suffix)]
 
     def __contains__(self, key: str) -> bool:
-        return self._read_manifest_bytes(key) is not None
+        try:
+            return self._read_manifest_bytes(key) is not None
+        except CorruptContextError:  # there but damaged (a FIFO, a folder): get refuses it, delete removes it
+            return True
 
     # -- deleting -----------------------------------------------------------------------------
 
     @staticmethod
-    def _data_of(manifest: bytes) -> StaleData | None:
+    def _data_of(manifest: bytes, key: str) -> StaleData | None:
+        """The data folder of ``key``'s (replaced or deleted) manifest, for :meth:`drop_data`;
+        ``None`` unless the manifest passes every check (its data_dir is then ``key``'s own):
+        a damaged or hostile manifest never gets a folder removed, gc finds its data later."""
         try:
-            m = serializers.decode_manifest(manifest, what="previous manifest")
-            records = [serializers.ArrayRecord.from_dict(r) for r in m["arrays"]]
-        except serializers.CorruptDataError:
-            return None  # unreadable: gc will find its data unreferenced
-        data_dir = m.get("data_dir")
-        if not (isinstance(data_dir, str) and serializers.is_safe_relpath(data_dir) and data_dir.startswith("data/")):
+            stored = parse_context_manifest(key, manifest)
+        except CorruptContextError:
             return None
+        data_dir, records = stored.data_dir, stored.records
         prefix = data_dir + "/"
         layout = layout_digest(
             (r.path[len(prefix) :], tuple(r.shape), r.dtype, r.chunk_shape)
@@ -717,7 +787,9 @@ class DiskTier:
                 if not free:
                     return False
                 candidate = free.pop()
-            if self.backend.rename(candidate, data_dir):
+            # touched first, so the folder is young under its new name (gc's age rule) from the
+            # moment it has one; a folder gc took meanwhile fails the touch or the rename
+            if self.backend.touch(candidate) and self.backend.rename(candidate, data_dir):
                 return True
 
     def drop_data(self, stale: StaleData, *, recycle: bool = True) -> None:
@@ -747,20 +819,29 @@ class DiskTier:
         Returns whether it was there and its data, for the caller to :meth:`drop_data`.
         """
         self._check_writable(f"delete {key!r}")
-        data = self._read_manifest_bytes(key)
+        self._forget_stat(key)
+        try:
+            data = self._read_manifest_bytes(key)
+        except CorruptContextError:  # not a regular file, oversized: removed all the same
+            data = b""
         if data is None:
             return False, None
         self.backend.delete(f"contexts/{key}.manifest")
-        return True, self._data_of(data)
+        return True, self._data_of(data, key)
 
     def iter_manifests(self) -> Iterator[tuple[str, StoredContext | CorruptContextError]]:
-        for key in self.keys():
+        keys = self.keys()
+        for key in keys:
             try:
                 yield key, self.stat(key)
             except ContextNotFoundError:
                 continue  # deleted meanwhile
             except CorruptContextError as err:
                 yield key, err
+        listed = set(keys)  # a whole listing: forget the contexts gone (deleted by any process)
+        with self._lock:
+            for key in [k for k in self._stat_cache if k not in listed]:
+                del self._stat_cache[key]
 
     # -- stored backwards ---------------------------------------------------------------------
 
@@ -783,7 +864,12 @@ class DiskTier:
         export_path, manifest_path = self._backward_paths(signature)
         if data is not None:
             self.write_blob(export_path, data, fsync=fsync)
-        self.write_blob(manifest_path, manifest, fsync=fsync)
+        try:
+            self.write_blob(manifest_path, manifest, fsync=fsync)
+        except BaseException:
+            if data is not None:  # no bytes of a failed write stay behind
+                self.backend.delete(export_path)
+            raise
 
     def backward_manifest(self, signature: str) -> dict[str, Any] | None:
         """The decoded manifest of the stored backward of ``signature`` (the export itself is
@@ -818,7 +904,9 @@ class DiskTier:
         if m is None or m.get("available") is False:
             return None if m is None else (m, None)
         export_path = self._backward_paths(signature)[0]
-        data = self.backend.get_bytes(export_path)
+        nbytes = m.get("nbytes")  # read no more than that (jax.export artifacts stay under 2 GiB)
+        valid = isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 <= nbytes
+        data = self.backend.get_bytes(export_path, max_bytes=min(nbytes, 1 << 31) if valid else 1 << 31)
         what = f"stored backward of signature {signature}"
         try:
             if data is None:
@@ -847,23 +935,29 @@ class DiskTier:
         processes are left alone (on kvstores without modification times, nothing is removed
         unless ``older_than`` is 0). A store holding an unreadable manifest is left alone (it may
         reference anything). Returns counts of what was removed.
+
+        Safe against writers in any process (see docs/format.md, "Garbage collection"): it holds
+        the store's gc lock exclusively, which writers hold shared from checking which weights
+        exist to committing; a recycled folder is touched before a writer claims it; and each
+        folder is first renamed into ``data/.trash`` (atomic against a writer's claim) and only
+        then removed.
         """
         self._check_writable("gc")
-        referenced: set[str] = set()
-        signatures: set[str] = set()
-        for _, stored in self.iter_manifests():
-            if isinstance(stored, StoredContext):
-                referenced.add(stored.data_dir)
-                referenced.update(r.path for r in stored.records if r.shared)
-                signatures.add(stored.spec.signature)
-            else:
-                return {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0, "skipped_corrupt": 1}
+        with self.backend.gc_lock(exclusive=True):
+            return self._gc_locked(older_than)
+
+    def _gc_locked(self, older_than: float) -> dict[str, int]:
         removed = {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0}
+        found = self._references()
+        if found is None:
+            return {**removed, "skipped_corrupt": 1}
+        referenced, signatures = found
+        for name in self.backend.list_dir(_TRASH_DIR):  # left by a gc that was killed
+            self.backend.delete_tree(f"{_TRASH_DIR}/{name}")
         for kind, prefix in (("weights", "weights"), ("data", "data")):
             for name in self.backend.list_dir(prefix):
                 path = f"{prefix}/{name}"
-                if path not in referenced and self._old_enough(path, older_than):
-                    self.backend.delete_tree(path)
+                if path not in referenced and self._old_enough(path, older_than) and self._discard(path):
                     removed[kind] += 1
         for name in self.backend.list_dir(_FREE_DIR):  # recycled folders kept for reuse
             path = f"{_FREE_DIR}/{name}"
@@ -873,8 +967,8 @@ class DiskTier:
                 for pool in self._free.values():
                     if path in pool:
                         pool.remove(path)
-            self.backend.delete_tree(path)
-            removed["recycled"] += 1
+            if self._discard(path):
+                removed["recycled"] += 1
         stems = {n.rsplit(".", 1)[0] for n in self.backend.list_dir("backwards")}
         for sig in sorted(stems):
             if sig in signatures:
@@ -896,3 +990,16 @@ class DiskTier:
                     self.backend.delete(path)
                     removed["temporary"] += 1
         return removed
+
+    def _discard(self, path: str) -> bool:
+        """Removes a folder gc chose: renamed into the trash first, so a writer that claims it
+        at the same moment gets it whole or not at all (never a folder half removed under it).
+        ``False`` if someone else took it first."""
+        if not self.backend.can_rename:
+            self.backend.delete_tree(path)
+            return True
+        trash = f"{_TRASH_DIR}/{uuid.uuid4().hex}"
+        if not self.backend.rename(path, trash):
+            return False
+        self.backend.delete_tree(trash)
+        return True

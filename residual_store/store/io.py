@@ -9,7 +9,8 @@ Nothing queued is lost on a normal exit: every live writer is drained when the i
 exits (the end of the script, ``sys.exit``, an uncaught exception), by a hook that runs when the
 main thread ends, before ``concurrent.futures`` stops the thread pools the writes use and before
 ``atexit`` handlers (such as ``jax.distributed``'s shutdown). A writer whose owner is collected
-finishes its queue before its thread ends. A killed process (``kill -9``, an unhandled SIGTERM,
+finishes its queue, then its thread ends (a write that failed is reported on stderr); a kept
+error holds no traceback frames, so it never keeps its store, and that thread, alive. A killed process (``kill -9``, an unhandled SIGTERM,
 ``os._exit``) loses what was queued.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -64,11 +66,13 @@ class Writer:
                 while not self._queue and not self._closed:
                     self._cv.wait()
                 if not self._queue:
-                    return
+                    unreported, self._errors = self._errors, []
+                    break
                 job, nbytes, future = self._queue[0]
             try:
                 future.set_result(job())
             except BaseException as err:  # noqa: BLE001 - reported through flush()
+                _release_frames(err)
                 future.set_exception(err)
                 with self._cv:
                     self._errors.append(err)
@@ -79,6 +83,9 @@ class Writer:
                 self._queue.popleft()
                 self._pending_bytes -= nbytes
                 self._cv.notify_all()
+        # Closed without a flush (its store was collected): nobody is left to raise these to.
+        for err in unreported:
+            _report(err, "in a store that was dropped without close()")
 
     @property
     def pending_bytes(self) -> int:
@@ -93,12 +100,14 @@ class Writer:
         if errors:
             raise errors[0]
 
-    def close(self) -> None:
-        """Runs what is queued, then stops the worker (from the worker itself: without waiting)."""
+    def close(self, wait: bool = True) -> None:
+        """Runs what is queued, then stops the worker; with ``wait``, returns once it has
+        stopped (never from the worker itself). Without ``wait`` the worker still runs its queue
+        first, and the exit drain (:func:`drain_all`) still waits for it."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if threading.current_thread() is not self._thread:
+        if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
     def drain(self) -> list[BaseException]:
@@ -118,7 +127,33 @@ def drain_all() -> None:
         writers = list(_LIVE)
     for writer in writers:
         for err in writer.drain():
-            print(f"residual-store: a background write failed at exit: {type(err).__name__}: {err}", file=sys.stderr)
+            _report(err, "at exit")
+
+
+def _report(err: BaseException, when: str) -> None:
+    print(f"residual-store: a background write failed {when}: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+def _release_frames(err: BaseException) -> None:
+    """Drops the tracebacks of ``err`` and of its causes, keeping their text as a note: a kept
+    error must not keep the store alive (a traceback's frames hold the job, which holds its
+    store, and the writer's thread holds the writer and its errors), or a store dropped after a
+    failed write would never be collected and its thread never end."""
+    try:
+        text = "".join(traceback.format_exception(err)).rstrip()
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the error itself
+        text = ""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+    if text:
+        err.add_note(f"raised in the store's background writer:\n{text}")
 
 
 # threading's own exit hooks run when the main thread ends, in reverse order of registration:

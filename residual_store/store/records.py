@@ -4,12 +4,21 @@ What the disk tier writes for a context and how it is read back, independent of 
 go: residuals as host NumPy arrays (typed PRNG keys as their key data, sharded arrays shard by
 shard), the sharding of each residual, the spec as a msgpack-able map, and the layout digest
 that lets a data folder be recycled by a write of the same shapes and dtypes.
+
+:func:`parse_context_manifest` is the one reader of a context manifest's bytes. A manifest is
+untrusted input (a flipped bit, a torn or hostile file): beyond its self checksum (see
+:mod:`serializers.manifest`) every field is cross-checked against the key it is read for and
+against the others, so that no manifest can make the store read, keep or delete another
+context's data, allocate what a file cannot hold, or hand JAX a residual it cannot take.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -23,17 +32,23 @@ from residual_store import structure
 from residual_store.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualContext, ResidualSpec
 from residual_store.errors import CorruptContextError, InvalidArgumentError
 from residual_store.placement import check_sharding_record, key_dtype, sharding_record
+from residual_store.store.keys import validate_key
 
 __all__ = [
+    "MAX_ARRAY_BYTES",
+    "MAX_CHUNKS",
     "HostArrays",
     "ShardedHost",
     "StaleData",
     "StoredContext",
+    "check_data_dir",
+    "check_signature",
     "chunk_index",
     "chunked_digest",
     "chunked_digest_of",
     "host_arrays",
     "layout_digest",
+    "parse_context_manifest",
     "spec_from_map",
     "spec_to_map",
     "to_device_sharded",
@@ -41,6 +56,17 @@ __all__ = [
 
 HostArrays = list["np.ndarray | ShardedHost"]
 """A context's residuals on the host: whole arrays, or shards of a sharded one."""
+
+MAX_ARRAY_BYTES = 1 << 40
+"""The largest array (1 TiB) a manifest may declare; a larger declaration is damage."""
+
+MAX_CHUNKS = 1 << 20
+"""The most chunks a context manifest may list in all (each array: at most
+:data:`serializers.manifest.MAX_CHUNKS_PER_ARRAY`)."""
+
+_SIGNATURE = re.compile(r"rs[12]-[0-9a-f]{32}")
+_WRITE_ID = re.compile(r"[0-9a-f]{12}")
+_WEIGHT_PATH = re.compile(r"weights/[0-9a-f]{32}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,10 +355,22 @@ def spec_from_map(
             raise ValueError("a residual's kind disagrees with whether its array is shared")
         avals = []
         for (shape, dtype), impl, record in zip(avals_raw, impls, records):
+            if not (isinstance(shape, list) and isinstance(dtype, str)):
+                raise ValueError("each aval must be [shape, dtype]")
             if impl is not None:
-                typed = key_dtype(impl)
+                if not isinstance(impl, str):
+                    raise ValueError("a key implementation must be a str")
+                try:
+                    typed, trailing, data_dtype = _key_layout(impl)
+                except Exception as err:  # noqa: BLE001 - JAX raises several types for an unknown impl
+                    raise ValueError(f"unknown PRNG key implementation {impl[:64]!r} ({type(err).__name__})") from None
                 if str(typed) != dtype:
                     raise ValueError(f"key dtype {dtype} does not match impl {impl}")
+                if record.dtype != data_dtype or tuple(shape) + trailing != tuple(record.shape):
+                    raise ValueError(
+                        f"key aval {dtype}{shape} disagrees with its array record "
+                        f"({record.dtype}{list(record.shape)}, key data {data_dtype}{list(trailing)})"
+                    )
                 avals.append(jax.ShapeDtypeStruct(tuple(shape), typed))
             else:
                 if dtype != record.dtype or list(shape) != list(record.shape):
@@ -360,3 +398,122 @@ def spec_from_map(
         raise CorruptContextError(f"{what}: invalid spec in manifest ({err})") from None
     return spec, tuple(impls), tuple(shardings)
 
+
+# ----------------------------------------------------------------------------------------------
+# Reading a context manifest
+
+
+def check_signature(signature: object, what: str) -> str:
+    """``signature`` if it is one this library writes (``rs1-`` or ``rs2-`` and 32 hex digits:
+    a safe file name under ``backwards/``); :class:`CorruptContextError` otherwise."""
+    if not (isinstance(signature, str) and _SIGNATURE.fullmatch(signature)):
+        shown = repr(signature)[:80] if isinstance(signature, str) else type(signature).__name__
+        raise CorruptContextError(f"{what}: invalid signature {shown} in manifest (not rs1-/rs2- and 32 hex digits)")
+    return signature
+
+
+def check_data_dir(key: str, data_dir: object, what: str) -> str:
+    """``data_dir`` if it is a folder this store's writer makes for ``key``:
+    ``data/<key>.<write id>``, the write id 12 hex digits. Two keys never have one folder (the
+    key is all of the name but its last 13 characters), so no manifest can name another
+    context's data. :class:`CorruptContextError` otherwise."""
+    prefix = f"data/{key}."
+    if not (
+        isinstance(data_dir, str)
+        and data_dir.startswith(prefix)
+        and _WRITE_ID.fullmatch(data_dir[len(prefix) :])
+    ):
+        shown = repr(data_dir)[:80] if isinstance(data_dir, str) else type(data_dir).__name__
+        raise CorruptContextError(
+            f"{what}: invalid data_dir {shown} in manifest (context {key!r} writes only "
+            f"data/{key}.<12 hex digits>)"
+        )
+    return data_dir
+
+
+@functools.lru_cache(maxsize=16)
+def _key_layout(impl: str) -> tuple[Any, tuple[int, ...], str]:
+    """The typed key dtype of a PRNG implementation, and the trailing shape and zarr dtype of its
+    key data; raises for a name JAX does not know."""
+    typed = key_dtype(impl)
+    data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    return typed, tuple(int(d) for d in data.shape), serializers.zarr_dtype_name(data.dtype)
+
+
+def _check_record(
+    i: int, record: serializers.ArrayRecord, data_dir: str, impl: str | None, what: str
+) -> None:
+    """One array record against its place in the store and its declared size."""
+    own = f"{data_dir}/{i}"
+    if record.shared:
+        if not (_WEIGHT_PATH.fullmatch(record.path) or record.path == own):
+            raise ValueError(f"a shared array must be at weights/<32 hex digits> or {own}, not {record.path!r}")
+    elif record.path != own:
+        raise ValueError(f"its array must be at {own} (the context's own data), not {record.path!r}")
+    try:
+        itemsize = serializers.numpy_dtype(record.dtype).itemsize
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"unsupported dtype {record.dtype!r} ({err})") from None
+    size = math.prod(record.shape) * itemsize
+    if size > MAX_ARRAY_BYTES:
+        raise ValueError(f"its shape {list(record.shape)} of {record.dtype} is {size:,} bytes, over the {MAX_ARRAY_BYTES:,} limit")
+    if record.nbytes != size:
+        raise ValueError(f"nbytes {record.nbytes} is not that of shape {list(record.shape)} of {record.dtype} ({size})")
+    if impl is not None:
+        _, trailing, data_dtype = _key_layout(impl)
+        if record.dtype != data_dtype or record.shape[len(record.shape) - len(trailing) :] != trailing:
+            raise ValueError(
+                f"a {impl} PRNG key is stored as {data_dtype} key data with trailing shape "
+                f"{list(trailing)}, not {record.dtype}{list(record.shape)}"
+            )
+
+
+def parse_context_manifest(key: str, data: bytes) -> StoredContext:
+    """Decodes and cross-checks the manifest of context ``key`` (read from ``contexts/``).
+
+    Beyond the schema and the self checksum (:func:`serializers.decode_manifest`), for every
+    version: the key is a valid key and the one the manifest names; the signature is one this
+    library writes; ``data_dir`` is ``data/<key>.<write id>`` (:func:`check_data_dir`); each
+    array is at ``<data_dir>/<i>``, or for a shared one (weight, constant) at
+    ``weights/<digest>``; each declared size is that of its shape and dtype, at most 1 TiB; no
+    more than :data:`MAX_CHUNKS` chunks in all; a PRNG key implementation only on a key-typed
+    residual whose stored key data has that implementation's dtype and trailing shape; the spec
+    agrees with the records (see :func:`spec_from_map`).
+
+    Raises:
+      CorruptContextError: anything wrong, naming the context and the field.
+    """
+    what = f"context {key!r}"
+    try:
+        validate_key(key)
+    except ValueError as err:  # a key listed from the store's folder, not one a user passed
+        raise CorruptContextError(f"{what}: a manifest under an invalid key ({err})") from None
+    try:
+        m = serializers.decode_manifest(data, what=f"manifest of {what}")
+        if m["key"] != key:
+            raise CorruptContextError(f"{what}: manifest names key {str(m['key'])[:200]!r}")
+        signature = check_signature(m["signature"], what)
+        data_dir = check_data_dir(key, m.get("data_dir"), what)
+        arrays = m["arrays"]
+        if sum(len(r.get("chunk_checksums") or ()) for r in arrays if isinstance(r, dict)) > MAX_CHUNKS:
+            raise CorruptContextError(f"{what}: manifest lists more than {MAX_CHUNKS} chunks")
+        records = tuple(
+            serializers.ArrayRecord.from_dict(r, what=f"{what} array {i}") for i, r in enumerate(arrays)
+        )
+    except serializers.CorruptDataError as err:
+        raise CorruptContextError(str(err)) from err
+    spec_map = m["spec"]
+    impls = spec_map.get("key_impls")
+    if not (isinstance(impls, list) and len(impls) == len(records)):
+        raise CorruptContextError(f"{what}: invalid spec in manifest (key_impls must list {len(records)} entries)")
+    for i, (record, impl) in enumerate(zip(records, impls)):
+        try:
+            if impl is not None and not (isinstance(impl, str) and 0 < len(impl) <= 64):
+                raise ValueError("its PRNG key implementation must be a short str or nil")
+            _check_record(i, record, data_dir, impl, what)
+        except Exception as err:  # noqa: BLE001 - JAX raises several types for an unknown key impl
+            raise CorruptContextError(f"{what}: array {i} ({record.name[:80]}): {err}") from None
+    spec, impls_out, shardings = spec_from_map(signature, spec_map, records, what, version=m["version"])
+    return StoredContext(
+        key, spec, records, impls_out, float(m["created"]), m["jax_version"], data_dir, shardings
+    )

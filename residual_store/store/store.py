@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import warnings
@@ -68,11 +69,30 @@ def _check_representable(key: str, spec: Any) -> None:
 
 
 def _shut_down(writer: Writer | None, loader: Loader, janitor: Loader) -> None:
-    """Finalizer of a collected store: its queued writes complete, then its threads stop."""
+    """Finalizer of a collected store: its threads stop once their queued work is done.
+
+    Never waits: the collection may run on one of these threads, or on a thread holding a lock
+    their work needs. Writes still complete (the writer runs its queue before it stops, and the
+    exit drain waits for it); a failed one is reported on stderr.
+    """
     if writer is not None:
-        writer.close()
+        writer.close(wait=False)
     loader.close(wait=False)
     janitor.close(wait=False)
+
+
+def _check_path(path: Any) -> None:
+    if path is None or isinstance(path, Mapping):
+        return
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"Store path must be a folder (str or os.PathLike), a tensorstore kvstore spec (dict) or "
+            f"None for memory only, got {type(path).__name__}: {path!r}"
+        )
+    if isinstance(os.fspath(path), bytes):
+        raise InvalidArgumentError(f"Store path must be a str path, not bytes: {path!r}")
+    if not os.fspath(path):
+        raise InvalidArgumentError("Store path is empty: give a folder, or None for memory only")
 
 
 class Store:
@@ -120,12 +140,23 @@ class Store:
         create: bool = True,
         read_only: bool = False,
     ) -> None:
+        self._closed = True  # until every part exists: a failed constructor leaves no threads
         self._read_only = bool(read_only)
         if path is None and self._read_only:
             raise InvalidArgumentError("a memory-only store (path=None) cannot be read_only")
-        self._disk = DiskTier(path, create=create, read_only=read_only) if path is not None else None
+        _check_path(path)
+        # Arguments first: a refused one must not leave a new store on disk.
         self._device = MemoryTier("device", device_budget)
         self._host = MemoryTier("host", host_budget)
+        if (
+            isinstance(max_pending_bytes, bool)
+            or not isinstance(max_pending_bytes, numbers.Integral)
+            or max_pending_bytes < 0
+        ):
+            raise InvalidArgumentError(
+                f"max_pending_bytes must be a non-negative int, got {max_pending_bytes!r}"
+            )
+        self._disk = DiskTier(path, create=create, read_only=read_only) if path is not None else None
         # Several processes (jax.process_count() > 1) write each context collectively, in put
         # order: every put is written through (a spill depends on one process's budgets).
         self._write_through = bool(write_through) or is_multiprocess()
@@ -138,9 +169,10 @@ class Store:
         self._backwards_seen: set[str] = set()  # signatures whose backward this store saved
         self._backwards_absent: set[str] = set()  # signatures with no stored backward (looked)
         self._warnings: list[str] = []  # from background work, emitted on the caller's thread
-        self._weights: dict[Any, weakref.ref[Any]] = {}  # path (and sharding) -> live weight
+        # path (and sharding) -> live weight; an entry goes when its array does
+        self._weights: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
         writes = self._disk is not None and not self._read_only
-        self._writer = Writer(max_pending_bytes) if writes else None
+        self._writer = Writer(int(max_pending_bytes)) if writes else None
         self._loader = Loader()
         self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
         self._closed = False
@@ -162,7 +194,10 @@ class Store:
                 pass
 
     def __repr__(self) -> str:
-        where = self._disk.description if self._disk is not None else "memory only"
+        disk = getattr(self, "_disk", None)
+        where = disk.description if disk is not None else "memory only"
+        if self._closed:
+            return f"Store({where}, closed)"
         return f"Store({where}, contexts={len(self)})"
 
     # -- put ----------------------------------------------------------------------------------
@@ -300,10 +335,16 @@ class Store:
                     return
             try:
                 arrays, impls = host_arrays(ctx)
-                if collective:
-                    stale = disk.write_collective(key, ctx.spec, arrays, impls, fsync=durable)
-                else:
-                    stale = disk.write(key, ctx.spec, arrays, impls, fsync=durable)
+                try:
+                    if collective:
+                        stale = disk.write_collective(key, ctx.spec, arrays, impls, fsync=durable)
+                    else:
+                        stale = disk.write(key, ctx.spec, arrays, impls, fsync=durable)
+                except BaseException:
+                    with self._lock:  # a put that failed is not in the store (flush raises why)
+                        if self._pending.get(key, (None, None))[1] is token:
+                            self._forget_memory(key)
+                    raise
                 self._drop_later(stale, collective=collective)
                 with self._lock:
                     if self._pending.get(key, (None, None))[1] is token:
@@ -360,7 +401,12 @@ class Store:
                     self._warnings.append(str(err))
                 self._record_unavailable(sig, str(err))
                 return
-            disk.write_backward(sig, data, manifest, fsync=durable)
+            try:
+                disk.write_backward(sig, data, manifest, fsync=durable)
+            except BaseException:
+                with self._lock:  # not saved (a full disk): the next put of this signature retries
+                    self._backwards_seen.discard(sig)
+                raise
 
         self._writer.submit(save, 0)
 
@@ -474,11 +520,10 @@ class Store:
         """One device array per stored weight (and sharding) while any loaded context holds it."""
         cache_key: Any = (path, x.placement) if isinstance(x, ShardedHost) else path
         with self._lock:
-            ref = self._weights.get(cache_key)
-            live = ref() if ref is not None else None
+            live = self._weights.get(cache_key)
             if live is None:
                 live = to_device_sharded(x) if isinstance(x, ShardedHost) else jax.device_put(x)
-                self._weights[cache_key] = weakref.ref(live)
+                self._weights[cache_key] = live
             return live
 
     def _ensure_backward(self, signature: str) -> None:
@@ -516,6 +561,7 @@ class Store:
 
     def pop(self, key: str) -> ResidualContext:
         """``get`` then ``delete``."""
+        self._check_open()
         self._check_writable("pop")
         ctx = self.get(key)
         self.delete(key)
@@ -570,6 +616,7 @@ class Store:
 
     def keys(self) -> list[str]:
         """Every key: in memory, pending, and committed on disk (by any process)."""
+        self._check_open()
         with self._lock:
             keys = set(self._device.keys()) | set(self._host.keys()) | set(self._pending)
             deleting = set(self._deleting)
@@ -578,6 +625,7 @@ class Store:
         return sorted(keys - deleting)
 
     def __contains__(self, key: object) -> bool:
+        self._check_open()
         if not isinstance(key, str):
             return False
         with self._lock:
@@ -596,6 +644,7 @@ class Store:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Bytes and contexts per tier; disk bytes count each shared weight once."""
+        self._check_open()
         with self._lock:
             result = {
                 "device": {"bytes": self._device.nbytes, "contexts": len(self._device)},
@@ -623,6 +672,7 @@ class Store:
         Raises the first error of a background write since the last flush, e.g.
         :class:`StoreFullError` for a disk that filled up (that context was not committed).
         """
+        self._check_open()
         try:
             if self._writer is not None:
                 self._writer.flush()
@@ -633,6 +683,7 @@ class Store:
         """Removes what no committed context needs: unreferenced weights and data, recycled
         folders, stored backwards of signatures no context has (and damaged ones), temporary
         files of interrupted writes; only items at least ``older_than`` seconds old."""
+        self._check_open()
         self._check_writable("gc")
         if self._disk is None:
             return {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0}
@@ -655,7 +706,8 @@ class Store:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidArgumentError("this store is closed")
+            where = self._disk.description if getattr(self, "_disk", None) is not None else "memory only"
+            raise InvalidArgumentError(f"this store ({where}) is closed: open a new rs.Store to use it again")
 
     def _check_writable(self, what: str) -> None:
         if self._read_only:

@@ -9,6 +9,7 @@ on a GPU; otherwise it keeps NumPy copies.
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from typing import Any
 
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 
 from residual_store.context import OWN_KINDS, ResidualContext
+from residual_store.errors import InvalidArgumentError
 
 __all__ = ["MemoryTier", "own_nbytes", "to_host", "to_device", "host_memory_kind"]
 
@@ -41,10 +43,15 @@ class MemoryTier:
     """An LRU of contexts with a byte budget (``None``: unbounded) on their own residuals."""
 
     def __init__(self, name: str, budget: int | None) -> None:
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
-            raise ValueError(f"{name}_budget must be a non-negative int or None, got {budget!r}")
+        if budget is not None and (
+            not isinstance(budget, numbers.Integral) or isinstance(budget, (bool, np.bool_)) or budget < 0
+        ):
+            raise InvalidArgumentError(
+                f"{name}_budget must be a non-negative int (bytes) or None (unbounded), got "
+                f"{type(budget).__name__} {budget!r}"
+            )
         self.name = name
-        self.budget = budget
+        self.budget = None if budget is None else int(budget)
         self._entries: OrderedDict[str, tuple[ResidualContext, int]] = OrderedDict()
         self.nbytes = 0
 
