@@ -4,6 +4,7 @@ bytes and no key behind (a real full disk: a small tmpfs, where the machine lets
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -58,8 +59,8 @@ with rs.Store(root, device_budget=0, host_budget=0) as store:  # every get reads
             store.flush()
         except Exception as err:
             failures.append(f"round {i}: {type(err).__name__}: {err}")
-        # let the weight and the recycled folders age past gc's one-second rule now and then
-        time.sleep(1.1 if i % 10 == 9 else 0.01)
+        if i == 2:  # the weight and the recycled folders age past gc's one-second rule: from
+            time.sleep(1.2)  # now on gc may take them whenever no manifest references them
 print(json.dumps({"failures": failures[:10], "n_failures": len(failures)}))
 """
 
@@ -74,7 +75,7 @@ def test_gc_in_another_process_never_removes_what_a_writer_commits(tmp_path):
     rs.Store(root).close()
     gc_proc = popen_python(write_script(tmp_path, "gc_loop.py", GC_LOOP), str(root), str(stop))
     try:
-        writer = run_python(write_script(tmp_path, "writer.py", WRITER), str(TESTS_DIR), str(root), "60")
+        writer = run_python(write_script(tmp_path, "writer.py", WRITER), str(TESTS_DIR), str(root), "100")
     finally:
         stop.touch()
         out, err = gc_proc.communicate(timeout=120)
@@ -218,3 +219,67 @@ def test_a_real_full_disk_leaves_no_bytes_and_the_backward_is_saved_later(tmp_pa
     assert backward["first"] == "StoreFullError" and backward["during"] == [], backward
     assert not backward["listed"], backward
     assert any(n.endswith(".manifest") for n in backward["after"]), backward  # a later put saved it
+
+
+def test_a_gc_paused_after_reading_the_manifests_never_removes_what_a_writer_commits_meanwhile(tmp_path):
+    """The race made deterministic: gc reads the manifests while the weight and a recycled
+    folder are old and unreferenced, then waits; a writer reuses both and commits; gc goes on.
+    The gc lock, the touch before a claim and the rename into the trash keep the context whole."""
+    import threading
+
+    import jax
+    import numpy as np
+
+    import residual_store as rs
+    from residual_store.store.disk import DiskTier
+    from store_helpers import init_params, mlp_batch, mlp_loss
+
+    root = tmp_path / "store"
+    fwd = rs.split(mlp_loss)
+    params = init_params(jax.random.key(0))
+    x0, y0 = mlp_batch(jax.random.key(1), 4)
+    x1, y1 = mlp_batch(jax.random.key(2), 4)
+    writer = rs.Store(root, device_budget=0, host_budget=0)
+    writer.put(fwd(params, x0, y0)[1], "a")
+    writer.flush()
+    writer.delete("a")  # its weight is unreferenced, its data folder recycled into data/.free
+    writer.flush()
+    writer._janitor.submit(lambda: None).result()  # the recycling has run
+    old = os.path.getmtime(root) - 60
+    for folder in ("weights", "data/.free"):
+        for name in os.listdir(root / folder):
+            os.utime(root / folder / name, (old, old))
+
+    snapshotted, go = threading.Event(), threading.Event()
+    real = DiskTier._references
+
+    def paused(self):
+        found = real(self)
+        if threading.current_thread().name == "gc":
+            snapshotted.set()
+            go.wait(10)
+        return found
+
+    results = {}
+    collector = rs.Store(root)
+    try:
+        DiskTier._references = paused
+        gc_thread = threading.Thread(target=lambda: results.update(gc=collector.gc(older_than=1.0)), name="gc")
+        gc_thread.start()
+        assert snapshotted.wait(10)
+        put_thread = threading.Thread(target=lambda: (writer.put(fwd(params, x1, y1)[1], "b"), writer.flush()))
+        put_thread.start()
+        put_thread.join(0.5)  # the writer claims the folder, writes, and waits for the gc lock
+        go.set()
+        gc_thread.join(10)
+        put_thread.join(10)
+    finally:
+        DiskTier._references = real
+        collector.close()
+    writer.close()
+    with rs.Store(root, read_only=True) as reader:
+        ctx = reader.get("b")
+    got, want = fwd.backward(ctx), jax.grad(mlp_loss)(params, x1, y1)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert results["gc"]["weights"] + results["gc"]["data"] + results["gc"]["recycled"] >= 1, results
