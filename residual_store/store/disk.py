@@ -409,8 +409,23 @@ class DiskTier:
         rename (a local or shared file system); on other kvstores each process writes its chunks
         under the weight's content address (the same bytes whoever writes them), and
         ``zarr.json``, written last by process 0, makes the weight exist.
+
+        Every process holds the store's gc lock shared for the whole write: from the first look
+        for a weight in any process to the commit, gc cannot remove one.
         """
         self._check_writable(f"put {key!r}")
+        with self.backend.gc_lock(exclusive=False):
+            return self._write_collective(key, spec, arrays, impls, fsync=fsync)
+
+    def _write_collective(
+        self,
+        key: str,
+        spec: ResidualSpec,
+        arrays: HostArrays,
+        impls: Sequence[str | None],
+        *,
+        fsync: bool,
+    ) -> StaleData | None:
         local_sums = _process_local_sums(arrays)
         coll, infos = self._begin(
             f"put {key!r}",
