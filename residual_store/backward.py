@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ from residual_store.errors import (
 from residual_store.keypaths import PathStructure
 from residual_store.signature import is_current
 
-__all__ = ["Backward", "backward", "lookup_backward", "register_backward", "staged"]
+__all__ = ["Backward", "backward", "find_backward", "lookup_backward", "offer_backward", "register_backward", "staged"]
 
 FlatBackward = Callable[[Sequence[Any], Sequence[Any]], Sequence[Any]]
 
@@ -236,6 +237,36 @@ def lookup_backward(signature: str) -> Backward | None:
         return _REGISTRY.get(signature)
 
 
+# Stored backwards on offer: a store that gave out a context of a signature offers to load that
+# signature's stored backward, which is loaded only when a backward is asked for and no live one
+# exists (a process with the split never pays for it). The most recent offers are kept.
+_MAX_OFFERS = 64
+_OFFERS: OrderedDict[str, Callable[[], object]] = OrderedDict()
+
+
+def offer_backward(signature: str, load: Callable[[], object]) -> None:
+    """Records that ``load()`` registers the backward of ``signature`` (see :func:`find_backward`);
+    a later offer of the same signature replaces an earlier one."""
+    with _REGISTRY_LOCK:
+        _OFFERS[signature] = load
+        _OFFERS.move_to_end(signature)
+        while len(_OFFERS) > _MAX_OFFERS:
+            _OFFERS.popitem(last=False)
+
+
+def find_backward(signature: str) -> Backward | None:
+    """The registered backward of ``signature``, else the one an offer loads (once), else ``None``."""
+    found = lookup_backward(signature)
+    if found is not None:
+        return found
+    with _REGISTRY_LOCK:
+        load = _OFFERS.pop(signature, None)
+    if load is None:
+        return None
+    load()
+    return lookup_backward(signature)
+
+
 def backward(ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -> Any:
     """Runs the backward of any context this process has a backward for.
 
@@ -258,7 +289,7 @@ def backward(ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -
     """
     if not isinstance(ctx, ResidualContext):
         raise InvalidArgumentError(f"backward expects a rs.ResidualContext, got {type(ctx).__name__}")
-    bwd = ctx._backward or lookup_backward(ctx.spec.signature)
+    bwd = ctx._backward or find_backward(ctx.spec.signature)
     if bwd is None:
         sig = ctx.spec.signature
         if not is_current(sig):

@@ -18,13 +18,15 @@ checksum (:mod:`serializers.checksums`) is the checksum of the array in memory.
 Three writers produce byte-identical chunk files and the same metadata, and each
 reader reads what any of them wrote (the tests check this):
 
-* The tensorstore path (:func:`write_array`, :func:`read_array` and their
+* The tensorstore path (:func:`write_arrays`, :func:`read_array` and their
   ``_async`` / batch forms) works on any tensorstore kvstore spec (``file``,
   ``memory``, cloud drivers). It writes chunks equal to the fill value too
   (``store_data_equal_to_fill_value``) and reads with ``fill_missing_data_reads``
   off, so a missing chunk is an error, never zeros. A ``memory`` kvstore lives in
   a tensorstore :class:`~tensorstore.Context`: pass the same ``context`` to write
   and read, or rely on :func:`default_context`, one context shared per process.
+  Its one-array and chunk-by-chunk writers, which no library code calls, live in
+  the tests (``tests/zarr3_reference.py``) as the interoperability reference.
 * The fast path (:func:`write_array_local`, :func:`read_array_local`) is for a
   plain local folder. It writes the chunk with ``os.write`` straight from the
   array's buffer (no copy), ``zarr.json`` after it, and fsyncs files and folders
@@ -41,7 +43,7 @@ Chunked arrays. An array may also be stored on a regular grid of equal chunks
 supported): chunk ``(i, j)`` is the file ``c.i.j``, each holding the raw bytes of
 its block, and ``zarr.json`` names the chunk shape. Such an array is written
 chunk by chunk, possibly by several writers that each hold some chunks
-(:class:`ChunkedArray`, :func:`write_chunks_local`, :func:`write_chunks`), and
+(:class:`ChunkedArray`, :func:`write_chunks_local`, :func:`write_arrays_kv`), and
 read chunk by chunk (:func:`read_chunk_local`, :func:`read_chunk`); plain
 ``zarr`` and tensorstore read it whole. A chunk write never removes the array's
 other chunks, so write into a fresh folder or one holding an array of the same
@@ -105,7 +107,6 @@ __all__ = [
     "default_context",
     "local_root",
     "aligned_empty",
-    "write_array",
     "write_array_async",
     "write_arrays",
     "read_array",
@@ -115,8 +116,6 @@ __all__ = [
     "write_arrays_local",
     "write_arrays_kv",
     "read_array_local",
-    "write_chunks",
-    "write_chunks_async",
     "read_chunk",
     "read_chunk_async",
     "write_chunks_local",
@@ -692,13 +691,6 @@ def write_array_async(
     return _then(written, lambda _: None, on_error)
 
 
-def write_array(
-    kvstore: KvStoreSpec, path: str, arr: Any, *, context: ts.Context | None = None
-) -> None:
-    """Writes ``arr`` as the zarr v3 array ``path`` under ``kvstore`` and waits."""
-    write_array_async(kvstore, path, arr, context=context).result()
-
-
 def _wait_all(futures: Mapping[str, ts.Future]) -> tuple[dict[str, Any], list[BaseException]]:
     results: dict[str, Any] = {}
     errors: list[BaseException] = []
@@ -718,7 +710,8 @@ def write_arrays(
 ) -> None:
     """Writes many arrays concurrently (``{path: array}``) and waits for all.
 
-    A value may be a :class:`ChunkedArray`: its chunks are written (see :func:`write_chunks`).
+    A value may be a :class:`ChunkedArray`: its chunks are written into the array (created if
+    missing) and the array's other chunks are left alone.
     If any write fails, every array of the batch is deleted again, and the first
     :class:`DiskFullError` (else the first error) is raised.
     """
@@ -959,46 +952,6 @@ def _delete_keys_async(kv: dict[str, Any], indices: Sequence[tuple[int, ...]], c
     """Removes the chunk keys of ``indices`` under the array folder ``kv`` (not the others)."""
     opened = ts.KvStore.open(kv, context=context)
     return _then(opened, lambda store: _all([store.write(chunk_index_key(i), None) for i in indices]))
-
-
-def write_chunks_async(
-    kvstore: KvStoreSpec,
-    path: str,
-    shape: Shape,
-    dtype: DTypeLike,
-    chunk_shape: Shape,
-    chunks: Mapping[Sequence[int], Any],
-    *,
-    context: ts.Context | None = None,
-) -> ts.Future:
-    """Starts writing some chunks of the chunked zarr v3 array ``path`` under ``kvstore``.
-
-    The array (its ``zarr.json``) is created if missing, or opened if it exists with the same
-    shape, dtype and chunk shape; the chunks given are written, the array's other chunks are left
-    alone (several writers may each write theirs). ``chunks`` maps a chunk index to an array of
-    ``chunk_shape``; see :class:`ChunkedArray`. On failure, the chunks of this call are deleted
-    and :class:`DiskFullError` (or tensorstore's error) is raised.
-
-    Raises:
-      ValueError: at once, for a chunk shape that does not divide ``shape``, an index outside
-        the grid or a chunk of the wrong shape or dtype.
-    """
-    arr = ChunkedArray(shape, dtype, chunk_shape, chunks)
-    return _write_chunked_async(kvstore, path, arr, context=context, delete_array_on_error=False)
-
-
-def write_chunks(
-    kvstore: KvStoreSpec,
-    path: str,
-    shape: Shape,
-    dtype: DTypeLike,
-    chunk_shape: Shape,
-    chunks: Mapping[Sequence[int], Any],
-    *,
-    context: ts.Context | None = None,
-) -> None:
-    """Writes some chunks of a chunked array and waits; see :func:`write_chunks_async`."""
-    write_chunks_async(kvstore, path, shape, dtype, chunk_shape, chunks, context=context).result()
 
 
 def read_chunk_async(

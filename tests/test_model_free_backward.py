@@ -290,3 +290,29 @@ def test_importing_the_types_after_the_backward_was_loaded_still_rebuilds_them(s
     proc = subprocess.run([sys.executable, "-c", program, str(root), TESTS], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-3:] == ["dict", "list", "Layer"]
+
+
+@pytest.mark.subprocess
+def test_the_stored_backward_is_deserialized_only_when_a_backward_needs_it(stored):
+    """``get`` reads and checks the stored backward (deleting the store afterwards cannot take it
+    away) but does not deserialize it; the first ``rs.backward`` without a live split does, once."""
+    root, _, _, _ = stored
+    program = textwrap.dedent(
+        """
+        import shutil, sys, residual_store as rs
+        from residual_store.store import backwards
+        loads = []
+        real = backwards.load_backward
+        backwards.load_backward = lambda *a, **k: loads.append(1) or real(*a, **k)
+        with rs.Store(sys.argv[1], read_only=True) as store:
+            ctx = store.get("mb0")
+        after_get = len(loads)
+        shutil.rmtree(sys.argv[1])  # the store is gone; its backward was read at get
+        rs.backward(ctx)
+        rs.backward(ctx)
+        print(after_get, len(loads))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", program, str(root)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-2:] == ["0", "1"]

@@ -42,17 +42,16 @@ from serializers import (
     read_chunk,
     read_chunk_local,
     register_zarr_dtypes,
-    write_array,
     write_array_async,
     write_array_local,
     write_arrays,
     write_arrays_kv,
     write_arrays_local,
-    write_chunks,
     write_chunks_local,
     zarr_dtype_name,
     zarr_metadata,
 )
+from zarr3_reference import write_array, write_chunks
 
 DTYPE_NAMES = list(SUPPORTED_DTYPES)
 SHAPES = [(), (0, 3), (7,), (2, 3)]
@@ -398,9 +397,8 @@ _EFBIG_SCRIPT = textwrap.dedent(
     """
     import json, os, resource, signal, sys
     import numpy as np
-    from serializers import (
-        DiskFullError, write_array, write_array_local, write_arrays, write_arrays_kv,
-    )
+    from serializers import DiskFullError, write_array_local, write_arrays, write_arrays_kv
+    from zarr3_reference import write_array
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
@@ -457,7 +455,8 @@ def test_serializers_imports_neither_jax_nor_residual_store() -> None:
 @pytest.mark.subprocess
 def test_efbig_in_subprocess_raises_disk_full_and_leaves_nothing(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    path = os.pathsep.join([str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, "-c", _EFBIG_SCRIPT, str(tmp_path)],
         capture_output=True,

@@ -2,7 +2,9 @@
 a process without the model can run ``rs.backward(store.get(key))``.
 
 Saving runs on the store's writer thread (exporting takes tens of milliseconds; ``put``
-returns at once). Loading checks a stored backward like data (its manifest, its checksum, that
+returns at once). ``get`` reads and checks the stored backward and offers it
+(``residual_store.backward.offer_backward``): it is deserialized only when ``rs.backward`` needs
+it. Loading checks a stored backward like data (its manifest, its checksum, that
 it names its signature) and matches it to this process's platform and device count. A damaged,
 unreadable or unsuitable stored backward never blocks ``get``: it is registered as a backward
 that raises when run, so only ``rs.backward`` in a process without a live split of that
@@ -13,6 +15,7 @@ signature ever sees it (:class:`~residual_store.errors.CorruptContextError` for 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,7 +25,7 @@ import jax
 import numpy as np
 
 import serializers
-from residual_store.backward import Backward, lookup_backward, register_backward
+from residual_store.backward import Backward, find_backward, lookup_backward, offer_backward, register_backward
 from residual_store.errors import BackwardUnavailableError, CorruptContextError, ResidualStoreError
 from residual_store.export import export_backward, load_backward
 from residual_store.keypaths import PathStructure
@@ -32,7 +35,9 @@ from residual_store.signature import is_current
 if TYPE_CHECKING:
     from residual_store.store.disk import DiskTier
 
-__all__ = ["check_records", "describe", "explicit_mesh", "load", "serialize", "structures", "unavailable_manifest"]
+__all__ = [
+    "check_records", "describe", "explicit_mesh", "load", "offer", "serialize", "structures", "unavailable_manifest",
+]
 
 _INTERFACE = "flat"  # how the artifact is called (see serializers.BACKWARD_SCHEMA)
 _OLD_INTERFACE = (
@@ -169,32 +174,42 @@ def _keep(bwd: Backward) -> None:
     register_backward(bwd)
 
 
-def load(disk: DiskTier, signature: str) -> bool:
-    """Registers the stored backward of ``signature`` for :func:`residual_store.backward`, unless
-    a backward of that signature is registered already. Returns whether one is stored. Never
-    raises: a stored backward that cannot be used is registered as one that raises when run."""
-    if lookup_backward(signature) is not None:
-        return True
-    if not is_current(signature):
-        return False  # residual-store 0.1's signatures could collide: its backwards are not run
+def offer(disk: DiskTier, signature: str) -> None:
+    """Reads and checks the stored backward of ``signature`` now (so deleting the store later
+    cannot take it away) and offers it to :func:`residual_store.backward`, which deserializes it
+    only if a backward of that signature is asked for and the process has no live one. Never
+    raises: a stored backward that cannot be used becomes one that raises when run."""
+    if lookup_backward(signature) is not None or not is_current(signature):
+        return  # a live one; or residual-store 0.1's signatures, which could collide: never run
     try:
         stored = disk.read_backward(signature)
     except CorruptContextError as err:
-        _keep(_refusing(signature, CorruptContextError(
+        damaged = CorruptContextError(
             f"{err}. The contexts of this signature are intact, but a process without the model "
             "cannot run their backward: run it with the split that makes them (split.backward); "
             "`residual-store gc` removes the damaged backward, and the next put of that "
             "signature saves it again"
-        )))
-        return True
-    if stored is None:
-        return False
-    manifest, data = stored
+        )
+        offer_backward(signature, functools.partial(_keep, _refusing(signature, damaged)))
+        return
+    if stored is not None:
+        offer_backward(signature, functools.partial(_register, signature, *stored))
+
+
+def load(disk: DiskTier, signature: str) -> bool:
+    """:func:`offer`, then load it at once; whether a backward of ``signature`` is stored (or
+    registered already)."""
+    offer(disk, signature)
+    return find_backward(signature) is not None
+
+
+def _register(signature: str, manifest: dict[str, Any], data: bytes | None) -> None:
+    """Deserializes a stored backward and registers it (or one that raises why it cannot run)."""
     try:
         bwd = _loaded(signature, manifest, data)
     except (BackwardUnavailableError, CorruptContextError) as err:
         _keep(_refusing(signature, err))
-        return True
+        return
     needed = _exported_device_count(data) if data is not None else 1
     if needed > jax.device_count():
         bwd = _refusing(
@@ -207,7 +222,6 @@ def load(disk: DiskTier, signature: str) -> bool:
             ),
         )
     _keep(bwd)
-    return True
 
 
 def structures(

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from residual_store import _jax_internals
-from residual_store.backward import lookup_backward
+from residual_store.backward import find_backward
 from residual_store.context import ResidualContext
 from residual_store.errors import (
     BackwardUnavailableError,
@@ -167,7 +167,6 @@ class Store:
         self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
         self._backwards_seen: set[str] = set()  # signatures whose backward this store saved
-        self._backwards_absent: set[str] = set()  # signatures with no stored backward (looked)
         self._warnings: list[str] = []  # from background work, emitted on the caller's thread
         # path (and sharding) -> live weight; an entry goes when its array does
         self._weights: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
@@ -380,7 +379,7 @@ class Store:
             self._backwards_seen.add(sig)
         if is_multiprocess() and jax.process_index() != 0:
             return  # process 0 saves it for the job
-        bwd = ctx._backward or lookup_backward(sig)
+        bwd = ctx._backward or find_backward(sig)
         if bwd is None or bwd.unavailable is not None:
             return
         disk, durable = self._disk, self._durable
@@ -527,13 +526,11 @@ class Store:
             return live
 
     def _ensure_backward(self, signature: str) -> None:
-        """Makes the stored backward of ``signature`` available to ``rs.backward`` (once per
-        signature); never raises for a damaged one (see :mod:`residual_store.store.backwards`)."""
-        if self._disk is None or signature in self._backwards_absent:
-            return
-        if not backwards.load(self._disk, signature):
-            with self._lock:
-                self._backwards_absent.add(signature)
+        """Offers the stored backward of ``signature`` to ``rs.backward``, which deserializes it
+        only when asked for a backward the process has no live one of; never raises for a
+        damaged one (see :mod:`residual_store.store.backwards`)."""
+        if self._disk is not None:
+            backwards.offer(self._disk, signature)
 
     def prefetch(self, key: str) -> None:
         """Starts bringing ``key`` to the device in the background; the next ``get`` takes it.
