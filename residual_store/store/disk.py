@@ -33,6 +33,7 @@ the same sharding record.
 from __future__ import annotations
 
 import errno
+import logging
 import json
 import os
 import threading
@@ -58,6 +59,7 @@ from residual_store.errors import (
     StoreFullError,
     StoreNotFoundError,
 )
+from residual_store.logs import event
 from residual_store.placement import rebuild_sharding
 from residual_store.store.backends import open_backend
 from residual_store.store.collective import Channel, Collective
@@ -340,6 +342,7 @@ class DiskTier:
                 self.backend.write_shared_arrays({p: shared_arrays[p] for p in created}, fsync=fsync)
                 self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
         except (serializers.DiskFullError, OSError) as err:
+            event(logging.WARNING, "put failed", key=key, error=f"{type(err).__name__}: {err}")
             self._undo_write(data_dir, created)
             if isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS:
                 raise StoreFullError(
@@ -347,6 +350,8 @@ class DiskTier:
                     f"bytes to write under {self.description}): {err}"
                 ) from err
             raise
+        event(logging.DEBUG, "commit", key=key, data_dir=data_dir, new_weights=len(created),
+              bytes=sum(getattr(a, "nbytes", 0) for a in to_write.values()))
         return self._data_of(previous, key) if previous is not None else None
 
     def _undo_write(self, data_dir: str, weights: Sequence[str]) -> None:
@@ -535,7 +540,9 @@ class DiskTier:
                 error = f"process 0: {type(err).__name__}: {err}"
         errors = [e for e in coll.allgather("committed", error if lead else None) if e is not None]
         if errors:
+            event(logging.WARNING, "collective put failed", key=key, error=errors[0])
             raise ResidualStoreError(f"collective write of context {key!r} failed, nothing committed: {errors[0]}")
+        event(logging.DEBUG, "collective commit", key=key, data_dir=data_dir, processes=len(written))
         return self._data_of(previous, key) if previous is not None else None
 
     def _commit_collective(
@@ -959,7 +966,9 @@ class DiskTier:
         """
         self._check_writable("gc")
         with self.backend.gc_lock(exclusive=True):
-            return self._gc_locked(older_than)
+            removed = self._gc_locked(older_than)
+        event(logging.INFO, "gc", store=self.description, older_than=older_than, **removed)
+        return removed
 
     def _gc_locked(self, older_than: float) -> dict[str, int]:
         removed = {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0}
