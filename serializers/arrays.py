@@ -90,6 +90,7 @@ from serializers.manifest import is_safe_relpath
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "fsync_folder_local",
     "KvStoreSpec",
     "zarr_dtype_name",
     "numpy_dtype",
@@ -1263,8 +1264,9 @@ def _fsync_path(p: str) -> None:
         os.close(fd)
 
 
-def _fsync_dir_path(p: str) -> None:
-    """fsyncs a folder (the root, or one checked below it)."""
+def fsync_folder_local(p: str) -> None:
+    """fsyncs a folder (the root, or one checked below it), so the entries it gained survive a
+    power loss."""
     fd = os.open(p, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -1466,7 +1468,7 @@ def write_arrays_local(
             )
         if fsync:  # files first, then the folders that name them
             _in_parallel(_fsync_path, [p for p, is_dir in undo.created if not is_dir])
-            _in_parallel(_fsync_dir_path, sorted(undo.dirty_dirs, key=len, reverse=True))
+            _in_parallel(fsync_folder_local, sorted(undo.dirty_dirs, key=len, reverse=True))
     except BaseException as e:
         undo.remove()
         if (

@@ -28,6 +28,7 @@ from residual_store.errors import CorruptContextError
 from serializers.arrays import (
     check_array_metadata_local,
     check_folders_local,
+    fsync_folder_local,
     read_file_local,
 )
 
@@ -35,7 +36,6 @@ __all__ = ["Backend", "DamagedFileError", "open_backend"]
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 class DamagedFileError(CorruptContextError, OSError):
@@ -217,7 +217,7 @@ class _LocalBackend:
             raise
         if fsync:
             for folder in {os.path.dirname(self._path(p)) for p in arrays}:
-                _fsync_dir(folder)
+                fsync_folder_local(folder)
 
     def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         # zarr.json is for other readers: the manifest gives shape and dtype, and the checksum
@@ -277,7 +277,7 @@ class _LocalBackend:
             _remove_quietly(tmp)
             raise
         if fsync:
-            _fsync_dir(folder)
+            fsync_folder_local(folder)
 
     def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         """The bytes of the file ``key`` (``None`` if there is none): a regular file of at most
@@ -493,14 +493,6 @@ def _remove_quietly(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open_backend(path: str | os.PathLike[str] | Mapping[str, Any]) -> Backend:
