@@ -1,55 +1,70 @@
 """How fast ``rs.Store`` moves residual contexts, against raw file I/O, ``np.save`` and Orbax.
 
-Run: ``python benchmarks/store_throughput.py [--sizes 4,64,512] [--repeats N] [--quick]
-[--no-orbax] [--dir DIR] [--part all|io|schedule]``. One process; every number is the median of
-its timed runs, taken round-robin across the candidates of one table, each round starting one
-candidate later (drift and neighbours on a shared machine hit them alike), after one untimed
-warm-up run each. Tables report ratios measured in this one
-run: absolute times on shared machines are noise, ratios are not.
+Run: ``python benchmarks/store_throughput.py [--sizes 2,4,64] [--repeats N] [--quick]
+[--no-orbax] [--dir DIR] [--part all|io|schedule|put|split]``. ``--quick`` measures the same
+sizes and the same schedule with fewer repeats (a minute or two on 2 cores); the full run takes a
+few minutes. One process; every number is the median of its timed runs, taken round-robin across
+the candidates of one table, each round starting one candidate later (drift and neighbours on a
+shared machine hit them alike), after one untimed warm-up run each. Ratios are measured in this
+one run: absolute times on shared machines are noise, ratios are not.
 
-Part 1, I/O. For each size (MiB), a real ``rs.ResidualContext``: ``rs.split`` of a function of
-12 float32 arrays of mixed sizes (40%, 20%, 10%, ... of the total), each through ``sin``, so its
-context holds 12 intermediates (``cos``) of exactly those sizes. Every writer writes the same
-bytes; every reader reads them back:
+Part 1, I/O. For each size (MiB; default 2, 4 and 64, 512 on request), a real
+``rs.ResidualContext``: ``rs.split`` of a function of 12 float32 arrays of mixed sizes (40%,
+20%, 10%, ... of the total), each through ``sin``, so its context holds 12 intermediates
+(``cos``) of exactly those sizes. Every writer writes the same bytes; every reader reads them:
 
-- writes: ``store.put(ctx, key)`` + ``store.flush()`` with ``durable=True`` (fsync) and
-  ``durable=False``, against raw ``ndarray.tofile`` one file per array (+ ``os.fsync`` of each
-  file and the folder for the durable row), ``np.save``, and Orbax ``StandardCheckpointer``
-  (``save`` + ``wait_until_finished``). Each writer starts after ``os.sync()``, so none pays for
-  another's dirty pages. ``np.save`` makes the same system calls as raw ``tofile`` (plus a
-  128-byte header), so its ratio shows the noise of the write rows: large at 512 MiB, where
-  page-cache allocation by the kernel dominates unsynced writes.
-- reads: ``store.get(key)`` in a fresh ``Store`` on the same path until the context is a ready
-  ``jax.Array`` pytree, against raw ``readinto`` into preallocated buffers (the baseline of the
-  goals), ``readinto`` into freshly allocated buffers (what any reader that returns new arrays
-  also pays: page faults; noisy at hundreds of MiB, where the kernel may compact memory for
-  transparent huge pages on first touch), ``np.load`` and Orbax ``restore``. Reads run twice:
-  cold (``sync`` + ``echo 1 > /proc/sys/vm/drop_caches`` before every timed read of every
-  reader, where this process may do that) and warm (the files are in the page cache for every
-  reader, each having read them once untimed).
+- writes: ``store.put(ctx, key)`` + ``store.flush()`` with ``durable=True`` and
+  ``durable=False``, against raw ``write`` of each array into its own file (the durable baseline
+  adds ``os.fsync`` of each file, of the folder and of its parent), ``np.save`` (the same system
+  calls as raw ``write``: its row shows the noise of the write rows) and Orbax
+  ``StandardCheckpointer`` (``save`` + ``wait_until_finished``). Each writer starts after
+  ``os.sync()``, so none pays for another's dirty pages. The store rows write a new key and
+  delete it after each run, so the store recycles the deleted context's data folder, as it does
+  in a training loop.
+- reads: ``store.get(key)`` in a fresh ``Store`` on the same path (opened untimed) until the
+  context is a ready ``jax.Array`` pytree, against the raw baseline: ``readinto`` into
+  preallocated 64-byte aligned buffers plus ``jax.device_put`` of each buffer (a get returns
+  ``jax.Array``s, so the baseline does too), the same into freshly allocated aligned buffers
+  (what any reader that returns new arrays pays: page faults), ``np.load`` (numpy arrays, no
+  ``device_put``) and Orbax ``restore``. Reads run cold (``sync`` + ``echo 1 >
+  /proc/sys/vm/drop_caches`` before every timed read of every reader, where this process may do
+  that) and warm (the files in the page cache, each read once untimed first).
+- round trip, at 4 MiB: ``put`` + ``flush`` into a durable store, then ``get`` in a fresh
+  ``Store`` (opened in the timed run), against Orbax ``save`` + ``restore``.
 - host tier: ``Store(None, device_budget=0)`` ``put`` + ``get`` round trip, against
   ``jax.device_put`` of every array to host memory (``pinned_host`` where the backend has it)
-  and back.
-- checksums: ``serializers.checksum`` over the 12 arrays, as a fraction of the get time.
+  and back. Checksums: ``serializers.checksum`` over the 12 arrays, against the warm get.
 
-Part 2, schedule. 16 microbatches of the small transformer of ``residual_store.demo``, all
-forwards then all backwards (F1..F16, B16..B1) with ``rs.split``: contexts kept in a Python
-list, against every context ``put`` into a disk ``Store(path, device_budget=0, host_budget=0)``
-(write-through; the contexts really leave memory) with ``store.prefetch`` one backward ahead,
-then ``store.get`` and the backward; the step ends with ``store.flush()``, so the writer's work
-is counted. Durable and non-durable stores; the gradients must equal the in-memory ones.
+Part 2, schedule. 16 microbatches of the demo transformer of ``residual_store.demo`` (3.9 MiB of
+intermediates per context), all forwards then all backwards (F1..F16, B16..B1) with
+``rs.split``: contexts kept in a Python list, against every context ``put`` into a disk
+``Store(path, device_budget=0, host_budget=0)`` (write-through; the contexts leave memory) with
+``store.prefetch`` one backward ahead, then ``store.get`` and the backward; the step ends with
+``store.flush()``, so the writer's work is counted. Durable and non-durable stores. Besides the
+wall time, the process's user and system CPU seconds per step (``getrusage``, all threads: XLA's,
+and the store's writer and loaders), so the I/O threads' cost shows.
 
-Part 3, put latency. The demo transformer's context ``put`` into a store that has not seen its
-signature (a fresh ``Store`` each run: the put that also saves the backward with ``jax.export``),
-against a ``put`` of the same signature again, and against the export itself. The export runs
-on the writer thread, so the first ``put`` returns as fast as a later one.
+Part 3, put latency (no goal). The demo transformer's context ``put`` into a store that has not
+seen its signature (a fresh ``Store`` each run: the put that also saves the backward with
+``jax.export``, on the writer thread), against a later ``put``, and against the export itself.
 
-Goals (from the issue): disk put >= 0.8x raw write throughput and get >= 0.8x raw read for
-64 MiB and up (fsync and no-fsync separately); a 4 MiB round trip within 2x raw; at least 10x
-faster than Orbax at 4 MiB; checksums under 10% of the get time; the store schedule within
-1.15x of the in-memory one. Each goal prints PASS or MISS. A round trip is the sum of the
-medians of put+flush and of a warm get (what it wrote is in the page cache), against raw
-tofile (+fsync) + readinto, and Orbax save + warm restore.
+Part 4, split. ``rs.split`` forward + backward against one jitted ``jax.value_and_grad``:
+``measure_model`` of ``benchmarks/split_overhead.py`` on its MLP (8 tanh layers of 1024, batch
+256: about 35 ms a step; its ``--quick`` MLP is too small, a step of dispatches, to judge by).
+
+Goals (issue 12), printed at the end as one table (goal | measured | target | verdict), each
+ratio from the medians of one table; "x raw" is raw time / store time (higher is better):
+
+- 64 MiB (and 512 MiB when measured): put+flush (durable) >= 0.9x raw write+fsync; cold get and
+  warm get >= 0.9x raw readinto+device_put;
+- 2 MiB: the same three at >= 0.7x raw;
+- 4 MiB durable round trip >= 10x faster than Orbax save + restore;
+- schedule through the spilled store <= 1.15x in memory without fsync, <= 1.25x with fsync;
+  its gradients bit-identical (``np.array_equal``) to the in-memory ones;
+- split forward + backward <= 1.10x fused ``value_and_grad``.
+
+A goal that this run could not measure (a size not in ``--sizes``, no page-cache drop, no Orbax)
+reads ``n/a``.
 """
 
 from __future__ import annotations
@@ -58,6 +73,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -73,6 +89,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from split_overhead import measure_model, mlp_case
 
 import residual_store as rs
 import serializers
@@ -81,31 +100,63 @@ from residual_store.demo import DemoConfig, init_transformer, transformer_loss
 # Relative sizes of the 12 residual arrays (percent of the total): a few big ones, small ones.
 _WEIGHTS = (40, 20, 10, 10, 6, 4, 3, 2, 2, 1, 1, 1)
 _ROW = 256  # arrays are (n // 256, 256) float32
-_DEFAULT_REPEATS = {4: 21, 64: 9, 512: 7}  # a full run takes 2-3 minutes on 2 cores
+_DEFAULT_SIZES = "2,4,64"
+_DEFAULT_REPEATS = {2: 21, 4: 21, 64: 9, 512: 7}
+_QUICK_REPEATS = {2: 9, 4: 9, 64: 5, 512: 3}
+_ROUND_TRIP_MIB = 4
+# size (MiB) -> the least put+flush and get throughput, as a fraction of raw
+_IO_TARGETS = {2: 0.7, 64: 0.9, 512: 0.9}
 _DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+# The schedule: 16 microbatches, about 3.9 MiB of intermediates per context (plus 3 MiB of
+# weights held by reference)
+SCHEDULE = DemoConfig(
+    vocab=256,
+    d_model=128,
+    n_heads=4,
+    d_ff=512,
+    n_layers=4,
+    seq_len=64,
+    microbatch=4,
+    n_microbatches=16,
+)
 
 
 # ----------------------------------------------------------------------------------------------
 # Timing
 
 
+def _cpu_seconds() -> tuple[float, float]:
+    """User and system CPU seconds of this process so far, all its threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime
+
+
 @dataclasses.dataclass
 class Case:
-    """One candidate: ``fn`` is timed (until its result is ready); setup/teardown are not."""
+    """One candidate: ``fn`` is timed (until its result is ready); setup/teardown are not.
+    ``cpu`` collects the (user, system) CPU seconds of each timed run."""
 
     fn: Callable[[], Any]
     setup: Callable[[], Any] | None = None
     teardown: Callable[[], Any] | None = None
+    cpu: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
     def run(self) -> float:
         if self.setup is not None:
             self.setup()
+        user, system = _cpu_seconds()
         start = time.perf_counter()
         jax.block_until_ready(self.fn())
         elapsed = time.perf_counter() - start
+        user_end, system_end = _cpu_seconds()
+        self.cpu.append((user_end - user, system_end - system))
         if self.teardown is not None:
             self.teardown()
         return elapsed
+
+    def median_cpu(self) -> tuple[float, float]:
+        return tuple(statistics.median(c[i] for c in self.cpu) for i in range(2))  # type: ignore[return-value]
 
 
 def _interleaved_medians(cases: dict[str, Case], repeats: int, warmup: int = 1) -> dict[str, float]:
@@ -115,6 +166,7 @@ def _interleaved_medians(cases: dict[str, Case], repeats: int, warmup: int = 1) 
     for case in cases.values():
         for _ in range(warmup):
             case.run()
+        case.cpu.clear()
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
     for r in range(repeats):
@@ -126,9 +178,7 @@ def _interleaved_medians(cases: dict[str, Case], repeats: int, warmup: int = 1) 
 def _try_drop_caches() -> bool:
     """Whether this process may drop the page cache (root, writable /proc); tries it once."""
     try:
-        os.sync()
-        with open(_DROP_CACHES, "w") as f:
-            f.write("1")
+        _drop_caches()
         return True
     except OSError:
         return False
@@ -168,27 +218,30 @@ def make_context(total_bytes: int) -> rs.ResidualContext:
 
 
 def raw_write(folder: Path, arrays: list[np.ndarray], fsync: bool) -> None:
+    """One ``write`` of each array into its own file (+ ``fsync`` of each, and of the folders)."""
     folder.mkdir(parents=True)
     for i, a in enumerate(arrays):
-        with open(folder / f"{i}.bin", "wb") as f:
-            a.tofile(f)
+        with open(folder / f"{i}.bin", "wb", buffering=0) as f:
+            f.write(memoryview(a.reshape(-1).view(np.uint8)))
             if fsync:
-                f.flush()
                 os.fsync(f.fileno())
     if fsync:
         _fsync_dir(folder)
         _fsync_dir(folder.parent)
 
 
-def raw_read_into(folder: Path, buffers: list[np.ndarray]) -> list[np.ndarray]:
+def raw_read_put(
+    folder: Path, buffers: list[np.ndarray], shardings: list[Any]
+) -> list[jax.Array]:
+    """The raw read baseline: ``readinto`` each file into its buffer, then ``jax.device_put``."""
     for i, buf in enumerate(buffers):
         with open(folder / f"{i}.bin", "rb", buffering=0) as f:
             f.readinto(memoryview(buf.reshape(-1).view(np.uint8)))
-    return buffers
+    return [jax.device_put(buf, s) for buf, s in zip(buffers, shardings)]
 
 
-def raw_read_fresh(folder: Path, arrays: list[np.ndarray]) -> list[np.ndarray]:
-    return raw_read_into(folder, [np.empty(a.shape, a.dtype) for a in arrays])
+def aligned_like(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    return [serializers.aligned_empty(a.shape, a.dtype) for a in arrays]
 
 
 def np_save(folder: Path, arrays: list[np.ndarray]) -> None:
@@ -265,6 +318,15 @@ def _make_orbax(enabled: bool) -> tuple[_Orbax | None, str]:
 # ----------------------------------------------------------------------------------------------
 # Part 1: I/O
 
+RAW_WRITE = "raw write"
+RAW_WRITE_FSYNC = "raw write+fsync"
+RAW_READ = "raw readinto+device_put"
+RAW_READ_FRESH = "raw readinto+device_put, fresh buffers"
+STORE_GET = "store get (fresh Store)"
+STORE_PUT = "store put+flush, durable={}"
+STORE_ROUND_TRIP = "store put+flush durable + get (fresh Store)"
+ORBAX_ROUND_TRIP = "orbax save + restore"
+
 
 @dataclasses.dataclass
 class Row:
@@ -276,8 +338,47 @@ class Row:
     nbytes: int
 
     @property
-    def ratio(self) -> float:
-        return self.seconds / self.baseline_seconds
+    def speed(self) -> float:
+        """Baseline time / this time: above 1 is faster than the baseline."""
+        return self.baseline_seconds / self.seconds
+
+
+class _Fresh:
+    """A new name for each run of a case, under ``root``, from one counter."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.counter = iter(range(1 << 30))
+
+    def name(self, prefix: str) -> str:
+        return f"{prefix}{next(self.counter)}"
+
+    def dir_case(self, prefix: str, fn: Callable[[Path], Any]) -> Case:
+        """``fn(folder)`` on a new folder after ``os.sync()``; the folder removed afterwards."""
+        paths: list[Path] = []
+
+        def setup() -> None:
+            os.sync()
+            paths[:] = [self.root / self.name(prefix)]
+
+        return Case(
+            lambda: fn(paths[0]), setup, lambda: shutil.rmtree(paths[0], ignore_errors=True)
+        )
+
+    def key_case(self, store: rs.Store, fn: Callable[[str], Any]) -> Case:
+        """``fn(key)`` on a new key of ``store`` after ``os.sync()``; the key deleted afterwards."""
+        keys: list[str] = []
+
+        def setup() -> None:
+            os.sync()
+            keys[:] = [self.name("k")]
+
+        return Case(lambda: fn(keys[0]), setup, lambda: store.delete(keys[0]))
+
+
+def _put_flush(store: rs.Store, ctx: rs.ResidualContext, key: str) -> None:
+    store.put(ctx, key)
+    store.flush()
 
 
 def measure_io(
@@ -286,56 +387,31 @@ def measure_io(
     """Returns the table rows and every median (seconds) by candidate name, for one size."""
     root = base / f"{mib}MiB"
     root.mkdir(parents=True)
+    fresh = _Fresh(root)
     ctx = make_context(mib << 20)
     residuals = ctx.residuals
+    shardings = [x.sharding for x in residuals]
     arrays = [np.asarray(x) for x in residuals]  # zero-copy views on CPU; same bytes for all
     nbytes = sum(a.nbytes for a in arrays)
-    counter = iter(range(1 << 30))
     t: dict[str, float] = {}
 
     # -- writes -----------------------------------------------------------------------------
-    stores = {
-        durable: rs.Store(root / f"store-w-{int(durable)}", durable=durable)
-        for durable in (False, True)
-    }
-    write_keys: dict[bool, str] = {}
-
-    def store_put(durable: bool) -> Case:
-        store = stores[durable]
-
-        def setup() -> None:
-            os.sync()
-            write_keys[durable] = f"w{next(counter)}"
-
-        def fn() -> None:
-            store.put(ctx, write_keys[durable])
-            store.flush()
-
-        return Case(fn, setup, lambda: store.delete(write_keys[durable]))
-
-    def dir_writer(name: str, write: Callable[[Path], Any]) -> Case:
-        paths: list[Path] = []
-
-        def setup() -> None:
-            os.sync()
-            paths[:] = [root / f"{name}-{next(counter)}"]
-
-        return Case(
-            lambda: write(paths[0]), setup, lambda: shutil.rmtree(paths[0], ignore_errors=True)
-        )
-
+    store_paths = {durable: root / f"store-w-{int(durable)}" for durable in (False, True)}
+    stores = {durable: rs.Store(p, durable=durable) for durable, p in store_paths.items()}
     writes = {
-        "raw tofile": dir_writer("raw", lambda p: raw_write(p, arrays, False)),
-        "raw tofile+fsync": dir_writer("raws", lambda p: raw_write(p, arrays, True)),
-        "np.save": dir_writer("npy", lambda p: np_save(p, arrays)),
-        "store put+flush, durable=False": store_put(False),
-        "store put+flush, durable=True": store_put(True),
+        RAW_WRITE: fresh.dir_case("raw", lambda p: raw_write(p, arrays, False)),
+        RAW_WRITE_FSYNC: fresh.dir_case("raws", lambda p: raw_write(p, arrays, True)),
+        "np.save": fresh.dir_case("npy", lambda p: np_save(p, arrays)),
+        **{
+            STORE_PUT.format(durable): fresh.key_case(
+                store, lambda k, store=store: _put_flush(store, ctx, k)
+            )
+            for durable, store in stores.items()
+        },
     }
     if orbax is not None:
-        writes["orbax save"] = dir_writer("orbax", lambda p: orbax.save(p, list(residuals)))
+        writes["orbax save"] = fresh.dir_case("orbax", lambda p: orbax.save(p, list(residuals)))
     t.update(_interleaved_medians(writes, repeats))
-    for s in stores.values():
-        s.close()
 
     # -- reads: write each format once, then read it back -------------------------------------
     raw_dir, npy_dir, orbax_dir, store_dir = (
@@ -348,7 +424,7 @@ def measure_io(
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in residuals]
     if orbax is not None:
         orbax.save(orbax_dir, list(residuals))
-    buffers = [np.empty_like(a) for a in arrays]
+    buffers = aligned_like(arrays)
     reader: list[rs.Store] = []
 
     def open_reader() -> None:
@@ -363,29 +439,29 @@ def measure_io(
         return got
 
     for mode in ("cold", "warm") if cold else ("warm",):
-        before = _drop_caches if mode == "cold" else None
+        drop = _drop_caches if mode == "cold" else None
 
-        def with_before(
-            fn: Callable[[], Any] | None = None, before: Callable[[], None] | None = before
+        def before(
+            fn: Callable[[], None] | None = None, drop: Callable[[], None] | None = drop
         ) -> Callable[[], None]:
             def setup() -> None:
                 if fn is not None:
                     fn()
-                if before is not None:
-                    before()
+                if drop is not None:
+                    drop()
 
             return setup
 
         reads = {
-            "raw readinto": Case(lambda: raw_read_into(raw_dir, buffers), with_before()),
-            "raw readinto, fresh buffers": Case(
-                lambda: raw_read_fresh(raw_dir, arrays), with_before()
+            RAW_READ: Case(lambda: raw_read_put(raw_dir, buffers, shardings), before()),
+            RAW_READ_FRESH: Case(
+                lambda: raw_read_put(raw_dir, aligned_like(arrays), shardings), before()
             ),
-            "np.load": Case(lambda: np_load(npy_dir, len(arrays)), with_before()),
-            "store get (fresh Store)": Case(get_and_check, with_before(open_reader), close_reader),
+            "np.load": Case(lambda: np_load(npy_dir, len(arrays)), before()),
+            STORE_GET: Case(get_and_check, before(open_reader), close_reader),
         }
         if orbax is not None:
-            reads["orbax restore"] = Case(lambda: orbax.restore(orbax_dir, abstract), with_before())
+            reads["orbax restore"] = Case(lambda: orbax.restore(orbax_dir, abstract), before())
         t.update(
             {f"{name} [{mode}]": v for name, v in _interleaved_medians(reads, repeats).items()}
         )
@@ -394,6 +470,23 @@ def measure_io(
     with rs.Store(store_dir) as s:
         got = s.get("r")
         assert all(np.array_equal(np.asarray(g), a) for g, a in zip(got.residuals, arrays))
+
+    # -- round trip: durable put+flush, then get in a fresh Store -------------------------------
+    if mib == _ROUND_TRIP_MIB:
+
+        def store_round_trip(key: str) -> rs.ResidualContext:
+            _put_flush(stores[True], ctx, key)
+            with rs.Store(store_paths[True]) as s:
+                return jax.block_until_ready(s.get(key))
+
+        trips = {STORE_ROUND_TRIP: fresh.key_case(stores[True], store_round_trip)}
+        if orbax is not None:
+            trips[ORBAX_ROUND_TRIP] = fresh.dir_case(
+                "orbax-rt", lambda p: (orbax.save(p, list(residuals)), orbax.restore(p, abstract))
+            )
+        t.update(_interleaved_medians(trips, repeats))
+    for s in stores.values():
+        s.close()
 
     # -- host tier and checksums --------------------------------------------------------------
     host_store = rs.Store(None, device_budget=0)
@@ -418,36 +511,29 @@ def measure_io(
         return Row(mib, op, t[op], baseline, t[baseline], nbytes)
 
     rows = [
-        row("raw tofile+fsync", "raw tofile"),
-        row("np.save", "raw tofile"),
-        row("store put+flush, durable=False", "raw tofile"),
-        row("store put+flush, durable=True", "raw tofile+fsync"),
+        row(RAW_WRITE_FSYNC, RAW_WRITE),
+        row("np.save", RAW_WRITE),
+        row(STORE_PUT.format(False), RAW_WRITE),
+        row(STORE_PUT.format(True), RAW_WRITE_FSYNC),
     ]
     if orbax is not None:
-        rows.append(row("orbax save", "raw tofile+fsync"))
+        rows.append(row("orbax save", RAW_WRITE_FSYNC))
     for mode in ("cold", "warm") if cold else ("warm",):
-        base_read = f"raw readinto [{mode}]"
-        rows += [
-            row(f"raw readinto, fresh buffers [{mode}]", base_read),
-            row(f"np.load [{mode}]", base_read),
-            row(f"store get (fresh Store) [{mode}]", base_read),
-        ]
+        base_read = f"{RAW_READ} [{mode}]"
+        rows += [row(f"{op} [{mode}]", base_read) for op in (RAW_READ_FRESH, "np.load", STORE_GET)]
         if orbax is not None:
             rows.append(row(f"orbax restore [{mode}]", base_read))
-    rows += [
-        row("host tier put+get", "device_put to host and back"),
-        row("checksum 12 arrays", "store get (fresh Store) [warm]"),
-    ]
-    if cold:
-        rows.append(row("checksum 12 arrays", "store get (fresh Store) [cold]"))
+    if ORBAX_ROUND_TRIP in t:
+        rows.append(row(STORE_ROUND_TRIP, ORBAX_ROUND_TRIP))
+    rows.append(row("host tier put+get", "device_put to host and back"))
     shutil.rmtree(root, ignore_errors=True)
     return rows, t
 
 
 def _print_io_table(rows: list[Row]) -> None:
     header = (
-        f"{'size':>7} | {'operation':<36} | {'ms':>9} | {'baseline':<32} | {'base ms':>9} | "
-        f"{'ratio':>6} | {'GB/s':>6}"
+        f"{'size':>7} | {'operation':<46} | {'ms':>8} | {'baseline':<46} | {'base ms':>8} | "
+        f"{'base/ms':>7} | {'GB/s':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -457,42 +543,31 @@ def _print_io_table(rows: list[Row]) -> None:
             print("-" * len(header))
         last = r.size_mib
         print(
-            f"{r.size_mib:>4}MiB | {r.op:<36} | {r.seconds * 1e3:>9.2f} | {r.baseline:<32} | "
-            f"{r.baseline_seconds * 1e3:>9.2f} | {r.ratio:>6.2f} | {r.nbytes / r.seconds / 1e9:>6.2f}"
+            f"{r.size_mib:>4}MiB | {r.op:<46} | {r.seconds * 1e3:>8.2f} | {r.baseline:<46} | "
+            f"{r.baseline_seconds * 1e3:>8.2f} | {r.speed:>7.2f} | {r.nbytes / r.seconds / 1e9:>6.2f}"
         )
+
+
+def _print_checksums(t_by_size: dict[int, dict[str, float]]) -> None:
+    print("\nchecksums (serializers.checksum of the 12 arrays), against the store's get:")
+    for mib, t in t_by_size.items():
+        shares = ", ".join(
+            f"{100 * t['checksum 12 arrays'] / t[f'{STORE_GET} [{mode}]']:.1f}% of a {mode} get"
+            for mode in ("cold", "warm")
+            if f"{STORE_GET} [{mode}]" in t
+        )
+        print(f"  {mib:>4} MiB: {t['checksum 12 arrays'] * 1e3:.2f} ms, {shares}")
 
 
 # ----------------------------------------------------------------------------------------------
 # Part 2: the schedule
 
-
-def schedule_config(quick: bool) -> DemoConfig:
-    if quick:
-        return DemoConfig(
-            vocab=128,
-            d_model=64,
-            n_heads=4,
-            d_ff=256,
-            n_layers=2,
-            seq_len=64,
-            microbatch=4,
-            n_microbatches=8,
-        )
-    # about 3.9 MiB of intermediates per context (plus 3 MiB of weights held by reference)
-    return DemoConfig(
-        vocab=256,
-        d_model=128,
-        n_heads=4,
-        d_ff=512,
-        n_layers=4,
-        seq_len=64,
-        microbatch=4,
-        n_microbatches=16,
-    )
+IN_MEMORY = "in memory (list)"
+SPILLED = "store, durable={}"
 
 
-def measure_schedule(base: Path, repeats: int, quick: bool) -> dict[str, Any]:
-    cfg = schedule_config(quick)
+def measure_schedule(base: Path, repeats: int) -> dict[str, Any]:
+    cfg = SCHEDULE
     n = cfg.n_microbatches
     key = jax.random.key(cfg.seed)
     params = init_transformer(key, cfg)
@@ -538,23 +613,18 @@ def measure_schedule(base: Path, repeats: int, quick: bool) -> dict[str, Any]:
         for durable in (True, False)
     }
     try:
-        reference = in_memory()
-        diffs = {}
+        reference = jax.tree.leaves(in_memory())
+        identical = {}
         for durable, store in stores.items():
-            got = via_store(store)
-            diffs[durable] = max(
-                float(jnp.max(jnp.abs(a - b)))
-                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(reference))
+            got = jax.tree.leaves(via_store(store))
+            identical[durable] = len(got) == len(reference) and all(
+                np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, reference)
             )
-        t = _interleaved_medians(
-            {
-                "in memory (list)": Case(in_memory),
-                "store, durable=True": Case(lambda: via_store(stores[True])),
-                "store, durable=False": Case(lambda: via_store(stores[False])),
-            },
-            repeats,
-        )
-        stats = stores[True].stats()
+        cases = {
+            IN_MEMORY: Case(in_memory),
+            **{SPILLED.format(d): Case(lambda d=d: via_store(stores[d])) for d in (True, False)},
+        }
+        t = _interleaved_medians(cases, repeats)
     finally:
         for s in stores.values():
             s.close()
@@ -563,80 +633,219 @@ def measure_schedule(base: Path, repeats: int, quick: bool) -> dict[str, Any]:
         "own_bytes": inter,
         "context_bytes": ctx0.nbytes,
         "t": t,
-        "diffs": diffs,
-        "stats": stats,
+        "cpu": {name: case.median_cpu() for name, case in cases.items()},
+        "identical": identical,
     }
 
 
+def _print_schedule(s: dict[str, Any], reps: int) -> None:
+    cfg, t, cpu = s["cfg"], s["t"], s["cpu"]
+    print(
+        f"\nschedule: {cfg.n_microbatches} microbatches of the demo transformer "
+        f"({cfg.n_layers} layers, d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.microbatch}x{cfg.seq_len} "
+        f"tokens), F1..F{cfg.n_microbatches} then B{cfg.n_microbatches}..B1; a context holds "
+        f"{s['own_bytes'] / 2**20:.2f} MiB of intermediates ({s['context_bytes'] / 2**20:.2f} MiB "
+        f"with weights); medians of {reps} steps, round-robin; CPU: process user and system "
+        f"seconds per step, all threads (getrusage)"
+    )
+    rows = [(IN_MEMORY, IN_MEMORY, "-")] + [
+        (SPILLED.format(d), f"Store(path, budgets 0), prefetch+get, durable={d}", str(s["identical"][d]))
+        for d in (True, False)
+    ]
+    header = (
+        f"{'contexts':<52} | {'ms/step':>8} | {'ratio':>6} | {'user s':>7} | {'sys s':>7} | "
+        f"{'CPU/wall':>8} | {'grads identical':>15}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, label, same in rows:
+        user, system = cpu[name]
+        print(
+            f"{label:<52} | {t[name] * 1e3:>8.1f} | {t[name] / t[IN_MEMORY]:>6.2f} | {user:>7.3f} | "
+            f"{system:>7.3f} | {(user + system) / t[name]:>8.2f} | {same:>15}"
+        )
+
+
 # ----------------------------------------------------------------------------------------------
+# Part 3: put latency
 
 
-def measure_first_put(base: Path, repeats: int, quick: bool) -> dict[str, float]:
+def measure_first_put(base: Path, repeats: int) -> dict[str, float]:
     """Median seconds of a put that saves the signature's backward, of a later put, and of the
     export itself (see Part 3 of the module docstring)."""
     from residual_store.store import backwards
 
-    cfg = schedule_config(quick)
+    cfg = SCHEDULE
     params = init_transformer(jax.random.key(0), cfg)
     tokens = jax.random.randint(jax.random.key(1), (cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
     fwd = rs.split(lambda p, t, k: transformer_loss(p, t, k, cfg), has_aux=True)
     _, ctx = fwd(params, tokens, jax.random.key(2))
     jax.block_until_ready(ctx)
-    first, later, export = [], [], []
+    timed: dict[str, list[float]] = {"first": [], "later": [], "export": []}
+
+    def clock(name: str, fn: Callable[[], Any], keep: bool) -> None:
+        start = time.perf_counter()
+        fn()
+        if keep:
+            timed[name].append(time.perf_counter() - start)
+
     for i in range(repeats + 1):  # the first round warms up
         with rs.Store(base / f"put{i}") as store:
-            start = time.perf_counter()
-            store.put(ctx, "a")
-            t_first = time.perf_counter() - start
+            clock("first", lambda: store.put(ctx, "a"), i > 0)
             store.flush()
-            start = time.perf_counter()
-            store.put(ctx, "b")
-            t_later = time.perf_counter() - start
-        start = time.perf_counter()
-        backwards.serialize(ctx._backward, ctx.spec.avals, None)
-        t_export = time.perf_counter() - start
-        if i:
-            first.append(t_first)
-            later.append(t_later)
-            export.append(t_export)
+            clock("later", lambda: store.put(ctx, "b"), i > 0)
+        clock("export", lambda: backwards.serialize(ctx._backward, ctx.spec.avals, None), i > 0)
         shutil.rmtree(base / f"put{i}", ignore_errors=True)
-    return {"first": statistics.median(first), "later": statistics.median(later), "export": statistics.median(export)}
+    return {name: statistics.median(ts) for name, ts in timed.items()}
 
 
-def _goal(results: list[tuple[str, bool, str]], name: str, ok: bool, detail: str) -> None:
-    results.append((name, ok, detail))
+def _print_first_put(p: dict[str, float]) -> None:
+    print("\nput latency, demo transformer context (caller's thread; medians):")
+    _print_table(
+        ["put", "ms", "/ later put"],
+        [
+            ["first put of a signature (saves its backward)", f"{1e3 * p['first']:.3f}", f"{p['first'] / p['later']:.2f}"],
+            ["later put of that signature", f"{1e3 * p['later']:.3f}", "1.00"],
+            ["jax.export of the backward (writer thread)", f"{1e3 * p['export']:.3f}", f"{p['export'] / p['later']:.0f}"],
+        ],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Goals
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Columns separated by `` | ``; the first left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    print(line(header))
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(line(r))
+
+
+class Goals:
+    """The goals table: goal | measured | target | verdict."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[str]] = []
+
+    def ratio(self, goal: str, value: float | None, op: str, target: float, note: str = "") -> None:
+        """``value`` (a ratio, or ``None``: not measured, then ``note`` says why) ``op`` ``target``."""
+        want = f"{op} {target:.2f}x"
+        if value is None:
+            self.rows.append([goal, f"n/a ({note})", want, "n/a"])
+            return
+        ok = value >= target if op == ">=" else value <= target
+        self.rows.append([goal, f"{value:.2f}x" + (f" ({note})" if note else ""), want, "PASS" if ok else "MISS"])
+
+    def check(self, goal: str, ok: bool, measured: str, target: str) -> None:
+        self.rows.append([goal, measured, target, "PASS" if ok else "MISS"])
+
+    def show(self) -> None:
+        if not self.rows:
+            print("\n(no goals in this part)")
+            return
+        print(
+            "\ngoals (issue 12): I/O: x raw = raw time / store time (higher is better); round trip: "
+            "Orbax time / store time; schedule, split: time / baseline time (lower is better)"
+        )
+        _print_table(["goal", "measured", "target", "verdict"], self.rows)
+
+
+def _io_goals(goals: Goals, t_by_size: dict[int, dict[str, float]], have_orbax: bool) -> None:
+    for mib, target in _IO_TARGETS.items():
+        t = t_by_size.get(mib)
+        if t is None and mib not in (2, 64):
+            continue  # 512 MiB: goals only when measured
+
+        def speed(raw: str, ours: str, t: dict[str, float] | None = t, mib: int = mib) -> tuple[float | None, str]:
+            if t is None:
+                return None, f"{mib} MiB not in --sizes"
+            if ours not in t:
+                return None, "cannot drop the page cache here"
+            return t[raw] / t[ours], ""
+
+        put = speed(RAW_WRITE_FSYNC, STORE_PUT.format(True))
+        goals.ratio(f"{mib} MiB put+flush durable vs raw write+fsync", put[0], ">=", target, put[1])
+        for mode in ("cold", "warm"):
+            get = speed(f"{RAW_READ} [{mode}]", f"{STORE_GET} [{mode}]")
+            goals.ratio(f"{mib} MiB get {mode} vs raw readinto+device_put", get[0], ">=", target, get[1])
+    t = t_by_size.get(_ROUND_TRIP_MIB)
+    goal = f"{_ROUND_TRIP_MIB} MiB durable round trip, Orbax time / store time"
+    if t is None or not have_orbax:
+        goals.ratio(goal, None, ">=", 10.0, f"{_ROUND_TRIP_MIB} not in --sizes" if t is None else "no Orbax")
+    else:
+        ours, theirs = t[STORE_ROUND_TRIP], t[ORBAX_ROUND_TRIP]
+        goals.ratio(goal, theirs / ours, ">=", 10.0, f"{ours * 1e3:.1f} vs {theirs * 1e3:.1f} ms")
+
+
+def _schedule_goals(goals: Goals, s: dict[str, Any]) -> None:
+    t = s["t"]
+    for durable, target in ((False, 1.15), (True, 1.25)):
+        goals.ratio(
+            f"spilled schedule (durable={durable}) / in memory",
+            t[SPILLED.format(durable)] / t[IN_MEMORY], "<=", target,
+        )  # fmt: skip
+    same = s["identical"]
+    goals.check(
+        "spilled schedule gradients bit-identical to in memory",
+        all(same.values()),
+        ", ".join(f"durable={d}: {'identical' if ok else 'DIFFER'}" for d, ok in same.items()),
+        "np.array_equal",
+    )
+
+
+def _split_goal(goals: Goals, runs: int) -> None:
+    name = "MLP 8x1024 tanh, batch 256"
+    m = measure_model(name, *mlp_case(quick=False), runs)
+    print(
+        f"\nsplit: {name}: fused value_and_grad {m['fused ms']:.2f} ms, split fwd {m['split fwd ms']:.2f} ms "
+        f"+ bwd {m['split bwd ms']:.2f} ms; medians of {runs} runs (benchmarks/split_overhead.py)"
+    )
+    goals.ratio(f"split fwd+bwd / fused value_and_grad ({name})", m["split total / fused"], "<=", 1.10)
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--sizes", default="4,64,512", help="context sizes in MiB (default 4,64,512)"
+        "--sizes", default=_DEFAULT_SIZES, help=f"context sizes in MiB (default {_DEFAULT_SIZES}; 512 optional)"
     )
     parser.add_argument(
         "--repeats",
         type=int,
         default=None,
-        help="timed runs per number (default: 21 at 4 MiB, 9 at 64, 7 at 512; 5 for the schedule)",
+        help="timed runs per number (default: 21 at 2 and 4 MiB, 9 at 64, 7 at 512; 5 for the "
+        "schedule; about a third of that with --quick)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: 4 MiB, 3 repeats, tiny schedule"
+        "--quick", action="store_true", help="the same, with fewer repeats: a minute or two"
     )
     parser.add_argument("--no-orbax", action="store_true", help="skip the Orbax baseline")
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temp dir)")
-    parser.add_argument("--part", choices=("all", "io", "schedule", "put"), default="all")
+    parser.add_argument("--part", choices=("all", "io", "schedule", "put", "split"), default="all")
     args = parser.parse_args()
-    sizes = [4] if args.quick else [int(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
     def repeats_for(mib: int) -> int:
         if args.repeats is not None:
             return args.repeats
-        if args.quick:
-            return 3
-        return _DEFAULT_REPEATS.get(mib, max(3, min(15, 512 // max(mib, 1))))
+        table = _QUICK_REPEATS if args.quick else _DEFAULT_REPEATS
+        return table.get(mib, max(3, min(15, 512 // max(mib, 1))))
+
+    def repeats_or(quick: int, full: int) -> int:
+        return args.repeats if args.repeats is not None else (quick if args.quick else full)
 
     base = Path(args.dir or tempfile.mkdtemp(prefix="store_throughput_"))
     base.mkdir(parents=True, exist_ok=True)
-    goals: list[tuple[str, bool, str]] = []
+    goals = Goals()
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; files in {base}"
     )
@@ -655,7 +864,7 @@ def main() -> None:
             print(
                 "12 float32 intermediates of a real rs.split context per size; medians of N runs "
                 "(N: " + ", ".join(f"{m} MiB: {repeats_for(m)}" for m in sizes) + "), round-robin; "
-                "ratio = ms / baseline ms (lower is better); GB/s = context bytes / time\n"
+                "base/ms = baseline time / time (higher is faster); GB/s = context bytes / time\n"
             )
             rows: list[Row] = []
             t_by_size: dict[int, dict[str, float]] = {}
@@ -670,132 +879,21 @@ def main() -> None:
                 if orbax is not None:
                     orbax.close()
             _print_io_table(rows)
-            _io_goals(goals, t_by_size, cold, orbax is not None)
+            _print_checksums(t_by_size)
+            _io_goals(goals, t_by_size, orbax is not None)
         if args.part in ("all", "schedule"):
-            reps = args.repeats if args.repeats is not None else (3 if args.quick else 5)
-            s = measure_schedule(base, reps, args.quick)
+            reps = repeats_or(3, 5)
+            s = measure_schedule(base, reps)
             _print_schedule(s, reps)
-            t = s["t"]
-            for durable in (True, False):
-                ratio = t[f"store, durable={durable}"] / t["in memory (list)"]
-                _goal(
-                    goals,
-                    f"schedule via store (durable={durable}) <= 1.15x in-memory",
-                    ratio <= 1.15,
-                    f"{ratio:.2f}x",
-                )
-                _goal(
-                    goals,
-                    f"schedule gradients equal (durable={durable})",
-                    s["diffs"][durable] == 0.0,
-                    f"max abs diff {s['diffs'][durable]:.3g}",
-                )
+            _schedule_goals(goals, s)
         if args.part in ("all", "put"):
-            p = measure_first_put(base, args.repeats or (3 if args.quick else 9), args.quick)
-            print("\nput latency, demo transformer context (caller's thread; medians):")
-            rows = [
-                ["put", "ms", "/ later put"],
-                ["first put of a signature (saves its backward)", f"{1e3 * p['first']:.3f}", f"{p['first'] / p['later']:.2f}"],
-                ["later put of that signature", f"{1e3 * p['later']:.3f}", "1.00"],
-                ["jax.export of the backward (writer thread)", f"{1e3 * p['export']:.3f}", f"{p['export'] / p['later']:.0f}"],
-            ]
-            widths = [max(len(r[i]) for r in rows) for i in range(3)]
-            for r in rows:
-                print("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-            _goal(goals, "first put of a new signature <= 2x a later put", p["first"] <= 2 * p["later"],
-                  f"{p['first'] / p['later']:.2f}x")
+            _print_first_put(measure_first_put(base, repeats_or(3, 9)))
+        if args.part in ("all", "split"):
+            _split_goal(goals, repeats_or(15, 30))
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    print("\ngoals:")
-    for name, ok, detail in goals:
-        print(f"  {'PASS' if ok else 'MISS'}  {name}: {detail}")
-
-
-def _io_goals(
-    goals: list[tuple[str, bool, str]],
-    t_by_size: dict[int, dict[str, float]],
-    cold: bool,
-    have_orbax: bool,
-) -> None:
-    modes = ("cold", "warm") if cold else ("warm",)
-    for mib, t in t_by_size.items():
-        if mib >= 64:
-            for durable, base in ((True, "raw tofile+fsync"), (False, "raw tofile")):
-                thr = t[base] / t[f"store put+flush, durable={durable}"]
-                _goal(
-                    goals,
-                    f"{mib} MiB put (durable={durable}) >= 0.8x raw write throughput",
-                    thr >= 0.8,
-                    f"{thr:.2f}x",
-                )
-            for mode in modes:
-                get = t[f"store get (fresh Store) [{mode}]"]
-                thr = t[f"raw readinto [{mode}]"] / get
-                fresh = t[f"raw readinto, fresh buffers [{mode}]"] / get
-                _goal(
-                    goals,
-                    f"{mib} MiB get [{mode}] >= 0.8x raw read throughput",
-                    thr >= 0.8,
-                    f"{thr:.2f}x (vs readinto into fresh buffers: {fresh:.2f}x)",
-                )
-        for mode in modes:
-            frac = t["checksum 12 arrays"] / t[f"store get (fresh Store) [{mode}]"]
-            _goal(
-                goals,
-                f"{mib} MiB checksums < 10% of get [{mode}]",
-                frac < 0.10,
-                f"{100 * frac:.1f}%",
-            )
-    if 4 in t_by_size:
-        t = t_by_size[4]
-        mode = "warm"  # a round trip reads back what it just wrote: from the page cache
-        for durable, base in ((False, "raw tofile"), (True, "raw tofile+fsync")):
-            ours = t[f"store put+flush, durable={durable}"] + t[f"store get (fresh Store) [{mode}]"]
-            raw = t[base] + t[f"raw readinto [{mode}]"]
-            _goal(
-                goals,
-                f"4 MiB round trip (durable={durable}, {mode} read) within 2x raw",
-                ours <= 2 * raw,
-                f"{ours / raw:.2f}x ({ours * 1e3:.1f} ms vs {raw * 1e3:.1f} ms; put+flush + get)",
-            )
-        if have_orbax:
-            orbax = t["orbax save"] + t[f"orbax restore [{mode}]"]
-            for durable in (True, False):
-                ours = (
-                    t[f"store put+flush, durable={durable}"]
-                    + t[f"store get (fresh Store) [{mode}]"]
-                )
-                _goal(
-                    goals,
-                    f"4 MiB round trip (durable={durable}) >= 10x faster than Orbax",
-                    orbax >= 10 * ours,
-                    f"{orbax / ours:.1f}x ({ours * 1e3:.1f} ms vs Orbax {orbax * 1e3:.1f} ms)",
-                )
-        else:
-            print("(Orbax goal skipped: no Orbax baseline)")
-
-
-def _print_schedule(s: dict[str, Any], reps: int) -> None:
-    cfg, t = s["cfg"], s["t"]
-    base = t["in memory (list)"]
-    print(
-        f"\nschedule: {cfg.n_microbatches} microbatches of the demo transformer "
-        f"({cfg.n_layers} layers, d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.microbatch}x{cfg.seq_len} "
-        f"tokens), F1..F{cfg.n_microbatches} then B{cfg.n_microbatches}..B1; a context holds "
-        f"{s['own_bytes'] / 2**20:.2f} MiB of intermediates ({s['context_bytes'] / 2**20:.2f} MiB "
-        f"with weights); medians of {reps} steps, round-robin"
-    )
-    header = f"{'contexts':<52} | {'ms/step':>9} | {'ratio':>6} | {'max |grad diff|':>15}"
-    print(header)
-    print("-" * len(header))
-    print(f"{'in memory (list)':<52} | {base * 1e3:>9.1f} | {1.0:>6.2f} | {'-':>15}")
-    for durable in (True, False):
-        name = f"store, durable={durable}"
-        label = f"Store(path, budgets 0), prefetch+get, durable={durable}"
-        print(
-            f"{label:<52} | {t[name] * 1e3:>9.1f} | {t[name] / base:>6.2f} | {s['diffs'][durable]:>15.3g}"
-        )
+    goals.show()
 
 
 if __name__ == "__main__":

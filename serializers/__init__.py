@@ -3,42 +3,16 @@
 This package knows nothing about JAX: it stores numpy arrays, dtypes, shapes and
 bytes. ``residual_store`` builds its disk tier on top of it. No pickle anywhere:
 manifests are msgpack validated against a schema, arrays are raw zarr chunks.
+
+One module a job: :mod:`serializers.zarr` (the zarr v3 format: dtypes, chunk grid,
+metadata), :mod:`serializers.local` (the local-file fast path), :mod:`serializers.kv`
+(tensorstore, any kvstore), :mod:`serializers.zarr_compat` (plain zarr-python and the
+``ml_dtypes`` floats), :mod:`serializers.checksums`, :mod:`serializers.manifest`,
+:mod:`serializers.errors`.
 """
 
-from serializers.arrays import (
-    SUPPORTED_DTYPES,
-    ChunkedArray,
-    KvStoreSpec,
-    aligned_empty,
-    check_chunk_shape,
-    chunk_grid,
-    chunk_index_key,
-    chunk_indices,
-    chunk_key,
-    chunk_region,
-    chunk_shape,
-    default_context,
-    encode_zarr_metadata,
-    local_root,
-    numpy_dtype,
-    read_array,
-    read_array_async,
-    read_array_local,
-    read_arrays,
-    read_chunk,
-    read_chunk_async,
-    read_chunk_local,
-    register_zarr_dtypes,
-    write_array_async,
-    write_array_local,
-    write_arrays,
-    write_arrays_kv,
-    delete_prefix,
-    write_arrays_local,
-    write_chunks_local,
-    zarr_dtype_name,
-    zarr_metadata,
-)
+from typing import Any
+
 from serializers.checksums import ALGORITHM, checksum, content_digest, verify
 from serializers.errors import (
     CorruptDataError,
@@ -46,6 +20,28 @@ from serializers.errors import (
     SerializationError,
     UnsupportedDTypeError,
     UnsupportedVersionError,
+)
+from serializers.kv import (
+    KvStoreSpec,
+    default_context,
+    delete_prefix,
+    local_root,
+    read_array,
+    read_array_async,
+    read_arrays,
+    read_chunk,
+    read_chunk_async,
+    write_array_async,
+    write_arrays,
+    write_arrays_kv,
+)
+from serializers.local import (
+    aligned_empty,
+    read_array_local,
+    read_chunk_local,
+    write_array_local,
+    write_arrays_local,
+    write_chunks_local,
 )
 from serializers.manifest import (
     ARRAY_RECORD_FIELDS,
@@ -62,6 +58,23 @@ from serializers.manifest import (
     decode_manifest,
     encode_manifest,
     is_safe_relpath,
+)
+from serializers.zarr import (
+    SUPPORTED_DTYPES,
+    ChunkedArray,
+    check_chunk_shape,
+    chunk_grid,
+    chunk_index_key,
+    chunk_indices,
+    chunk_key,
+    chunk_region,
+    chunk_shape,
+    encode_group_metadata,
+    encode_zarr_metadata,
+    group_metadata,
+    numpy_dtype,
+    zarr_dtype_name,
+    zarr_metadata,
 )
 
 __all__ = [
@@ -91,9 +104,8 @@ __all__ = [
     "encode_manifest",
     "decode_manifest",
     "is_safe_relpath",
-    # arrays
+    # zarr v3 format (serializers.zarr)
     "SUPPORTED_DTYPES",
-    "KvStoreSpec",
     "zarr_dtype_name",
     "numpy_dtype",
     "chunk_shape",
@@ -106,22 +118,39 @@ __all__ = [
     "ChunkedArray",
     "zarr_metadata",
     "encode_zarr_metadata",
+    "group_metadata",
+    "encode_group_metadata",
+    # tensorstore I/O (serializers.kv)
+    "KvStoreSpec",
     "default_context",
     "local_root",
-    "aligned_empty",
     "write_array_async",
     "write_arrays",
     "read_array",
     "read_array_async",
     "read_arrays",
-    "write_array_local",
-    "write_arrays_local",
     "write_arrays_kv",
     "delete_prefix",
-    "read_array_local",
     "read_chunk",
     "read_chunk_async",
+    # the local fast path (serializers.local)
+    "aligned_empty",
+    "write_array_local",
+    "write_arrays_local",
+    "read_array_local",
     "write_chunks_local",
     "read_chunk_local",
+    # plain zarr-python (serializers.zarr_compat, which imports zarr: loaded when first asked for)
     "register_zarr_dtypes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``register_zarr_dtypes``, imported from :mod:`serializers.zarr_compat` on first use, so
+    that ``import serializers`` does not import zarr."""
+    if name == "register_zarr_dtypes":
+        from serializers.zarr_compat import register_zarr_dtypes
+
+        globals()[name] = register_zarr_dtypes
+        return register_zarr_dtypes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

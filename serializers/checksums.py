@@ -1,7 +1,7 @@
 """Per-array checksums over the bytes an array has on disk.
 
 What is hashed: the array's elements in C order, little endian, exactly the bytes
-of its zarr chunk file (see :mod:`serializers.arrays`). So the checksum of an array
+of its zarr chunk file (see :mod:`serializers.zarr`). So the checksum of an array
 in memory equals the checksum of its chunk file, and a reader can verify either.
 A C-contiguous little-endian array (the usual case) is hashed through its buffer,
 without a copy; only a non-contiguous or big-endian array is copied first.

@@ -186,6 +186,14 @@ def committed_keys(root: str | os.PathLike[str]) -> list[str]:
     )
 
 
+def children(folder: str | os.PathLike[str]) -> list[str]:
+    """The entries of a store group's folder (``data``, ``weights``): neither hidden ones
+    (``.free``, ``.trash``) nor the group's own ``zarr.json``."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if not n.startswith(".") and n != "zarr.json")
+
+
 def data_dirs(root: str | os.PathLike[str], key: str) -> list[str]:
     folder = os.path.join(root, "data")
     if not os.path.isdir(folder):

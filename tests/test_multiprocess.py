@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
+from store_helpers import children
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.multiprocess]
 
@@ -416,14 +417,14 @@ def test_a_process_dying_mid_put_commits_nothing(tmp_path, where):
         assert "crashed" not in store
         assert store.keys() == []
         # process 0 removed the failed write's data (and the weights' temporary folders)
-        assert os.listdir(os.path.join(root, "data")) == []
-        weights = os.listdir(os.path.join(root, "weights"))
+        assert children(os.path.join(root, "data")) == []
+        weights = children(os.path.join(root, "weights"))
         assert [n for n in weights if n.endswith(".tmp")] == []
         # without renames, weight chunks stay where they were put, but no zarr.json makes them
         # an array: no writer takes them for a complete weight, and gc removes them
         assert not any(os.path.exists(os.path.join(root, "weights", n, "zarr.json")) for n in weights)
         store.gc(older_than=0)
-    assert os.listdir(os.path.join(root, "weights")) == []
+    assert children(os.path.join(root, "weights")) == []
 
 
 def test_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_path):
@@ -482,7 +483,7 @@ def test_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_path):
         with open(os.path.join(root, "contexts", f"{key}.manifest"), "rb") as f:
             manifest = msgpack.unpackb(f.read())
         referenced |= {r["path"].split("/")[1] for r in manifest["arrays"] if r["path"].startswith("data/")}
-    assert set(os.listdir(os.path.join(root, "data"))) == referenced
+    assert set(children(os.path.join(root, "data"))) == referenced
     weights = os.path.join(root, "weights")  # (x is each context's own: there may be no weights)
     assert [n for n in (os.listdir(weights) if os.path.isdir(weights) else []) if n.endswith(".tmp")] == []
 
@@ -592,4 +593,4 @@ def test_collective_delete_and_puts_that_disagree(tmp_path):
         for key in keys:
             jax.block_until_ready(rs.backward(store.get(key)))
     # the deleted contexts' data is removed: only the two committed contexts' folders remain
-    assert sorted(n.split(".")[0] for n in os.listdir(os.path.join(root, "data"))) == keys
+    assert sorted(n.split(".")[0] for n in children(os.path.join(root, "data"))) == keys

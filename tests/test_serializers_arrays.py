@@ -1,4 +1,4 @@
-"""Tests for serializers.arrays: both paths, cross-path, plain zarr, corruption, disk full."""
+"""Tests for serializers.zarr, .local and .kv: both paths, cross-path, plain zarr, corruption, disk full."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-import serializers.arrays as arrays_mod
+import serializers.kv as kv_mod
+import serializers.local as local_mod
+from serializers.local import check_array_metadata_local
+from serializers.zarr_compat import _ZARR_FLOAT_NAMES
 from serializers import (
     SUPPORTED_DTYPES,
     ChunkedArray,
@@ -33,7 +36,9 @@ from serializers import (
     chunk_indices,
     chunk_key,
     chunk_region,
+    encode_group_metadata,
     encode_zarr_metadata,
+    group_metadata,
     local_root,
     read_array,
     read_array_async,
@@ -254,7 +259,7 @@ def test_local_root() -> None:
 # ----------------------------------------------------------------- plain zarr
 
 
-@pytest.mark.parametrize("name", NUMPY_NAMES + list(arrays_mod._ZARR_FLOAT_NAMES))
+@pytest.mark.parametrize("name", NUMPY_NAMES + list(_ZARR_FLOAT_NAMES))
 def test_plain_zarr_reads_what_both_paths_wrote(tmp_path: Path, name: str) -> None:
     zarr = pytest.importorskip("zarr")
     register_zarr_dtypes()
@@ -375,7 +380,7 @@ def test_enospc_fast_path_removes_partial_files(
         return real_write(fd, memoryview(data)[:10])  # short writes first
 
     (tmp_path / "keep").write_bytes(b"old")
-    monkeypatch.setattr(arrays_mod.os, "write", failing_write)
+    monkeypatch.setattr(local_mod.os, "write", failing_write)
     with pytest.raises(DiskFullError) as info:
         write_arrays_local(tmp_path, {"ctx/a": np.ones(100, np.float32), "ctx/b": np.ones(3)})
     assert info.value.errno == errno.ENOSPC and isinstance(info.value, OSError)
@@ -386,11 +391,11 @@ def test_tensorstore_disk_full_error_is_classified() -> None:
     e = ValueError(
         "OUT_OF_RANGE: Error writing local file \"x\": File too large [os_error_code='27']"
     )
-    assert isinstance(arrays_mod._convert_write_error(e, "array 'x'"), DiskFullError)
+    assert isinstance(kv_mod._convert_write_error(e, "array 'x'"), DiskFullError)
     e = ValueError("RESOURCE_EXHAUSTED: No space left on device [os_error_code=28]")
-    assert arrays_mod._convert_write_error(e, "a").errno == errno.ENOSPC
+    assert kv_mod._convert_write_error(e, "a").errno == errno.ENOSPC
     e = ValueError("INVALID_ARGUMENT: whatever")
-    assert arrays_mod._convert_write_error(e, "a") is e
+    assert kv_mod._convert_write_error(e, "a") is e
 
 
 _EFBIG_SCRIPT = textwrap.dedent(
@@ -692,7 +697,7 @@ def test_kv_writer_writes_the_local_writers_bytes(tmp_path: Path, name: str) -> 
         _same_bits(read_chunk_local(tmp_path / "kv", "p/m", m.shape, name, (2, 3), idx), block)
 
     zarr = pytest.importorskip("zarr")
-    if name in NUMPY_NAMES or name in arrays_mod._ZARR_FLOAT_NAMES:
+    if name in NUMPY_NAMES or name in _ZARR_FLOAT_NAMES:
         register_zarr_dtypes()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -704,7 +709,7 @@ def test_kv_writer_writes_the_local_writers_bytes(tmp_path: Path, name: str) -> 
 def test_kv_writer_puts_every_chunk_before_any_zarr_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = arrays_mod._put_all
+    real = kv_mod._put_all
     phases: list[list[str]] = []
 
     def spy(kv: Any, items: Any, started: list[str]) -> None:
@@ -713,7 +718,7 @@ def test_kv_writer_puts_every_chunk_before_any_zarr_json(
             raise KeyboardInterrupt
         real(kv, items, started)
 
-    monkeypatch.setattr(arrays_mod, "_put_all", spy)
+    monkeypatch.setattr(kv_mod, "_put_all", spy)
     m = _array("float32", (4, 6))
     arrays = {"a": _array("int16", (3,)), "m": ChunkedArray(m.shape, m.dtype, (2, 6), _blocks(m, (2, 6)))}
     with pytest.raises(KeyboardInterrupt):
@@ -801,3 +806,89 @@ def test_kv_writer_memory_round_trip() -> None:
         write_arrays_kv(kv, {"../x": np.zeros(2)})
     with pytest.raises(CorruptDataError):  # nothing of the refused batches was written
         read_array(kv, "r/ok", (2,), "float64")
+
+
+# ----------------------------------------------------------------- attributes and groups
+
+
+def test_metadata_without_attributes_is_unchanged_and_with_them_deterministic() -> None:
+    plain = encode_zarr_metadata((2, 3), "float32")
+    assert encode_zarr_metadata((2, 3), "float32", None, None) == plain
+    assert "attributes" not in zarr_metadata((2, 3), "float32")
+    one = encode_zarr_metadata((2, 3), "float32", attributes={"b": [1, 2], "a": {"z": 1, "y": None}})
+    other = encode_zarr_metadata((2, 3), "float32", attributes={"a": {"y": None, "z": 1}, "b": [1, 2]})
+    assert one == other and json.loads(one) == {**json.loads(plain), "attributes": {"a": {"y": None, "z": 1}, "b": [1, 2]}}
+    assert encode_zarr_metadata((2, 3), "float32", attributes={}) != plain  # an empty object is written
+    assert group_metadata() == {"zarr_format": 3, "node_type": "group", "attributes": {}}
+    assert encode_group_metadata({"k": "v", "a": 1}) == b'{"attributes":{"a":1,"k":"v"},"node_type":"group","zarr_format":3}'
+    for bad, err in [({"x": float("nan")}, ValueError), ({"x": object()}, ValueError), ({1: "x"}, TypeError)]:
+        with pytest.raises(err):
+            zarr_metadata((2,), "int8", attributes=bad)
+        with pytest.raises(err):
+            encode_group_metadata(bad)
+
+
+def test_writers_write_attributes_and_every_reader_ignores_them(tmp_path: Path) -> None:
+    a, m = _array("float32", (2, 3), 1), _array("bfloat16", (4, 6), 2)
+    arrays = {"p/a": a, "p/m": ChunkedArray(m.shape, m.dtype, (2, 3), _blocks(m, (2, 3))), "p/s": np.int8(3)}
+    attributes = {"p/a": {"name": "a", "index": 0}, "p/m": {"name": "m"}}
+    write_arrays_local(tmp_path / "local", arrays, attributes=attributes)
+    write_arrays_kv(_kv(tmp_path / "kv"), arrays, attributes=attributes)
+    assert _file_bytes(tmp_path / "local") == _file_bytes(tmp_path / "kv")
+    meta = json.loads((tmp_path / "local" / "p" / "a" / "zarr.json").read_bytes())
+    assert meta["attributes"] == {"name": "a", "index": 0}
+    assert "attributes" not in json.loads((tmp_path / "local" / "p" / "s" / "zarr.json").read_bytes())
+    for root in (tmp_path / "local", tmp_path / "kv"):
+        _same_bits(read_array_local(root, "p/a", a.shape, "float32"), a)
+        _same_bits(np.asarray(read_array(_kv(root), "p/a", a.shape, "float32")), a)
+        _same_bits(np.asarray(read_array(_kv(root), "p/m", m.shape, "bfloat16")), m)
+        for idx, block in _blocks(m, (2, 3)).items():
+            _same_bits(read_chunk_local(root, "p/m", m.shape, "bfloat16", (2, 3), idx), block)
+            _same_bits(read_chunk(_kv(root), "p/m", m.shape, "bfloat16", (2, 3), idx), block)
+        check_array_metadata_local(root, "p/m", m.shape, "bfloat16", (2, 3))
+    write_array_local(tmp_path / "one", "x", a, attributes={"k": 1})
+    write_chunks_local(tmp_path / "one", "y", m.shape, m.dtype, (2, 3), _blocks(m, (2, 3)), attributes={"k": 2})
+    for p, k in (("x", 1), ("y", 2)):
+        assert json.loads((tmp_path / "one" / p / "zarr.json").read_bytes())["attributes"] == {"k": k}
+
+
+def test_bad_attributes_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    arrays = {"a": np.zeros(3, np.float32), "b": np.ones(2, np.int8)}
+    for bad in ({"a": {"x": float("inf")}}, {"c": {"x": 1}}, {"b": {"x": {1, 2}}}):
+        with pytest.raises(ValueError):
+            write_arrays_local(tmp_path / "local", arrays, attributes=bad)
+        with pytest.raises(ValueError):
+            write_arrays_kv(_kv(tmp_path / "kv"), arrays, attributes=bad)
+    assert not (tmp_path / "local").exists() and _files(tmp_path) == []
+
+
+def test_reuse_rewrites_zarr_json_only_when_its_bytes_differ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, m = _array("float32", (2, 3), 1), _array("int16", (4, 6), 2)
+
+    def batch(seed: int) -> dict[str, Any]:
+        m2 = m + seed
+        return {"a": a + seed, "e": np.zeros((0, 2), np.int8), "m": ChunkedArray(m.shape, m.dtype, (2, 3), _blocks(m2, (2, 3)))}
+
+    first = {"a": {"v": 1}, "e": {"v": 1}, "m": {"v": 1}}
+    write_arrays_local(tmp_path, batch(0), attributes=first)
+    written: list[str] = []
+    real = local_mod._write_file
+
+    def spy(p: str, *args: Any, **kwargs: Any) -> None:
+        written.append(os.path.relpath(p, tmp_path))
+        real(p, *args, **kwargs)
+
+    monkeypatch.setattr(local_mod, "_write_file", spy)
+    write_arrays_local(tmp_path, batch(1), reuse=True, attributes=first)  # same attributes
+    assert written == []  # every chunk overwritten in place, no zarr.json rewritten
+    _same_bits(read_array_local(tmp_path, "a", a.shape, "float32"), a + 1)
+    second = {"a": {"v": 2}, "m": {"v": 2}}  # "e" loses its attributes
+    write_arrays_local(tmp_path, batch(2), reuse=True, attributes=second)
+    assert sorted(written) == ["a/zarr.json", "e/zarr.json", "m/zarr.json"]
+    for p, want in (("a", {"v": 2}), ("m", {"v": 2})):
+        assert json.loads((tmp_path / p / "zarr.json").read_bytes())["attributes"] == want
+    assert (tmp_path / "e" / "zarr.json").read_bytes() == encode_zarr_metadata((0, 2), "int8")
+    _same_bits(read_array_local(tmp_path, "a", a.shape, "float32"), a + 2)
+    _same_bits(np.asarray(read_array(_kv(tmp_path), "m", m.shape, "int16")), m + 2)

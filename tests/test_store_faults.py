@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from store_helpers import (
     F32_TOL,
+    children,
     TESTS_DIR,
     assert_contexts_identical,
     assert_trees_close,
@@ -165,7 +166,7 @@ def test_kill_9_mid_write_leaves_only_whole_contexts(tmp_path, split, model):
         store.gc(older_than=0)  # what the killed write left behind is unreferenced
         assert store.keys() == keys
         referenced = {read_manifest(root, k)["data_dir"].split("/")[1] for k in keys}
-        assert {n for n in os.listdir(root / "data") if not n.startswith(".")} == referenced
+        assert set(children(root / "data")) == referenced
     with rs.Store(root, device_budget=0, host_budget=0) as store:
         for key in keys[-3:]:
             model.check(store, key, split, int(key[1:]), 64)
@@ -504,4 +505,4 @@ def test_two_writers_of_one_key_reader_sees_one_whole_context(tmp_path, split, m
         model.check(store, "shared", split, 5000 + w, 16)
         store.gc(older_than=0)
         # replaced data is gone (or kept for reuse in data/.free)
-        assert len([n for n in os.listdir(root / "data") if not n.startswith(".")]) == 1
+        assert len(children(root / "data")) == 1

@@ -10,7 +10,7 @@ the ``zarr3`` driver, ``create=True``) and let it write the metadata and chunks.
 No library code calls them, so they live here, next to the tests that compare their output with
 the store's and read it back with the store's readers, instead of in ``serializers``. The batch
 form (``serializers.write_arrays``, which ``benchmarks/serializer_io.py`` times) and the async
-single-array writer it is built on stay in ``serializers.arrays``; these are thin forms of them.
+single-array writer it is built on stay in ``serializers.kv``; these are thin forms of them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 import tensorstore as ts
 
 from serializers import ChunkedArray, KvStoreSpec, write_array_async
-from serializers.arrays import DTypeLike, Shape, _write_chunked_async
+from serializers.kv import _write_chunked_async
+from serializers.zarr import DTypeLike, Shape
 
 __all__ = ["write_array", "write_chunks"]
 

@@ -25,7 +25,7 @@ import tensorstore as ts
 
 import serializers
 from residual_store.errors import CorruptContextError
-from serializers.arrays import (
+from serializers.local import (
     check_array_metadata_local,
     check_folders_local,
     fsync_folder_local,
@@ -62,7 +62,13 @@ class Backend(Protocol):
 
     # values: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard)
     def write_arrays(
-        self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
+        self,
+        arrays: Mapping[str, Any],
+        *,
+        fsync: bool,
+        reuse: bool = False,
+        write_metadata: bool = True,
+        attributes: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None: ...
     def rename(self, src: str, dst: str) -> bool: ...
     def write_shared_arrays(
@@ -160,10 +166,18 @@ class _LocalBackend:
     can_rename = True
 
     def write_arrays(
-        self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
+        self,
+        arrays: Mapping[str, Any],
+        *,
+        fsync: bool,
+        reuse: bool = False,
+        write_metadata: bool = True,
+        attributes: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         try:
-            serializers.write_arrays_local(self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata)
+            serializers.write_arrays_local(
+                self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata, attributes=attributes
+            )
         except serializers.CorruptDataError as err:  # a link or a FIFO in the way: nothing written
             raise _damaged(err) from err
 
@@ -397,12 +411,18 @@ class _KvBackend:
     can_rename = False
 
     def write_arrays(
-        self, arrays: Mapping[str, Any], *, fsync: bool, reuse: bool = False, write_metadata: bool = True
+        self,
+        arrays: Mapping[str, Any],
+        *,
+        fsync: bool,
+        reuse: bool = False,
+        write_metadata: bool = True,
+        attributes: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
         ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""
         serializers.write_arrays_kv(
-            self.spec, arrays, context=self.context, write_metadata=write_metadata
+            self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes
         )
 
     def rename(self, src: str, dst: str) -> bool:

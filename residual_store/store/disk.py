@@ -37,152 +37,45 @@ import logging
 import json
 import os
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 import serializers
-from residual_store.context import OWN_KINDS, SHARED_KINDS, ResidualSpec
+from residual_store.context import ResidualSpec
 from residual_store.errors import (
     ContextNotFoundError,
     CorruptContextError,
     InvalidArgumentError,
     ReadOnlyStoreError,
-    ResidualStoreError,
     StoreFullError,
     StoreNotFoundError,
 )
 from residual_store.logs import event
 from residual_store.placement import rebuild_sharding
 from residual_store.store.backends import open_backend
-from residual_store.store.collective import Channel, Collective
-from residual_store.store.records import (
-    HostArrays,
-    ShardedHost,
-    StaleData,
-    StoredContext,
-    chunk_index,
-    chunked_digest,
-    chunked_digest_of,
-    layout_digest,
-    parse_context_manifest,
-    spec_to_map,
-)
+from residual_store.store import layout
+from residual_store.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
+from residual_store.store.host import HostArrays, ShardedHost, chunk_index
+from residual_store.store.records import StoredContext, parse_context_manifest
 
-__all__ = ["DiskTier", "STORE_MARKER"]
+__all__ = ["DiskTier", "STORE_MARKER", "is_disk_full"]
 
-STORE_MARKER = "residual-store.json"
-STORE_VERSION = 1
-STORE_FORMAT = b'{"format": "residual-store", "version": 1}\n'
-
-_FREE_DIR = "data/.free"
-_TRASH_DIR = "data/.trash"  # folders gc took, being removed
 _MAX_FREE_PER_LAYOUT = 64
 _STAT_CACHE_MAX = 4096  # parsed manifests kept for listing (least recently used dropped)
 _READ_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` says the disk (or a quota) is full."""
+    return isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS
 _READ_ATTEMPTS = 8
-
-
-# ----------------------------------------------------------------------------------------------
-# The tier
-
-
-def _record(
-    spec: ResidualSpec,
-    i: int,
-    path: str,
-    x: Any,
-    checksum: str,
-    shared: bool,
-    chunk_fields: Mapping[str, Any],
-) -> serializers.ArrayRecord:
-    """The manifest record of residual ``i`` (``x``: its host array or shards) stored at ``path``."""
-    return serializers.ArrayRecord(
-        name=spec.names[i],
-        path=path,
-        shape=x.shape,
-        dtype=serializers.zarr_dtype_name(x.dtype),
-        nbytes=int(x.nbytes),
-        checksum=checksum,
-        input_path=spec.input_paths[i],
-        shared=shared,
-        **chunk_fields,
-    )
-
-
-def _encode_manifest(
-    key: str,
-    spec: ResidualSpec,
-    impls: Sequence[str | None],
-    shardings: Sequence[Any],
-    data_dir: str,
-    records: Sequence[serializers.ArrayRecord],
-) -> bytes:
-    """The context manifest: written last, its presence is the commit."""
-    return serializers.encode_manifest(
-        {
-            "key": key,
-            "signature": spec.signature,
-            "created": time.time(),
-            "jax_version": jax.__version__,
-            "spec": spec_to_map(spec, impls, shardings),
-            "data_dir": data_dir,
-            "arrays": records,
-        }
-    )
-
-
-def _chunk_sums(spec: ResidualSpec, arrays: HostArrays) -> dict[str, list[Any]]:
-    """This process's chunks of each sharded residual: ``[index, checksum, content digest]``
-    (the digest for weights only, which are stored under it)."""
-    out: dict[str, list[Any]] = {}
-    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
-        if isinstance(x, ShardedHost) and x.chunk_shape is not None:
-            shared = kind in SHARED_KINDS
-            out[str(i)] = [
-                [list(idx), serializers.checksum(c), serializers.content_digest(c) if shared else None]
-                for idx, c in sorted(x.chunks.items())
-            ]
-    return out
-
-
-def _process_local_sums(arrays: HostArrays) -> dict[str, str]:
-    """Checksums of the residuals on this process's devices only (not global arrays): unlike
-    a global array's, their values may differ between processes."""
-    here = jax.process_index()
-    owner = {d.id: d.process_index for d in jax.devices()}
-    out = {}
-    for i, x in enumerate(arrays):
-        if isinstance(x, ShardedHost):
-            if x.whole is None or any(owner.get(d) != here for d in x.sharding["device_ids"]):
-                continue
-            x = x.whole
-        out[str(i)] = serializers.checksum(x)
-    return out
-
-
-def _check_same_everywhere(key: str, spec: ResidualSpec, local_sums: Sequence[Mapping[str, str]]) -> None:
-    """Raises if a process-local residual differs between processes: a collective put stores one
-    context for all of them (process 0 writes whole arrays), so the others' values would be lost."""
-    for i in sorted({i for sums in local_sums for i in sums}, key=int):
-        seen = [sums.get(i) for sums in local_sums]
-        if len(set(seen)) > 1:
-            raise ResidualStoreError(
-                f"collective write of context {key!r}: residual {i} ({spec.names[int(i)]}) is an "
-                "array on one process's devices only, and its values differ between processes "
-                "(a store shared by the processes keeps one context per key, so all but one would "
-                "be lost). Make the inputs global arrays (a sharding over every process's "
-                "devices, e.g. jax.make_array_from_process_local_data), or give each process a "
-                "store of its own. Nothing was written."
-            )
 
 
 class DiskTier:
@@ -201,7 +94,8 @@ class DiskTier:
         # key -> (manifest version, parsed manifest), least recently used first
         self._stat_cache: OrderedDict[str, tuple[Any, StoredContext]] = OrderedDict()
         self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
-        self._channel: Channel | None = None  # made at the first collective operation
+        self._version = STORE_VERSION  # of the store's marker (an older store is upgraded by a write)
+        self._groups_checked = False  # whether this store's root zarr groups are known to exist
         if self._has_marker():
             return
         where = self.backend.description
@@ -224,6 +118,7 @@ class DiskTier:
                     "store an empty or new folder"
                 )
             self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
+            self.ensure_groups()
         except (NotADirectoryError, FileExistsError) as err:  # a part of the path is a file
             raise InvalidArgumentError(
                 f"{where}: a part of this path is a file, not a folder ({err}); a store needs a folder"
@@ -257,9 +152,25 @@ class DiskTier:
                 f"residual-store reads: upgrade residual-store to open it (nothing was read or "
                 "written)"
             )
+        self._version = version
         return True
 
-    def _check_writable(self, what: str) -> None:
+    def ensure_groups(self) -> None:
+        """Makes the store's zarr groups (the root, ``data``, ``weights``) where they are
+        missing, and a version 1 store's marker version 2, once per tier, before its first write.
+        Each is one atomic put of the same bytes, so processes that do it at once agree."""
+        if self._groups_checked:
+            return
+        for path, data in layout.root_group().items():
+            if not self.backend.exists(path):
+                self.backend.put_bytes(path, data, fsync=False)
+        if self._version < STORE_VERSION:
+            self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
+            event(logging.INFO, "upgraded", store=self.description, version=STORE_VERSION)
+            self._version = STORE_VERSION
+        self._groups_checked = True
+
+    def check_writable(self, what: str) -> None:
         if self.read_only:
             raise ReadOnlyStoreError(f"{what}: the store at {self.description} was opened read_only=True")
 
@@ -278,81 +189,49 @@ class DiskTier:
         *,
         fsync: bool,
     ) -> StaleData | None:
-        """Writes a context and commits it; raises :class:`StoreFullError` leaving nothing behind.
+        """Plans and commits a context (:meth:`commit`)."""
+        plan = layout.plan_write(key, spec, arrays, impls, write_id=layout.new_write_id())
+        return self.commit(plan, fsync=fsync)
+
+    def commit(self, plan: layout.WritePlan, *, fsync: bool) -> StaleData | None:
+        """Writes ``plan``'s arrays, then its manifest (the commit); raises
+        :class:`StoreFullError` leaving nothing behind.
 
         Returns the data of the context this write replaced, if any: it is unreferenced now, and
         the caller hands it to :meth:`drop_data` off the write path.
         """
-        self._check_writable(f"put {key!r}")
-        data_dir = f"data/{key}.{uuid.uuid4().hex[:12]}"
+        key = plan.key
+        self.check_writable(f"put {key!r}")
+        self.ensure_groups()
         try:
-            previous = self._read_manifest_bytes(key)
+            previous = self.read_manifest_bytes(key)
         except CorruptContextError:  # a damaged one (a FIFO, a folder): replaced; gc takes its data
             previous = None
-        layout = layout_digest(
-            (str(i), x.shape, serializers.zarr_dtype_name(x.dtype), getattr(x, "chunk_shape", None))
-            for i, (x, kind) in enumerate(zip(arrays, spec.kinds))
-            if kind in OWN_KINDS
-        )
-        reuse = self._claim_free(layout, data_dir)
-        to_write: dict[str, Any] = {}
-        records = []
-        shardings: list[dict[str, Any] | None] = []
-        for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
-            shared = kind in SHARED_KINDS
-            chunk_fields: dict[str, Any] = {}
-            checksum: str | None = None
-            if isinstance(x, ShardedHost):
-                shardings.append(x.sharding)
-                if x.chunk_shape is not None:
-                    chunk_sums = [(idx, serializers.checksum(c)) for idx, c in sorted(x.chunks.items())]
-                    chunk_fields = {"chunk_shape": x.chunk_shape, "chunk_checksums": chunk_sums}
-                    checksum = serializers.chunked_checksum(chunk_sums)
-                    data: Any = serializers.ChunkedArray(x.shape, x.dtype, x.chunk_shape, x.chunks)
-                    digest = chunked_digest(x) if shared else None
-                else:
-                    assert x.whole is not None
-                    data = x.whole
-                    digest = serializers.content_digest(data) if shared else None
-            else:
-                shardings.append(None)
-                data = x
-                digest = serializers.content_digest(x) if shared else None
-            if shared:
-                path = f"weights/{digest}"
-                to_write.setdefault(path, data)  # written below unless the store holds it already
-            else:
-                path = f"{data_dir}/{i}"
-                to_write[path] = data
-            if checksum is None:
-                checksum = serializers.checksum(data)
-            records.append(_record(spec, i, path, x, checksum, shared, chunk_fields))
-        manifest = _encode_manifest(key, spec, impls, shardings, data_dir, records)
-        shared_arrays = {p: x for p, x in to_write.items() if p.startswith("weights/")}
+        reuse = self._claim_free(plan.layout, plan.data_dir)
+        shared = plan.shared
         created: list[str] = []  # weights this write added: removed again if it fails
         try:
-            self.backend.write_arrays(
-                {p: x for p, x in to_write.items() if p not in shared_arrays}, fsync=fsync, reuse=reuse
-            )
+            self.backend.write_arrays(plan.own, fsync=fsync, reuse=reuse, attributes=plan.attributes)
+            self.backend.put_bytes(layout.group_metadata_path(plan.data_dir), plan.group, fsync=fsync)
             # Under the shared gc lock from "which weights exist" to the commit: gc (which takes
             # it exclusively) cannot remove a weight between this check and the manifest that
             # references it.
             with self.backend.gc_lock(exclusive=False):
-                created = [p for p in shared_arrays if not self.backend.array_exists(p)]
-                self.backend.write_shared_arrays({p: shared_arrays[p] for p in created}, fsync=fsync)
-                self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
+                created = [p for p in shared if not self.backend.array_exists(p)]
+                self.backend.write_shared_arrays({p: shared[p] for p in created}, fsync=fsync)
+                self.backend.put_bytes(layout.manifest_path(key), plan.manifest, fsync=fsync)
         except (serializers.DiskFullError, OSError) as err:
             event(logging.WARNING, "put failed", key=key, error=f"{type(err).__name__}: {err}")
-            self._undo_write(data_dir, created)
-            if isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS:
+            self._undo_write(plan.data_dir, created)
+            if is_disk_full(err):
                 raise StoreFullError(
-                    f"the disk cannot take context {key!r} ({sum(a.nbytes for a in to_write.values()):,} "
-                    f"bytes to write under {self.description}): {err}"
+                    f"the disk cannot take context {key!r} ({plan.nbytes:,} bytes to write under "
+                    f"{self.description}): {err}"
                 ) from err
             raise
-        event(logging.DEBUG, "commit", key=key, data_dir=data_dir, new_weights=len(created),
-              bytes=sum(getattr(a, "nbytes", 0) for a in to_write.values()))
-        return self._data_of(previous, key) if previous is not None else None
+        event(logging.DEBUG, "commit", key=key, data_dir=plan.data_dir, new_weights=len(created),
+              bytes=plan.nbytes)
+        return self.data_of(previous, key) if previous is not None else None
 
     def _undo_write(self, data_dir: str, weights: Sequence[str]) -> None:
         """Removes what a failed write left: its data folder, and the weights it added that no
@@ -379,226 +258,12 @@ class DiskTier:
             signatures.add(stored.spec.signature)
         return referenced, signatures
 
-    def _begin(self, what: str, value: Any = None) -> tuple[Collective, list[Any]]:
-        """Begins a collective operation on this store's channel (see :meth:`Channel.begin`); a
-        store only read from (an inspection in one process) never makes one, so it cannot put the
-        processes out of step."""
-        with self._lock:
-            if self._channel is None:
-                self._channel = Channel(self.description)
-            channel = self._channel
-        return channel.begin(what, value)
-
-    def write_collective(
-        self,
-        key: str,
-        spec: ResidualSpec,
-        arrays: HostArrays,
-        impls: Sequence[str | None],
-        *,
-        fsync: bool,
-    ) -> StaleData | None:
-        """:meth:`write` by every process of a multi-process job at once (same key, same order).
-
-        Each process holds, for a residual sharded over devices of several processes, only the
-        chunks of its own devices (``replica_id == 0``); whole arrays (fully replicated, or on one
-        device) are written by process 0 only. The processes exchange their chunks' checksums
-        (and, for weights, content digests), write their chunks, say whether that worked, and
-        only when every process did, process 0 writes the arrays' ``zarr.json``, puts shared
-        weights in place and commits the manifest; a last exchange tells every process the
-        commit happened. A process that dies or fails leaves no manifest: the others time out or
-        learn the failure and raise, and process 0 removes the data. Returns the replaced data
-        (process 0 only).
-
-        A sharded weight goes to a temporary folder renamed into place where the backend can
-        rename (a local or shared file system); on other kvstores each process writes its chunks
-        under the weight's content address (the same bytes whoever writes them), and
-        ``zarr.json``, written last by process 0, makes the weight exist.
-
-        Every process holds the store's gc lock shared for the whole write: from the first look
-        for a weight in any process to the commit, gc cannot remove one.
-        """
-        self._check_writable(f"put {key!r}")
-        with self.backend.gc_lock(exclusive=False):
-            return self._write_collective(key, spec, arrays, impls, fsync=fsync)
-
-    def _write_collective(
-        self,
-        key: str,
-        spec: ResidualSpec,
-        arrays: HostArrays,
-        impls: Sequence[str | None],
-        *,
-        fsync: bool,
-    ) -> StaleData | None:
-        local_sums = _process_local_sums(arrays)
-        coll, infos = self._begin(
-            f"put {key!r}",
-            {"chunks": _chunk_sums(spec, arrays), "local": local_sums, "write_id": uuid.uuid4().hex[:12]},
-        )
-        lead = coll.index == 0
-        _check_same_everywhere(key, spec, [info["local"] for info in infos])
-        write_id = infos[0]["write_id"]
-        data_dir = f"data/{key}.{write_id}"
-        gathered: dict[int, dict[tuple[int, ...], tuple[str, str | None]]] = {}
-        for info in infos:
-            for i, entries in info["chunks"].items():
-                for idx, chk, digest in entries:
-                    gathered.setdefault(int(i), {})[tuple(idx)] = (chk, digest)
-        renames = self.backend.can_rename
-        mine: dict[str, Any] = {}  # this process's writes: path -> array
-        mine_shared: dict[str, Any] = {}  # its chunks of sharded weights, where there is no rename
-        skipped: list[str] = []  # sharded weights this process found in place
-        shared_plain: dict[str, Any] = {}  # whole weights (process 0)
-        shared_chunked: dict[str, tuple[str, Any]] = {}  # weight path -> (where its chunks go, array)
-        chunked_meta: dict[str, Any] = {}  # intermediate path -> ChunkedArray (for its zarr.json)
-        records = []
-        shardings: list[dict[str, Any] | None] = []
-        for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
-            shared = kind in SHARED_KINDS
-            chunk_fields: dict[str, Any] = {}
-            shardings.append(x.sharding if isinstance(x, ShardedHost) else None)
-            if isinstance(x, ShardedHost) and x.chunk_shape is not None:
-                sums = sorted(gathered.get(i, {}).items())
-                grid = serializers.chunk_grid(x.shape, x.chunk_shape)
-                if len(sums) != int(np.prod(grid)):
-                    raise ResidualStoreError(
-                        f"collective write of context {key!r}: residual {i} ({spec.names[i]}) has "
-                        f"{len(sums)} of its {int(np.prod(grid))} shards among all processes"
-                    )
-                chunk_sums = [(idx, chk) for idx, (chk, _) in sums]
-                chunk_fields = {"chunk_shape": x.chunk_shape, "chunk_checksums": chunk_sums}
-                checksum = serializers.chunked_checksum(chunk_sums)
-                data: Any = serializers.ChunkedArray(x.shape, x.dtype, x.chunk_shape, x.chunks)
-                if shared:
-                    digests = {idx: str(d) for idx, (_, d) in sums}
-                    path = f"weights/{chunked_digest_of(x.dtype, x.shape, x.chunk_shape, digests)}"
-                    target = f"{path}.{write_id}.tmp" if renames else path
-                    if path not in shared_chunked:
-                        shared_chunked[path] = (target, data)
-                        if self.backend.array_exists(path):
-                            skipped.append(path)
-                        elif renames:
-                            mine[target] = data
-                        else:
-                            mine_shared[target] = data
-                else:
-                    path = f"{data_dir}/{i}"
-                    mine[path] = data
-                    chunked_meta[path] = data
-            else:
-                whole = x.whole if isinstance(x, ShardedHost) else x
-                assert whole is not None
-                data = whole
-                checksum = local_sums.get(str(i)) or serializers.checksum(data)
-                if shared:
-                    path = f"weights/{serializers.content_digest(data)}"
-                    if lead and path not in shared_plain and not self.backend.array_exists(path):
-                        shared_plain[path] = data
-                else:
-                    path = f"{data_dir}/{i}"
-                    if lead:
-                        mine[path] = data
-            records.append(_record(spec, i, path, x, checksum, shared, chunk_fields))
-
-        def clean_up() -> None:  # process 0: what this write left, when it does not commit
-            if lead:
-                self.backend.delete_tree(data_dir)
-                for target, _ in shared_chunked.values():
-                    if renames:  # elsewhere chunks without zarr.json are invisible; gc takes them
-                        self.backend.delete_tree(target)
-
-        error: str | None = None
-        full = False
-        try:
-            self.backend.write_arrays(mine, fsync=fsync, write_metadata=False)
-            self.backend.write_shared_arrays(mine_shared, fsync=fsync, write_metadata=False)
-        except Exception as err:  # noqa: BLE001 - every process must learn of it
-            error = f"process {coll.index}: {type(err).__name__}: {err}"
-            full = isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS
-        try:
-            written = coll.allgather("written", {"error": error, "skipped": skipped})
-        except ResidualStoreError:  # a process died or hung: no commit
-            clean_up()
-            raise
-        errors = [w["error"] for w in written if w["error"] is not None]
-        if errors:
-            clean_up()
-            kind_of = StoreFullError if full else ResidualStoreError
-            raise kind_of(f"collective write of context {key!r} failed, nothing committed: {'; '.join(errors)}")
-        previous = None
-        if lead:
-            try:
-                skipped_by_any = {p for w in written for p in w["skipped"]}
-                self._commit_collective(chunked_meta, shared_chunked, skipped_by_any, fsync=fsync)
-                self.backend.write_shared_arrays(shared_plain, fsync=fsync)
-                manifest = _encode_manifest(key, spec, impls, shardings, data_dir, records)
-                previous = self._read_manifest_bytes(key)
-                self.backend.put_bytes(f"contexts/{key}.manifest", manifest, fsync=fsync)
-            except Exception as err:  # noqa: BLE001
-                clean_up()
-                error = f"process 0: {type(err).__name__}: {err}"
-        errors = [e for e in coll.allgather("committed", error if lead else None) if e is not None]
-        if errors:
-            event(logging.WARNING, "collective put failed", key=key, error=errors[0])
-            raise ResidualStoreError(f"collective write of context {key!r} failed, nothing committed: {errors[0]}")
-        event(logging.DEBUG, "collective commit", key=key, data_dir=data_dir, processes=len(written))
-        return self._data_of(previous, key) if previous is not None else None
-
-    def _commit_collective(
-        self,
-        chunked_meta: Mapping[str, Any],
-        shared_chunked: Mapping[str, tuple[str, Any]],
-        skipped: set[str],
-        *,
-        fsync: bool,
-    ) -> None:
-        """Process 0, once every process's chunks are durable: the ``zarr.json`` of each chunked
-        array (an array is complete once it is there), sharded weights put in place."""
-        meta = {p: serializers.ChunkedArray(a.shape, a.dtype, a.chunk_shape, {}) for p, a in chunked_meta.items()}
-        self.backend.write_arrays(meta, fsync=fsync)
-        for path, (target, data) in shared_chunked.items():
-            if self.backend.array_exists(path):
-                if target != path:
-                    self.backend.delete_tree(target)
-                continue
-            if path in skipped:
-                raise ResidualStoreError(
-                    f"weight {path} was removed (by gc?) while processes that found it in place "
-                    "skipped writing their chunks of it; put the context again"
-                )
-            empty = {target: serializers.ChunkedArray(data.shape, data.dtype, data.chunk_shape, {})}
-            if target == path:  # no rename: the zarr.json makes the weight exist
-                self.backend.write_shared_arrays(empty, fsync=fsync)
-                continue
-            self.backend.write_arrays(empty, fsync=fsync)
-            if not self.backend.rename(target, path):
-                self.backend.delete_tree(target)  # another writer put the same bytes there
-
-    def delete_collective(self, key: str) -> StaleData | None:
-        """:meth:`delete` by every process at once: process 0 removes the manifest once all have
-        begun (so none can still be checking whether ``key`` exists), and all learn the outcome.
-        Returns the removed context's data (process 0 only)."""
-        self._check_writable(f"delete {key!r}")
-        self._forget_stat(key)
-        coll, _ = self._begin(f"delete {key!r}")
-        stale, error = None, None
-        if coll.index == 0:
-            try:
-                _, stale = self.delete(key)
-            except Exception as err:  # noqa: BLE001 - every process must learn of it
-                error = f"process 0: {type(err).__name__}: {err}"
-        errors = [e for e in coll.allgather("deleted", error) if e is not None]
-        if errors:
-            raise ResidualStoreError(f"collective delete of context {key!r} failed: {errors[0]}")
-        return stale
-
     def write_blob(self, name: str, data: bytes, *, fsync: bool) -> None:
-        self._check_writable(f"write {name}")
+        self.check_writable(f"write {name}")
         try:
             self.backend.put_bytes(name, data, fsync=fsync)
         except OSError as err:  # put_bytes leaves nothing behind on failure
-            if isinstance(err, serializers.DiskFullError) or err.errno in _DISK_FULL_ERRNOS:
+            if is_disk_full(err):
                 raise StoreFullError(
                     f"the disk cannot take {name} ({len(data):,} bytes under {self.description}): {err}"
                 ) from err
@@ -609,8 +274,8 @@ class DiskTier:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def _read_manifest_bytes(self, key: str) -> bytes | None:
-        return self.backend.get_bytes(f"contexts/{key}.manifest")
+    def read_manifest_bytes(self, key: str) -> bytes | None:
+        return self.backend.get_bytes(layout.manifest_path(key))
 
     def parse_manifest(self, key: str, data: bytes) -> StoredContext:
         """The manifest of ``key``, self checksum and every field checked (see
@@ -623,15 +288,15 @@ class DiskTier:
         Parsed manifests are cached while the file's version (inode, size, mtime) is unchanged,
         so listing a large store again costs one ``stat`` per context.
         """
-        version = self.backend.version(f"contexts/{key}.manifest")
+        version = self.backend.version(layout.manifest_path(key))
         if version is not None:
             with self._lock:
                 cached = self._stat_cache.get(key)
                 if cached is not None and cached[0] == version:
                     self._stat_cache.move_to_end(key)
                     return cached[1]
-        self._forget_stat(key)
-        data = self._read_manifest_bytes(key)
+        self.forget_stat(key)
+        data = self.read_manifest_bytes(key)
         if data is None:
             raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
         stored = self.parse_manifest(key, data)
@@ -642,7 +307,7 @@ class DiskTier:
                     self._stat_cache.popitem(last=False)
         return stored
 
-    def _forget_stat(self, key: str) -> None:
+    def forget_stat(self, key: str) -> None:
         with self._lock:
             self._stat_cache.pop(key, None)
 
@@ -661,14 +326,14 @@ class DiskTier:
         same makes a failed read corruption.
         """
         for _ in range(_READ_ATTEMPTS):
-            data = self._read_manifest_bytes(key)
+            data = self.read_manifest_bytes(key)
             if data is None:
                 raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
             stored = self.parse_manifest(key, data)
             try:
                 return stored, self._read_arrays(key, stored, place=place)
             except CorruptContextError:
-                if self._read_manifest_bytes(key) == data:
+                if self.read_manifest_bytes(key) == data:
                     raise
         raise CorruptContextError(
             f"context {key!r} was replaced {_READ_ATTEMPTS} times while being read; try again"
@@ -770,19 +435,19 @@ class DiskTier:
         return x
 
     def keys(self) -> list[str]:
-        suffix = ".manifest"
-        return [n[: -len(suffix)] for n in self.backend.list_dir("contexts") if n.endswith(suffix)]
+        suffix = layout.MANIFEST_SUFFIX
+        return [n[: -len(suffix)] for n in self.backend.list_dir(layout.CONTEXTS) if n.endswith(suffix)]
 
     def __contains__(self, key: str) -> bool:
         try:
-            return self._read_manifest_bytes(key) is not None
+            return self.read_manifest_bytes(key) is not None
         except CorruptContextError:  # there but damaged (a FIFO, a folder): get refuses it, delete removes it
             return True
 
     # -- deleting -----------------------------------------------------------------------------
 
     @staticmethod
-    def _data_of(manifest: bytes, key: str) -> StaleData | None:
+    def data_of(manifest: bytes, key: str) -> StaleData | None:
         """The data folder of ``key``'s (replaced or deleted) manifest, for :meth:`drop_data`;
         ``None`` unless the manifest passes every check (its data_dir is then ``key``'s own):
         a damaged or hostile manifest never gets a folder removed, gc finds its data later."""
@@ -790,14 +455,7 @@ class DiskTier:
             stored = parse_context_manifest(key, manifest)
         except CorruptContextError:
             return None
-        data_dir, records = stored.data_dir, stored.records
-        prefix = data_dir + "/"
-        layout = layout_digest(
-            (r.path[len(prefix) :], tuple(r.shape), r.dtype, r.chunk_shape)
-            for r in records
-            if r.path.startswith(prefix)
-        )
-        return StaleData(data_dir, layout)
+        return layout.data_of(stored.data_dir, stored.records)
 
     def _claim_free(self, layout: str, data_dir: str) -> bool:
         """Renames a recycled folder of this layout to ``data_dir``; whether one was found."""
@@ -822,13 +480,13 @@ class DiskTier:
         creating some 50 files and folders (file creation dominates small writes); otherwise it
         is removed.
         """
-        self._check_writable("drop data")
+        self.check_writable("drop data")
         if recycle and self.backend.can_rename:
             with self._lock:
                 pool = self._free.setdefault(stale.layout, [])
                 room = len(pool) < _MAX_FREE_PER_LAYOUT
             if room:
-                target = f"{_FREE_DIR}/{stale.layout}.{uuid.uuid4().hex[:12]}"
+                target = layout.recycled_path(stale.layout, layout.new_write_id())
                 if self.backend.rename(stale.data_dir, target):
                     with self._lock:
                         pool.append(target)
@@ -840,16 +498,16 @@ class DiskTier:
 
         Returns whether it was there and its data, for the caller to :meth:`drop_data`.
         """
-        self._check_writable(f"delete {key!r}")
-        self._forget_stat(key)
+        self.check_writable(f"delete {key!r}")
+        self.forget_stat(key)
         try:
-            data = self._read_manifest_bytes(key)
+            data = self.read_manifest_bytes(key)
         except CorruptContextError:  # not a regular file, oversized: removed all the same
             data = b""
         if data is None:
             return False, None
-        self.backend.delete(f"contexts/{key}.manifest")
-        return True, self._data_of(data, key)
+        self.backend.delete(layout.manifest_path(key))
+        return True, self.data_of(data, key)
 
     def iter_manifests(self) -> Iterator[tuple[str, StoredContext | CorruptContextError]]:
         keys = self.keys()
@@ -867,23 +525,19 @@ class DiskTier:
 
     # -- stored backwards ---------------------------------------------------------------------
 
-    @staticmethod
-    def _backward_paths(signature: str) -> tuple[str, str]:
-        return f"backwards/{signature}.export", f"backwards/{signature}.manifest"
-
     def backward_signatures(self) -> list[str]:
         """Signatures with a stored backward (a committed manifest)."""
-        suffix = ".manifest"
-        return [n[: -len(suffix)] for n in self.backend.list_dir("backwards") if n.endswith(suffix)]
+        suffix = layout.MANIFEST_SUFFIX
+        return [n[: -len(suffix)] for n in self.backend.list_dir(layout.BACKWARDS) if n.endswith(suffix)]
 
     def has_backward(self, signature: str) -> bool:
-        return self.backend.exists(self._backward_paths(signature)[1])
+        return self.backend.exists(layout.backward_paths(signature)[1])
 
     def write_backward(self, signature: str, data: bytes | None, manifest: bytes, *, fsync: bool) -> None:
         """The export, then its manifest (the commit: an export without one is a torn write).
         ``data`` is ``None`` for a backward that could not be exported: the manifest alone
         records why."""
-        export_path, manifest_path = self._backward_paths(signature)
+        export_path, manifest_path = layout.backward_paths(signature)
         if data is not None:
             self.write_blob(export_path, data, fsync=fsync)
         try:
@@ -901,7 +555,7 @@ class DiskTier:
           CorruptContextError: the manifest is unreadable, of a future version or names another
             signature.
         """
-        manifest = self.backend.get_bytes(self._backward_paths(signature)[1])
+        manifest = self.backend.get_bytes(layout.backward_paths(signature)[1])
         if manifest is None:
             return None
         what = f"stored backward of signature {signature}"
@@ -925,7 +579,7 @@ class DiskTier:
         m = self.backward_manifest(signature)
         if m is None or m.get("available") is False:
             return None if m is None else (m, None)
-        export_path = self._backward_paths(signature)[0]
+        export_path = layout.backward_paths(signature)[0]
         nbytes = m.get("nbytes")  # read no more than that (jax.export artifacts stay under 2 GiB)
         valid = isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 <= nbytes
         data = self.backend.get_bytes(export_path, max_bytes=min(nbytes, 1 << 31) if valid else 1 << 31)
@@ -964,7 +618,7 @@ class DiskTier:
         folder is first renamed into ``data/.trash`` (atomic against a writer's claim) and only
         then removed.
         """
-        self._check_writable("gc")
+        self.check_writable("gc")
         with self.backend.gc_lock(exclusive=True):
             removed = self._gc_locked(older_than)
         event(logging.INFO, "gc", store=self.description, older_than=older_than, **removed)
@@ -976,15 +630,17 @@ class DiskTier:
         if found is None:
             return {**removed, "skipped_corrupt": 1}
         referenced, signatures = found
-        for name in self.backend.list_dir(_TRASH_DIR):  # left by a gc that was killed
-            self.backend.delete_tree(f"{_TRASH_DIR}/{name}")
-        for kind, prefix in (("weights", "weights"), ("data", "data")):
+        for name in self.backend.list_dir(layout.TRASH_DIR):  # left by a gc that was killed
+            self.backend.delete_tree(layout.trash_path(name))
+        for kind, prefix in (("weights", layout.WEIGHTS), ("data", layout.DATA)):
             for name in self.backend.list_dir(prefix):
+                if layout.is_node_metadata(name):
+                    continue  # the group's own zarr.json
                 path = f"{prefix}/{name}"
                 if path not in referenced and self._old_enough(path, older_than) and self._discard(path):
                     removed[kind] += 1
-        for name in self.backend.list_dir(_FREE_DIR):  # recycled folders kept for reuse
-            path = f"{_FREE_DIR}/{name}"
+        for name in self.backend.list_dir(layout.FREE_DIR):  # recycled folders kept for reuse
+            path = f"{layout.FREE_DIR}/{name}"
             if not self._old_enough(path, older_than):
                 continue
             with self._lock:
@@ -993,7 +649,7 @@ class DiskTier:
                         pool.remove(path)
             if self._discard(path):
                 removed["recycled"] += 1
-        stems = {n.rsplit(".", 1)[0] for n in self.backend.list_dir("backwards")}
+        stems = {n.rsplit(".", 1)[0] for n in self.backend.list_dir(layout.BACKWARDS)}
         for sig in sorted(stems):
             if sig in signatures:
                 try:
@@ -1002,12 +658,12 @@ class DiskTier:
                 except CorruptContextError:
                     pass  # damaged: removed, so a later put of this signature saves it again
             # unneeded, damaged, or a torn write (an export without its manifest)
-            paths = [p for p in self._backward_paths(sig) if self.backend.exists(p)]
+            paths = [p for p in layout.backward_paths(sig) if self.backend.exists(p)]
             if paths and all(self._old_enough(p, older_than) for p in paths):
                 for p in paths:
                     self.backend.delete(p)
                 removed["backwards"] += 1
-        for prefix in ("", "contexts", "backwards"):
+        for prefix in ("", layout.CONTEXTS, layout.BACKWARDS):
             for name in self.backend.list_temporary(prefix):
                 path = f"{prefix}/{name}" if prefix else name
                 if self._old_enough(path, older_than):
@@ -1022,7 +678,7 @@ class DiskTier:
         if not self.backend.can_rename:
             self.backend.delete_tree(path)
             return True
-        trash = f"{_TRASH_DIR}/{uuid.uuid4().hex}"
+        trash = layout.trash_path(uuid.uuid4().hex)
         if not self.backend.rename(path, trash):
             return False
         self.backend.delete_tree(trash)

@@ -1,9 +1,5 @@
-"""Contexts as stored records: host arrays, sharding records, the manifest's spec map.
-
-What the disk tier writes for a context and how it is read back, independent of where the bytes
-go: residuals as host NumPy arrays (typed PRNG keys as their key data, sharded arrays shard by
-shard), the sharding of each residual, the spec as a msgpack-able map, and the layout digest
-that lets a data folder be recycled by a write of the same shapes and dtypes.
+"""A context manifest <-> the context's spec and records: the spec as a msgpack-able map, and
+the one reader of a manifest's bytes.
 
 :func:`parse_context_manifest` is the one reader of a context manifest's bytes. A manifest is
 untrusted input (a flipped bit, a torn or hostile file): beyond its self checksum (see
@@ -16,46 +12,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
-import numpy as np
-import xxhash
-from jax.sharding import NamedSharding
 
 import serializers
 from residual_store import structure
-from residual_store.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualContext, ResidualSpec
-from residual_store.errors import CorruptContextError, InvalidArgumentError
-from residual_store.placement import check_sharding_record, key_dtype, sharding_record
+from residual_store.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualSpec
+from residual_store.errors import CorruptContextError
+from residual_store.placement import check_sharding_record, key_dtype
 from residual_store.store.keys import validate_key
 
 __all__ = [
     "MAX_ARRAY_BYTES",
     "MAX_CHUNKS",
-    "HostArrays",
-    "ShardedHost",
-    "StaleData",
     "StoredContext",
     "check_data_dir",
     "check_signature",
-    "chunk_index",
-    "chunked_digest",
-    "chunked_digest_of",
-    "host_arrays",
-    "layout_digest",
     "parse_context_manifest",
     "spec_from_map",
     "spec_to_map",
-    "to_device_sharded",
 ]
 
-HostArrays = list["np.ndarray | ShardedHost"]
-"""A context's residuals on the host: whole arrays, or shards of a sharded one."""
 
 MAX_ARRAY_BYTES = 1 << 40
 """The largest array (1 TiB) a manifest may declare; a larger declaration is damage."""
@@ -90,143 +71,24 @@ class StoredContext:
         return self.shardings[i] if i < len(self.shardings) else None
 
 
-def _is_key_dtype(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class ShardedHost:
-    """A residual sharded over a mesh, on the host.
-
-    Written and read as chunks of a regular grid whose chunk shape is the shard shape (``chunks``:
-    chunk index -> block; a writer holds one per distinct shard, a reader those its devices
-    need), or, for a sharding whose shards are no such grid (fully replicated, uneven, empty),
-    as the ``whole`` array (``chunk_shape`` is then ``None``).
-
-    Attributes:
-      sharding: the manifest's record of the ``NamedSharding`` (see :func:`sharding_record`).
-      placement: on a read that could rebuild the sharding here, the ``NamedSharding`` to place
-        the array with (:func:`to_device_sharded`).
-    """
-
-    sharding: dict[str, Any]
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    chunk_shape: tuple[int, ...] | None
-    chunks: Mapping[Any, np.ndarray]  # chunk index (tuple of ints) -> block
-    whole: np.ndarray | None = None
-    placement: NamedSharding | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def chunk_index(region: Sequence[slice] | None, chunk_shape: Sequence[int]) -> tuple[int, ...]:
-    """The index of the chunk that starts where ``region`` (a shard's slices) starts."""
-    assert region is not None
-    return tuple((s.start or 0) // c for s, c in zip(region, chunk_shape))
 
 
-def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
-    """``x`` (sharded) on the host: the block of each distinct shard, copied shard by shard."""
-    shape = tuple(int(d) for d in x.shape)
-    dtype = np.dtype(x.dtype)
-    shard_shape = tuple(int(d) for d in x.sharding.shard_shape(x.shape))
-    if x.size == 0 or shard_shape == shape or any(d % c for d, c in zip(shape, shard_shape)):
-        if x.sharding.is_fully_replicated:  # any one replica is the whole array
-            whole = np.asarray(x.addressable_shards[0].data)
-        elif not x.is_fully_addressable:
-            raise InvalidArgumentError(
-                f"a store cannot write an array of shape {shape} sharded unevenly over the devices "
-                "of several processes; shard it evenly (every dimension divisible by its shards)"
-            )
-        else:
-            whole = np.asarray(x)  # uneven or empty shards: no grid of blocks to write
-        return ShardedHost(record, shape, dtype, None, {}, whole)
-    if not x.is_fully_addressable and jax.process_count() == 1:
-        raise InvalidArgumentError(
-            "a store cannot write an array sharded over devices it cannot address"
-        )
-    # Several processes: each holds the distinct shards (replica_id == 0) of its own devices;
-    # the disk tier's collective write puts each process's chunks in one array.
-    chunks: dict[tuple[int, ...], np.ndarray] = {}
-    for shard in x.addressable_shards:
-        if shard.replica_id == 0:
-            chunks[chunk_index(shard.index, shard_shape)] = np.asarray(shard.data)
-    return ShardedHost(record, shape, dtype, shard_shape, chunks)
 
 
-def to_device_sharded(host: ShardedHost) -> jax.Array:
-    """Places a :class:`ShardedHost` read with a ``placement``: each device gets its chunk
-    (``device_put`` per device, no whole array on any one device), assembled with
-    ``jax.make_array_from_single_device_arrays``."""
-    sharding = host.placement
-    assert sharding is not None
-    if host.chunk_shape is None:
-        return jax.device_put(host.whole, sharding)
-    index_map = sharding.addressable_devices_indices_map(host.shape)
-    devices = list(index_map)
-    blocks = [host.chunks[chunk_index(index_map[d], host.chunk_shape)] for d in devices]
-    singles = jax.device_put(blocks, devices)
-    return jax.make_array_from_single_device_arrays(host.shape, sharding, singles)
 
 
-def host_arrays(ctx: ResidualContext) -> tuple[HostArrays, list[str | None]]:
-    """The residuals on the host (typed keys as their key data) and each key's impl.
-
-    A residual sharded over several devices with a ``NamedSharding`` becomes a
-    :class:`ShardedHost` (its shards' blocks, never the gathered array); the others become NumPy
-    arrays.
-    """
-    arrays: HostArrays = []
-    impls: list[str | None] = []
-    for x in ctx.residuals:
-        if _is_key_dtype(x.dtype):
-            impls.append(str(jax.random.key_impl(x)))
-            x = jax.random.key_data(x)
-        else:
-            impls.append(None)
-        record = sharding_record(x)
-        arrays.append(_sharded_host(x, record) if record is not None else np.asarray(x))
-    return arrays, impls
 
 
-def chunked_digest(host: ShardedHost) -> str:
-    """The content address of a chunked weight: a digest of its chunks' digests (and of its
-    dtype, shape and chunk shape), so equal weights sharded alike are stored once."""
-    assert host.chunk_shape is not None
-    digests = {idx: serializers.content_digest(c) for idx, c in host.chunks.items()}
-    return chunked_digest_of(host.dtype, host.shape, host.chunk_shape, digests)
 
 
-def chunked_digest_of(
-    dtype: np.dtype, shape: tuple[int, ...], chunk_shape: tuple[int, ...], digests: Mapping[Any, str]
-) -> str:
-    """:func:`chunked_digest` from every chunk's content digest (chunk index -> digest), which
-    several processes that each hold some chunks can gather."""
-    h = xxhash.xxh3_128()
-    h.update(f"{np.dtype(dtype).str}{tuple(shape)}{tuple(chunk_shape)};".encode())
-    for idx in sorted(digests):
-        h.update(f"{tuple(idx)}={digests[idx]};".encode())
-    return h.hexdigest()
 
 
-class StaleData(NamedTuple):
-    """A data folder no manifest references any more, and its layout (for reuse)."""
-
-    data_dir: str
-    layout: str
 
 
-def layout_digest(items: Iterable[tuple[str, tuple[int, ...], str, tuple[int, ...] | None]]) -> str:
-    """A digest of (name, shape, dtype, chunk shape) of each intermediate array: folders of equal
-    layout can be reused for each other's writes."""
-    h = hashlib.sha256()
-    for name, shape, dtype, chunks in sorted(items, key=lambda t: (t[0], str(t[1:]))):
-        grid = "" if chunks is None else f"|{tuple(int(c) for c in chunks)}"
-        h.update(f"{name}|{tuple(int(d) for d in shape)}|{dtype}{grid};".encode())
-    return h.hexdigest()[:16]
 
 
 def _call_to_map(call: CallSpec) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import threading
@@ -28,22 +29,14 @@ from residual_store.errors import (
     StoreFullError,
 )
 from residual_store.store import backwards
-from residual_store.store.collective import is_multiprocess
+from residual_store.store.collective import CollectiveCommitter, is_multiprocess
 from residual_store.store.disk import DiskTier
-from residual_store.store.io import Loader, Writer
+from residual_store.store.host import ShardedHost, host_arrays, place, to_device, to_device_sharded, to_host
 from residual_store.store.keys import new_key, validate_key
-from residual_store.store.records import (
-    ShardedHost,
-    StaleData,
-    host_arrays,
-    to_device_sharded,
-)
-from residual_store.store.tiers import (
-    MemoryTier,
-    own_nbytes,
-    to_device,
-    to_host,
-)
+from residual_store.store.layout import StaleData
+from residual_store.store.records import StoredContext
+from residual_store.store.tiers import Tiers, own_nbytes
+from residual_store.store.workers import Loader, Writer
 
 __all__ = ["Store"]
 
@@ -146,8 +139,8 @@ class Store:
             raise InvalidArgumentError("a memory-only store (path=None) cannot be read_only")
         _check_path(path)
         # Arguments first: a refused one must not leave a new store on disk.
-        self._device = MemoryTier("device", device_budget)
-        self._host = MemoryTier("host", host_budget)
+        self._tiers = Tiers(device_budget, host_budget, demote=to_host)
+        self._device, self._host = self._tiers.device, self._tiers.host
         if (
             isinstance(max_pending_bytes, bool)
             or not isinstance(max_pending_bytes, numbers.Integral)
@@ -158,8 +151,14 @@ class Store:
             )
         self._disk = DiskTier(path, create=create, read_only=read_only) if path is not None else None
         # Several processes (jax.process_count() > 1) write each context collectively, in put
-        # order: every put is written through (a spill depends on one process's budgets).
-        self._write_through = bool(write_through) or is_multiprocess()
+        # order: every put is written through (a spill depends on one process's budgets), and
+        # data folders are removed, never recycled (each process would have to claim the same).
+        self._collective = self._disk is not None and is_multiprocess()
+        self._committer: DiskTier | CollectiveCommitter | None = (
+            CollectiveCommitter(self._disk) if self._collective else self._disk
+        )
+        self._saves_backwards = self._disk is not None and (not self._collective or jax.process_index() == 0)
+        self._write_through = bool(write_through) or self._collective
         self._durable = bool(durable)
         self._lock = threading.RLock()
         self._pending: dict[str, tuple[ResidualContext, object]] = {}
@@ -224,7 +223,7 @@ class Store:
                 "put cannot store a context inside jax.jit or another transformation (its residuals "
                 "are tracers, not arrays): return the context from the jitted function and put it there"
             )
-        if key is None and self._disk is not None and is_multiprocess():
+        if key is None and self._collective:
             raise InvalidArgumentError(
                 "in a multi-process job, put needs a key: every process puts the same context "
                 "under the same key, and a fresh key would differ between processes"
@@ -241,10 +240,7 @@ class Store:
             self._pending.pop(key, None)  # a write of an older context under this key is superseded
             self._loading.pop(key, None)  # so is a prefetch of it
             self._deleting.pop(key, None)
-            if self._device.fits(size):
-                self._device.add(key, ctx)
-            elif self._host.fits(size):
-                self._host.add(key, to_host(ctx))
+            self._tiers.admit(key, ctx)
             spills = self._rebalance(protect=key)
             to_write = [self._mark_pending(key, ctx)] if self._disk is not None and (
                 self._write_through
@@ -255,31 +251,17 @@ class Store:
         return key
 
     def _check_memory_capacity(self, key: str, size: int) -> None:
-        """Simulates the spill of a memory-only store; raises before anything changes."""
-        dev_budget, host_budget = self._device.budget, self._host.budget
-        device = [(k, self._device._entries[k][1]) for k in self._device.keys() if k != key]
-        host = sum(s for k, (_, s) in self._host._entries.items() if k != key)
-        if dev_budget is not None and size > dev_budget:
-            host += size
-        else:
-            device.append((key, size))
-        used = sum(s for _, s in device)
-        for _, s in device:
-            if dev_budget is None or used <= dev_budget:
-                break
-            used -= s
-            host += s
-        if host_budget is not None and host > host_budget:
+        """A memory-only store refuses a put its tiers cannot hold, before anything changes."""
+        if self._tiers.would_overflow(key, size):
             raise StoreFullError(
                 f"memory-only store cannot take context {key!r} ({size:,} bytes of intermediates): "
-                f"device budget {dev_budget}, host budget {host_budget}, "
-                f"{self._device.nbytes + self._host.nbytes:,} bytes held; give the store a path "
+                f"device budget {self._device.budget}, host budget {self._host.budget}, "
+                f"{self._tiers.nbytes:,} bytes held; give the store a path "
                 "to spill to disk, raise a budget, or delete contexts"
             )
 
     def _forget_memory(self, key: str) -> None:
-        self._device.remove(key)
-        self._host.remove(key)
+        self._tiers.forget(key)
 
     def _rebalance(self, protect: str | None = None) -> list[tuple[str, ResidualContext, object]]:
         """Moves least recently used contexts down until each tier is within budget.
@@ -288,20 +270,7 @@ class Store:
         pending (under the lock, so no ``get`` finds them in no tier at all), for
         :meth:`_schedule_write`.
         """
-        spills = []
-        while self._device.over_budget():
-            victim = self._device.least_recent(exclude=protect) or protect
-            ctx = self._device.remove(victim)
-            if self._host.fits(own_nbytes(ctx)):
-                self._host.add(victim, to_host(ctx))
-            elif self._needs_write(victim):
-                spills.append(self._mark_pending(victim, ctx))
-        while self._host.over_budget():
-            victim = self._host.least_recent(exclude=protect) or protect
-            ctx = self._host.remove(victim)
-            if self._needs_write(victim):
-                spills.append(self._mark_pending(victim, ctx))
-        return spills
+        return [self._mark_pending(k, ctx) for k, ctx in self._tiers.rebalance(protect) if self._needs_write(k)]
 
     def _needs_write(self, key: str) -> bool:
         return (
@@ -321,50 +290,40 @@ class Store:
         return key, ctx, token
 
     def _schedule_write(self, key: str, ctx: ResidualContext, token: object) -> None:
-        assert self._writer is not None and self._disk is not None
-        disk, durable = self._disk, self._durable
+        assert self._writer is not None
+        self._writer.submit(functools.partial(self._write, key, ctx, token), ctx.nbytes)
 
-        collective = is_multiprocess()
-
-        def job() -> None:
-            with self._lock:
-                # superseded by a later put (or delete) of this key: never land stale data. In a
-                # multi-process job every process takes part in every collective write, in order.
-                if self._pending.get(key, (None, None))[1] is not token and not collective:
-                    return
+    def _write(self, key: str, ctx: ResidualContext, token: object) -> None:
+        """On the writer thread: writes the version ``token`` of ``key``, unless a later put (or
+        delete) superseded it; a stale version never lands. In a multi-process job every process
+        takes part in every collective write, in order."""
+        assert self._committer is not None
+        with self._lock:
+            if self._pending.get(key, (None, None))[1] is not token and not self._collective:
+                return
+        try:
+            arrays, impls = host_arrays(ctx)
             try:
-                arrays, impls = host_arrays(ctx)
-                try:
-                    if collective:
-                        stale = disk.write_collective(key, ctx.spec, arrays, impls, fsync=durable)
-                    else:
-                        stale = disk.write(key, ctx.spec, arrays, impls, fsync=durable)
-                except BaseException:
-                    with self._lock:  # a put that failed is not in the store (flush raises why)
-                        if self._pending.get(key, (None, None))[1] is token:
-                            self._forget_memory(key)
-                    raise
-                self._drop_later(stale, collective=collective)
-                with self._lock:
+                stale = self._committer.write(key, ctx.spec, arrays, impls, fsync=self._durable)
+            except BaseException:
+                with self._lock:  # a put that failed is not in the store (flush raises why)
                     if self._pending.get(key, (None, None))[1] is token:
-                        self._on_disk.add(key)
-            finally:
-                with self._lock:
-                    if self._pending.get(key, (None, None))[1] is token:
-                        del self._pending[key]
+                        self._forget_memory(key)
+                raise
+            self._drop_later(stale)
+            with self._lock:
+                if self._pending.get(key, (None, None))[1] is token:
+                    self._on_disk.add(key)
+        finally:
+            with self._lock:
+                if self._pending.get(key, (None, None))[1] is token:
+                    del self._pending[key]
 
-        self._writer.submit(job, ctx.nbytes)
-
-    def _drop_later(self, stale: StaleData | None, *, collective: bool) -> None:
-        """Hands data no manifest references any more to the janitor, off the write path.
-
-        Collective writes never reuse folders (each process would have to claim the same one),
-        so their stale data is removed rather than kept for recycling.
-        """
+    def _drop_later(self, stale: StaleData | None) -> None:
+        """Hands data no manifest references any more to the janitor, off the write path."""
         if stale is not None:
-            disk = self._disk
-            assert disk is not None
-            self._janitor.submit(lambda: disk.drop_data(stale, recycle=not collective))
+            assert self._disk is not None
+            self._janitor.submit(functools.partial(self._disk.drop_data, stale, recycle=not self._collective))
 
     def _save_backward(self, ctx: ResidualContext) -> None:
         """Once per signature and store, on the writer thread: save the backward, so other
@@ -377,37 +336,37 @@ class Store:
             if sig in self._backwards_seen:
                 return
             self._backwards_seen.add(sig)
-        if is_multiprocess() and jax.process_index() != 0:
+        if not self._saves_backwards:
             return  # process 0 saves it for the job
         bwd = ctx._backward or find_backward(sig)
         if bwd is None or bwd.unavailable is not None:
             return
-        disk, durable = self._disk, self._durable
         if bwd.unexportable is not None:
             reason = f"the backward of signature {sig} cannot be serialized with jax.export: {bwd.unexportable}"
             self._warn_unexportable(reason, stacklevel=4)
-            self._writer.submit(lambda: self._record_unavailable(sig, reason), 0)
+            self._writer.submit(functools.partial(self._record_unavailable, sig, reason), 0)
             return
-        avals, mesh = ctx.spec.avals, backwards.explicit_mesh(ctx.residuals)
+        mesh = backwards.explicit_mesh(ctx.residuals)
+        self._writer.submit(functools.partial(self._export_backward, sig, bwd, ctx.spec.avals, mesh), 0)
 
-        def save() -> None:
-            if disk.has_backward(sig):
-                return
-            try:
-                data, manifest = backwards.serialize(bwd, avals, mesh)
-            except BackwardUnavailableError as err:
-                with self._lock:
-                    self._warnings.append(str(err))
-                self._record_unavailable(sig, str(err))
-                return
-            try:
-                disk.write_backward(sig, data, manifest, fsync=durable)
-            except BaseException:
-                with self._lock:  # not saved (a full disk): the next put of this signature retries
-                    self._backwards_seen.discard(sig)
-                raise
-
-        self._writer.submit(save, 0)
+    def _export_backward(self, sig: str, bwd: Any, avals: Any, mesh: Any) -> None:
+        """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
+        assert self._disk is not None
+        if self._disk.has_backward(sig):
+            return
+        try:
+            data, manifest = backwards.serialize(bwd, avals, mesh)
+        except BackwardUnavailableError as err:
+            with self._lock:
+                self._warnings.append(str(err))
+            self._record_unavailable(sig, str(err))
+            return
+        try:
+            self._disk.write_backward(sig, data, manifest, fsync=self._durable)
+        except BaseException:
+            with self._lock:  # not saved (a full disk): the next put of this signature retries
+                self._backwards_seen.discard(sig)
+            raise
 
     def _record_unavailable(self, sig: str, reason: str) -> None:
         """Stores why the backward of ``sig`` could not be exported (``ls`` and ``inspect`` show
@@ -492,17 +451,10 @@ class Store:
             raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
         stored, arrays = self._disk.read(key)  # sharded residuals: only this process's chunks
         _check_representable(key, stored.spec)
-        own = [i for i, r in enumerate(stored.records) if not r.shared]
-        plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
-        placed = dict(zip(plain, jax.device_put([arrays[i] for i in plain])))  # one call, zero-copy on CPU
-        for i in own:  # sharded: each device gets its own chunk, with the recorded sharding
-            host = arrays[i]
-            if isinstance(host, ShardedHost):
-                placed[i] = to_device_sharded(host)
-        residuals = []
-        for i, (record, impl) in enumerate(zip(stored.records, stored.key_impls)):
-            x = placed[i] if i in placed else self._shared_array(record.path, arrays[i])
-            residuals.append(jax.random.wrap_key_data(x, impl=impl) if impl is not None else x)
+        residuals = place(
+            arrays, [r.shared for r in stored.records], stored.key_impls,
+            functools.partial(self._shared_array, stored, arrays),
+        )
         ctx = ResidualContext(residuals, stored.spec)
         self._ensure_backward(stored.spec.signature)
         with self._lock:
@@ -515,8 +467,9 @@ class Store:
             self._schedule_write(*write)
         return ctx
 
-    def _shared_array(self, path: str, x: np.ndarray | ShardedHost) -> jax.Array:
+    def _shared_array(self, stored: StoredContext, arrays: Any, i: int) -> jax.Array:
         """One device array per stored weight (and sharding) while any loaded context holds it."""
+        path, x = stored.records[i].path, arrays[i]
         cache_key: Any = (path, x.placement) if isinstance(x, ShardedHost) else path
         with self._lock:
             live = self._weights.get(cache_key)
@@ -546,15 +499,16 @@ class Store:
         if not in_memory and (self._disk is None or key in self._deleting or key not in self._disk):
             raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
 
-        def job() -> ResidualContext:
-            ctx, spills = self._get_from_memory(key)
-            for write in spills:
-                self._schedule_write(*write)
-            return ctx if ctx is not None else self._load_and_promote(key)
-
         with self._lock:
             if key not in self._loading:
-                self._loading[key] = self._loader.submit(job)
+                self._loading[key] = self._loader.submit(functools.partial(self._load, key))
+
+    def _load(self, key: str) -> ResidualContext:
+        """On a loader thread: ``key`` from memory or disk, on the device."""
+        ctx, spills = self._get_from_memory(key)
+        for write in spills:
+            self._schedule_write(*write)
+        return ctx if ctx is not None else self._load_and_promote(key)
 
     def pop(self, key: str) -> ResidualContext:
         """``get`` then ``delete``."""
@@ -584,7 +538,6 @@ class Store:
             return
         # In a multi-process job the delete is collective, in call order with the puts: every
         # process checks here, and process 0 removes the manifest only once all have begun.
-        collective = is_multiprocess()
         with self._lock:
             if not found and key not in self._deleting and key not in self._disk:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
@@ -592,22 +545,21 @@ class Store:
                 raise ContextNotFoundError(f"context {key!r} was already deleted from store {self!r}")
             token = object()
             self._deleting[key] = token
-        disk = self._disk
+        self._writer.submit(functools.partial(self._delete_on_disk, key, token), 0)
 
-        def job() -> None:
-            try:
-                with self._lock:
-                    superseded = self._deleting.get(key) is not token  # put again since
-                if collective:  # every process takes part, even where it was put again since
-                    self._drop_later(disk.delete_collective(key), collective=True)
-                elif not superseded:
-                    self._drop_later(disk.delete(key)[1], collective=False)
-            finally:
-                with self._lock:
-                    if self._deleting.get(key) is token:
-                        del self._deleting[key]
-
-        self._writer.submit(job, 0)
+    def _delete_on_disk(self, key: str, token: object) -> None:
+        """On the writer thread, after any pending write of ``key``: removes its manifest (with
+        every process, in a multi-process job, even where it was put again since)."""
+        assert self._committer is not None
+        try:
+            with self._lock:
+                superseded = self._deleting.get(key) is not token  # put again since
+            if self._collective or not superseded:
+                self._drop_later(self._committer.delete(key)[1])
+        finally:
+            with self._lock:
+                if self._deleting.get(key) is token:
+                    del self._deleting[key]
 
     # -- listing ------------------------------------------------------------------------------
 

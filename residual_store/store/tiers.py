@@ -1,4 +1,6 @@
-"""The in-memory tiers: device (live ``jax.Array``s) and host memory, each an LRU under a budget.
+"""The in-memory tiers: device (live ``jax.Array``s) and host memory, each an LRU under a budget,
+and the policy between them. The tiers decide what moves; they return what leaves host memory
+(an eviction) and leave writing it to the store.
 
 A tier counts the bytes of its contexts' own residuals (intermediates and per-context inputs such
 as a stage's input activation or the batch); the weights and constants a context holds by
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import numbers
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,7 +22,7 @@ import numpy as np
 from residual_store.context import OWN_KINDS, ResidualContext
 from residual_store.errors import InvalidArgumentError
 
-__all__ = ["MemoryTier", "own_nbytes", "to_host", "to_device", "host_memory_kind"]
+__all__ = ["MemoryTier", "Tiers", "own_nbytes"]
 
 
 def _nbytes(x: Any) -> int:
@@ -95,63 +98,80 @@ class MemoryTier:
         return next((k for k in self._entries if k != exclude), None)
 
 
-def host_memory_kind(device: Any) -> str | None:
-    """``"pinned_host"`` if ``device`` has that memory space, else ``None``."""
-    try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001 - backends without memory spaces.
-        return None
-    return "pinned_host" if "pinned_host" in kinds else None
+class Tiers:
+    """Device over host: where a context goes, and what the budgets push down.
 
+    ``demote`` makes the host copy of a device context (see :func:`residual_store.store.host.to_host`);
+    the tiers never touch arrays themselves.
+    """
 
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    def __init__(self, device_budget: int | None, host_budget: int | None,
+                 demote: Callable[[ResidualContext], ResidualContext]) -> None:
+        self.device = MemoryTier("device", device_budget)
+        self.host = MemoryTier("host", host_budget)
+        self._demote = demote
 
+    def __contains__(self, key: str) -> bool:
+        return key in self.device or key in self.host
 
-def to_host(ctx: ResidualContext) -> ResidualContext:
-    """A copy of ``ctx`` with its own residuals in host memory; weights stay where they are."""
-    copies: dict[int, Any] = {}
+    def keys(self) -> list[str]:
+        return self.device.keys() + self.host.keys()
 
-    def move(x: Any, kind: str) -> Any:
-        if kind not in OWN_KINDS:
-            return x
-        if id(x) in copies:
-            return copies[id(x)]
-        if isinstance(x, jax.Array) and not _is_key(x):
-            sharding = x.sharding
-            kind = host_memory_kind(next(iter(sharding.device_set)))
-            if kind is not None and sharding.memory_kind != kind:
-                moved = jax.device_put(x, sharding.with_memory_kind(kind))
-            elif kind is None:
-                moved = np.asarray(jax.device_get(x))
+    @property
+    def nbytes(self) -> int:
+        return self.device.nbytes + self.host.nbytes
+
+    def forget(self, key: str) -> None:
+        self.device.remove(key)
+        self.host.remove(key)
+
+    def admit(self, key: str, ctx: ResidualContext) -> bool:
+        """Puts ``ctx`` in the highest tier its size fits; whether one took it."""
+        size = own_nbytes(ctx)
+        if self.device.fits(size):
+            self.device.add(key, ctx)
+        elif self.host.fits(size):
+            self.host.add(key, self._demote(ctx))
+        else:
+            return False
+        return True
+
+    def rebalance(self, protect: str | None = None) -> list[tuple[str, ResidualContext]]:
+        """Moves least recently used contexts down until each tier is within budget (``protect``
+        last); returns the contexts pushed out of host memory (or past it), for the store to
+        write or drop."""
+        evicted = []
+        while self.device.over_budget():
+            victim = self.device.least_recent(exclude=protect) or protect
+            assert victim is not None
+            ctx = self.device.remove(victim)
+            assert ctx is not None
+            if self.host.fits(own_nbytes(ctx)):
+                self.host.add(victim, self._demote(ctx))
             else:
-                moved = x
+                evicted.append((victim, ctx))
+        while self.host.over_budget():
+            victim = self.host.least_recent(exclude=protect) or protect
+            assert victim is not None
+            ctx = self.host.remove(victim)
+            assert ctx is not None
+            evicted.append((victim, ctx))
+        return evicted
+
+    def would_overflow(self, key: str, size: int) -> bool:
+        """Whether adding ``size`` bytes under ``key`` would push anything out of host memory
+        (simulated; nothing changes): a store with no disk below refuses such a put."""
+        dev_budget, host_budget = self.device.budget, self.host.budget
+        device = [(k, self.device._entries[k][1]) for k in self.device.keys() if k != key]
+        host = sum(s for k, (_, s) in self.host._entries.items() if k != key)
+        if dev_budget is not None and size > dev_budget:
+            host += size
         else:
-            moved = x  # numpy arrays are host memory; keys stay on device (a few bytes each)
-        copies[id(x)] = moved
-        return moved
-
-    return ResidualContext.tree_unflatten(
-        ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)]
-    )
-
-
-def to_device(ctx: ResidualContext) -> ResidualContext:
-    """A copy of ``ctx`` in device memory (the default memory space); shared arrays stay shared."""
-    copies: dict[int, Any] = {}
-
-    def move(x: Any) -> Any:
-        if id(x) in copies:
-            return copies[id(x)]
-        if isinstance(x, jax.Array):
-            sharding = x.sharding
-            default = next(iter(sharding.device_set)).default_memory().kind
-            moved = x if sharding.memory_kind in (None, default) else jax.device_put(
-                x, sharding.with_memory_kind(default)
-            )
-        else:
-            moved = jax.device_put(x)
-        copies[id(x)] = moved
-        return moved
-
-    return ResidualContext.tree_unflatten(ctx.spec, [move(x) for x in ctx.residuals])
+            device.append((key, size))
+        used = sum(s for _, s in device)
+        for _, s in device:
+            if dev_budget is None or used <= dev_budget:
+                break
+            used -= s
+            host += s
+        return host_budget is not None and host > host_budget

@@ -1,0 +1,232 @@
+"""Residuals between JAX and the host: ``jax.Array`` <-> host arrays, shard by shard.
+
+What the disk tier writes is host memory: each residual as a NumPy array (a typed PRNG key as
+its key data), or, sharded over several devices with a ``NamedSharding``, as the blocks of its
+distinct shards (:class:`ShardedHost`), never gathered. What it reads comes back the same way and
+is placed on the devices here, each device given its own block. The memory tiers move contexts
+between device memory and JAX's host memory space (``pinned_host``) here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from residual_store.context import OWN_KINDS, ResidualContext
+from residual_store.errors import InvalidArgumentError
+from residual_store.placement import sharding_record
+
+__all__ = [
+    "HostArrays",
+    "ShardedHost",
+    "chunk_index",
+    "host_arrays",
+    "host_memory_kind",
+    "place",
+    "to_device",
+    "to_device_sharded",
+    "to_host",
+]
+
+
+HostArrays = list["np.ndarray | ShardedHost"]
+"""A context's residuals on the host: whole arrays, or shards of a sharded one."""
+
+
+
+def _is_key_dtype(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedHost:
+    """A residual sharded over a mesh, on the host.
+
+    Written and read as chunks of a regular grid whose chunk shape is the shard shape (``chunks``:
+    chunk index -> block; a writer holds one per distinct shard, a reader those its devices
+    need), or, for a sharding whose shards are no such grid (fully replicated, uneven, empty),
+    as the ``whole`` array (``chunk_shape`` is then ``None``).
+
+    Attributes:
+      sharding: the manifest's record of the ``NamedSharding`` (see :func:`sharding_record`).
+      placement: on a read that could rebuild the sharding here, the ``NamedSharding`` to place
+        the array with (:func:`to_device_sharded`).
+    """
+
+    sharding: dict[str, Any]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...] | None
+    chunks: Mapping[Any, np.ndarray]  # chunk index (tuple of ints) -> block
+    whole: np.ndarray | None = None
+    placement: NamedSharding | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+
+def chunk_index(region: Sequence[slice] | None, chunk_shape: Sequence[int]) -> tuple[int, ...]:
+    """The index of the chunk that starts where ``region`` (a shard's slices) starts."""
+    assert region is not None
+    return tuple((s.start or 0) // c for s, c in zip(region, chunk_shape))
+
+
+
+def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
+    """``x`` (sharded) on the host: the block of each distinct shard, copied shard by shard."""
+    shape = tuple(int(d) for d in x.shape)
+    dtype = np.dtype(x.dtype)
+    shard_shape = tuple(int(d) for d in x.sharding.shard_shape(x.shape))
+    if x.size == 0 or shard_shape == shape or any(d % c for d, c in zip(shape, shard_shape)):
+        if x.sharding.is_fully_replicated:  # any one replica is the whole array
+            whole = np.asarray(x.addressable_shards[0].data)
+        elif not x.is_fully_addressable:
+            raise InvalidArgumentError(
+                f"a store cannot write an array of shape {shape} sharded unevenly over the devices "
+                "of several processes; shard it evenly (every dimension divisible by its shards)"
+            )
+        else:
+            whole = np.asarray(x)  # uneven or empty shards: no grid of blocks to write
+        return ShardedHost(record, shape, dtype, None, {}, whole)
+    if not x.is_fully_addressable and jax.process_count() == 1:
+        raise InvalidArgumentError(
+            "a store cannot write an array sharded over devices it cannot address"
+        )
+    # Several processes: each holds the distinct shards (replica_id == 0) of its own devices;
+    # the disk tier's collective write puts each process's chunks in one array.
+    chunks: dict[tuple[int, ...], np.ndarray] = {}
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            chunks[chunk_index(shard.index, shard_shape)] = np.asarray(shard.data)
+    return ShardedHost(record, shape, dtype, shard_shape, chunks)
+
+
+
+def to_device_sharded(host: ShardedHost) -> jax.Array:
+    """Places a :class:`ShardedHost` read with a ``placement``: each device gets its chunk
+    (``device_put`` per device, no whole array on any one device), assembled with
+    ``jax.make_array_from_single_device_arrays``."""
+    sharding = host.placement
+    assert sharding is not None
+    if host.chunk_shape is None:
+        return jax.device_put(host.whole, sharding)
+    index_map = sharding.addressable_devices_indices_map(host.shape)
+    devices = list(index_map)
+    blocks = [host.chunks[chunk_index(index_map[d], host.chunk_shape)] for d in devices]
+    singles = jax.device_put(blocks, devices)
+    return jax.make_array_from_single_device_arrays(host.shape, sharding, singles)
+
+
+
+def host_arrays(ctx: ResidualContext) -> tuple[HostArrays, list[str | None]]:
+    """The residuals on the host (typed keys as their key data) and each key's impl.
+
+    A residual sharded over several devices with a ``NamedSharding`` becomes a
+    :class:`ShardedHost` (its shards' blocks, never the gathered array); the others become NumPy
+    arrays.
+    """
+    arrays: HostArrays = []
+    impls: list[str | None] = []
+    for x in ctx.residuals:
+        if _is_key_dtype(x.dtype):
+            impls.append(str(jax.random.key_impl(x)))
+            x = jax.random.key_data(x)
+        else:
+            impls.append(None)
+        record = sharding_record(x)
+        arrays.append(_sharded_host(x, record) if record is not None else np.asarray(x))
+    return arrays, impls
+
+
+
+def host_memory_kind(device: Any) -> str | None:
+    """``"pinned_host"`` if ``device`` has that memory space, else ``None``."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 - backends without memory spaces.
+        return None
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+
+
+def to_host(ctx: ResidualContext) -> ResidualContext:
+    """A copy of ``ctx`` with its own residuals in host memory; weights stay where they are."""
+    copies: dict[int, Any] = {}
+
+    def move(x: Any, kind: str) -> Any:
+        if kind not in OWN_KINDS:
+            return x
+        if id(x) in copies:
+            return copies[id(x)]
+        if isinstance(x, jax.Array) and not _is_key_dtype(x.dtype):
+            sharding = x.sharding
+            kind = host_memory_kind(next(iter(sharding.device_set)))
+            if kind is not None and sharding.memory_kind != kind:
+                moved = jax.device_put(x, sharding.with_memory_kind(kind))
+            elif kind is None:
+                moved = np.asarray(jax.device_get(x))
+            else:
+                moved = x
+        else:
+            moved = x  # numpy arrays are host memory; keys stay on device (a few bytes each)
+        copies[id(x)] = moved
+        return moved
+
+    return ResidualContext.tree_unflatten(
+        ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)]
+    )
+
+
+
+def to_device(ctx: ResidualContext) -> ResidualContext:
+    """A copy of ``ctx`` in device memory (the default memory space); shared arrays stay shared."""
+    copies: dict[int, Any] = {}
+
+    def move(x: Any) -> Any:
+        if id(x) in copies:
+            return copies[id(x)]
+        if isinstance(x, jax.Array):
+            sharding = x.sharding
+            default = next(iter(sharding.device_set)).default_memory().kind
+            moved = x if sharding.memory_kind in (None, default) else jax.device_put(
+                x, sharding.with_memory_kind(default)
+            )
+        else:
+            moved = jax.device_put(x)
+        copies[id(x)] = moved
+        return moved
+
+    return ResidualContext.tree_unflatten(ctx.spec, [move(x) for x in ctx.residuals])
+
+
+def place(
+    arrays: HostArrays,
+    shared: Sequence[bool],
+    key_impls: Sequence[str | None],
+    shared_array: Callable[[int], jax.Array],
+) -> list[jax.Array]:
+    """The residuals of a read context on the devices: the context's own arrays in one
+    ``device_put`` (on CPU it aliases a suitably aligned NumPy buffer instead of copying), a
+    sharded one block by block onto its devices, a shared one (a weight) from ``shared_array(i)``,
+    which keeps one device array per stored weight; typed PRNG keys wrapped again."""
+    own = [i for i, s in enumerate(shared) if not s]
+    plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
+    placed = dict(zip(plain, jax.device_put([arrays[i] for i in plain])))
+    for i in own:
+        host = arrays[i]
+        if isinstance(host, ShardedHost):
+            placed[i] = to_device_sharded(host)
+    out = []
+    for i, impl in enumerate(key_impls):
+        x = placed[i] if i in placed else shared_array(i)
+        out.append(jax.random.wrap_key_data(x, impl=impl) if impl is not None else x)
+    return out

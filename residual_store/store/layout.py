@@ -1,0 +1,347 @@
+"""The store's tree, pure (no I/O): where each thing lives, and what a write puts where.
+
+Every path of the layout is spelled here and nowhere else::
+
+    residual-store.json                  store marker: format and version
+    zarr.json                            zarr v3 root group (attributes: format, version)
+    contexts/<key>.manifest              msgpack manifest; its presence is the commit
+    data/zarr.json                       zarr v3 group of the contexts' own data
+    data/<key>.<write id>/zarr.json      zarr v3 group of one write (attributes: key, signature,
+                                         and every array of the context, weights included)
+    data/<key>.<write id>/<i>/           zarr v3 array: residual <i>, the context's own
+    data/.free/<layout>.<id>/            a replaced context's data folder, kept for reuse
+    data/.trash/<id>/                    a folder gc took, being removed
+    weights/zarr.json                    zarr v3 group of the shared arrays
+    weights/<digest>/                    zarr v3 array: a weight or constant, stored once
+    backwards/<signature>.export         the serialized backward (jax.export)
+    backwards/<signature>.manifest       its manifest (written last)
+
+:func:`plan_write` turns a context's host arrays into a :class:`WritePlan`: every array's path
+and bytes, its manifest record, the manifest itself and the write's group metadata. The plan is
+committed by one process (:meth:`~residual_store.store.disk.DiskTier.commit`) or by all the
+processes of a job (:mod:`residual_store.store.collective`); both write the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import xxhash
+
+import serializers
+from residual_store.context import SHARED_KINDS, ResidualSpec
+from residual_store.errors import ResidualStoreError
+from residual_store.store.host import HostArrays, ShardedHost
+from residual_store.store.records import spec_to_map
+
+__all__ = [
+    "BACKWARDS",
+    "CONTEXTS",
+    "DATA",
+    "FREE_DIR",
+    "GROUPS",
+    "MANIFEST_SUFFIX",
+    "STORE_FORMAT",
+    "STORE_MARKER",
+    "STORE_VERSION",
+    "TRASH_DIR",
+    "WEIGHTS",
+    "ArrayWrite",
+    "ChunkSums",
+    "StaleData",
+    "WritePlan",
+    "backward_paths",
+    "chunk_sums",
+    "chunked_digest_of",
+    "data_dir",
+    "data_of",
+    "group_metadata_path",
+    "is_node_metadata",
+    "layout_digest",
+    "manifest_path",
+    "new_write_id",
+    "plan_write",
+    "recycled_path",
+    "root_group",
+    "staging_path",
+    "trash_path",
+    "weight_path",
+]
+
+STORE_MARKER = "residual-store.json"
+STORE_VERSION = 2
+"""Version 2 adds the zarr v3 groups; version 1 stores are read, and upgraded by a write."""
+STORE_FORMAT = b'{"format": "residual-store", "version": 2}\n'
+
+CONTEXTS = "contexts"
+DATA = "data"
+WEIGHTS = "weights"
+BACKWARDS = "backwards"
+FREE_DIR = f"{DATA}/.free"
+TRASH_DIR = f"{DATA}/.trash"
+MANIFEST_SUFFIX = ".manifest"
+_EXPORT_SUFFIX = ".export"
+_GROUP_METADATA = "zarr.json"  # zarr v3's name for a node's metadata
+
+GROUPS = ("", DATA, WEIGHTS)
+"""The folders that are zarr groups in every store (the root, ``data``, ``weights``)."""
+
+
+def new_write_id() -> str:
+    """A fresh write id: 12 lowercase hex digits (what ``data_dir`` and recycled names take)."""
+    return uuid.uuid4().hex[:12]
+
+
+def manifest_path(key: str) -> str:
+    return f"{CONTEXTS}/{key}{MANIFEST_SUFFIX}"
+
+
+def data_dir(key: str, write_id: str) -> str:
+    """The folder of one write's own arrays; ``write_id`` is 12 lowercase hex digits."""
+    return f"{DATA}/{key}.{write_id}"
+
+
+def own_array_path(folder: str, i: int) -> str:
+    return f"{folder}/{i}"
+
+
+def weight_path(digest: str) -> str:
+    return f"{WEIGHTS}/{digest}"
+
+
+def staging_path(path: str, write_id: str) -> str:
+    """Where a collective write assembles a sharded weight before renaming it into place."""
+    return f"{path}.{write_id}.tmp"
+
+
+def recycled_path(layout: str, unique: str) -> str:
+    return f"{FREE_DIR}/{layout}.{unique}"
+
+
+def trash_path(unique: str) -> str:
+    return f"{TRASH_DIR}/{unique}"
+
+
+def backward_paths(signature: str) -> tuple[str, str]:
+    """The stored backward's export and its manifest (the manifest is its commit)."""
+    return f"{BACKWARDS}/{signature}{_EXPORT_SUFFIX}", f"{BACKWARDS}/{signature}{MANIFEST_SUFFIX}"
+
+
+def is_node_metadata(name: str) -> bool:
+    """Whether an entry of a group's folder is the group's own metadata, not a child."""
+    return name == _GROUP_METADATA
+
+
+def group_metadata_path(folder: str) -> str:
+    return f"{folder}/{_GROUP_METADATA}" if folder else _GROUP_METADATA
+
+
+def root_group() -> dict[str, bytes]:
+    """The ``zarr.json`` of every group a store has from the start, by path."""
+    root = serializers.encode_group_metadata(
+        {"residual_store": {"format": "residual-store", "version": STORE_VERSION,
+                            "contexts": "the msgpack manifests under contexts/ are the commits"}}
+    )
+    return {
+        group_metadata_path(""): root,
+        group_metadata_path(DATA): serializers.encode_group_metadata({}),
+        group_metadata_path(WEIGHTS): serializers.encode_group_metadata({}),
+    }
+
+
+class StaleData(NamedTuple):
+    """A data folder no manifest references any more, and its layout (for reuse)."""
+
+    data_dir: str
+    layout: str
+
+
+def layout_digest(items: Iterable[tuple[str, tuple[int, ...], str, tuple[int, ...] | None]]) -> str:
+    """A digest of (name, shape, dtype, chunk shape) of each intermediate array: folders of equal
+    layout can be reused for each other's writes."""
+    h = hashlib.sha256()
+    for name, shape, dtype, chunks in sorted(items, key=lambda t: (t[0], str(t[1:]))):
+        grid = "" if chunks is None else f"|{tuple(int(c) for c in chunks)}"
+        h.update(f"{name}|{tuple(int(d) for d in shape)}|{dtype}{grid};".encode())
+    return h.hexdigest()[:16]
+
+
+def data_of(data_dir: str, records: Sequence[serializers.ArrayRecord]) -> StaleData:
+    """The data folder of a committed context and its layout (for :func:`layout_digest`)."""
+    prefix = data_dir + "/"
+    return StaleData(data_dir, layout_digest(
+        (r.path[len(prefix):], tuple(r.shape), r.dtype, r.chunk_shape)
+        for r in records
+        if r.path.startswith(prefix)
+    ))
+
+
+def chunked_digest_of(
+    dtype: np.dtype, shape: tuple[int, ...], chunk_shape: tuple[int, ...], digests: Mapping[Any, str]
+) -> str:
+    """The content address of a chunked weight from every chunk's content digest (chunk index ->
+    digest; several processes that each hold some chunks can gather them): a digest of those and
+    of its dtype, shape and chunk shape, so equal weights sharded alike are stored once."""
+    h = xxhash.xxh3_128()
+    h.update(f"{np.dtype(dtype).str}{tuple(shape)}{tuple(chunk_shape)};".encode())
+    for idx in sorted(digests):
+        h.update(f"{tuple(idx)}={digests[idx]};".encode())
+    return h.hexdigest()
+
+
+ChunkSums = Mapping[int, Mapping[tuple[int, ...], tuple[str, str | None]]]
+"""Per chunked residual: chunk index -> (checksum, content digest or ``None``); the digest only
+for weights, which are stored under a digest of their chunks' digests."""
+
+
+def chunk_sums(spec: ResidualSpec, arrays: HostArrays) -> dict[int, dict[tuple[int, ...], tuple[str, str | None]]]:
+    """The :data:`ChunkSums` of the chunks this process holds."""
+    out: dict[int, dict[tuple[int, ...], tuple[str, str | None]]] = {}
+    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+        if isinstance(x, ShardedHost) and x.chunk_shape is not None:
+            shared = kind in SHARED_KINDS
+            out[i] = {
+                idx: (serializers.checksum(c), serializers.content_digest(c) if shared else None)
+                for idx, c in sorted(x.chunks.items())
+            }
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayWrite:
+    """One residual's array in a :class:`WritePlan`.
+
+    ``data`` is a NumPy array or a :class:`serializers.ChunkedArray` (this process's chunks of a
+    sharded residual); ``whole`` says it is a whole array (so, in a job of several processes,
+    process 0 alone writes it).
+    """
+
+    path: str
+    data: Any
+    shared: bool
+    whole: bool
+    attributes: Mapping[str, Any] | None = None  # zarr attributes (own arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class WritePlan:
+    """Everything one write of a context puts on disk, in the order it must land: the arrays
+    (``arrays``, one per residual in leaf order; a weight held twice is written once), the
+    group metadata of ``data_dir``, then ``manifest``, whose presence is the commit."""
+
+    key: str
+    data_dir: str
+    layout: str  # of the own arrays: a recycled folder of this layout can take the write
+    arrays: tuple[ArrayWrite, ...]
+    records: tuple[serializers.ArrayRecord, ...]
+    manifest: bytes
+    group: bytes  # data_dir's zarr.json
+
+    @property
+    def own(self) -> dict[str, Any]:
+        """The arrays under ``data_dir``, by path."""
+        return {a.path: a.data for a in self.arrays if not a.shared}
+
+    @property
+    def shared(self) -> dict[str, Any]:
+        """The weights and constants, by content address (each once)."""
+        return {a.path: a.data for a in self.arrays if a.shared}
+
+    @property
+    def attributes(self) -> dict[str, Mapping[str, Any]]:
+        """The zarr attributes of the own arrays, by path."""
+        return {a.path: a.attributes for a in self.arrays if a.attributes is not None}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(getattr(d, "nbytes", 0)) for d in {**self.own, **self.shared}.values())
+
+
+def _array_attributes(spec: ResidualSpec, i: int) -> dict[str, Any]:
+    """The zarr attributes of an own array: what plain zarr shows of it (the manifest decides)."""
+    return {"residual_store": {
+        "index": i, "name": spec.names[i], "kind": spec.kinds[i], "input_path": spec.input_paths[i],
+    }}
+
+
+def plan_write(
+    key: str,
+    spec: ResidualSpec,
+    arrays: HostArrays,
+    impls: Sequence[str | None],
+    *,
+    write_id: str,
+    sums: ChunkSums | None = None,
+    whole_sums: Mapping[int, str] | None = None,
+) -> WritePlan:
+    """The :class:`WritePlan` of ``key``'s context (its residuals ``arrays`` on the host).
+
+    ``sums`` gives the chunks' checksums and digests (every process's, in a collective write;
+    computed here from ``arrays`` when ``None``); ``whole_sums`` any checksums of whole arrays
+    already computed.
+    """
+    sums = chunk_sums(spec, arrays) if sums is None else sums
+    folder = data_dir(key, write_id)
+    writes: list[ArrayWrite] = []
+    records = []
+    shardings: list[dict[str, Any] | None] = []
+    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+        shared = kind in SHARED_KINDS
+        shardings.append(x.sharding if isinstance(x, ShardedHost) else None)
+        chunk_fields: dict[str, Any] = {}
+        if isinstance(x, ShardedHost) and x.chunk_shape is not None:
+            table = sorted(sums.get(i, {}).items())
+            grid = serializers.chunk_grid(x.shape, x.chunk_shape)
+            if len(table) != int(np.prod(grid)):
+                raise ResidualStoreError(
+                    f"collective write of context {key!r}: residual {i} ({spec.names[i]}) has {len(table)} of its "
+                    f"{int(np.prod(grid))} shards among all processes"
+                )
+            checksums = [(idx, chk) for idx, (chk, _) in table]
+            chunk_fields = {"chunk_shape": x.chunk_shape, "chunk_checksums": checksums}
+            checksum = serializers.chunked_checksum(checksums)
+            data: Any = serializers.ChunkedArray(x.shape, x.dtype, x.chunk_shape, x.chunks)
+            digest = chunked_digest_of(x.dtype, x.shape, x.chunk_shape, {idx: str(d) for idx, (_, d) in table}) if shared else None
+            whole = False
+        else:
+            data = x.whole if isinstance(x, ShardedHost) else x
+            assert data is not None
+            checksum = (whole_sums or {}).get(i) or serializers.checksum(data)
+            digest = serializers.content_digest(data) if shared else None
+            whole = True
+        path = weight_path(digest) if shared else own_array_path(folder, i)
+        if not (shared and any(w.path == path for w in writes)):
+            writes.append(ArrayWrite(path, data, shared, whole, None if shared else _array_attributes(spec, i)))
+        records.append(serializers.ArrayRecord(
+            name=spec.names[i], path=path, shape=x.shape, dtype=serializers.zarr_dtype_name(x.dtype),
+            nbytes=int(x.nbytes), checksum=checksum, input_path=spec.input_paths[i], shared=shared,
+            **chunk_fields,
+        ))
+    manifest = serializers.encode_manifest({
+        "key": key,
+        "signature": spec.signature,
+        "created": time.time(),
+        "jax_version": jax.__version__,
+        "spec": spec_to_map(spec, impls, shardings),
+        "data_dir": folder,
+        "arrays": records,
+    })
+    group = serializers.encode_group_metadata({"residual_store": {
+        "key": key,
+        "signature": spec.signature,
+        "manifest": manifest_path(key),
+        "arrays": [{"path": r.path, "name": r.name, "kind": k} for r, k in zip(records, spec.kinds)],
+    }})
+    layout = layout_digest(
+        (a.path[len(folder) + 1:], tuple(a.data.shape), serializers.zarr_dtype_name(a.data.dtype),
+         getattr(a.data, "chunk_shape", None) if not a.whole else None)
+        for a in writes if not a.shared
+    )
+    return WritePlan(key, folder, layout, tuple(writes), tuple(records), manifest, group)

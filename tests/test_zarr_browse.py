@@ -1,0 +1,144 @@
+"""The store as a zarr v3 hierarchy: plain zarr (in a process without residual-store) finds every
+array of every committed context from the groups' attributes; a version 1 store is read as it
+is and upgraded by its first write."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import residual_store as rs
+from store_helpers import F32_TOL, assert_trees_close, run_python
+
+pytestmark = pytest.mark.subprocess
+
+
+def _loss(params, x):
+    h = jnp.tanh(x @ params["w1"])
+    return jnp.sum(jnp.sin(h @ params["w2"]) ** 2)
+
+
+@pytest.fixture(scope="module")
+def split():
+    return rs.split(_loss, argnums=(0, 1), weight_argnums=(0,))
+
+
+def _inputs(seed: int):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    params = {"w1": jax.random.normal(k1, (6, 5)), "w2": jax.random.normal(k2, (5, 3))}
+    return params, jax.random.normal(k3, (4, 6))
+
+
+# Imports zarr, numpy and json only: what a user with neither residual-store nor its manifests
+# in mind does. Prints, per key, its arrays in leaf order: path, name, kind, shape, values.
+_BROWSE = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np, zarr
+    assert not any(m.split(".")[0] in ("serializers", "residual_store", "jax") for m in sys.modules)
+    root = zarr.open_group(sys.argv[1], mode="r")
+    out = {"root": dict(root.attrs), "contexts": {}}
+    for name, write in root["data"].groups():
+        info = write.attrs["residual_store"]
+        assert name.startswith(info["key"] + ".")
+        arrays = []
+        for entry in info["arrays"]:
+            a = root[entry["path"]]
+            arrays.append([entry["path"], entry["name"], entry["kind"], list(a.shape),
+                           np.asarray(a[...], dtype=np.float64).ravel().tolist(), dict(a.attrs)])
+        out["contexts"][info["key"]] = {"signature": info["signature"], "manifest": info["manifest"],
+                                         "arrays": arrays}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_plain_zarr_finds_every_array_of_every_context(tmp_path, split):
+    root = tmp_path / "store"
+    contexts = {}
+    with rs.Store(root, device_budget=0) as store:
+        for i, key in enumerate(["a", "b", "again", "again"]):  # "again": a recycled folder
+            _, contexts[key] = split(*_inputs(i))
+            store.put(contexts[key], key)
+            store.flush()
+        store.delete("b")  # gone from the manifests, so from the groups too (its folder recycled)
+        store.flush()
+        del contexts["b"]
+    script = tmp_path / "browse.py"
+    script.write_text(_BROWSE)
+    out = json.loads(run_python(str(script), str(root)).stdout)
+    assert out["root"]["residual_store"]["version"] == 2
+    assert sorted(out["contexts"]) == ["a", "again"]  # hidden folders (.free) are no groups
+    for key, ctx in contexts.items():
+        got = out["contexts"][key]
+        assert got["signature"] == ctx.spec.signature
+        assert os.path.exists(root / got["manifest"])
+        assert [a[1] for a in got["arrays"]] == list(ctx.spec.names)
+        assert [a[2] for a in got["arrays"]] == list(ctx.spec.kinds)
+        assert {"weight", "intermediate"} <= set(ctx.spec.kinds)
+        for (path, _, kind, shape, values, attrs), x, name in zip(got["arrays"], ctx.residuals, ctx.spec.names):
+            assert shape == list(x.shape)
+            np.testing.assert_array_equal(np.asarray(values), np.asarray(x, np.float64).ravel())
+            if kind == "weight":
+                assert path.startswith("weights/") and attrs == {}
+            else:
+                assert path.startswith(f"data/{key}.")
+                assert attrs["residual_store"]["name"] == name and attrs["residual_store"]["kind"] == kind
+
+
+def _make_version_1(root):
+    """What residual-store wrote before the groups: marker version 1, no zarr.json of a group,
+    arrays without attributes."""
+    (root / "residual-store.json").write_bytes(b'{"format": "residual-store", "version": 1}\n')
+    for dirpath, _, files in os.walk(root):
+        if "zarr.json" not in files:
+            continue
+        p = os.path.join(dirpath, "zarr.json")
+        meta = json.loads(open(p, "rb").read())
+        if meta["node_type"] == "group":
+            os.remove(p)
+        else:
+            meta.pop("attributes", None)
+            open(p, "w").write(json.dumps(meta))
+
+
+def _files(root):
+    return sorted((str(p.relative_to(root)), p.read_bytes()) for p in root.rglob("*") if p.is_file())
+
+
+def test_a_version_1_store_is_read_and_upgraded_by_its_first_write(tmp_path, split):
+    root = tmp_path / "store"
+    params, x = _inputs(7)
+    _, ctx = split(params, x)
+    with rs.Store(root) as store:
+        store.put(ctx, "old")
+    _make_version_1(root)
+    before = _files(root)
+    expected = jax.grad(_loss, argnums=(0, 1))(params, x)
+
+    with rs.Store(root, read_only=True) as store:  # read as it is, nothing changed
+        assert_trees_close(rs.backward(store.get("old")), expected, **F32_TOL)
+    with rs.Store(root) as store:  # opening alone changes nothing either
+        assert store.keys() == ["old"]
+    assert _files(root) == before
+
+    params2, x2 = _inputs(8)
+    _, ctx2 = split(params2, x2)
+    with rs.Store(root) as store:
+        store.put(ctx2, "new")
+    marker = json.loads((root / "residual-store.json").read_bytes())
+    assert marker == {"format": "residual-store", "version": 2}
+    for group in ("zarr.json", "data/zarr.json", "weights/zarr.json"):
+        assert json.loads((root / group).read_bytes())["node_type"] == "group"
+    with rs.Store(root, read_only=True) as store:
+        assert store.keys() == ["new", "old"]
+        assert_trees_close(rs.backward(store.get("old")), expected, **F32_TOL)
+        assert_trees_close(
+            rs.backward(store.get("new")), jax.grad(_loss, argnums=(0, 1))(params2, x2), **F32_TOL
+        )
