@@ -13,7 +13,7 @@ metadata), :mod:`serializers.local` (the local-file fast path), :mod:`serializer
 
 from typing import Any
 
-from serializers.checksums import ALGORITHM, checksum, content_digest, verify
+from serializers.checksums import ALGORITHM, Verifier, checksum, content_digest, verify
 from serializers.errors import (
     CorruptDataError,
     DiskFullError,
@@ -87,6 +87,7 @@ __all__ = [
     # checksums
     "ALGORITHM",
     "checksum",
+    "Verifier",
     "content_digest",
     "verify",
     # manifest

@@ -38,6 +38,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from serializers.checksums import Verifier
 from serializers.errors import CorruptDataError, DiskFullError
 from serializers.zarr import (
     _METADATA_KEY,
@@ -247,13 +248,21 @@ class _Undo:
         self.root = root
         self.created: list[tuple[str, bool]] = []  # (path, is_dir), in creation order
         self.dirty_dirs: set[str] = set()  # folders whose entries changed
+        self.synced: set[str] = set()  # files fsynced on the descriptor that wrote them
         self._lock = threading.Lock()  # arrays are written from several threads
         self._checked: set[str] = set()  # folders below root found or made safe by this write
 
-    def add_file(self, path: str) -> None:
+    def add_file(self, path: str, *, new_name: bool = True) -> None:
+        """Records a file this write wrote (removed if it fails); ``new_name=False``: one
+        overwritten in place, whose folder's entries did not change (no folder fsync for it)."""
         with self._lock:
             self.created.append((path, False))
-            self.dirty_dirs.add(os.path.dirname(path))
+            if new_name:
+                self.dirty_dirs.add(os.path.dirname(path))
+
+    def add_synced(self, path: str) -> None:
+        with self._lock:
+            self.synced.add(path)
 
     def makedirs(self, folder: str) -> bool:
         """Creates ``folder`` and missing parents; whether this call created ``folder`` itself.
@@ -412,6 +421,7 @@ def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool, fresh: bo
             view = view[n:]
         if fsync:
             os.fsync(fd)
+            undo.add_synced(p)
     finally:
         os.close(fd)
 
@@ -425,7 +435,7 @@ def _open_for_write(p: str, flags: int) -> int:
         raise
 
 
-def _overwrite_in_place(folder: str, a: np.ndarray, meta: bytes, undo: _Undo) -> bool:
+def _overwrite_in_place(folder: str, a: np.ndarray, meta: bytes, undo: _Undo, *, fsync: bool) -> bool:
     """Writes ``a`` over the chunk of an existing array of the same shape and dtype, creating no
     file or folder (creations dominate small writes here); ``False`` if there is no such chunk.
 
@@ -436,15 +446,15 @@ def _overwrite_in_place(folder: str, a: np.ndarray, meta: bytes, undo: _Undo) ->
     chunks = _disk_chunks(a)
     if chunks:
         ((key, view),) = chunks
-        if not _overwrite_file_in_place(os.path.join(folder, key), view, undo):
+        if not _overwrite_file_in_place(os.path.join(folder, key), view, undo, fsync=fsync):
             return False
     elif not _is_regular(os.path.join(folder, _METADATA_KEY)):
         return False
-    _write_metadata_local(folder, meta, undo, reuse=True)
+    _write_metadata_local(folder, meta, undo, reuse=True, fsync=fsync)
     return True
 
 
-def _overwrite_file_in_place(chunk: str, view: memoryview, undo: _Undo) -> bool:
+def _overwrite_file_in_place(chunk: str, view: memoryview, undo: _Undo, *, fsync: bool) -> bool:
     """Writes ``view`` over the existing file ``chunk`` of exactly that size; ``False`` if there
     is no such file (then nothing was written).
 
@@ -464,28 +474,31 @@ def _overwrite_file_in_place(chunk: str, view: memoryview, undo: _Undo) -> bool:
             raise _not_regular(chunk, st, "write")
         if st.st_size != view.nbytes or st.st_nlink > 1:  # a hard link: replaced, not written into
             return False
-        undo.add_file(chunk)  # fsynced with the rest; removed if the write fails
+        undo.add_file(chunk, new_name=False)  # removed if the write fails
         while view.nbytes:
             view = view[os.write(fd, view) :]
+        if fsync:
+            os.fsync(fd)
+            undo.add_synced(chunk)
     finally:
         os.close(fd)
     return True
 
 
-def _write_chunk_local(folder: str, key: str, view: memoryview, undo: _Undo, *, reuse: bool) -> None:
+def _write_chunk_local(folder: str, key: str, view: memoryview, undo: _Undo, *, reuse: bool, fsync: bool) -> None:
     p = os.path.join(folder, key)
-    if reuse and _overwrite_file_in_place(p, view, undo):
+    if reuse and _overwrite_file_in_place(p, view, undo, fsync=fsync):
         return
-    _write_file(p, view, undo, fsync=False)
+    _write_file(p, view, undo, fsync=fsync)
 
 
-def _write_metadata_local(folder: str, meta: bytes, undo: _Undo, *, reuse: bool) -> None:
+def _write_metadata_local(folder: str, meta: bytes, undo: _Undo, *, reuse: bool, fsync: bool) -> None:
     """Writes ``meta`` as the folder's ``zarr.json``; with ``reuse``, one already holding exactly
     these bytes (a recycled folder of the same layout and attributes) is kept as it is."""
     p = os.path.join(folder, _METADATA_KEY)
     if reuse and _holds(p, meta):
         return
-    _write_file(p, memoryview(meta), undo, fsync=False)
+    _write_file(p, memoryview(meta), undo, fsync=fsync)
 
 
 def _holds(p: str, data: bytes) -> bool:
@@ -496,6 +509,15 @@ def _holds(p: str, data: bytes) -> bool:
         return read_file_local(p, max_bytes=len(data)) == data
     except CorruptDataError:  # larger, or swapped for something else meanwhile: rewritten
         return False
+
+
+def _call(task: Callable[[], None]) -> None:
+    task()
+
+
+def _write_small_file(root: str, path: str, data: bytes, undo: _Undo, *, fsync: bool) -> None:
+    """Writes ``data`` as the file ``path`` (its folder made by the caller)."""
+    _write_file(os.path.join(root, *path.split("/")), memoryview(data), undo, fsync=fsync)
 
 
 def _write_one_local(
@@ -513,7 +535,7 @@ def _write_one_local(
     meta = _disk_metadata(a, attributes)
     folder = os.path.join(root, *path.split("/"))
     fresh = undo.makedirs(folder)  # a folder this call made holds no stale chunks
-    if reuse and not fresh and _overwrite_in_place(folder, a, meta, undo):
+    if reuse and not fresh and _overwrite_in_place(folder, a, meta, undo, fsync=fsync):
         return
     for name in [] if fresh else os.listdir(folder):  # chunks of an array this one replaces
         if name == "c" or name.startswith("c" + CHUNK_KEY_SEPARATOR):
@@ -535,6 +557,7 @@ def write_arrays_local(
     reuse: bool = False,
     write_metadata: bool = True,
     attributes: Mapping[str, Mapping[str, Any]] | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> None:
     """Writes ``{path: array}`` as zarr v3 arrays under the local folder ``root``.
 
@@ -556,6 +579,9 @@ def write_arrays_local(
       attributes: array path (a key of ``arrays``) -> the zarr attributes of that
         array, a JSON-able mapping written into its ``zarr.json`` (none for a path
         not given).
+      files: relative file path -> bytes of other small files written with the
+        arrays (a group's ``zarr.json``), created or overwritten where they are (not
+        atomically: for files that commit nothing), fsynced alike.
 
     A value may be a :class:`ChunkedArray`: its chunks are written as files
     ``c.i.j`` (in parallel with everything else), then its ``zarr.json``; the
@@ -572,37 +598,41 @@ def write_arrays_local(
     undo = _Undo(root)
     try:
         undo.makedirs(root)
-        for path in arrays:
+        for path in [*arrays, *(files or {})]:
             _check_relpath(path)
         _check_attributes(arrays, attributes)
-        for parent in sorted({os.path.dirname(os.path.join(root, *p.split("/"))) for p in arrays}):
+        for parent in sorted({os.path.dirname(os.path.join(root, *p.split("/"))) for p in [*arrays, *(files or {})]}):
             undo.makedirs(parent)  # shared parents first; each array's own folder in parallel
         plain = [(p, a) for p, a in arrays.items() if not isinstance(a, ChunkedArray)]
         chunked = [(p, a) for p, a in arrays.items() if isinstance(a, ChunkedArray)]
         folders = {p: os.path.join(root, *p.split("/")) for p, _ in chunked}
         for p, _ in chunked:
             undo.makedirs(folders[p])
+        # Each file is fsynced on the descriptor that wrote it, by the thread that wrote it.
         tasks: list[Callable[[], None]] = [
             functools.partial(
-                _write_one_local, root, p, a, undo, fsync=False, reuse=reuse, attributes=attrs.get(p)
+                _write_one_local, root, p, a, undo, fsync=fsync, reuse=reuse, attributes=attrs.get(p)
             )
             for p, a in plain
         ]
         tasks += [  # every chunk of every chunked array in parallel, then their zarr.json
-            functools.partial(_write_chunk_local, folders[p], key, view, undo, reuse=reuse)
+            functools.partial(_write_chunk_local, folders[p], key, view, undo, reuse=reuse, fsync=fsync)
             for p, a in chunked
             for key, view in _disk_chunks(a)
         ]
-        _in_parallel(lambda task: task(), tasks)
+        tasks += [  # other small files (a group's zarr.json), overwritten where they are
+            functools.partial(_write_small_file, root, p, data, undo, fsync=fsync) for p, data in (files or {}).items()
+        ]
+        _in_parallel(_call, tasks)
         if write_metadata:
             _in_parallel(
                 lambda item: _write_metadata_local(
-                    folders[item[0]], _disk_metadata(item[1], attrs.get(item[0])), undo, reuse=reuse
+                    folders[item[0]], _disk_metadata(item[1], attrs.get(item[0])), undo, reuse=reuse, fsync=fsync
                 ),
                 chunked,
             )
-        if fsync:  # files first, then the folders that name them
-            _in_parallel(_fsync_path, [p for p, is_dir in undo.created if not is_dir])
+        if fsync:  # files first (any not yet), then the folders that gained an entry
+            _in_parallel(_fsync_path, [p for p, is_dir in undo.created if not is_dir and p not in undo.synced])
             _in_parallel(fsync_folder_local, sorted(undo.dirty_dirs, key=len, reverse=True))
     except BaseException as e:
         undo.remove()
@@ -637,15 +667,27 @@ def _one(path: str, attributes: Mapping[str, Any] | None) -> dict[str, Mapping[s
     return None if attributes is None else {path: attributes}
 
 
-def _read_exact(fd: int, out: memoryview, p: str, what: str) -> None:
+_READ_PIECE: Final[int] = 1 << 20
+"""Bytes read per system call when a checksum is verified while reading: a piece is hashed
+while it is still in the CPU's cache."""
+
+
+def _read_exact(fd: int, out: memoryview, p: str, what: str, verifier: Verifier | None = None) -> None:
+    """Fills ``out`` from ``fd``; with a ``verifier``, hashes each piece as it lands and checks
+    the whole at the end (:class:`CorruptDataError` on a mismatch)."""
     got = 0
+    step = _READ_PIECE if verifier is not None else out.nbytes
     while got < out.nbytes:
-        n = os.readv(fd, [out[got:]])
+        n = os.readv(fd, [out[got : got + step]])
         if n == 0:
             raise CorruptDataError(
                 f"{what}: chunk file {p} ended after {got} of {out.nbytes} bytes"
             )
+        if verifier is not None:
+            verifier.update(out[got : got + n])
         got += n
+    if verifier is not None:
+        verifier.check()
 
 
 def read_array_local(
@@ -655,6 +697,7 @@ def read_array_local(
     dtype: DTypeLike,
     *,
     check_metadata: bool = True,
+    checksum: str | None = None,
 ) -> np.ndarray:
     """Reads a zarr v3 array written by either path from the local folder ``root``.
 
@@ -667,6 +710,8 @@ def read_array_local(
       shape, dtype: what the caller's manifest says the array is.
       check_metadata: also read ``zarr.json`` and check that it describes this
         shape and dtype in the single-chunk raw layout (one small extra read).
+      checksum: the array's stored checksum (:func:`serializers.checksum`):
+        verified while reading, piece by piece.
 
     Raises:
       CorruptDataError: a missing or wrong-sized chunk file, or missing or
@@ -679,10 +724,14 @@ def read_array_local(
     what = f"array {path!r}"
     if check_metadata:
         _check_metadata_file(folder, shape, name, what, None)
+    verifier = Verifier(checksum, what=what) if checksum is not None else None
     key = chunk_key(shape)
     if key is None:
-        return aligned_empty(shape, SUPPORTED_DTYPES[name])
-    return _read_chunk_file(os.path.join(folder, key), shape, SUPPORTED_DTYPES[name], what)
+        out = aligned_empty(shape, SUPPORTED_DTYPES[name])
+        if verifier is not None:
+            verifier.check()
+        return out
+    return _read_chunk_file(os.path.join(folder, key), shape, SUPPORTED_DTYPES[name], what, verifier)
 
 
 def write_chunks_local(
@@ -776,7 +825,9 @@ def check_array_metadata_local(
     _check_metadata_file(folder, shape, name, f"array {path!r}", cs)
 
 
-def _read_chunk_file(p: str, shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+def _read_chunk_file(
+    p: str, shape: tuple[int, ...], dtype: np.dtype, what: str, verifier: Verifier | None = None
+) -> np.ndarray:
     """The chunk file ``p`` as a fresh aligned array of ``shape`` and ``dtype``: opened without
     following a link or blocking, and refused unless it is a regular file of exactly that many
     bytes, checked before anything is allocated (a manifest's shape is never trusted for that)."""
@@ -798,7 +849,7 @@ def _read_chunk_file(p: str, shape: tuple[int, ...], dtype: np.dtype, what: str)
                 f"{what}: chunk file {p} is {kind}: {size} bytes, expected {expected}"
             )
         out = aligned_empty(shape, dtype)
-        _read_exact(fd, _byte_view(out), p, what)
+        _read_exact(fd, _byte_view(out), p, what, verifier)
         return out
     finally:
         os.close(fd)

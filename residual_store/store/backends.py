@@ -69,12 +69,16 @@ class Backend(Protocol):
         reuse: bool = False,
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
+        files: Mapping[str, bytes] | None = None,  # small files written with the arrays
     ) -> None: ...
     def rename(self, src: str, dst: str) -> bool: ...
     def write_shared_arrays(
         self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
     ) -> None: ...
-    def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray: ...
+    # with a checksum, verified (serializers.CorruptDataError on a mismatch)
+    def read_array(
+        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None
+    ) -> np.ndarray: ...
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
     ) -> np.ndarray: ...
@@ -173,10 +177,12 @@ class _LocalBackend:
         reuse: bool = False,
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
+        files: Mapping[str, bytes] | None = None,
     ) -> None:
         try:
             serializers.write_arrays_local(
-                self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata, attributes=attributes
+                self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata,
+                attributes=attributes, files=files,
             )
         except serializers.CorruptDataError as err:  # a link or a FIFO in the way: nothing written
             raise _damaged(err) from err
@@ -233,10 +239,14 @@ class _LocalBackend:
             for folder in {os.path.dirname(self._path(p)) for p in arrays}:
                 fsync_folder_local(folder)
 
-    def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    def read_array(
+        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None
+    ) -> np.ndarray:
         # zarr.json is for other readers: the manifest gives shape and dtype, and the checksum
-        # (verified by the caller) and the chunk's size vouch for the data.
-        return serializers.read_array_local(self.root, path, shape, dtype, check_metadata=False)
+        # (verified while reading) and the chunk's size vouch for the data.
+        return serializers.read_array_local(
+            self.root, path, shape, dtype, check_metadata=False, checksum=checksum
+        )
 
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
@@ -418,12 +428,15 @@ class _KvBackend:
         reuse: bool = False,
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
+        files: Mapping[str, bytes] | None = None,
     ) -> None:
         """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
         ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""
         serializers.write_arrays_kv(
             self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes
         )
+        for key, data in (files or {}).items():
+            self.put_bytes(key, data, fsync=fsync)
 
     def rename(self, src: str, dst: str) -> bool:
         return False  # kvstores have no atomic rename of a prefix
@@ -439,8 +452,13 @@ class _KvBackend:
             self.spec, arrays, context=self.context, write_metadata=write_metadata, content_addressed=True
         )
 
-    def read_array(self, path: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        return np.asarray(serializers.read_array(self.spec, path, shape, dtype, context=self.context))
+    def read_array(
+        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None
+    ) -> np.ndarray:
+        x = np.asarray(serializers.read_array(self.spec, path, shape, dtype, context=self.context))
+        if checksum is not None:
+            serializers.verify(x, checksum, what=f"array {path!r}")
+        return x
 
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]

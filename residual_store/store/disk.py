@@ -33,6 +33,7 @@ the same sharding record.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import json
 import os
@@ -69,6 +70,8 @@ __all__ = ["DiskTier", "STORE_MARKER", "is_disk_full"]
 _MAX_FREE_PER_LAYOUT = 64
 _STAT_CACHE_MAX = 4096  # parsed manifests kept for listing (least recently used dropped)
 _READ_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
+_PARALLEL_READ_BYTES = 16 << 20  # a context this large is read two arrays at a time
+_SMALL_READ_BYTES = 64 << 10  # what one more file costs to open and read, counted as bytes
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
 
 
@@ -94,6 +97,8 @@ class DiskTier:
         # key -> (manifest version, parsed manifest), least recently used first
         self._stat_cache: OrderedDict[str, tuple[Any, StoredContext]] = OrderedDict()
         self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
+        # key -> (manifest version, its data) of this tier's own commits, least recent first
+        self._commits: OrderedDict[str, tuple[Any, StaleData]] = OrderedDict()
         self._version = STORE_VERSION  # of the store's marker (an older store is upgraded by a write)
         self._groups_checked = False  # whether this store's root zarr groups are known to exist
         if self._has_marker():
@@ -203,16 +208,15 @@ class DiskTier:
         key = plan.key
         self.check_writable(f"put {key!r}")
         self.ensure_groups()
-        try:
-            previous = self.read_manifest_bytes(key)
-        except CorruptContextError:  # a damaged one (a FIFO, a folder): replaced; gc takes its data
-            previous = None
+        previous = self._committed_data(key)
         reuse = self._claim_free(plan.layout, plan.data_dir)
         shared = plan.shared
         created: list[str] = []  # weights this write added: removed again if it fails
         try:
-            self.backend.write_arrays(plan.own, fsync=fsync, reuse=reuse, attributes=plan.attributes)
-            self.backend.put_bytes(layout.group_metadata_path(plan.data_dir), plan.group, fsync=fsync)
+            self.backend.write_arrays(
+                plan.own, fsync=fsync, reuse=reuse, attributes=plan.attributes,
+                files={layout.group_metadata_path(plan.data_dir): plan.group},
+            )
             # Under the shared gc lock from "which weights exist" to the commit: gc (which takes
             # it exclusively) cannot remove a weight between this check and the manifest that
             # references it.
@@ -229,9 +233,37 @@ class DiskTier:
                     f"{self.description}): {err}"
                 ) from err
             raise
+        self._remember_commit(key, StaleData(plan.data_dir, plan.layout))
         event(logging.DEBUG, "commit", key=key, data_dir=plan.data_dir, new_weights=len(created),
               bytes=plan.nbytes)
-        return self.data_of(previous, key) if previous is not None else None
+        return previous
+
+    def _committed_data(self, key: str) -> StaleData | None:
+        """The data of ``key``'s committed context (which a write of ``key`` replaces), if any:
+        from this tier's own last commit of it while the manifest is unchanged, else from the
+        manifest (``None`` for a damaged one, a FIFO, a folder: it is replaced, gc takes its
+        data)."""
+        version = self.backend.version(layout.manifest_path(key))
+        if version is not None:
+            with self._lock:
+                mine = self._commits.get(key)
+            if mine is not None and mine[0] == version:
+                return mine[1]
+        try:
+            data = self.read_manifest_bytes(key)
+        except CorruptContextError:
+            return None
+        return self.data_of(data, key) if data is not None else None
+
+    def _remember_commit(self, key: str, data: StaleData) -> None:
+        version = self.backend.version(layout.manifest_path(key))
+        if version is None:
+            return
+        with self._lock:
+            self._commits[key] = (version, data)
+            self._commits.move_to_end(key)
+            while len(self._commits) > _STAT_CACHE_MAX:
+                self._commits.popitem(last=False)
 
     def _undo_write(self, data_dir: str, weights: Sequence[str]) -> None:
         """Removes what a failed write left: its data folder, and the weights it added that no
@@ -307,6 +339,22 @@ class DiskTier:
                     self._stat_cache.popitem(last=False)
         return stored
 
+    def _manifest_token(self, key: str) -> Any:
+        """What tells one commit of ``key`` from the next: the manifest file's version where the
+        backend has one (no read), else its bytes."""
+        version = self.backend.version(layout.manifest_path(key))
+        return ("version", version) if version is not None else ("bytes", self.read_manifest_bytes(key))
+
+    def _manifest_now(self, key: str) -> tuple[Any, StoredContext]:
+        """The token (:meth:`_manifest_token`) and parsed manifest of ``key``'s current commit;
+        a manifest seen before is not read or parsed again."""
+        token = self._manifest_token(key)
+        if token[0] == "version":
+            return token, self.stat(key)
+        if token[1] is None:
+            raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
+        return token, self.parse_manifest(key, token[1])
+
     def forget_stat(self, key: str) -> None:
         with self._lock:
             self._stat_cache.pop(key, None)
@@ -326,22 +374,20 @@ class DiskTier:
         same makes a failed read corruption.
         """
         for _ in range(_READ_ATTEMPTS):
-            data = self.read_manifest_bytes(key)
-            if data is None:
-                raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
-            stored = self.parse_manifest(key, data)
+            token, stored = self._manifest_now(key)
             try:
                 return stored, self._read_arrays(key, stored, place=place)
             except CorruptContextError:
-                if self.read_manifest_bytes(key) == data:
+                if self._manifest_token(key) == token:
                     raise
         raise CorruptContextError(
             f"context {key!r} was replaced {_READ_ATTEMPTS} times while being read; try again"
         )
 
     def _read_arrays(self, key: str, stored: StoredContext, *, place: bool = False) -> HostArrays:
-        """Reads and verifies the arrays (chunk by chunk for chunked ones), two reads at a time:
-        file reads and checksums release the GIL, so one read's checksum overlaps the next."""
+        """Reads and verifies the arrays (chunk by chunk for chunked ones): a small context in
+        this thread (handing a few reads to other threads costs more than they take), a large
+        one two reads at a time (file reads and checksums release the GIL)."""
         placements: list[NamedSharding | None] = []
         by_shard: list[bool] = []  # read only the chunks of this process's devices
         tasks: list[tuple[int, tuple[int, ...] | None, str]] = []  # (residual, chunk, checksum)
@@ -365,7 +411,10 @@ class DiskTier:
             else:
                 wanted = list(sums)
             tasks += [(i, idx, sums[idx]) for idx in wanted]
-        results = list(_READ_POOL.map(lambda t: self._read_one(key, t[0], stored.records[t[0]], *t[1:]), tasks))
+        read = functools.partial(self._read_task, key, stored)
+        nbytes = sum(stored.records[i].nbytes for i, chunk, _ in tasks if chunk is None)
+        parallel = len(tasks) > 1 and nbytes + len(tasks) * _SMALL_READ_BYTES >= _PARALLEL_READ_BYTES
+        results = list(_READ_POOL.map(read, tasks) if parallel else map(read, tasks))
         pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
         for (i, idx, _), x in zip(tasks, results):
             pieces.setdefault(i, {})[idx] = x
@@ -404,6 +453,10 @@ class DiskTier:
                 f"{sharding} on this process's devices ({type(err).__name__}: {err})"
             ) from err
 
+    def _read_task(self, key: str, stored: StoredContext, task: tuple[int, tuple[int, ...] | None, str]) -> np.ndarray:
+        i, chunk, expected = task
+        return self._read_one(key, i, stored.records[i], chunk, expected)
+
     def _read_one(
         self,
         key: str,
@@ -412,27 +465,25 @@ class DiskTier:
         chunk: tuple[int, ...] | None = None,
         expected: str | None = None,
     ) -> np.ndarray:
+        """One array (or one chunk of a chunked one), verified against its checksum: a whole
+        array while it is read, a chunk once read."""
         what = f"context {key!r}, residual {i} ({record.name}) at {record.path}"
         if chunk is not None:
             what += f", chunk {serializers.chunk_index_key(chunk)}"
+        if expected is None:
+            expected = record.checksum if chunk is None else dict(record.chunk_checksums or ())[chunk]
         try:
             if chunk is None:
-                x = self.backend.read_array(record.path, record.shape, record.dtype)
-            else:
-                assert record.chunk_shape is not None
-                x = self.backend.read_chunk(record.path, record.shape, record.dtype, record.chunk_shape, chunk)
+                return self.backend.read_array(record.path, record.shape, record.dtype, checksum=expected)
+            assert record.chunk_shape is not None
+            x = self.backend.read_chunk(record.path, record.shape, record.dtype, record.chunk_shape, chunk)
+            serializers.verify(x, expected, what=what)
+            return x
         except (serializers.CorruptDataError, serializers.UnsupportedDTypeError) as err:
             # the serializers name only the array: say which context and residual it is
             raise CorruptContextError(f"{what}: {err}") from err
         except (OSError, ValueError) as err:
             raise CorruptContextError(f"{what}: unreadable ({err})") from err
-        if expected is None:
-            expected = record.checksum if chunk is None else dict(record.chunk_checksums or ())[chunk]
-        try:
-            serializers.verify(x, expected, what=what)
-        except serializers.CorruptDataError as err:
-            raise CorruptContextError(str(err)) from err
-        return x
 
     def keys(self) -> list[str]:
         suffix = layout.MANIFEST_SUFFIX
