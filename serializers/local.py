@@ -381,7 +381,9 @@ def fsync_folder_local(p: str) -> None:
         os.close(fd)
 
 
-def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool, fresh: bool = False) -> None:
+def _write_file(
+    p: str, data: memoryview, undo: _Undo, *, fsync: bool, fresh: bool = False, new_name: bool = True
+) -> None:
     """Creates (or truncates) the regular file ``p`` and writes ``data``; never through a link,
     never blocking on a FIFO; ``fresh``: ``p``'s folder was just made, so ``p`` must be new.
 
@@ -405,7 +407,7 @@ def _write_file(p: str, data: memoryview, undo: _Undo, *, fsync: bool, fresh: bo
         if fd >= 0:
             os.close(fd)
         raise
-    undo.add_file(p)
+    undo.add_file(p, new_name=new_name)
     try:
         if data.nbytes >= _PREALLOCATE_BYTES and hasattr(os, "posix_fallocate"):
             try:  # faster large writes, and a full disk is reported before any byte is written
@@ -516,8 +518,10 @@ def _call(task: Callable[[], None]) -> None:
 
 
 def _write_small_file(root: str, path: str, data: bytes, undo: _Undo, *, fsync: bool) -> None:
-    """Writes ``data`` as the file ``path`` (its folder made by the caller)."""
-    _write_file(os.path.join(root, *path.split("/")), memoryview(data), undo, fsync=fsync)
+    """Writes ``data`` as the file ``path`` (its folder made by the caller); overwriting one
+    that is there changes no folder's entries."""
+    p = os.path.join(root, *path.split("/"))
+    _write_file(p, memoryview(data), undo, fsync=fsync, new_name=not _is_regular(p))
 
 
 def _write_one_local(

@@ -41,6 +41,7 @@ tensorstore-only). The host is assumed little endian (x86, ARM).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -110,6 +111,14 @@ def zarr_dtype_name(dtype: DTypeLike) -> str:
       UnsupportedDTypeError: for a dtype with no zarr v3 name here (strings,
         objects, datetimes, structured, ``uint4``...).
     """
+    try:
+        return _zarr_dtype_name(dtype)
+    except TypeError:  # unhashable: not a dtype a store writes, but say so the same way
+        return _zarr_dtype_name.__wrapped__(dtype)
+
+
+@functools.lru_cache(maxsize=256)  # called per array on every write and read
+def _zarr_dtype_name(dtype: DTypeLike) -> str:
     try:
         d = np.dtype(dtype)
     except TypeError:  # e.g. "key<fry>", which the caller stores as its key data

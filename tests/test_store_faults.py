@@ -416,8 +416,8 @@ def test_put_while_a_get_of_the_same_key_reads_the_disk(tmp_path, split, model, 
     reading, release = threading.Event(), threading.Event()
     read = store._disk.read  # hold the disk read of "k" until the put below is done
 
-    def slow_read(key):
-        result = read(key)
+    def slow_read(key, **kwargs):
+        result = read(key, **kwargs)
         reading.set()
         assert release.wait(30)
         return result

@@ -97,6 +97,7 @@ class Backend(Protocol):
     def list_temporary(self, prefix: str) -> list[str]: ...
     def gc_lock(self, *, exclusive: bool) -> AbstractContextManager[None]: ...
     def touch(self, prefix: str) -> bool: ...
+    def sync_folder(self, prefix: str) -> None: ...  # a rename into it survives a power loss
 
 
 class _LocalBackend:
@@ -401,6 +402,9 @@ class _LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return False
 
+    def sync_folder(self, prefix: str) -> None:
+        fsync_folder_local(self._safe(prefix, itself=True))
+
 
 class _KvBackend:
     """Any tensorstore kvstore spec (``memory``, ``file`` with options, ``gcs``, ``s3``)."""
@@ -524,6 +528,9 @@ class _KvBackend:
 
     def touch(self, prefix: str) -> bool:
         return True  # nothing to refresh: gc on a kvstore has no age rule
+
+    def sync_folder(self, prefix: str) -> None:
+        pass  # no renames on kvstores
 
 
 def _remove_quietly(path: str) -> None:

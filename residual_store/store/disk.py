@@ -40,7 +40,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -217,6 +217,8 @@ class DiskTier:
                 plan.own, fsync=fsync, reuse=reuse, attributes=plan.attributes,
                 files={layout.group_metadata_path(plan.data_dir): plan.group},
             )
+            if reuse and fsync:  # the recycled folder's new name must survive with the commit
+                self.backend.sync_folder(layout.DATA)
             # Under the shared gc lock from "which weights exist" to the commit: gc (which takes
             # it exclusively) cannot remove a weight between this check and the manifest that
             # references it.
@@ -233,7 +235,7 @@ class DiskTier:
                     f"{self.description}): {err}"
                 ) from err
             raise
-        self._remember_commit(key, StaleData(plan.data_dir, plan.layout))
+        self._remember_commit(plan)
         event(logging.DEBUG, "commit", key=key, data_dir=plan.data_dir, new_weights=len(created),
               bytes=plan.nbytes)
         return previous
@@ -255,15 +257,20 @@ class DiskTier:
             return None
         return self.data_of(data, key) if data is not None else None
 
-    def _remember_commit(self, key: str, data: StaleData) -> None:
+    def _remember_commit(self, plan: layout.WritePlan) -> None:
+        """Caches what this commit's manifest says (its data, its parsed form) under the
+        manifest file's version: a ``get`` or the next ``put`` of the key in this process neither
+        reads nor parses it while the file is unchanged."""
+        key = plan.key
         version = self.backend.version(layout.manifest_path(key))
         if version is None:
             return
         with self._lock:
-            self._commits[key] = (version, data)
-            self._commits.move_to_end(key)
-            while len(self._commits) > _STAT_CACHE_MAX:
-                self._commits.popitem(last=False)
+            for cache, value in ((self._commits, StaleData(plan.data_dir, plan.layout)), (self._stat_cache, plan.stored)):
+                cache[key] = (version, value)
+                cache.move_to_end(key)
+                while len(cache) > _STAT_CACHE_MAX:
+                    cache.popitem(last=False)
 
     def _undo_write(self, data_dir: str, weights: Sequence[str]) -> None:
         """Removes what a failed write left: its data folder, and the weights it added that no
@@ -359,7 +366,9 @@ class DiskTier:
         with self._lock:
             self._stat_cache.pop(key, None)
 
-    def read(self, key: str, *, place: bool = True) -> tuple[StoredContext, HostArrays]:
+    def read(
+        self, key: str, *, place: bool = True, skip: Container[str] = ()
+    ) -> tuple[StoredContext, HostArrays]:
         """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one.
 
         Arrays come back as NumPy arrays, except, with ``place`` (the default), a sharded
@@ -369,6 +378,9 @@ class DiskTier:
         devices). On a process with fewer devices, or with ``place=False``, it comes back whole
         (every chunk read and verified) as a NumPy array, to be loaded on the default device.
 
+        Shared arrays (weights) stored whole at a path in ``skip`` are not read: the caller holds
+        them already, and they come back as ``None``.
+
         A context replaced by another writer while it is read (its commit removes the data this
         read was reading) is read again from its new manifest: only a manifest that stays the
         same makes a failed read corruption.
@@ -376,7 +388,7 @@ class DiskTier:
         for _ in range(_READ_ATTEMPTS):
             token, stored = self._manifest_now(key)
             try:
-                return stored, self._read_arrays(key, stored, place=place)
+                return stored, self._read_arrays(key, stored, place=place, skip=skip)
             except CorruptContextError:
                 if self._manifest_token(key) == token:
                     raise
@@ -384,7 +396,9 @@ class DiskTier:
             f"context {key!r} was replaced {_READ_ATTEMPTS} times while being read; try again"
         )
 
-    def _read_arrays(self, key: str, stored: StoredContext, *, place: bool = False) -> HostArrays:
+    def _read_arrays(
+        self, key: str, stored: StoredContext, *, place: bool = False, skip: Container[str] = ()
+    ) -> HostArrays:
         """Reads and verifies the arrays (chunk by chunk for chunked ones): a small context in
         this thread (handing a few reads to other threads costs more than they take), a large
         one two reads at a time (file reads and checksums release the GIL)."""
@@ -395,6 +409,9 @@ class DiskTier:
             sharding = stored.sharding(i)
             placement = self._placement(key, i, record, sharding) if place and sharding else None
             placements.append(placement)
+            if record.shared and not record.chunked and sharding is None and record.path in skip:
+                by_shard.append(False)
+                continue
             if not record.chunked:
                 by_shard.append(False)
                 tasks.append((i, None, record.checksum))
@@ -432,6 +449,9 @@ class DiskTier:
                 for idx, chunk in got.items():
                     assert idx is not None
                     whole[serializers.chunk_region(idx, record.chunk_shape)] = chunk
+            elif None not in got:  # skipped: the caller holds it
+                out.append(None)
+                continue
             else:
                 whole = got[None]
             if placement is None:

@@ -39,7 +39,7 @@ import serializers
 from residual_store.context import SHARED_KINDS, ResidualSpec
 from residual_store.errors import ResidualStoreError
 from residual_store.store.host import HostArrays, ShardedHost
-from residual_store.store.records import spec_to_map
+from residual_store.store.records import StoredContext, spec_to_map
 
 __all__ = [
     "BACKWARDS",
@@ -243,6 +243,7 @@ class WritePlan:
     records: tuple[serializers.ArrayRecord, ...]
     manifest: bytes
     group: bytes  # data_dir's zarr.json
+    stored: StoredContext  # what parsing ``manifest`` gives
 
     @property
     def own(self) -> dict[str, Any]:
@@ -324,10 +325,11 @@ def plan_write(
             nbytes=int(x.nbytes), checksum=checksum, input_path=spec.input_paths[i], shared=shared,
             **chunk_fields,
         ))
+    created = time.time()
     manifest = serializers.encode_manifest({
         "key": key,
         "signature": spec.signature,
-        "created": time.time(),
+        "created": created,
         "jax_version": jax.__version__,
         "spec": spec_to_map(spec, impls, shardings),
         "data_dir": folder,
@@ -344,4 +346,7 @@ def plan_write(
          getattr(a.data, "chunk_shape", None) if not a.whole else None)
         for a in writes if not a.shared
     )
-    return WritePlan(key, folder, layout, tuple(writes), tuple(records), manifest, group)
+    stored = StoredContext(
+        key, spec, tuple(records), tuple(impls), created, jax.__version__, folder, tuple(shardings)
+    )
+    return WritePlan(key, folder, layout, tuple(writes), tuple(records), manifest, group, stored)

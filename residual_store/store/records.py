@@ -93,7 +93,16 @@ class StoredContext:
 
 def _call_to_map(call: CallSpec) -> dict[str, Any]:
     """The call record as a msgpack map (msgpack writes its tuples as arrays, read back as lists:
-    :func:`_call_from_map` freezes them)."""
+    :func:`_call_from_map` freezes them); the same map for every context of a call (never
+    mutated: it is only encoded)."""
+    try:
+        return _cached_call_map(call)
+    except TypeError:  # a record holding an unhashable value
+        return _cached_call_map.__wrapped__(call)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_call_map(call: CallSpec) -> dict[str, Any]:
     return {
         "n_args": call.n_args,
         "argnums": call.argnums,

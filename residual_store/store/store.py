@@ -449,11 +449,13 @@ class Store:
     def _load_and_promote(self, key: str) -> ResidualContext:
         if self._disk is None:
             raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
-        stored, arrays = self._disk.read(key)  # sharded residuals: only this process's chunks
+        with self._lock:  # weights on the device now, kept alive until placed: not read again
+            live = {k: v for k, v in self._weights.items() if isinstance(k, str)}
+        stored, arrays = self._disk.read(key, skip=live)  # sharded: only this process's chunks
         _check_representable(key, stored.spec)
         residuals = place(
             arrays, [r.shared for r in stored.records], stored.key_impls,
-            functools.partial(self._shared_array, stored, arrays),
+            functools.partial(self._shared_array, stored, arrays, live),
         )
         ctx = ResidualContext(residuals, stored.spec)
         self._ensure_backward(stored.spec.signature)
@@ -467,9 +469,12 @@ class Store:
             self._schedule_write(*write)
         return ctx
 
-    def _shared_array(self, stored: StoredContext, arrays: Any, i: int) -> jax.Array:
-        """One device array per stored weight (and sharding) while any loaded context holds it."""
+    def _shared_array(self, stored: StoredContext, arrays: Any, live: dict[str, Any], i: int) -> jax.Array:
+        """One device array per stored weight (and sharding) while any loaded context holds it;
+        ``live``: those held when the read began (not read again)."""
         path, x = stored.records[i].path, arrays[i]
+        if x is None:
+            return live[path]
         cache_key: Any = (path, x.placement) if isinstance(x, ShardedHost) else path
         with self._lock:
             live = self._weights.get(cache_key)

@@ -1,0 +1,127 @@
+"""What a put and a get cost in system calls and reads, observed: the fsyncs of a durable put,
+the manifest a get does not parse again, the weights a get does not read again, the checksum
+verified while reading."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import residual_store as rs
+import serializers
+from residual_store.store import backends, records
+from store_helpers import F32_TOL, assert_trees_close
+
+
+def _loss(params, x):
+    h = jnp.tanh(x @ params["w1"])
+    h = jnp.sin(h @ params["w2"])
+    return jnp.sum(h**2)
+
+
+@pytest.fixture(scope="module")
+def split():
+    return rs.split(_loss, argnums=(0, 1), weight_argnums=(0,))
+
+
+def _inputs(seed: int):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    return {"w1": jax.random.normal(k1, (16, 12)), "w2": jax.random.normal(k2, (12, 8))}, jax.random.normal(k3, (6, 16))
+
+
+def _count(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def test_a_durable_put_into_a_recycled_folder_fsyncs_each_file_once_and_two_folders(tmp_path, split, monkeypatch):
+    params, x = _inputs(0)
+    with rs.Store(tmp_path / "s", device_budget=0) as store:
+        for seed in (1, 2):  # the second replaces the first, whose folder is then recycled
+            store.put(split(params, _inputs(seed)[1])[1], "k")
+            store.flush()
+            store._janitor.submit(lambda: None).result()
+        _, ctx = split(params, x)
+        fsyncs = _count(monkeypatch, os, "fsync")
+        store.put(ctx, "k")
+        store.flush()
+        monkeypatch.undo()
+        own = sum(1 for kind, a in zip(ctx.spec.kinds, ctx.spec.avals) if kind != "weight" and a.size)
+        # each chunk file, the write's group zarr.json, the manifest; the folders whose entries
+        # changed: data/ (the recycled folder's rename) and contexts/ (the manifest's)
+        assert len(fsyncs) == own + 1 + 1 + 2, len(fsyncs)
+        assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
+
+
+def test_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_manifest(tmp_path, split, monkeypatch):
+    params, x = _inputs(3)
+    _, ctx = split(params, x)
+    root = tmp_path / "s"
+    with rs.Store(root, device_budget=0, host_budget=0) as store:
+        store.put(ctx, "k")
+        store.flush()
+        parses = _count(monkeypatch, records, "parse_context_manifest")
+        from residual_store.store import disk
+        monkeypatch.setattr(disk, "parse_context_manifest", records.parse_context_manifest)
+        assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
+        assert parses == []
+        # another store's write of the key changes the file: read and parsed again, the new one
+        params2, x2 = _inputs(4)
+        with rs.Store(root) as other:
+            other.put(split(params2, x2)[1], "k")
+        parses.clear()
+        assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params2, x2), **F32_TOL)
+        assert len(parses) == 1
+
+
+def test_weights_a_store_holds_on_the_device_are_not_read_again(tmp_path, split, monkeypatch):
+    params, _ = _inputs(5)
+    xs = [_inputs(s)[1] for s in (6, 7)]
+    root = tmp_path / "s"
+    with rs.Store(root) as store:
+        for i, x in enumerate(xs):
+            store.put(split(params, x)[1], f"k{i}")
+    reads = _count(monkeypatch, backends._LocalBackend, "read_array")
+    with rs.Store(root, read_only=True, device_budget=0, host_budget=0) as store:  # keeps no context
+        first = store.get("k0")  # holds the weights: the next get takes them from here
+        weight_reads = [a for a in reads if a[1].startswith("weights/")]
+        assert len(weight_reads) == 2
+        second = store.get("k1")
+        assert [a for a in reads if a[1].startswith("weights/")] == weight_reads
+        assert second.residuals[ctx_weight_index(second)] is first.residuals[ctx_weight_index(first)]
+        for ctx, x in zip((first, second), xs):
+            assert_trees_close(rs.backward(ctx), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
+        del first, second, ctx
+        third = store.get("k0")  # no context holds them now: read again
+        assert len([a for a in reads if a[1].startswith("weights/")]) == 4
+        assert_trees_close(rs.backward(third), jax.grad(_loss, argnums=(0, 1))(params, xs[0]), **F32_TOL)
+
+
+def ctx_weight_index(ctx) -> int:
+    return next(i for i, k in enumerate(ctx.spec.kinds) if k == "weight")
+
+
+def test_the_verifier_hashes_pieces_to_the_whole_arrays_checksum():
+    data = np.random.default_rng(0).standard_normal(300_001).astype(np.float32)
+    v = serializers.Verifier(serializers.checksum(data), what="x")
+    raw = data.view(np.uint8)
+    for start in range(0, raw.size, 65_537):
+        v.update(raw[start : start + 65_537])
+    v.check()
+    bad = serializers.Verifier(serializers.checksum(data), what="the array")
+    bad.update(raw[:-1])
+    with pytest.raises(serializers.CorruptDataError, match="the array: checksum mismatch"):
+        bad.check()
+    with pytest.raises(serializers.CorruptDataError, match="malformed checksum"):
+        serializers.Verifier("xxh3_64:zz", what="x")
