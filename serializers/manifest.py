@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn, TypeGuard
 
@@ -338,6 +339,15 @@ class ArrayRecord:
     chunk_checksums: tuple[tuple[tuple[int, ...], str], ...] | None = None
 
     def __post_init__(self) -> None:
+        self._normalize()
+        try:
+            _check_fields(self.to_dict(), ARRAY_RECORD_FIELDS, "")
+            self._check_chunks()
+        except _Invalid as e:
+            raise ValueError(f"invalid ArrayRecord: {e}") from None
+
+    def _normalize(self) -> None:
+        """Shapes as tuples of ints, chunk checksums as sorted tuples."""
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if self.chunk_shape is not None:
             object.__setattr__(self, "chunk_shape", tuple(int(d) for d in self.chunk_shape))
@@ -351,11 +361,6 @@ class ArrayRecord:
                     "invalid ArrayRecord: chunk_checksums must be (chunk index, checksum) pairs"
                 ) from None
             object.__setattr__(self, "chunk_checksums", pairs)
-        try:
-            _check_fields(self.to_dict(), ARRAY_RECORD_FIELDS, "")
-            self._check_chunks()
-        except _Invalid as e:
-            raise ValueError(f"invalid ArrayRecord: {e}") from None
 
     @property
     def chunked(self) -> bool:
@@ -401,21 +406,55 @@ class ArrayRecord:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, what: str = "array record") -> ArrayRecord:
+    def from_dict(
+        cls, d: Mapping[str, Any], *, what: str = "array record", fields_checked: bool = False
+    ) -> ArrayRecord:
         """Builds a record from an (untrusted) map; extra keys are ignored.
+
+        ``fields_checked``: the map is an entry of a manifest's ``arrays`` that
+        :func:`decode_manifest` returned, which has checked its fields already (the chunk
+        rules are checked here either way).
 
         Raises:
           CorruptDataError: naming ``what`` and the field, if ``d`` does not match
             :data:`ARRAY_RECORD_FIELDS`.
         """
         try:
-            _check_fields(dict(d) if isinstance(d, Mapping) else d, ARRAY_RECORD_FIELDS, "")
+            if not fields_checked:
+                _check_fields(dict(d) if isinstance(d, Mapping) else d, ARRAY_RECORD_FIELDS, "")
         except _Invalid as e:
             raise CorruptDataError(f"{what}: {e}") from None
+        # The map's fields are checked: build the record without checking them a second time
+        # through __post_init__ (manifests are read on every get); the chunk rules still apply.
         try:
-            return cls(**{f.name: d[f.name] for f in ARRAY_RECORD_FIELDS if f.name in d})
+            return cls._built(d)
         except ValueError as e:
             raise CorruptDataError(f"{what}: {e}") from None
+        except _Invalid as e:
+            raise CorruptDataError(f"{what}: invalid ArrayRecord: {e}") from None
+
+    @classmethod
+    def for_writing(cls, **fields: Any) -> ArrayRecord:
+        """A record a writer puts in a manifest: its fields are checked by
+        :func:`encode_manifest` when the manifest is encoded, not here as well (a writer makes
+        one per array per write); the chunk rules are checked here.
+
+        Raises:
+          ValueError: chunk fields that disagree with the shape or the checksum.
+        """
+        try:
+            return cls._built(fields)
+        except _Invalid as e:
+            raise ValueError(f"invalid ArrayRecord: {e}") from None
+
+    @classmethod
+    def _built(cls, d: Mapping[str, Any]) -> ArrayRecord:
+        record = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            object.__setattr__(record, f.name, d.get(f.name, f.default))
+        record._normalize()
+        record._check_chunks()
+        return record
 
 
 def chunked_checksum(chunk_checksums: Sequence[tuple[Sequence[int], str]]) -> str:

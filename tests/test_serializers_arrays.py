@@ -892,3 +892,26 @@ def test_reuse_rewrites_zarr_json_only_when_its_bytes_differ(
     assert (tmp_path / "e" / "zarr.json").read_bytes() == encode_zarr_metadata((0, 2), "int8")
     _same_bits(read_array_local(tmp_path, "a", a.shape, "float32"), a + 2)
     _same_bits(np.asarray(read_array(_kv(tmp_path), "m", m.shape, "int16")), m + 2)
+
+
+def test_reuse_with_keep_metadata_neither_reads_nor_writes_zarr_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = _array("float32", (2, 3), 1), _array("int16", (5,), 2)
+    attrs = {"a": {"v": 1}, "b": {"v": 1}}
+    write_arrays_local(tmp_path, {"a": a, "b": b}, attributes=attrs)
+    before = {p: (tmp_path / p / "zarr.json").read_bytes() for p in ("a", "b")}
+    touched: list[str] = []
+    for name in ("_write_file", "_holds"):
+        real = getattr(local_mod, name)
+
+        def spy(p: str, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            touched.append(os.path.relpath(p, tmp_path))
+            return _real(p, *args, **kwargs)
+
+        monkeypatch.setattr(local_mod, name, spy)
+    write_arrays_local(tmp_path, {"a": a + 1, "b": b + 1}, reuse=True, keep_metadata=True, attributes=attrs)
+    assert touched == []  # chunks overwritten in place; no zarr.json opened
+    assert {p: (tmp_path / p / "zarr.json").read_bytes() for p in ("a", "b")} == before
+    _same_bits(read_array_local(tmp_path, "a", a.shape, "float32"), a + 1)
+    _same_bits(read_array_local(tmp_path, "b", b.shape, "int16"), b + 1)

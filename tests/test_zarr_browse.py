@@ -142,3 +142,33 @@ def test_a_version_1_store_is_read_and_upgraded_by_its_first_write(tmp_path, spl
         assert_trees_close(
             rs.backward(store.get("new")), jax.grad(_loss, argnums=(0, 1))(params2, x2), **F32_TOL
         )
+
+
+def test_a_recycled_folder_keeps_no_attributes_of_another_function(tmp_path):
+    """A folder is recycled only by a write of the same layout and attributes: a function with
+    the same shapes but other names gets fresh zarr.json files, never the old ones."""
+    def first(w, x):
+        return jnp.sum(jnp.sin(x @ w) ** 2)
+
+    def second(w, x):  # the same shapes; its intermediates are named at these other lines
+        return jnp.sum(jnp.sin(x @ w) ** 2)
+
+    w, x = jax.random.normal(jax.random.key(0), (4, 3)), jax.random.normal(jax.random.key(1), (5, 4))
+    root = tmp_path / "store"
+    with rs.Store(root) as store:
+        store.put(rs.split(first)(w, x)[1], "a")
+        store.flush()
+        store.delete("a")  # its folder goes to data/.free
+        store.flush()
+        store._janitor.submit(lambda: None).result()
+        _, ctx = rs.split(second)(w, x)
+        store.put(ctx, "b")
+    names = set()
+    for dirpath, _, files in os.walk(root / "data"):
+        if "zarr.json" in files and ".free" not in dirpath:
+            meta = json.loads(open(os.path.join(dirpath, "zarr.json"), "rb").read())
+            if meta["node_type"] == "array":
+                names.add(meta["attributes"]["residual_store"]["name"])
+    _, old = rs.split(first)(w, x)
+    assert set(old.spec.names) != set(ctx.spec.names)  # the same layout but for the names
+    assert names == set(ctx.spec.names)

@@ -30,6 +30,7 @@ from serializers.local import (
     check_folders_local,
     fsync_folder_local,
     read_file_local,
+    sync_data,
 )
 
 __all__ = ["Backend", "DamagedFileError", "open_backend"]
@@ -70,6 +71,7 @@ class Backend(Protocol):
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
         files: Mapping[str, bytes] | None = None,  # small files written with the arrays
+        keep_metadata: bool = False,  # with reuse: the arrays there have these attributes too
     ) -> None: ...
     def rename(self, src: str, dst: str) -> bool: ...
     def write_shared_arrays(
@@ -179,11 +181,12 @@ class _LocalBackend:
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
         files: Mapping[str, bytes] | None = None,
+        keep_metadata: bool = False,
     ) -> None:
         try:
             serializers.write_arrays_local(
                 self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata,
-                attributes=attributes, files=files,
+                attributes=attributes, files=files, keep_metadata=keep_metadata,
             )
         except serializers.CorruptDataError as err:  # a link or a FIFO in the way: nothing written
             raise _damaged(err) from err
@@ -287,7 +290,7 @@ class _LocalBackend:
                 while view.nbytes:
                     view = view[os.write(fd, view) :]
                 if fsync:
-                    os.fsync(fd)
+                    sync_data(fd)
             finally:
                 os.close(fd)
             try:
@@ -433,6 +436,7 @@ class _KvBackend:
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
         files: Mapping[str, bytes] | None = None,
+        keep_metadata: bool = False,
     ) -> None:
         """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
         ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""

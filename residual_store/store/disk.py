@@ -214,7 +214,7 @@ class DiskTier:
         created: list[str] = []  # weights this write added: removed again if it fails
         try:
             self.backend.write_arrays(
-                plan.own, fsync=fsync, reuse=reuse, attributes=plan.attributes,
+                plan.own, fsync=fsync, reuse=reuse, keep_metadata=reuse, attributes=plan.attributes,
                 files={layout.group_metadata_path(plan.data_dir): plan.group},
             )
             if reuse and fsync:  # the recycled folder's new name must survive with the commit
@@ -526,7 +526,7 @@ class DiskTier:
             stored = parse_context_manifest(key, manifest)
         except CorruptContextError:
             return None
-        return layout.data_of(stored.data_dir, stored.records)
+        return layout.data_of(stored)
 
     def _claim_free(self, layout: str, data_dir: str) -> bool:
         """Renames a recycled folder of this layout to ``data_dir``; whether one was found."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -163,22 +164,25 @@ class StaleData(NamedTuple):
     layout: str
 
 
-def layout_digest(items: Iterable[tuple[str, tuple[int, ...], str, tuple[int, ...] | None]]) -> str:
-    """A digest of (name, shape, dtype, chunk shape) of each intermediate array: folders of equal
-    layout can be reused for each other's writes."""
+def layout_digest(
+    items: Iterable[tuple[str, tuple[int, ...], str, tuple[int, ...] | None, Mapping[str, Any] | None]],
+) -> str:
+    """A digest of (name, shape, dtype, chunk shape, zarr attributes) of each own array: a folder
+    of equal layout can take another write's arrays in place, each ``zarr.json`` unchanged."""
     h = hashlib.sha256()
-    for name, shape, dtype, chunks in sorted(items, key=lambda t: (t[0], str(t[1:]))):
+    for name, shape, dtype, chunks, attributes in sorted(items, key=lambda t: (t[0], str(t[1:]))):
         grid = "" if chunks is None else f"|{tuple(int(c) for c in chunks)}"
-        h.update(f"{name}|{tuple(int(d) for d in shape)}|{dtype}{grid};".encode())
+        attrs = "" if attributes is None else "|" + json.dumps(attributes, sort_keys=True)
+        h.update(f"{name}|{tuple(int(d) for d in shape)}|{dtype}{grid}{attrs};".encode())
     return h.hexdigest()[:16]
 
 
-def data_of(data_dir: str, records: Sequence[serializers.ArrayRecord]) -> StaleData:
-    """The data folder of a committed context and its layout (for :func:`layout_digest`)."""
-    prefix = data_dir + "/"
-    return StaleData(data_dir, layout_digest(
-        (r.path[len(prefix):], tuple(r.shape), r.dtype, r.chunk_shape)
-        for r in records
+def data_of(stored: StoredContext) -> StaleData:
+    """The data folder of a committed context and its layout (see :func:`layout_digest`)."""
+    prefix = stored.data_dir + "/"
+    return StaleData(stored.data_dir, layout_digest(
+        (r.path[len(prefix):], tuple(r.shape), r.dtype, r.chunk_shape, _array_attributes(stored.spec, i))
+        for i, r in enumerate(stored.records)
         if r.path.startswith(prefix)
     ))
 
@@ -320,7 +324,7 @@ def plan_write(
         path = weight_path(digest) if shared else own_array_path(folder, i)
         if not (shared and any(w.path == path for w in writes)):
             writes.append(ArrayWrite(path, data, shared, whole, None if shared else _array_attributes(spec, i)))
-        records.append(serializers.ArrayRecord(
+        records.append(serializers.ArrayRecord.for_writing(
             name=spec.names[i], path=path, shape=x.shape, dtype=serializers.zarr_dtype_name(x.dtype),
             nbytes=int(x.nbytes), checksum=checksum, input_path=spec.input_paths[i], shared=shared,
             **chunk_fields,
@@ -343,7 +347,7 @@ def plan_write(
     }})
     layout = layout_digest(
         (a.path[len(folder) + 1:], tuple(a.data.shape), serializers.zarr_dtype_name(a.data.dtype),
-         getattr(a.data, "chunk_shape", None) if not a.whole else None)
+         getattr(a.data, "chunk_shape", None) if not a.whole else None, a.attributes)
         for a in writes if not a.shared
     )
     stored = StoredContext(

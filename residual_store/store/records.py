@@ -369,7 +369,8 @@ def parse_context_manifest(key: str, data: bytes) -> StoredContext:
         if sum(len(r.get("chunk_checksums") or ()) for r in arrays if isinstance(r, dict)) > MAX_CHUNKS:
             raise CorruptContextError(f"{what}: manifest lists more than {MAX_CHUNKS} chunks")
         records = tuple(
-            serializers.ArrayRecord.from_dict(r, what=f"{what} array {i}") for i, r in enumerate(arrays)
+            serializers.ArrayRecord.from_dict(r, what=f"{what} array {i}", fields_checked=True)
+            for i, r in enumerate(arrays)
         )
     except serializers.CorruptDataError as err:
         raise CorruptContextError(str(err)) from err
