@@ -127,3 +127,22 @@ def test_the_verifier_hashes_pieces_to_the_whole_arrays_checksum():
         bad.check()
     with pytest.raises(serializers.CorruptDataError, match="malformed checksum"):
         serializers.Verifier("xxh3_64:zz", what="x")
+
+
+def test_a_live_weight_is_hashed_once_for_every_put_that_holds_it(tmp_path, split, monkeypatch):
+    params, _ = _inputs(8)
+    xs = [_inputs(s)[1] for s in (9, 10, 11)]
+    digests = _count(monkeypatch, serializers, "content_digest")
+    with rs.Store(tmp_path / "s", device_budget=0) as store:
+        for i, x in enumerate(xs):
+            store.put(split(params, x)[1], f"k{i}")
+        store.flush()
+        assert len(digests) == len(params)  # once per weight, not once per weight per put
+        new = jax.tree.map(lambda w: w + 1.0, params)  # other arrays: hashed (and stored) anew
+        store.put(split(new, xs[0])[1], "k3")
+        store.flush()
+        assert len(digests) == 2 * len(params)
+        for i, (p, x) in enumerate([(params, xs[0]), (params, xs[1]), (params, xs[2]), (new, xs[0])]):
+            assert_trees_close(rs.backward(store.get(f"k{i}")), jax.grad(_loss, argnums=(0, 1))(p, x), **F32_TOL)
+    with rs.Store(tmp_path / "s", read_only=True) as fresh:  # what was written is what a reader checks
+        assert_trees_close(rs.backward(fresh.get("k3")), jax.grad(_loss, argnums=(0, 1))(new, xs[0]), **F32_TOL)

@@ -237,16 +237,30 @@ class CollectiveCommitter:
         return channel.begin(what, value)
 
     def write(
-        self, key: str, spec: ResidualSpec, arrays: HostArrays, impls: Sequence[str | None], *, fsync: bool
+        self,
+        key: str,
+        spec: ResidualSpec,
+        arrays: HostArrays,
+        impls: Sequence[str | None],
+        *,
+        fsync: bool,
+        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
     ) -> StaleData | None:
         """Writes and commits ``key``'s context with every process; returns the replaced data
         (process 0 only)."""
         self.disk.check_writable(f"put {key!r}")
         with self.backend.gc_lock(exclusive=False):
-            return self._write(key, spec, arrays, impls, fsync=fsync)
+            return self._write(key, spec, arrays, impls, fsync=fsync, digests=known[1])
 
     def _write(
-        self, key: str, spec: ResidualSpec, arrays: HostArrays, impls: Sequence[str | None], *, fsync: bool
+        self,
+        key: str,
+        spec: ResidualSpec,
+        arrays: HostArrays,
+        impls: Sequence[str | None],
+        *,
+        fsync: bool,
+        digests: Mapping[int, str],
     ) -> StaleData | None:
         local_sums = _process_local_sums(arrays)
         own_sums = {str(i): [[list(idx), chk, d] for idx, (chk, d) in t.items()]
@@ -258,7 +272,7 @@ class CollectiveCommitter:
         _check_same_everywhere(key, spec, [info["local"] for info in infos])
         plan = layout.plan_write(
             key, spec, arrays, impls, write_id=infos[0]["write_id"], sums=_gathered_sums(infos),
-            whole_sums={int(i): c for i, c in local_sums.items()},
+            whole_sums={int(i): c for i, c in local_sums.items()}, digests=digests,
         )
         if lead:
             self.disk.ensure_groups()

@@ -193,9 +193,13 @@ class DiskTier:
         impls: Sequence[str | None],
         *,
         fsync: bool,
+        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
     ) -> StaleData | None:
-        """Plans and commits a context (:meth:`commit`)."""
-        plan = layout.plan_write(key, spec, arrays, impls, write_id=layout.new_write_id())
+        """Plans and commits a context (:meth:`commit`); ``known``: checksums and content
+        digests of whole arrays already computed, by residual index."""
+        plan = layout.plan_write(
+            key, spec, arrays, impls, write_id=layout.new_write_id(), whole_sums=known[0], digests=known[1]
+        )
         return self.commit(plan, fsync=fsync)
 
     def commit(self, plan: layout.WritePlan, *, fsync: bool) -> StaleData | None:

@@ -285,12 +285,13 @@ def plan_write(
     write_id: str,
     sums: ChunkSums | None = None,
     whole_sums: Mapping[int, str] | None = None,
+    digests: Mapping[int, str] | None = None,
 ) -> WritePlan:
     """The :class:`WritePlan` of ``key``'s context (its residuals ``arrays`` on the host).
 
     ``sums`` gives the chunks' checksums and digests (every process's, in a collective write;
-    computed here from ``arrays`` when ``None``); ``whole_sums`` any checksums of whole arrays
-    already computed.
+    computed here from ``arrays`` when ``None``); ``whole_sums`` and ``digests`` any checksums
+    and content digests of whole arrays already computed (by residual index).
     """
     sums = chunk_sums(spec, arrays) if sums is None else sums
     folder = data_dir(key, write_id)
@@ -319,7 +320,7 @@ def plan_write(
             data = x.whole if isinstance(x, ShardedHost) else x
             assert data is not None
             checksum = (whole_sums or {}).get(i) or serializers.checksum(data)
-            digest = serializers.content_digest(data) if shared else None
+            digest = ((digests or {}).get(i) or serializers.content_digest(data)) if shared else None
             whole = True
         path = weight_path(digest) if shared else own_array_path(folder, i)
         if not (shared and any(w.path == path for w in writes)):

@@ -31,7 +31,15 @@ from residual_store.errors import (
 from residual_store.store import backwards
 from residual_store.store.collective import CollectiveCommitter, is_multiprocess
 from residual_store.store.disk import DiskTier
-from residual_store.store.host import ShardedHost, host_arrays, place, to_device, to_device_sharded, to_host
+from residual_store.store.host import (
+    ShardedHost,
+    WeightSums,
+    host_arrays,
+    place,
+    to_device,
+    to_device_sharded,
+    to_host,
+)
 from residual_store.store.keys import new_key, validate_key
 from residual_store.store.layout import StaleData
 from residual_store.store.records import StoredContext
@@ -169,6 +177,7 @@ class Store:
         self._warnings: list[str] = []  # from background work, emitted on the caller's thread
         # path (and sharding) -> live weight; an entry goes when its array does
         self._weights: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
+        self._weight_sums = WeightSums()  # live weights' checksums: hashed once, not per put
         writes = self._disk is not None and not self._read_only
         self._writer = Writer(int(max_pending_bytes)) if writes else None
         self._loader = Loader()
@@ -303,8 +312,9 @@ class Store:
                 return
         try:
             arrays, impls = host_arrays(ctx)
+            known = self._weight_sums.of(ctx, arrays)
             try:
-                stale = self._committer.write(key, ctx.spec, arrays, impls, fsync=self._durable)
+                stale = self._committer.write(key, ctx.spec, arrays, impls, fsync=self._durable, known=known)
             except BaseException:
                 with self._lock:  # a put that failed is not in the store (flush raises why)
                     if self._pending.get(key, (None, None))[1] is token:

@@ -42,8 +42,7 @@ class Writer:
         self._pending_bytes = 0
         self._errors: list[BaseException] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="residual-store-writer", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first job: a store only read never has one
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -53,6 +52,9 @@ class Writer:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the store is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="residual-store-writer", daemon=True)
+                self._thread.start()
             while self._pending_bytes > 0 and self._pending_bytes + nbytes > self._max:
                 self._cv.wait()
             self._queue.append((job, nbytes, future))
@@ -107,14 +109,15 @@ class Writer:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if wait and threading.current_thread() is not self._thread:
-            self._thread.join()
+            thread = self._thread
+        if wait and thread is not None and threading.current_thread() is not thread:
+            thread.join()
 
     def drain(self) -> list[BaseException]:
         """Waits until every queued job has run; returns (and clears) the errors since the last
         flush instead of raising them."""
         with self._cv:
-            while self._queue and self._thread.is_alive():
+            while self._queue and self._thread is not None and self._thread.is_alive():
                 self._cv.wait()
             errors, self._errors = self._errors, []
         return errors
