@@ -529,11 +529,12 @@ def _call(task: Callable[[], None]) -> None:
     task()
 
 
-def _write_small_file(root: str, path: str, data: bytes, undo: _Undo, *, fsync: bool) -> None:
+def _write_small_file(root: str, path: str, data: bytes, undo: _Undo, *, fsync: bool, temporary: bool) -> None:
     """Writes ``data`` as the file ``path`` (its folder made by the caller); overwriting one
-    that is there changes no folder's entries."""
+    that is there changes no folder's entries, nor does a ``temporary`` one (its caller renames
+    it and syncs the folder then)."""
     p = os.path.join(root, *path.split("/"))
-    _write_file(p, memoryview(data), undo, fsync=fsync, new_name=not _is_regular(p))
+    _write_file(p, memoryview(data), undo, fsync=fsync, new_name=not temporary and not _is_regular(p))
 
 
 def _write_one_local(
@@ -577,6 +578,8 @@ def write_arrays_local(
     attributes: Mapping[str, Mapping[str, Any]] | None = None,
     files: Mapping[str, bytes] | None = None,
     keep_metadata: bool = False,
+    sync_folders: Sequence[str] = (),
+    temporaries: Mapping[str, bytes] | None = None,
 ) -> None:
     """Writes ``{path: array}`` as zarr v3 arrays under the local folder ``root``.
 
@@ -601,6 +604,10 @@ def write_arrays_local(
       keep_metadata: with ``reuse``, the caller vouches that the arrays there have
         these very attributes too (its record of the folder's layout says so): their
         ``zarr.json`` is kept without being read (one open and read less per array).
+      sync_folders: relative paths of other folders to fsync with the rest (with
+        ``fsync``): ones the caller renamed something into.
+      temporaries: like ``files``, for files the caller renames into place itself
+        (and then syncs that folder): their own folder is not synced here.
       files: relative file path -> bytes of other small files written with the
         arrays (a group's ``zarr.json``), created or overwritten where they are (not
         atomically: for files that commit nothing), fsynced alike.
@@ -620,10 +627,11 @@ def write_arrays_local(
     undo = _Undo(root)
     try:
         undo.makedirs(root)
-        for path in [*arrays, *(files or {})]:
+        others = {**(files or {}), **(temporaries or {})}
+        for path in [*arrays, *others]:
             _check_relpath(path)
         _check_attributes(arrays, attributes)
-        for parent in sorted({os.path.dirname(os.path.join(root, *p.split("/"))) for p in [*arrays, *(files or {})]}):
+        for parent in sorted({os.path.dirname(os.path.join(root, *p.split("/"))) for p in [*arrays, *others]}):
             undo.makedirs(parent)  # shared parents first; each array's own folder in parallel
         plain = [(p, a) for p, a in arrays.items() if not isinstance(a, ChunkedArray)]
         chunked = [(p, a) for p, a in arrays.items() if isinstance(a, ChunkedArray)]
@@ -644,7 +652,8 @@ def write_arrays_local(
             for key, view in _disk_chunks(a)
         ]
         tasks += [  # other small files (a group's zarr.json), overwritten where they are
-            functools.partial(_write_small_file, root, p, data, undo, fsync=fsync) for p, data in (files or {}).items()
+            functools.partial(_write_small_file, root, p, data, undo, fsync=fsync, temporary=p in (temporaries or {}))
+            for p, data in others.items()
         ]
         # Overwriting recycled files without fsync only copies into the page cache: handing that
         # to other threads costs more than it saves (and competes with the caller's compute).
@@ -657,6 +666,7 @@ def write_arrays_local(
                 chunked,
             )
         if fsync:  # files first (any not yet), then the folders that gained an entry
+            undo.dirty_dirs.update(os.path.join(root, *f.split("/")) for f in sync_folders)
             _in_parallel(_fsync_path, [p for p, is_dir in undo.created if not is_dir and p not in undo.synced])
             _in_parallel(fsync_folder_local, sorted(undo.dirty_dirs, key=len, reverse=True))
     except BaseException as e:

@@ -16,7 +16,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Sequence, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -72,6 +72,8 @@ class Backend(Protocol):
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
         files: Mapping[str, bytes] | None = None,  # small files written with the arrays
         keep_metadata: bool = False,  # with reuse: the arrays there have these attributes too
+        sync_folders: Sequence[str] = (),  # with fsync: folders to sync with the rest
+        temporaries: Mapping[str, bytes] | None = None,  # files the caller will publish
     ) -> None: ...
     def rename(self, src: str, dst: str) -> bool: ...
     def write_shared_arrays(
@@ -100,6 +102,9 @@ class Backend(Protocol):
     def gc_lock(self, *, exclusive: bool) -> AbstractContextManager[None]: ...
     def touch(self, prefix: str) -> bool: ...
     def sync_folder(self, prefix: str) -> None: ...  # a rename into it survives a power loss
+    # where a write of ``key`` may stage its bytes first (None: no renames, put_bytes it)
+    def temporary_for(self, key: str) -> str | None: ...
+    def publish(self, temporary: str, key: str, *, fsync: bool) -> None: ...  # rename it into place
 
 
 class _LocalBackend:
@@ -182,11 +187,14 @@ class _LocalBackend:
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
         files: Mapping[str, bytes] | None = None,
         keep_metadata: bool = False,
+        sync_folders: Sequence[str] = (),
+        temporaries: Mapping[str, bytes] | None = None,
     ) -> None:
         try:
             serializers.write_arrays_local(
                 self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata,
-                attributes=attributes, files=files, keep_metadata=keep_metadata,
+                attributes=attributes, files=files, keep_metadata=keep_metadata, sync_folders=sync_folders,
+                temporaries=temporaries,
             )
         except serializers.CorruptDataError as err:  # a link or a FIFO in the way: nothing written
             raise _damaged(err) from err
@@ -280,9 +288,10 @@ class _LocalBackend:
             return False
 
     def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None:
-        final = self._safe(key)
-        folder = self._makedirs(os.path.dirname(key.rstrip("/")))
-        tmp = os.path.join(folder, f".{os.path.basename(final)}.{uuid.uuid4().hex}.tmp")
+        self._safe(key)  # no link on the way
+        self._makedirs(os.path.dirname(key.rstrip("/")))
+        tmp_key = self.temporary_for(key)
+        tmp = self._path(tmp_key)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
             try:
@@ -293,6 +302,23 @@ class _LocalBackend:
                     sync_data(fd)
             finally:
                 os.close(fd)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        self.publish(tmp_key, key, fsync=fsync)
+
+    def temporary_for(self, key: str) -> str:
+        """A fresh temporary name beside ``key`` (``.<name>.<id>.tmp``, which gc knows)."""
+        head, _, name = key.rstrip("/").rpartition("/")
+        tmp = f".{name}.{uuid.uuid4().hex}.tmp"
+        return f"{head}/{tmp}" if head else tmp
+
+    def publish(self, temporary: str, key: str, *, fsync: bool) -> None:
+        """Renames the written (and, with ``fsync``, synced) file ``temporary`` over ``key``,
+        atomically; with ``fsync`` the folder too, so the new name survives a power loss.
+        ``temporary`` is removed if this fails."""
+        tmp, final = self._safe(temporary), self._safe(key)
+        try:
             try:
                 os.replace(tmp, final)  # a link or a FIFO there is replaced itself, never followed
             except IsADirectoryError:  # a folder where the file goes: removed (no link followed)
@@ -305,7 +331,7 @@ class _LocalBackend:
             _remove_quietly(tmp)
             raise
         if fsync:
-            fsync_folder_local(folder)
+            fsync_folder_local(os.path.dirname(final))
 
     def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         """The bytes of the file ``key`` (``None`` if there is none): a regular file of at most
@@ -437,6 +463,8 @@ class _KvBackend:
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
         files: Mapping[str, bytes] | None = None,
         keep_metadata: bool = False,
+        sync_folders: Sequence[str] = (),
+        temporaries: Mapping[str, bytes] | None = None,
     ) -> None:
         """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
         ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""
@@ -535,6 +563,12 @@ class _KvBackend:
 
     def sync_folder(self, prefix: str) -> None:
         pass  # no renames on kvstores
+
+    def temporary_for(self, key: str) -> None:
+        return None  # no renames: a single-object put is atomic
+
+    def publish(self, temporary: str, key: str, *, fsync: bool) -> None:
+        raise NotImplementedError("kvstores have no renames; put_bytes instead")
 
 
 def _remove_quietly(path: str) -> None:

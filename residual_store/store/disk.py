@@ -216,22 +216,32 @@ class DiskTier:
         reuse = self._claim_free(plan.layout, plan.data_dir)
         shared = plan.shared
         created: list[str] = []  # weights this write added: removed again if it fails
+        manifest_path = layout.manifest_path(key)
+        # The manifest is written (and synced) with the arrays under a temporary name, and only
+        # renamed into place, its commit, once they and the weights are there.
+        staged = self.backend.temporary_for(manifest_path)
         try:
             self.backend.write_arrays(
                 plan.own, fsync=fsync, reuse=reuse, keep_metadata=reuse, attributes=plan.attributes,
                 files={layout.group_metadata_path(plan.data_dir): plan.group},
+                temporaries={staged: plan.manifest} if staged is not None else None,
+                # a recycled folder's new name must survive with the commit
+                sync_folders=(layout.DATA,) if reuse else (),
             )
-            if reuse and fsync:  # the recycled folder's new name must survive with the commit
-                self.backend.sync_folder(layout.DATA)
             # Under the shared gc lock from "which weights exist" to the commit: gc (which takes
             # it exclusively) cannot remove a weight between this check and the manifest that
             # references it.
             with self.backend.gc_lock(exclusive=False):
                 created = [p for p in shared if not self.backend.array_exists(p)]
                 self.backend.write_shared_arrays({p: shared[p] for p in created}, fsync=fsync)
-                self.backend.put_bytes(layout.manifest_path(key), plan.manifest, fsync=fsync)
+                if staged is not None:
+                    self.backend.publish(staged, manifest_path, fsync=fsync)
+                else:
+                    self.backend.put_bytes(manifest_path, plan.manifest, fsync=fsync)
         except (serializers.DiskFullError, OSError) as err:
             event(logging.WARNING, "put failed", key=key, error=f"{type(err).__name__}: {err}")
+            if staged is not None:
+                self.backend.delete(staged)
             self._undo_write(plan.data_dir, created)
             if is_disk_full(err):
                 raise StoreFullError(
