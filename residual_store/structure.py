@@ -268,5 +268,5 @@ def decode_treedef(r: Any) -> Any:
 def freeze(x: Any) -> Any:
     """A record read back from msgpack (lists for tuples) as the tuples it was written as."""
     if isinstance(x, list):
-        return tuple(freeze(v) for v in x)
+        return tuple([freeze(v) if isinstance(v, list) else v for v in x])  # a manifest holds many
     return x

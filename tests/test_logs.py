@@ -34,20 +34,17 @@ def test_a_failed_put_is_a_warning(tmp_path, caplog, monkeypatch):
     x, y = mlp_batch(jax.random.key(2), 4)
     with rs.Store(tmp_path / "s") as store:
         backend = store._disk.backend
-        real = backend.put_bytes
 
-        def full(key, data, *, fsync):
-            if key.startswith("contexts/"):
-                raise OSError(28, "No space left on device")
-            return real(key, data, fsync=fsync)
+        def full(temporary, key, *, fsync):  # the commit: the manifest renamed into place
+            raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(backend, "put_bytes", full)
+        monkeypatch.setattr(backend, "publish", full)
         with caplog.at_level(logging.WARNING, logger="residual_store"):
             store.put(FWD(params, x, y)[1], "k")
             try:
                 store.flush()
             except rs.StoreFullError:
                 pass
-        monkeypatch.setattr(backend, "put_bytes", real)
+        monkeypatch.undo()
     (warning,) = [r for r in caplog.records if r.name == "residual_store"]
     assert warning.levelno == logging.WARNING and "put failed key='k'" in warning.getMessage()
