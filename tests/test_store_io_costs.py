@@ -146,3 +146,22 @@ def test_a_live_weight_is_hashed_once_for_every_put_that_holds_it(tmp_path, spli
             assert_trees_close(rs.backward(store.get(f"k{i}")), jax.grad(_loss, argnums=(0, 1))(p, x), **F32_TOL)
     with rs.Store(tmp_path / "s", read_only=True) as fresh:  # what was written is what a reader checks
         assert_trees_close(rs.backward(fresh.get("k3")), jax.grad(_loss, argnums=(0, 1))(new, xs[0]), **F32_TOL)
+
+
+def test_a_burst_of_durable_puts_shares_one_sync_of_the_manifests_folder(tmp_path, split, monkeypatch):
+    import threading
+
+    params, _ = _inputs(12)
+    xs = [_inputs(s)[1] for s in range(13, 18)]
+    synced = _count(monkeypatch, backends, "fsync_folder_local")
+    with rs.Store(tmp_path / "s") as store:
+        go = threading.Event()
+        store._writer.submit(lambda: go.wait(30), 0)  # the puts below queue up behind this
+        for i, x in enumerate(xs):
+            store.put(split(params, x)[1], f"k{i}")
+        go.set()
+        store.flush()
+        contexts = [a for a in synced if a[0].endswith(os.sep + "contexts")]
+        assert len(contexts) == 1  # once for the five commits, before flush returned
+        for i, x in enumerate(xs):
+            assert_trees_close(rs.backward(store.get(f"k{i}")), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)

@@ -101,6 +101,7 @@ class DiskTier:
         self._commits: OrderedDict[str, tuple[Any, StaleData]] = OrderedDict()
         self._version = STORE_VERSION  # of the store's marker (an older store is upgraded by a write)
         self._groups_checked = False  # whether this store's root zarr groups are known to exist
+        self._unsynced: set[str] = set()  # folders commits renamed manifests into, not synced yet
         if self._has_marker():
             return
         where = self.backend.description
@@ -234,8 +235,11 @@ class DiskTier:
             with self.backend.gc_lock(exclusive=False):
                 created = [p for p in shared if not self.backend.array_exists(p)]
                 self.backend.write_shared_arrays({p: shared[p] for p in created}, fsync=fsync)
-                if staged is not None:
-                    self.backend.publish(staged, manifest_path, fsync=fsync)
+                if staged is not None:  # its folder is synced by sync_commits, once for a burst
+                    self.backend.publish(staged, manifest_path, fsync=False)
+                    if fsync:
+                        with self._lock:
+                            self._unsynced.add(layout.CONTEXTS)
                 else:
                     self.backend.put_bytes(manifest_path, plan.manifest, fsync=fsync)
         except (serializers.DiskFullError, OSError) as err:
@@ -253,6 +257,21 @@ class DiskTier:
         event(logging.DEBUG, "commit", key=key, data_dir=plan.data_dir, new_weights=len(created),
               bytes=plan.nbytes)
         return previous
+
+    def sync_commits(self) -> None:
+        """Makes the commits since the last call survive a power loss: one sync of the folder
+        their manifests were renamed into (their arrays and manifests are synced already, before
+        each rename). The store calls it when its writer runs out of work, before ``flush``
+        returns."""
+        with self._lock:
+            folders, self._unsynced = self._unsynced, set()
+        try:
+            for folder in sorted(folders):
+                self.backend.sync_folder(folder)
+        except BaseException:
+            with self._lock:
+                self._unsynced |= folders
+            raise
 
     def _committed_data(self, key: str) -> StaleData | None:
         """The data of ``key``'s committed context (which a write of ``key`` replaces), if any:

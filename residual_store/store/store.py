@@ -179,7 +179,8 @@ class Store:
         self._weights: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
         self._weight_sums = WeightSums()  # live weights' checksums: hashed once, not per put
         writes = self._disk is not None and not self._read_only
-        self._writer = Writer(int(max_pending_bytes)) if writes else None
+        # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
+        self._writer = Writer(int(max_pending_bytes), on_idle=self._disk.sync_commits) if writes else None
         self._loader = Loader()
         self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
         self._closed = False

@@ -35,8 +35,12 @@ _LIVE_LOCK = threading.Lock()
 class Writer:
     """A single background worker running write jobs in order under a byte bound."""
 
-    def __init__(self, max_pending_bytes: int) -> None:
+    def __init__(self, max_pending_bytes: int, on_idle: Callable[[], None] | None = None) -> None:
+        """``on_idle`` runs on the worker after the last queued job, before that job counts as
+        done (before ``flush`` returns): work a burst of jobs can share, such as one sync of a
+        folder they all renamed files into. Its error is reported like a job's."""
         self._max = max_pending_bytes
+        self._on_idle = on_idle
         self._cv = threading.Condition()
         self._queue: deque[tuple[Callable[[], Any], int, Future[Any]]] = deque()
         self._pending_bytes = 0
@@ -81,6 +85,7 @@ class Writer:
             # Drop the job (and the context it holds) before anyone learns it is done: a flushed
             # store must not keep the arrays of what it wrote alive.
             del job, future
+            self._idle_if_last()
             with self._cv:
                 self._queue.popleft()
                 self._pending_bytes -= nbytes
@@ -88,6 +93,20 @@ class Writer:
         # Closed without a flush (its store was collected): nobody is left to raise these to.
         for err in unreported:
             _report(err, "in a store that was dropped without close()")
+
+    def _idle_if_last(self) -> None:
+        if self._on_idle is None:
+            return
+        with self._cv:
+            last = len(self._queue) == 1
+        if not last:
+            return
+        try:
+            self._on_idle()
+        except BaseException as err:  # noqa: BLE001 - reported through flush()
+            _release_frames(err)
+            with self._cv:
+                self._errors.append(err)
 
     @property
     def pending_bytes(self) -> int:
