@@ -51,11 +51,8 @@ WORKER = textwrap.dedent(
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from jax.experimental import multihost_utils
     import residual_store as rs
-    from residual_store.store import collective
     N_KILLED = 6
     import os
-    if "RESIDUAL_STORE_COLLECTIVE_TIMEOUT_S" not in os.environ:
-        collective.TIMEOUT_S = 30.0
 
     assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -72,7 +69,8 @@ WORKER = textwrap.dedent(
         return np.asarray(multihost_utils.process_allgather(x, tiled=True)).tolist()
 
     result = {}
-    with rs.Store(root) as store:
+    # a peer's death is learnt within the timeout: short where the test kills one
+    with rs.Store(root, collective_timeout=5.0 if phase in ("crash", "killed") else 30.0) as store:
         if phase == "forward":
             sys.path.insert(0, sys.argv[6])
             from test_multiprocess import batches, init_params, loss
@@ -96,7 +94,6 @@ WORKER = textwrap.dedent(
         elif phase == "crash":  # process 1 dies while its put is being written
             sys.path.insert(0, sys.argv[6])
             from test_multiprocess import batches, init_params, loss
-            collective.TIMEOUT_S = 5.0
             params = place_params(init_params())
             x, y = batches()[0]
             _, ctx = rs.split(loss)(params, global_array(x, data), global_array(y, data))
@@ -432,7 +429,7 @@ def test_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_path):
     within the collective timeout, and a single process finds only whole, verifiable contexts."""
     root = str(tmp_path / "store")
     port, out = _free_port(), tmp_path / "killed.json"
-    env = _worker_env(RESIDUAL_STORE_COLLECTIVE_TIMEOUT_S="5")
+    env = _worker_env()
     log0 = tmp_path / "killed0.log"
     procs: list[subprocess.Popen] = []
     seen: list[str] = []

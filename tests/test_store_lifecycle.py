@@ -295,3 +295,10 @@ def test_a_closed_store_refuses_every_operation(tmp_path, fwd, with_path):
     if with_path:
         with rs.Store(tmp_path / "s", read_only=True) as reader:
             assert reader.keys() == ["a"]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "30", None])
+def test_a_collective_timeout_that_is_not_a_positive_number_is_refused(tmp_path, bad):
+    with pytest.raises(rs.InvalidArgumentError, match="collective_timeout"):
+        rs.Store(tmp_path / "s", collective_timeout=bad)
+    assert not (tmp_path / "s").exists()  # refused before anything is created

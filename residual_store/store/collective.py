@@ -23,7 +23,6 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,8 +41,9 @@ from residual_store.store.layout import StaleData
 
 __all__ = ["TIMEOUT_S", "Channel", "Collective", "CollectiveCommitter", "is_multiprocess"]
 
-TIMEOUT_S = float(os.environ.get("RESIDUAL_STORE_COLLECTIVE_TIMEOUT_S", "300"))
-"""How long a process waits for the others at one step of a collective operation."""
+TIMEOUT_S = 300.0
+"""How long a process waits for the others at one step of a collective operation, by default
+(``rs.Store(..., collective_timeout=...)``)."""
 
 _OPENED: dict[str, int] = {}  # channel name -> stores opened at that location by this process
 _OPENED_LOCK = threading.Lock()
@@ -70,8 +70,9 @@ class Channel:
     thread), so the sequence numbers agree across processes.
     """
 
-    def __init__(self, description: str) -> None:
+    def __init__(self, description: str, timeout_s: float = TIMEOUT_S) -> None:
         name = hashlib.sha256(description.encode()).hexdigest()[:16]
+        self.timeout_s = timeout_s
         with _OPENED_LOCK:
             number = _OPENED.get(name, 0)
             _OPENED[name] = number + 1
@@ -90,7 +91,7 @@ class Channel:
             ``put``/``delete`` calls differ from this one's), or did not begin one in time.
         """
         seq = next(self._ops)
-        coll = Collective(self, seq, what, timeout_s)
+        coll = Collective(self, seq, what, self.timeout_s if timeout_s is None else timeout_s)
         theirs = coll.allgather("begin", [what, value])
         if seq > 0 and coll.index == 0:
             # every process has begun this operation, so all finished reading the previous one
@@ -220,8 +221,9 @@ class CollectiveCommitter:
     a weight in any process to the commit, gc cannot remove one.
     """
 
-    def __init__(self, disk: DiskTier) -> None:
+    def __init__(self, disk: DiskTier, timeout_s: float = TIMEOUT_S) -> None:
         self.disk = disk
+        self.timeout_s = timeout_s
         self.backend = disk.backend
         self._channel: Channel | None = None  # made at the first collective operation
         self._lock = threading.Lock()
@@ -232,7 +234,7 @@ class CollectiveCommitter:
         inspection in one process) never makes one, so it cannot put the processes out of step."""
         with self._lock:
             if self._channel is None:
-                self._channel = Channel(self.disk.description)
+                self._channel = Channel(self.disk.description, self.timeout_s)
             channel = self._channel
         return channel.begin(what, value)
 

@@ -29,7 +29,7 @@ from residual_store.errors import (
     StoreFullError,
 )
 from residual_store.store import backwards
-from residual_store.store.collective import CollectiveCommitter, is_multiprocess
+from residual_store.store.collective import TIMEOUT_S, CollectiveCommitter, is_multiprocess
 from residual_store.store.disk import DiskTier
 from residual_store.store.host import (
     ShardedHost,
@@ -114,6 +114,8 @@ class Store:
         instead of becoming a new store (a resume loop over a mistyped path fails loudly).
       read_only: open an existing store to read: nothing on disk changes, and ``put``, ``pop``,
         ``delete`` and ``gc`` raise :class:`ReadOnlyStoreError`. Implies ``create=False``.
+      collective_timeout: in a multi-process job, seconds a process waits for the others at one
+        step of a collective put or delete before it raises (a peer died or hangs).
 
     Nothing put is lost on a normal exit: pending writes complete at interpreter exit (the end
     of the script, ``sys.exit``, an uncaught exception) and when the store is garbage-collected.
@@ -140,6 +142,7 @@ class Store:
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         create: bool = True,
         read_only: bool = False,
+        collective_timeout: float = TIMEOUT_S,
     ) -> None:
         self._closed = True  # until every part exists: a failed constructor leaves no threads
         self._read_only = bool(read_only)
@@ -157,13 +160,21 @@ class Store:
             raise InvalidArgumentError(
                 f"max_pending_bytes must be a non-negative int, got {max_pending_bytes!r}"
             )
+        if (
+            isinstance(collective_timeout, bool)
+            or not isinstance(collective_timeout, numbers.Real)
+            or not 0 < float(collective_timeout) < float("inf")
+        ):
+            raise InvalidArgumentError(
+                f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}"
+            )
         self._disk = DiskTier(path, create=create, read_only=read_only) if path is not None else None
         # Several processes (jax.process_count() > 1) write each context collectively, in put
         # order: every put is written through (a spill depends on one process's budgets), and
         # data folders are removed, never recycled (each process would have to claim the same).
         self._collective = self._disk is not None and is_multiprocess()
         self._committer: DiskTier | CollectiveCommitter | None = (
-            CollectiveCommitter(self._disk) if self._collective else self._disk
+            CollectiveCommitter(self._disk, float(collective_timeout)) if self._collective else self._disk
         )
         self._saves_backwards = self._disk is not None and (not self._collective or jax.process_index() == 0)
         self._write_through = bool(write_through) or self._collective
