@@ -1,23 +1,18 @@
-"""The disk tier: where contexts live on disk, how a write becomes visible, and garbage collection.
+"""The disk tier: committing a write in one process, reading and verifying, deleting and
+recycling, garbage collection. Where everything lives is :mod:`residual_store.store.layout`.
 
-Layout under the store root (a local folder or any tensorstore kvstore)::
-
-    residual-store.json                 store marker: {"format": "residual-store", "version": 1}
-    contexts/<key>.manifest             msgpack manifest; its presence is the commit
-    data/<key>.<write id>/<i>/          zarr v3 arrays: the context's own (intermediates, inputs)
-    weights/<content digest>/           zarr v3 arrays: weights and constants, stored once
-    backwards/<signature>.export        serialized backward (jax.export), once per signature
-    backwards/<signature>.manifest      its manifest (checksum, JAX version, platforms)
-
-A write puts every array first (intermediates under a fresh ``data/<key>.<write id>/``, weights
-under their content digest, skipped when already there; in a local folder a new weight is written
-as ``weights/<digest>.<id>.tmp/`` and renamed into place, so a weight other contexts hold is never
-rewritten), then the manifest, atomically (write to a temporary name, fsync, rename; a
-single-object put on other kvstores). A crash at any point before the rename leaves no manifest,
-so the context is either whole or absent; what it left behind is unreferenced and removed by
-:meth:`DiskTier.gc`. Two writers of one key: each commit replaces the manifest whole, so readers
-see one complete context or the other (last rename wins; a read that loses the race to a commit
-reads the new manifest again).
+A commit (:meth:`DiskTier.commit` of a :class:`~residual_store.store.layout.WritePlan`) puts
+every array first (the context's own under a fresh ``data/<key>.<write id>/``, or a recycled
+folder of the same layout renamed to that name; weights under their content digest, skipped when
+already there, a new one written under a temporary name and renamed into place, so a weight other
+contexts hold is never rewritten) and the manifest under a temporary name beside its final one,
+all synced with ``durable=True``; then it renames the manifest into place, which is the commit
+(a single-object put on kvstores). A crash at any point before the rename leaves no manifest, so
+the context is either whole or absent; what it left behind is unreferenced and removed by
+:meth:`DiskTier.gc`. The folder the manifests are renamed into is synced once for a burst of
+commits (:meth:`DiskTier.sync_commits`, before the store's ``flush`` returns). Two writers of
+one key: each commit replaces the manifest whole, so readers see one complete context or the
+other (last rename wins; a read that loses the race to a commit reads the new manifest again).
 
 Sharded residuals: a ``jax.Array`` with a :class:`~jax.sharding.NamedSharding` over several
 devices is written shard by shard, never gathered: one zarr chunk per distinct shard (the shards
