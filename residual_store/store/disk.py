@@ -92,8 +92,6 @@ class DiskTier:
         # key -> (manifest version, parsed manifest), least recently used first
         self._stat_cache: OrderedDict[str, tuple[Any, StoredContext]] = OrderedDict()
         self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
-        # key -> (manifest version, its data) of this tier's own commits, least recent first
-        self._commits: OrderedDict[str, tuple[Any, StaleData]] = OrderedDict()
         self._version = STORE_VERSION  # of the store's marker (an older store is upgraded by a write)
         self._groups_checked = False  # whether this store's root zarr groups are known to exist
         self._unsynced: set[str] = set()  # folders commits renamed manifests into, not synced yet
@@ -270,35 +268,27 @@ class DiskTier:
 
     def _committed_data(self, key: str) -> StaleData | None:
         """The data of ``key``'s committed context (which a write of ``key`` replaces), if any:
-        from this tier's own last commit of it while the manifest is unchanged, else from the
-        manifest (``None`` for a damaged one, a FIFO, a folder: it is replaced, gc takes its
-        data)."""
-        version = self.backend.version(layout.manifest_path(key))
-        if version is not None:
-            with self._lock:
-                mine = self._commits.get(key)
-            if mine is not None and mine[0] == version:
-                return mine[1]
+        from its manifest, which this tier's own last commit of it left parsed in the stat cache
+        (``None`` for a damaged one, a FIFO, a folder: it is replaced, gc takes its data)."""
         try:
-            data = self.read_manifest_bytes(key)
-        except CorruptContextError:
+            return layout.data_of(self.stat(key))
+        except (ContextNotFoundError, CorruptContextError):
             return None
-        return self.data_of(data, key) if data is not None else None
 
     def _remember_commit(self, plan: layout.WritePlan) -> None:
-        """Caches what this commit's manifest says (its data, its parsed form) under the
-        manifest file's version: a ``get`` or the next ``put`` of the key in this process neither
-        reads nor parses it while the file is unchanged."""
-        key = plan.key
-        version = self.backend.version(layout.manifest_path(key))
-        if version is None:
-            return
+        """Caches this commit's parsed manifest under the manifest file's version: a ``get`` or
+        the next ``put`` of the key in this process neither reads nor parses it while the file
+        is unchanged."""
+        version = self.backend.version(layout.manifest_path(plan.key))
+        if version is not None:
+            self._cache_stat(plan.key, version, plan.stored)
+
+    def _cache_stat(self, key: str, version: Any, stored: StoredContext) -> None:
         with self._lock:
-            for cache, value in ((self._commits, StaleData(plan.data_dir, plan.layout)), (self._stat_cache, plan.stored)):
-                cache[key] = (version, value)
-                cache.move_to_end(key)
-                while len(cache) > _STAT_CACHE_MAX:
-                    cache.popitem(last=False)
+            self._stat_cache[key] = (version, stored)
+            self._stat_cache.move_to_end(key)
+            while len(self._stat_cache) > _STAT_CACHE_MAX:
+                self._stat_cache.popitem(last=False)
 
     def _undo_write(self, data_dir: str, weights: Sequence[str]) -> None:
         """Removes what a failed write left: its data folder, and the weights it added that no
@@ -355,7 +345,10 @@ class DiskTier:
         Parsed manifests are cached while the file's version (inode, size, mtime) is unchanged,
         so listing a large store again costs one ``stat`` per context.
         """
-        version = self.backend.version(layout.manifest_path(key))
+        return self._stat(key, self.backend.version(layout.manifest_path(key)))
+
+    def _stat(self, key: str, version: Any) -> StoredContext:
+        """:meth:`stat`, the manifest file's ``version`` already looked up."""
         if version is not None:
             with self._lock:
                 cached = self._stat_cache.get(key)
@@ -368,10 +361,7 @@ class DiskTier:
             raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
         stored = self.parse_manifest(key, data)
         if version is not None:
-            with self._lock:
-                self._stat_cache[key] = (version, stored)
-                while len(self._stat_cache) > _STAT_CACHE_MAX:
-                    self._stat_cache.popitem(last=False)
+            self._cache_stat(key, version, stored)
         return stored
 
     def _manifest_token(self, key: str) -> Any:
@@ -385,7 +375,7 @@ class DiskTier:
         a manifest seen before is not read or parsed again."""
         token = self._manifest_token(key)
         if token[0] == "version":
-            return token, self.stat(key)
+            return token, self._stat(key, token[1])
         if token[1] is None:
             raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
         return token, self.parse_manifest(key, token[1])
