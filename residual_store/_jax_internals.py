@@ -42,6 +42,16 @@ Assumptions (the tests refer to them by these tags):
   ``jax._src.linear_util.WrappedFun`` holds a function in ``f`` with ``transforms`` and
   ``params``; extended dtypes (typed PRNG keys) are ``jax._src.dtypes.ExtendedDType``. Tracing a ``custom_vjp``/``custom_jvp`` rule under ``jax.vjp`` inlines the rule's
   computation (closed-over values included) into the traced jaxprs.
+* ``BIND_EQUATION``: an equation runs again on new inputs as
+  ``eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))``, inside ``source_info_util.user_context`` and
+  ``eqn.ctx.manager`` (as ``jax._src.core.eval_jaxpr`` does); ``primitive.multiple_results``
+  says whether it returns a list. A ``scan`` equation's params are ``jaxpr`` (a ``ClosedJaxpr``
+  over consts, carries, then per-iteration inputs, giving carries then per-iteration outputs),
+  ``num_consts``, ``num_carry``, ``length``, ``reverse`` and ``unroll``, and ``jax.lax.scan`` with
+  those arguments computes it. A ``jit`` equation's body is the ``ClosedJaxpr`` ``params["jaxpr"]``
+  and a ``checkpoint``/``remat2`` equation's the open ``Jaxpr`` ``params["jaxpr"]``, fed by the
+  equation's inputs in order; evaluating the body in place of the equation computes the same
+  values.
 * ``HOST_CALLBACK``: host callbacks bind primitives named in ``HOST_CALLBACK_PRIMITIVES``.
 * ``TRACER_KINDS``: a value being staged out (``jax.jit``, ``lax.scan`` bodies, ``eval_shape``)
   is a ``partial_eval.DynamicJaxprTracer``; under ``jax.vmap`` a ``batching.BatchTracer``; under
@@ -79,6 +89,74 @@ REMAT_OPT_PRIMITIVE = "remat_opt"
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     """Evaluates an open jaxpr on ``consts`` and ``args`` (assumption ``EVAL_JAXPR``)."""
     return _core.eval_jaxpr(jaxpr, list(consts), *args)
+
+
+# --------------------------------------------------------------------------------------------
+# Equations, one at a time (the B/W partition of a backward, ``residual_store.partition``)
+
+
+def is_literal(v: Any) -> bool:
+    """Whether an equation input is a literal (``v.val`` holds it) rather than a variable."""
+    return isinstance(v, _core.Literal)
+
+
+def is_dropped(v: Any) -> bool:
+    """Whether an equation output is a ``DropVar`` (never read)."""
+    return isinstance(v, _core.DropVar)
+
+
+def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Runs one equation on ``invals`` in the current trace; its outputs as a list
+    (assumption ``BIND_EQUATION``)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParts:
+    """A ``scan`` equation's body and options (assumption ``BIND_EQUATION``)."""
+
+    body: Any  # open Jaxpr: consts, carries, per-iteration inputs -> carries, per-iteration outputs
+    consts: tuple[Any, ...]  # the body's own constants (its ClosedJaxpr's)
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+def scan_parts(eqn: Any) -> ScanParts | None:
+    """The parts of a ``scan`` equation, or ``None`` for any other equation."""
+    if eqn.primitive.name != "scan":
+        return None
+    p = eqn.params
+    closed = p["jaxpr"]
+    return ScanParts(closed.jaxpr, tuple(closed.consts), int(p["num_consts"]), int(p["num_carry"]),
+                     int(p["length"]), bool(p["reverse"]), p["unroll"])
+
+
+_CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"}) | REMAT_PRIMITIVE_NAMES
+
+
+def call_body(eqn: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(open body jaxpr, its constants)`` of a ``jit`` or ``checkpoint`` equation, fed by the
+    equation's inputs in order; ``None`` for any other equation (assumption ``BIND_EQUATION``)."""
+    if eqn.primitive.name not in _CALL_PRIMITIVES:
+        return None
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(body, _core.ClosedJaxpr):
+        return body.jaxpr, tuple(body.consts)
+    if isinstance(body, _core.Jaxpr) and not body.constvars:
+        return body, ()
+    return None
+
+
+def equation_line(eqn: Any) -> tuple[str | None, int | None]:
+    """The user's (file basename, line) that bound ``eqn`` (assumption ``EQN_SOURCE``)."""
+    return _user_frame(eqn)
 
 
 # --------------------------------------------------------------------------------------------

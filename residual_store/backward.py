@@ -92,7 +92,17 @@ class Backward:
 
     # -- cotangents -------------------------------------------------------------------------
 
-    def _cotangent_leaves(self, cotangent: Any) -> list[Any]:
+    def cotangent_leaves(self, cotangent: Any) -> list[Any]:
+        """The float leaves of ``cotangent``, checked against the output avals (``None``: 1 for
+        a scalar float output)."""
+        if not self.out_avals:  # a later context: its cotangents are among its residuals
+            if cotangent is not None:
+                raise SignatureMismatchError(
+                    "this context takes no cotangent: it is the later half of a B/W split "
+                    "(split.backward(ctx, cotangent, now=...)), which holds the cotangents it "
+                    "needs; call rs.backward(later)"
+                )
+            return []
         if cotangent is None:
             if len(self.out_avals) == 1 and self.float_leaves == (0,) and self.out_avals[0].shape == ():
                 return [np.ones((), self.out_avals[0].dtype)]
@@ -151,27 +161,27 @@ class Backward:
             )
         if self.unavailable is not None:
             raise type(self.unavailable)(*self.unavailable.args)
-        cts = self._cotangent_leaves(cotangent)
+        cts = self.cotangent_leaves(cotangent)
         residuals = list(ctx.residuals)
         if staged(residuals + cts, "the backward"):
-            self._check_residuals(ctx)  # at trace time only: named here, not deep inside JAX
+            self.check_residuals(ctx)  # at trace time only: named here, not deep inside JAX
             grads = self._jitted(residuals, cts)
         else:
             if self._compiled is None:
                 # the executable is compiled for these residuals: a replaced or deleted one is
                 # named here, not by an error from inside the compiler
-                self._check_residuals(ctx)
+                self.check_residuals(ctx)
             compiled = self._compiled or self._compile(residuals, cts)
             try:
                 grads = compiled(residuals, cts)
             except (TypeError, ValueError, RuntimeError) as err:
-                self._check_residuals(ctx)
+                self.check_residuals(ctx)
                 if not isinstance(err, (TypeError, ValueError)):
                     raise  # a failure of the computation itself, not of its inputs
                 raise SignatureMismatchError(f"the backward rejected its inputs: {err}") from err
         return self.grad_structure.unflatten(grads, like=like)
 
-    def _check_residuals(self, ctx: ResidualContext) -> None:
+    def check_residuals(self, ctx: ResidualContext) -> None:
         """Raises, naming the residual, if one is not what the signature says: another shape
         or dtype (:class:`SignatureMismatchError`), or a deleted array
         (:class:`InvalidArgumentError`)."""

@@ -81,6 +81,9 @@ class CallSpec:
       unrecorded: why ``in_tree`` or ``statics`` is ``None``.
       differentiated: with a split ``filter``, whether each leaf of ``in_avals`` is
         differentiated; ``None`` without one (every leaf of ``argnums`` is).
+      now, parent: for the ``later`` context of a B/W split (``split.backward(ctx, ct,
+        now=...)``), the arguments whose gradients B returned and the signature of the context
+        it was split from (whose call this record otherwise is); ``None`` for any other.
     """
 
     n_args: int
@@ -94,6 +97,8 @@ class CallSpec:
     context_mesh: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None = None
     unrecorded: str | None = None
     differentiated: tuple[bool, ...] | None = None
+    now: tuple[int, ...] | None = None
+    parent: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,6 +148,13 @@ def rebuild_sharding(record: Mapping[str, Any]) -> NamedSharding | None:
     return NamedSharding(mesh, spec)
 
 
+def abstract(aval: Any) -> jax.ShapeDtypeStruct:
+    """A ``ShapeDtypeStruct`` of a jaxpr aval, keeping a sharding only where it is part of the
+    type (meshes with explicit axes)."""
+    sharding = aval.sharding if has_explicit_axes(getattr(aval, "sharding", None)) else None
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
+
+
 def has_explicit_axes(sharding: Any) -> bool:
     """Whether ``sharding`` is a ``NamedSharding`` over a mesh (concrete or abstract) with an
     axis of type ``Explicit``: then the sharding is part of an array's type, in jaxprs too."""

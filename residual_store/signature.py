@@ -112,3 +112,25 @@ def compute_signature(
     add("slots", repr(tuple(slots)))
     add("backward", _jax_internals.jaxpr_text(backward, canon))
     return SIGNATURE_PREFIX + h.hexdigest()[:32]
+
+
+_LATER_TAG = "residual-store/later/1"
+
+
+def later_signature(*, parent: str, now: Sequence[int], avals: Sequence[Any], weight_half: Any) -> str:
+    """The signature of the ``later`` context of a B/W split: a digest of the parent signature
+    (which covers the whole forward and backward), the arguments B differentiated (``now``), the
+    avals of what ``later`` holds and the jaxpr of the W half that runs on it."""
+    canon = _jax_internals.canonicalizer()
+    h = hashlib.sha256()
+    for label, text in (
+        ("format", _LATER_TAG),
+        ("parent", parent),
+        ("now", repr(tuple(now))),
+        *(("aval", f"{tuple(a.shape)}|{a.dtype}") for a in avals),
+        ("weight_half", _jax_internals.jaxpr_text(weight_half, canon)),
+    ):
+        data = text.encode()
+        h.update(f"{label}:{len(data)}:".encode())
+        h.update(data)
+    return SIGNATURE_PREFIX + h.hexdigest()[:32]

@@ -36,6 +36,7 @@ import numpy as np
 from residual_store import _jax_internals, filters, names, placement, structure
 from residual_store.backward import Backward, register_backward, staged
 from residual_store.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
+from residual_store.halves import GradParts, Halves
 from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec
 from residual_store.errors import (
     InvalidArgumentError,
@@ -116,13 +117,6 @@ def _as_array(x: Any, where: str) -> jax.Array:
     )
 
 
-def _abstract(aval: Any) -> jax.ShapeDtypeStruct:
-    """A ``ShapeDtypeStruct`` of a jaxpr aval, keeping a sharding only where it is part of the
-    type (meshes with explicit axes)."""
-    sharding = aval.sharding if placement.has_explicit_axes(getattr(aval, "sharding", None)) else None
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
-
-
 def _context_mesh() -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None:
     """The abstract mesh the caller traces under (``jax.set_mesh``), as names, sizes, types."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -195,6 +189,8 @@ class Split:
         self._count_lock = threading.Lock()
         self._trace_lock = threading.Lock()
         self._by_signature: dict[str, Backward] = {}  # this split owns its backwards
+        self._grad_parts: dict[str, GradParts] = {}  # what a B/W split of each needs
+        self._halves: dict[tuple[str, tuple[int, ...], bool], Halves] = {}
         self._foreign: OrderedDict[str, str] = OrderedDict()  # signatures it does not make -> why
         self._cache: ExecutableCache[_Forward] = ExecutableCache(
             cache_size, on_evict=lambda entry: entry.backward.drop_compiled()
@@ -252,7 +248,14 @@ class Split:
             return (out, aux), ctx
         return out, ctx
 
-    def backward(self, ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -> Any:
+    def backward(
+        self,
+        ctx: ResidualContext,
+        cotangent: Any = None,
+        *,
+        like: Any = None,
+        now: int | Sequence[int] | None = None,
+    ) -> Any:
         """Gradients from a context of a signature this split makes; never re-runs the forward.
 
         The context may come from a store, written by another process: a signature this split
@@ -264,17 +267,85 @@ class Split:
         ``like``: a tree to rebuild the gradients on (see :func:`residual_store.backward`).
         May be called any number of times on one context; inside ``jax.jit`` it is inlined.
 
+        ``now`` (an int or a tuple, a subset of ``argnums`` leaving at least one out) splits the
+        backward in two, as zero-bubble pipeline schedules do: it returns ``(g_now, later)``,
+        the gradients of the ``now`` arguments (an int gives one gradient, a tuple a tuple),
+        computed at once (**B**), and ``later``, a :class:`ResidualContext` holding only what
+        the remaining gradients need: the cotangents arriving at the operations that consume
+        the other arguments, and the residuals only those read. ``rs.backward(later)`` (no
+        cotangent) returns the remaining gradients (**W**), in ``argnums`` order: one gradient
+        when one argument remains, else a tuple. Together they equal the plain backward within
+        float rounding; W never repeats an operation B ran. ``later`` has its own signature
+        and compiled backward, and can be put in a store and resumed like any context.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, residual_store as rs
+          >>> def stage(w, x):
+          ...     return jnp.tanh(x @ w)
+          >>> fwd = rs.split(stage, argnums=(0, 1))
+          >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+          >>> y, ctx = fwd(w, x)
+          >>> dx, later = fwd.backward(ctx, jnp.ones_like(y), now=1)   # B: for the previous stage
+          >>> dw = rs.backward(later)                                  # W: when a bubble comes
+          >>> bool(jnp.allclose(dw, fwd.backward(ctx, jnp.ones_like(y))[0]))
+          True
+
         Raises:
           SignatureMismatchError: the context was made by another function, with other options,
             or from closed-over values that differ from this process's; or the cotangent does
             not match the output.
+          InvalidArgumentError: ``now`` is not a proper subset of ``argnums``, or the context is
+            already a ``later`` one.
         """
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"backward expects a rs.ResidualContext, got {type(ctx).__name__}")
+        if now is not None:
+            if like is not None:
+                raise InvalidArgumentError("like= rebuilds a backward's gradients without a split: not with now=")
+            return self._halves_of(ctx.spec, now)(ctx, cotangent)
         bwd = self._by_signature.get(ctx.spec.signature)
         if bwd is None:
             bwd = self._rebuild(ctx.spec)
         return bwd(ctx, cotangent, like=like)
+
+    def _halves_of(self, spec: ResidualSpec, now: int | Sequence[int]) -> Halves:
+        """The B/W halves of ``spec``'s signature for ``now``, made once per pair."""
+        now_t = _normalize_argnums(now, "now")
+        single = isinstance(now, int)
+        if not now_t or set(now_t) - set(self.argnums):
+            raise InvalidArgumentError(f"now={now!r} must name arguments among argnums {self._argnums_option!r}")
+        if set(now_t) == set(self.argnums):
+            raise InvalidArgumentError(
+                f"now={now!r} names every argument in argnums {self._argnums_option!r}: nothing "
+                "would be left for later; call backward without now"
+            )
+        if spec.call is not None and spec.call.now is not None:
+            raise InvalidArgumentError(
+                "this context is already the later half of a B/W split: run it with rs.backward(later)"
+            )
+        key = (spec.signature, now_t, single)
+        found = self._halves.get(key)
+        if found is not None:
+            return found
+        parent = self._by_signature.get(spec.signature) or self._rebuild(spec)
+        with self._trace_lock:
+            found = self._halves.get(key)
+            if found is None:
+                split_ref = weakref.ref(self)
+                found = Halves(
+                    parent=parent,
+                    spec=self._grad_parts[spec.signature].spec,
+                    parts=self._grad_parts[spec.signature],
+                    now=now_t,
+                    now_single=single,
+                    arg_name=self._arg_name,
+                    on_compile=lambda: _count_backward(split_ref),
+                )
+                later = found.weight_backward
+                self._by_signature.setdefault(later.signature, later)
+                register_backward(self._by_signature[later.signature])
+                self._halves[key] = found
+        return found
 
     def cache_info(self) -> CacheInfo:
         """Compile counts and cache statistics (see :class:`CacheInfo`)."""
@@ -294,7 +365,10 @@ class Split:
 
         A trace whose signature differs is remembered (tracing again would give the same); a
         record this process cannot read yet (a module not imported) is not: importing it fixes
-        that."""
+        that. A ``later`` context's backward is the W half of its parent's, rebuilt likewise."""
+        call = spec.call
+        if call is not None and call.now is not None:
+            return self._rebuild_later(spec, call)
         sig = spec.signature
         with self._trace_lock:
             bwd = self._by_signature.get(sig)
@@ -310,6 +384,30 @@ class Split:
                     while len(self._foreign) > _MAX_FOREIGN:
                         self._foreign.popitem(last=False)
         raise SignatureMismatchError(why)
+
+    def _rebuild_later(self, spec: ResidualSpec, call: CallSpec) -> Backward:
+        """The W half for a ``later`` context: its parent's backward rebuilt from the call record
+        (which is the parent's), split for the same ``now``, and checked to compute the
+        context's signature."""
+        assert call.now is not None and call.parent is not None
+        parent = call.parent
+        if parent not in self._grad_parts:
+            stub = ResidualSpec(
+                signature=parent, avals=(), names=(), input_paths=(), kinds=(),
+                call=dataclasses.replace(call, now=None, parent=None),
+            )
+            self._rebuild(stub)
+        try:
+            halves = self._halves_of(self._grad_parts[parent].spec, call.now)
+        except InvalidArgumentError as err:
+            raise self._mismatch(spec, f": its record asks for a split now={call.now!r} ({err})") from None
+        if halves.later_spec.signature != spec.signature or halves.later_spec.avals != spec.avals:
+            raise self._mismatch(
+                spec,
+                f": split with now={call.now!r}, its parent {parent} gives the later signature "
+                f"{halves.later_spec.signature}",
+            )
+        return halves.weight_backward
 
     def _mismatch(self, spec: ResidualSpec, why: str) -> SignatureMismatchError:
         return SignatureMismatchError(f"context signature {spec.signature} is not one {self!r} makes{why}")
@@ -378,7 +476,7 @@ class Split:
                 spec, f": tracing it on the context's recorded inputs failed ({type(err).__name__}: {err})"
             ) from err
         got = traced.spec.signature
-        if got != spec.signature or traced.spec.avals != spec.avals:
+        if got != spec.signature or (spec.avals and traced.spec.avals != spec.avals):
             raise self._mismatch(
                 spec,
                 f": on the inputs the context records, this split computes signature {got}. The "
@@ -598,12 +696,18 @@ class Split:
             jaxpr_in[i] if src == _FROM_CONST else jaxpr_in[n_consts + i] if src == _FROM_INPUT else jaxpr_out[i]
             for src, i in slots
         ]
-        flat_bwd, grad_tree = self._flat_backward(box["vjp_tree"], out_avals, treedef, positions, differentiated)
+        flat_bwd, grad_tree, templates = self._flat_backward(
+            box["vjp_tree"], out_avals, treedef, positions, differentiated
+        )
         float_out = [i for i, a in enumerate(out_avals) if jax.dtypes.issubdtype(a.dtype, np.inexact)]
         bwd_jit = jax.jit(flat_bwd)
-        bwd_traced = bwd_jit.trace(
-            [_abstract(a) for a in residual_types], [_abstract(jaxpr_out[i]) for i in float_out]
+        parts = GradParts(
+            residual_avals=tuple(placement.abstract(a) for a in residual_types),
+            cotangent_avals=tuple(placement.abstract(jaxpr_out[i]) for i in float_out),
+            templates=templates,
+            single=self._single,
         )
+        bwd_traced = bwd_jit.trace(list(parts.residual_avals), list(parts.cotangent_avals))
         if in_avals is None:
             in_avals = [placement.input_aval(x) for x in leaves]
         call = self._record_call(n_args, treedef, static_pairs, in_avals, context_mesh, differentiated)
@@ -636,6 +740,7 @@ class Split:
                 else None,
             )
             self._by_signature[signature] = bwd
+            self._grad_parts[signature] = dataclasses.replace(parts, spec=spec)
         register_backward(bwd)
         return _Traced(
             closed=closed,
@@ -698,10 +803,11 @@ class Split:
         treedef: Any,
         positions: list[int],
         differentiated: Sequence[bool],
-    ) -> tuple[Callable[[Sequence[Any], Sequence[Any]], list[Any]], Any]:
-        """``(residuals, float cotangents) -> gradient leaves in argnums order``, and a template
-        of the gradients (the differentiated arguments with ``0`` leaves, ``None`` where a leaf
-        is passed through; a tuple when argnums is a tuple)."""
+    ) -> tuple[Callable[[Sequence[Any], Sequence[Any]], list[Any]], Any, tuple[tuple[int, Any], ...]]:
+        """``(residuals, float cotangents) -> gradient leaves in argnums order``, a template of
+        the gradients (the differentiated arguments with ``0`` leaves, ``None`` where a leaf is
+        passed through; a tuple when argnums is a tuple), and each argument's template by
+        position, in argnums order."""
         float_out = [jax.dtypes.issubdtype(a.dtype, np.inexact) for a in out_avals]
         zero_cts = [
             None if is_float else np.zeros(a.shape, jax.dtypes.float0)
@@ -725,7 +831,7 @@ class Split:
             grads = list(vjp_fn(full))
             return [grads[k] for k in perm]
 
-        return flat_backward, grad_tree
+        return flat_backward, grad_tree, tuple((p, by_pos[p]) for p in self.argnums)
 
     def _count(self, which: str) -> None:
         with self._count_lock:

@@ -221,15 +221,20 @@ def write_script(folder: str | os.PathLike[str], name: str, source: str) -> str:
 
 
 def run_python(
-    script: str, *args: str, timeout: float = SUBPROCESS_TIMEOUT, cwd: str | None = None
+    script: str,
+    *args: str,
+    timeout: float = SUBPROCESS_TIMEOUT,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Runs ``script`` with this interpreter in a clean environment; fails the test on error."""
+    """Runs ``script`` with this interpreter in a clean environment (plus ``env``); fails the
+    test on error."""
     proc = subprocess.run(
         [sys.executable, script, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=python_env(),
+        env={**python_env(), **(env or {})},
         cwd=cwd or os.path.dirname(script),
         check=False,
     )

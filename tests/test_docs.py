@@ -27,7 +27,9 @@ def test_markdown_python_blocks_run(code):
     exec(compile(code, "<doc>", "exec"), {"__name__": "__doc_example__"})
 
 
-@pytest.mark.parametrize("name", ["split", "backward", "context", "keypaths", "filters", "names", "logs"])
+@pytest.mark.parametrize(
+    "name", ["split", "backward", "context", "keypaths", "filters", "names", "logs", "partition", "store.schedule", "store.store"]
+)
 def test_docstring_examples(name):
     module = importlib.import_module(f"residual_store.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

@@ -276,3 +276,48 @@ def test_assumption_TRACER_KINDS():
         "jvp": "jax.grad (or jax.jvp, jax.linearize)",
         "concrete": None,
     }, f"TRACER_KINDS: JAX's tracer classes changed: {seen}"
+
+
+def test_assumption_BIND_EQUATION():
+    """Equations re-bound one by one compute what the jaxpr computes; a scan's parts run
+    through ``jax.lax.scan``; a jit's and a checkpoint's bodies evaluated in place do too."""
+
+    @jax.jit
+    def inner(a, b):
+        return jnp.sin(a) * b
+
+    def f(x, ws):
+        y = jax.checkpoint(lambda u: jnp.tanh(u) * 2.0)(inner(x, 3.0))
+        carry, ys = jax.lax.scan(lambda c, w: (c @ w, jnp.sum(c)), y, ws, reverse=True)
+        return carry, ys
+
+    x, ws = jnp.linspace(0.1, 1.0, 4).reshape(1, 4), jnp.full((3, 4, 4), 0.3)
+    closed = jax.make_jaxpr(f)(x, ws)
+    by_name = {e.primitive.name: e for e in closed.jaxpr.eqns}
+    assert {"jit", "scan"} <= set(by_name) and set(by_name) & ji.REMAT_PRIMITIVE_NAMES, (
+        f"BIND_EQUATION: expected jit, scan and checkpoint equations, got {sorted(by_name)}"
+    )
+
+    def rebound(x, ws):
+        env = dict(zip(closed.jaxpr.invars, (x, ws)))
+        read = lambda v: v.val if ji.is_literal(v) else env[v]  # noqa: E731
+        for eqn in closed.jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            scan, body = ji.scan_parts(eqn), ji.call_body(eqn)
+            if scan is not None:
+                assert (scan.num_consts, scan.num_carry, scan.length, scan.reverse) == (0, 1, 3, True), scan
+                step = lambda c, w, s=scan: tuple(ji.eval_jaxpr(s.body, s.consts, c, w))  # noqa: E731
+                outs = list(jax.lax.scan(step, invals[0], invals[1], length=scan.length, reverse=scan.reverse, unroll=scan.unroll))
+            elif body is not None:
+                outs = ji.eval_jaxpr(body[0], body[1], *invals)
+            else:
+                outs = ji.bind_equation(eqn, invals)
+            assert len(outs) == len(eqn.outvars), f"BIND_EQUATION: {eqn.primitive.name} outputs"
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in closed.jaxpr.outvars]
+
+    want = f(x, ws)
+    for got in (rebound(x, ws), jax.jit(rebound)(x, ws)):
+        for g, w in zip(got, want):
+            assert jnp.allclose(g, w, atol=1e-6), "BIND_EQUATION: re-bound equations disagree"
+    assert not ji.is_dropped(closed.jaxpr.outvars[0]) and ji.scan_parts(by_name["jit"]) is None

@@ -192,14 +192,18 @@ def test_contexts_sharing_weights_store_them_once(tmp_path, rng):
         for i, c in enumerate(ctxs):
             store.put(c, f"mb{i}")
         store.flush()
-        assert store.stats()["disk"] == {"bytes": weights + 8 * acts, "contexts": 8}
+        assert store.stats()["disk"] == {
+            "bytes": weights + 8 * acts, "contexts": 8, "reads": 0, "bytes_read": 0, "writes": 8, "bytes_written": 8 * acts
+        }
     total = disk_usage(root)
     assert 8 * acts <= total < 1.5 * weights + 1.2 * 8 * acts, (total, weights, acts)
     assert [k == "weight" for k in ctx.spec.kinds] == is_weight  # weight_argnums: params
     assert "input" in ctx.spec.kinds  # the batch: each context's own, stored with it
     assert len(children(root / "weights")) == sum(is_weight)
     with rs.Store(root) as store:
-        assert store.stats()["disk"] == {"bytes": weights + 8 * acts, "contexts": 8}
+        assert store.stats()["disk"] == {
+            "bytes": weights + 8 * acts, "contexts": 8, "reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0
+        }
         a, b = store.get("mb0"), store.get("mb7")
         # one device array per stored weight, shared by every loaded context
         for i, w in enumerate(is_weight):
@@ -425,8 +429,9 @@ def test_contexts_move_down_the_tiers_and_come_back(tmp_path, mlp_split, rng):
             store.put(c, f"k{i}")
         store.flush()
         stats = store.stats()
-        assert stats["device"] == {"bytes": size, "contexts": 1}
-        assert stats["host"] == {"bytes": size, "contexts": 1}
+        # four puts: each entered the device, three moved on to host, two of those past it
+        assert stats["device"] == {"bytes": size, "contexts": 1, "bytes_in": 4 * size, "bytes_out": 3 * size}
+        assert stats["host"] == {"bytes": size, "contexts": 1, "bytes_in": 3 * size, "bytes_out": 2 * size}
         assert stats["disk"]["contexts"] == 4  # write-through: every context is on disk
         for i in (0, 3, 1, 2, 0):  # from disk, from host, from device
             got = store.get(f"k{i}")
@@ -518,7 +523,7 @@ def test_memory_only_store_over_budget_raises_and_stays_intact(mlp_split, rng):
         store.put(ctxs[1], "b")
         before = store.stats()
         assert before["device"]["contexts"] == before["host"]["contexts"] == 1
-        assert before["disk"] == {"bytes": 0, "contexts": 0}
+        assert before["disk"] == {"bytes": 0, "contexts": 0, "reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0}
         with pytest.raises(rs.StoreFullError):
             store.put(ctxs[2], "c")
         assert store.stats() == before
@@ -647,7 +652,9 @@ def test_another_store_sees_a_context_after_flush(tmp_path, mlp_split, rng):
             for x, p in zip(ctxs[0].residuals, ctxs[0].spec.input_paths)
             if p and p.startswith("params")
         )
-        assert stats == {"contexts": 2, "bytes": ctxs[0].nbytes + ctxs[1].nbytes - shared}
+        total = ctxs[0].nbytes + ctxs[1].nbytes - shared
+        # the reader read both contexts, the weights only once (still live for the second get)
+        assert stats == {"contexts": 2, "bytes": total, "reads": 2, "bytes_read": total, "writes": 0, "bytes_written": 0}
         reader.close()
     finally:
         writer.close()

@@ -285,8 +285,6 @@ def test_a_closed_store_refuses_every_operation(tmp_path, fwd, with_path):
     store.close()
     store.close()  # twice is fine
     for name, op in _operations("a").items():
-        if name == "schedule" and not hasattr(store, "schedule"):
-            continue  # not in this version
         with pytest.raises(rs.InvalidArgumentError, match="closed"):
             op(store, ctx)
     assert "closed" in repr(store)

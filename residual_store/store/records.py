@@ -115,6 +115,7 @@ def _cached_call_map(call: CallSpec) -> dict[str, Any]:
         "context_mesh": call.context_mesh,
         "unrecorded": call.unrecorded,
         **({} if call.differentiated is None else {"differentiated": list(call.differentiated)}),
+        **({} if call.now is None else {"now": list(call.now), "parent": call.parent}),
     }
 
 
@@ -175,6 +176,11 @@ def _call_from_map(m: Any) -> CallSpec:
                 and all(isinstance(d, bool) for d in differentiated)):
             raise ValueError("differentiated must be a list of bools, one per input aval")
         differentiated = tuple(differentiated)
+    now, parent = m.get("now"), m.get("parent")
+    if now is not None or parent is not None:
+        if not isinstance(parent, str):
+            raise ValueError("a later context's call needs its parent signature (a str)")
+        now = _ints(now, "now")
     return CallSpec(
         n_args=n_args,
         argnums=argnums,
@@ -187,6 +193,8 @@ def _call_from_map(m: Any) -> CallSpec:
         context_mesh=mesh,
         unrecorded=_opt_str(m, "unrecorded"),
         differentiated=differentiated,
+        now=now,
+        parent=parent,
     )
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -51,6 +52,8 @@ __all__ = ["Store"]
 StorePath = str | os.PathLike[str] | Mapping[str, Any] | None
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
+_AHEAD = 2  # loads a schedule keeps in flight at most
+_LOOKAHEAD = 64  # keys of a schedule looked at for loading ahead
 
 
 def _check_representable(key: str, spec: Any) -> None:
@@ -182,6 +185,7 @@ class Store:
         self._lock = threading.RLock()
         self._pending: dict[str, tuple[ResidualContext, object]] = {}
         self._loading: dict[str, Future[ResidualContext]] = {}
+        self._disk_io = {"reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0}
         self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
         self._backwards_seen: set[str] = set()  # signatures whose backward this store saved
@@ -262,7 +266,7 @@ class Store:
             self._loading.pop(key, None)  # so is a prefetch of it
             self._deleting.pop(key, None)
             self._tiers.admit(key, ctx)
-            spills = self._rebalance(protect=key)
+            spills = self._rebalance(protect=key if self._tiers.put_protects(key) else None)
             to_write = [self._mark_pending(key, ctx)] if self._disk is not None and (
                 self._write_through
                 or (key not in self._device and key not in self._host and key not in self._pending)
@@ -334,6 +338,8 @@ class Store:
                 raise
             self._drop_later(stale)
             with self._lock:
+                self._disk_io["writes"] += 1
+                self._disk_io["bytes_written"] += own_nbytes(ctx)
                 if self._pending.get(key, (None, None))[1] is token:
                     self._on_disk.add(key)
         finally:
@@ -428,6 +434,8 @@ class Store:
             if key in self._deleting:
                 raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
             prefetched = self._loading.pop(key, None)
+            self._tiers.schedule.consume(key)
+        self._prefetch_ahead()
         if prefetched is not None:
             return prefetched.result()  # kept for this get even when the budgets could not hold it
         ctx, spills = self._get_from_memory(key)
@@ -463,7 +471,7 @@ class Store:
             if stays:
                 return to_device(source), []
             if in_host:
-                self._host.remove(key)
+                self._host.remove(key, moved=True)
             ctx = to_device(source)
             self._device.add(key, ctx)
             return ctx, self._rebalance(protect=key)
@@ -474,6 +482,11 @@ class Store:
         with self._lock:  # weights on the device now, kept alive until placed: not read again
             live = {k: v for k, v in self._weights.items() if isinstance(k, str)}
         stored, arrays = self._disk.read(key, skip=live)  # sharded: only this process's chunks
+        with self._lock:
+            self._disk_io["reads"] += 1
+            self._disk_io["bytes_read"] += sum(
+                r.nbytes for r in stored.records if not (r.shared and not r.chunked and r.path in live)
+            )
         _check_representable(key, stored.spec)
         residuals = place(
             arrays, [r.shared for r in stored.records], stored.key_impls,
@@ -529,6 +542,90 @@ class Store:
         with self._lock:
             if key not in self._loading:
                 self._loading[key] = self._loader.submit(functools.partial(self._load, key))
+
+    def schedule(self, keys: Sequence[str]) -> None:
+        """Declares the order of the coming gets: ``keys`` as they will be got, keys not yet put
+        included (a pipeline knows its whole order before its first forward); an empty list
+        forgets it.
+
+        The store then loads ahead of need (as many of the next contexts as the device budget
+        holds, at most two loads at a time, and always the very next one) and, when a tier is
+        over budget, moves down the context needed last (Belady's rule) instead of the least
+        recently used; contexts the schedule does not name (or no longer does: each ``get``
+        consumes its key's next place) go first, least recently used first. The schedule is
+        advice: a get out of its order, or of a key it does not name, works as always.
+
+        Example:
+          >>> import jax.numpy as jnp, residual_store as rs
+          >>> fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x * w)))
+          >>> order = [f"mb{i}" for i in (2, 1, 0)]            # F0, F1, F2 then B2, B1, B0
+          >>> with rs.Store(None, device_budget=None) as store:
+          ...     store.schedule(order)
+          ...     for i in range(3):
+          ...         _ = store.put(fwd(jnp.ones(3), jnp.full(3, float(i)))[1], f"mb{i}")
+          ...     grads = [rs.backward(store.get(k)) for k in order]
+
+        Raises:
+          InvalidKeyError: a key outside the key rules (the previous schedule stays).
+          InvalidArgumentError: ``keys`` is not a sequence of str.
+        """
+        self._check_open()
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+            raise InvalidArgumentError(
+                f"schedule expects a sequence of keys in the order they will be got, got {type(keys).__name__}"
+            )
+        checked = [validate_key(k) for k in keys]
+        with self._lock:
+            self._tiers.schedule.declare(checked)
+        self._prefetch_ahead()
+
+    def _prefetch_ahead(self) -> None:
+        """Starts loading the contexts the schedule names next: the very next one, then as many
+        as fit the device budget together with it, at most ``_AHEAD`` loads in flight, stopping
+        at the first not yet put (its room is the put's)."""
+        with self._lock:
+            if not self._tiers.schedule:
+                return
+            upcoming = list(itertools.islice(self._tiers.schedule.upcoming(), _LOOKAHEAD))
+            in_flight = sum(1 for f in self._loading.values() if not f.done())
+        budget, used, start = self._device.budget, 0, []
+        for i, key in enumerate(upcoming):
+            size = self._own_size(key)
+            if size is None:
+                break
+            if i > 0 and budget is not None and used + size > budget:
+                break
+            used += size
+            with self._lock:
+                if key in self._device or key in self._loading:
+                    continue
+            if in_flight + len(start) >= _AHEAD:
+                break
+            start.append(key)
+        with self._lock:
+            for key in start:
+                if key not in self._loading and key not in self._device and key not in self._deleting:
+                    self._loading[key] = self._loader.submit(functools.partial(self._load, key))
+
+    def _own_size(self, key: str) -> int | None:
+        """The own bytes of ``key`` wherever it is, or ``None`` if the store does not hold it."""
+        with self._lock:
+            if key in self._deleting:
+                return None
+            for tier in (self._device, self._host):
+                size = tier.size_of(key)
+                if size is not None:
+                    return size
+            pending = self._pending.get(key)
+            if pending is not None:
+                return own_nbytes(pending[0])
+        if self._disk is None:
+            return None
+        try:
+            stored = self._disk.stat(key)
+        except (ContextNotFoundError, CorruptContextError):
+            return None
+        return sum(r.nbytes for r in stored.records if not r.shared)
 
     def _load(self, key: str) -> ResidualContext:
         """On a loader thread: ``key`` from memory or disk, on the device."""
@@ -619,14 +716,21 @@ class Store:
         return len(self.keys())
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Bytes and contexts per tier; disk bytes count each shared weight once."""
+        """Bytes and contexts per tier (disk bytes count each shared weight once), and what this
+        store moved since it was opened: per memory tier ``bytes_in`` (put, promoted or spilled
+        into it) and ``bytes_out`` (moved to another tier); on disk ``reads`` and ``bytes_read``
+        (contexts read back, and the bytes of their arrays; weights already on the device are
+        not read), ``writes`` and ``bytes_written`` (contexts committed, and their own bytes).
+        Bytes in memory are the contexts' own (intermediates and inputs), as the budgets count.
+        """
         self._check_open()
         with self._lock:
             result = {
-                "device": {"bytes": self._device.nbytes, "contexts": len(self._device)},
-                "host": {"bytes": self._host.nbytes, "contexts": len(self._host)},
+                name: {"bytes": tier.nbytes, "contexts": len(tier), "bytes_in": tier.bytes_in, "bytes_out": tier.bytes_out}
+                for name, tier in (("device", self._device), ("host", self._host))
             }
-        disk = {"bytes": 0, "contexts": 0}
+            io = dict(self._disk_io)
+        disk = {"bytes": 0, "contexts": 0, **io}
         if self._disk is not None:
             seen: set[str] = set()
             for _, stored in self._disk.iter_manifests():

@@ -1,6 +1,10 @@
-"""The in-memory tiers: device (live ``jax.Array``s) and host memory, each an LRU under a budget,
-and the policy between them. The tiers decide what moves; they return what leaves host memory
-(an eviction) and leave writing it to the store.
+"""The in-memory tiers: device (live ``jax.Array``s) and host memory, each under a budget, and the
+policy between them. The tiers decide what moves; they return what leaves host memory (an
+eviction) and leave writing it to the store.
+
+What moves down when a tier is over budget: with a :class:`~residual_store.store.schedule.Schedule`
+declared, the context needed last (Belady's rule); contexts the schedule does not name count as
+needed after all the others, least recently used first. Without one, the least recently used.
 
 A tier counts the bytes of its contexts' own residuals (intermediates and per-context inputs such
 as a stage's input activation or the batch); the weights and constants a context holds by
@@ -21,8 +25,9 @@ import numpy as np
 
 from residual_store.context import OWN_KINDS, ResidualContext
 from residual_store.errors import InvalidArgumentError
+from residual_store.store.schedule import Schedule
 
-__all__ = ["MemoryTier", "Tiers", "own_nbytes"]
+__all__ = ["MemoryTier", "Tiers", "own_nbytes", "spill_order"]
 
 
 def _nbytes(x: Any) -> int:
@@ -57,6 +62,8 @@ class MemoryTier:
         self.budget = None if budget is None else int(budget)
         self._entries: OrderedDict[str, tuple[ResidualContext, int]] = OrderedDict()
         self.nbytes = 0
+        self.bytes_in = 0  # bytes that entered the tier (put, promoted or spilled into it)
+        self.bytes_out = 0  # bytes that moved out of it to another tier (spilled or promoted)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
@@ -74,11 +81,16 @@ class MemoryTier:
     def over_budget(self) -> bool:
         return self.budget is not None and self.nbytes > self.budget
 
+    def size_of(self, key: str) -> int | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry[1]
+
     def add(self, key: str, ctx: ResidualContext) -> None:
         self.remove(key)
         size = own_nbytes(ctx)
         self._entries[key] = (ctx, size)
         self.nbytes += size
+        self.bytes_in += size
 
     def get(self, key: str) -> ResidualContext | None:
         entry = self._entries.get(key)
@@ -87,15 +99,37 @@ class MemoryTier:
         self._entries.move_to_end(key)
         return entry[0]
 
-    def remove(self, key: str) -> ResidualContext | None:
+    def remove(self, key: str, *, moved: bool = False) -> ResidualContext | None:
+        """Takes ``key`` out; ``moved``: to another tier (counted in ``bytes_out``), not dropped."""
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
         self.nbytes -= entry[1]
+        if moved:
+            self.bytes_out += entry[1]
         return entry[0]
 
-    def least_recent(self, exclude: str | None = None) -> str | None:
-        return next((k for k in self._entries if k != exclude), None)
+    def eviction_order(self, schedule: Schedule, protect: str | None = None) -> list[str]:
+        """The keys in the order they would move down (see :func:`spill_order`)."""
+        return spill_order(list(self._entries), schedule, protect)
+
+
+def spill_order(keys: list[str], schedule: Schedule, protect: str | None = None) -> list[str]:
+    """``keys`` (least recently used first) in the order they move down, ``protect`` last:
+    without a schedule, least recently used first; with one, the least recently used that the
+    schedule does not name, then the rest from the one it names furthest ahead."""
+    order = [k for k in keys if k != protect]
+    if schedule:
+        lru = {k: i for i, k in enumerate(order)}
+
+        def rank(k: str) -> tuple[int, int, int]:
+            use = schedule.next_use(k)
+            return (0, 0, lru[k]) if use is None else (1, -use, lru[k])
+
+        order.sort(key=rank)
+    if protect is not None and protect in keys:
+        order.append(protect)
+    return order
 
 
 class Tiers:
@@ -110,6 +144,7 @@ class Tiers:
         self.device = MemoryTier("device", device_budget)
         self.host = MemoryTier("host", host_budget)
         self._demote = demote
+        self.schedule = Schedule()
 
     def __contains__(self, key: str) -> bool:
         return key in self.device or key in self.host
@@ -137,41 +172,49 @@ class Tiers:
         return True
 
     def rebalance(self, protect: str | None = None) -> list[tuple[str, ResidualContext]]:
-        """Moves least recently used contexts down until each tier is within budget (``protect``
-        last); returns the contexts pushed out of host memory (or past it), for the store to
-        write or drop."""
+        """Moves contexts down (see :meth:`MemoryTier.eviction_order`; ``protect`` last) until each tier
+        is within budget; returns the contexts pushed out of host memory (or past it), for the
+        store to write or drop."""
         evicted = []
         while self.device.over_budget():
-            victim = self.device.least_recent(exclude=protect) or protect
+            victim = self.device.eviction_order(self.schedule, protect)[0]
             assert victim is not None
-            ctx = self.device.remove(victim)
+            ctx = self.device.remove(victim, moved=True)
             assert ctx is not None
             if self.host.fits(own_nbytes(ctx)):
                 self.host.add(victim, self._demote(ctx))
             else:
                 evicted.append((victim, ctx))
         while self.host.over_budget():
-            victim = self.host.least_recent(exclude=protect) or protect
+            victim = self.host.eviction_order(self.schedule, protect)[0]
             assert victim is not None
-            ctx = self.host.remove(victim)
+            ctx = self.host.remove(victim, moved=True)
             assert ctx is not None
             evicted.append((victim, ctx))
         return evicted
 
+    def put_protects(self, key: str) -> bool:
+        """Whether a put of ``key`` keeps it on the device before older contexts: without a
+        schedule naming it (least recently used goes first); with one, it competes by next use
+        like any other (a context needed after all the others goes down at once)."""
+        return self.schedule.next_use(key) is None
+
     def would_overflow(self, key: str, size: int) -> bool:
-        """Whether adding ``size`` bytes under ``key`` would push anything out of host memory
-        (simulated; nothing changes): a store with no disk below refuses such a put."""
+        """Whether a put of ``size`` bytes under ``key`` would push anything out of host memory
+        (simulated in the order :meth:`rebalance` would move contexts; nothing changes): a store
+        with no disk below refuses such a put."""
         dev_budget, host_budget = self.device.budget, self.host.budget
-        device = [(k, self.device._entries[k][1]) for k in self.device.keys() if k != key]
-        host = sum(s for k, (_, s) in self.host._entries.items() if k != key)
+        sizes = {k: s for k in self.device.keys() if k != key and (s := self.device.size_of(k)) is not None}
+        host = sum(s for k in self.host.keys() if k != key and (s := self.host.size_of(k)) is not None)
         if dev_budget is not None and size > dev_budget:
             host += size
         else:
-            device.append((key, size))
-        used = sum(s for _, s in device)
-        for _, s in device:
+            sizes[key] = size  # the most recently used
+        protect = key if self.put_protects(key) else None
+        used = sum(sizes.values())
+        for k in spill_order(list(sizes), self.schedule, protect):
             if dev_budget is None or used <= dev_budget:
                 break
-            used -= s
-            host += s
+            used -= sizes[k]
+            host += sizes[k]
         return host_budget is not None and host > host_budget
