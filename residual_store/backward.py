@@ -29,7 +29,7 @@ from residual_store.errors import (
 from residual_store.keypaths import PathStructure
 from residual_store.signature import is_current
 
-__all__ = ["Backward", "backward", "find_backward", "lookup_backward", "offer_backward", "register_backward", "staged"]
+__all__ = ["Backward", "Executables", "backward", "find_backward", "lookup_backward", "offer_backward", "register_backward", "staged"]
 
 FlatBackward = Callable[[Sequence[Any], Sequence[Any]], Sequence[Any]]
 
@@ -44,6 +44,52 @@ def _describe_aval(x: Any) -> str:
     if dtype is None or shape is None:
         return type(x).__name__
     return f"{dtype}{list(shape)}"
+
+
+def _placement_key(values: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(getattr(x, "sharding", None) for x in values)
+
+
+class Executables:
+    """A jitted flat function compiled ahead of time, once per placement of its inputs.
+
+    One signature covers every device a context can sit on (single-device placements are not in
+    it), so a pipeline whose stages share a function runs contexts of one signature on several
+    devices: each placement gets its own executable, compiled at its first call and counted.
+
+    Args:
+      jitted: ``jax.jit`` of the function; called as ``jitted(*args)``, each arg a list.
+      on_compile: called after each compile.
+    """
+
+    def __init__(self, jitted: Any, on_compile: Callable[[], None] | None = None) -> None:
+        self._jitted = jitted
+        self._on_compile = on_compile
+        self._by_placement: dict[tuple[Any, ...], Any] = {}
+        self._lock = threading.Lock()
+        self.compiles = 0
+
+    def find(self, *args: Sequence[Any]) -> Any | None:
+        """The executable for these inputs' placements (``None`` for a NumPy input), if compiled."""
+        if not self._by_placement:
+            return None
+        return self._by_placement.get(_placement_key([x for group in args for x in group]))
+
+    def compile(self, *args: Sequence[Any]) -> Any:
+        """The executable for these inputs' placements, compiled now if it is not yet."""
+        key = _placement_key([x for group in args for x in group])
+        with self._lock:
+            found = self._by_placement.get(key)
+            if found is None:
+                found = self._by_placement[key] = self._jitted.lower(*(list(a) for a in args)).compile()
+                self.compiles += 1
+                if self._on_compile is not None:
+                    self._on_compile()
+            return found
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_placement.clear()
 
 
 class Backward:
@@ -86,9 +132,7 @@ class Backward:
         self._jitted = jitted if jitted is not None else jax.jit(flat_fn)
         self.unexportable = unexportable
         self.unavailable = unavailable
-        self._compiled: Any = None
-        self._lock = threading.Lock()
-        self.compiles = 0
+        self._executables = Executables(self._jitted, on_compile)
 
     # -- cotangents -------------------------------------------------------------------------
 
@@ -132,19 +176,14 @@ class Backward:
 
     # -- execution --------------------------------------------------------------------------
 
-    def _compile(self, residuals: Sequence[Any], cts: Sequence[Any]) -> Any:
-        with self._lock:
-            if self._compiled is None:
-                self._compiled = self._jitted.lower(list(residuals), list(cts)).compile()
-                self.compiles += 1
-                if self._on_compile is not None:
-                    self._on_compile()
-            return self._compiled
+    @property
+    def compiles(self) -> int:
+        """Executables compiled so far (one per placement of the residuals)."""
+        return self._executables.compiles
 
     def drop_compiled(self) -> None:
-        """Forgets the executable (the split's cache evicted it); the next call compiles again."""
-        with self._lock:
-            self._compiled = None
+        """Forgets the executables (the split's cache evicted them); the next call compiles again."""
+        self._executables.clear()
 
     def __call__(self, ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -> Any:
         """Gradients for ``ctx`` and ``cotangent``, shaped like the differentiated arguments
@@ -167,11 +206,12 @@ class Backward:
             self.check_residuals(ctx)  # at trace time only: named here, not deep inside JAX
             grads = self._jitted(residuals, cts)
         else:
-            if self._compiled is None:
+            compiled = self._executables.find(residuals, cts)
+            if compiled is None:
                 # the executable is compiled for these residuals: a replaced or deleted one is
                 # named here, not by an error from inside the compiler
                 self.check_residuals(ctx)
-            compiled = self._compiled or self._compile(residuals, cts)
+                compiled = self._executables.compile(residuals, cts)
             try:
                 grads = compiled(residuals, cts)
             except (TypeError, ValueError, RuntimeError) as err:

@@ -17,7 +17,6 @@ the W backward the store saved).
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from residual_store import _jax_internals, placement
-from residual_store.backward import Backward, staged
+from residual_store.backward import Backward, Executables, staged
 from residual_store.context import ResidualContext, ResidualSpec
 from residual_store.errors import InvalidArgumentError, SignatureMismatchError
 from residual_store.keypaths import PathStructure
@@ -104,10 +103,6 @@ class Halves:
         self.partition: Partition = partition(closed, b_mask)
         self.parent = parent
         self.now = now
-        self._on_compile = on_compile
-        self._lock = threading.Lock()
-        self._compiled: Any = None
-        self.compiles = 0
         self._now_structure = PathStructure.of_template(_template(templates, list(now), now_single))
         # B's gradients come in argnums order; they are returned in ``now``'s order
         starts, at = {}, 0
@@ -122,6 +117,7 @@ class Halves:
             return part.run_b(*residuals, *cts)
 
         self._b_jit = jax.jit(b_flat)
+        self._b_executables = Executables(self._b_jit, on_compile)
         b_out = self._b_jit.trace(res_avals, ct_avals).jaxpr.out_avals
         n_now = sum(b_mask)
         pool = res_avals + ct_avals
@@ -176,7 +172,7 @@ class Halves:
                 paths.append(spec.input_paths[i])
                 kinds.append(spec.kinds[i])
             else:
-                names.append(f"cotangent{ct_paths[i - n_res]}")
+                names.append(f"cotangent of the output{ct_paths[i - n_res]}")
                 paths.append(None)
                 kinds.append("intermediate")
         for name, feeds in zip(part.computed_names, part.computed_feeds):
@@ -194,14 +190,10 @@ class Halves:
             call=dataclasses.replace(spec.call, now=now, parent=spec.signature),
         )
 
-    def _compile(self, residuals: Sequence[Any], cts: Sequence[Any]) -> Any:
-        with self._lock:
-            if self._compiled is None:
-                self._compiled = self._b_jit.lower(list(residuals), list(cts)).compile()
-                self.compiles += 1
-                if self._on_compile is not None:
-                    self._on_compile()
-            return self._compiled
+    @property
+    def compiles(self) -> int:
+        """B executables compiled so far (one per placement of the residuals)."""
+        return self._b_executables.compiles
 
     def __call__(self, ctx: ResidualContext, cotangent: Any = None) -> tuple[Any, ResidualContext]:
         """B on ``ctx``: ``(gradients of the now arguments, later)``."""
@@ -216,9 +208,10 @@ class Halves:
             parent.check_residuals(ctx)
             g_now, computed = self._b_jit(residuals, cts)
         else:
-            if self._compiled is None:
+            compiled = self._b_executables.find(residuals, cts)
+            if compiled is None:
                 parent.check_residuals(ctx)
-            compiled = self._compiled or self._compile(residuals, cts)
+                compiled = self._b_executables.compile(residuals, cts)
             try:
                 g_now, computed = compiled(residuals, cts)
             except (TypeError, ValueError) as err:

@@ -403,3 +403,44 @@ def test_later_resumes_from_a_store_in_processes_with_and_without_the_model(tmp_
         got = np.load(out)
         for k in want_p:
             np.testing.assert_allclose(got[k], np.asarray(want_p[k]), rtol=2e-5, atol=2e-5)
+
+
+_TWO_DEVICES = '''
+import sys, jax
+jax.config.update("jax_num_cpu_devices", 2)
+import jax.numpy as jnp, numpy as np, residual_store as rs
+
+def stage(p, x):
+    return jnp.tanh(x @ p["w"]) @ p["v"]
+
+fwd = rs.split(stage, argnums=(0, 1))
+devices = jax.devices()
+k = jax.random.split(jax.random.key(0), 3)
+p0 = {"w": jax.random.normal(k[0], (8, 16)), "v": jax.random.normal(k[1], (16, 8))}
+with rs.Store(sys.argv[1], device_budget=0, host_budget=0) as store:
+    for d, dev in enumerate(devices):  # one signature (single-device placements are not in it), two devices
+        p = jax.device_put(p0, dev)
+        x = jax.device_put(jax.random.normal(k[2], (4, 8)) + d, dev)
+        ct = jax.device_put(jnp.ones((4, 8)), dev)
+        y, ctx = fwd(p, x)
+        want = jax.vjp(stage, p, x)[1](ct)
+        store.put(ctx, f"c{d}")
+        plain = fwd.backward(store.get(f"c{d}"), ct)       # read back from disk: no live backward
+        dx, later = fwd.backward(store.get(f"c{d}"), ct, now=1)
+        store.put(later, f"w{d}")
+        dp = rs.backward(store.get(f"w{d}"))                 # the W backward, found by signature
+        for got, ref in ((plain, want), ((dp, dx), want)):
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+        assert next(iter(dx.devices())) == dev and next(iter(jax.tree.leaves(dp)[0].devices())) == dev
+info = fwd.cache_info()
+print(info.forward_compiles, info.backward_compiles)
+'''
+
+
+def test_one_signature_on_two_devices_compiles_each_half_per_device(tmp_path):
+    """Pipeline stages that share a function share a signature: each device gets its own
+    executables (plain backward, B, W), and contexts read back from a store find them."""
+    script = write_script(tmp_path, "two_devices.py", _TWO_DEVICES)
+    proc = run_python(script, str(tmp_path / "store"))
+    assert proc.stdout.split() == ["2", "6"], proc.stdout  # per device: forward; plain, B and W

@@ -35,6 +35,14 @@ def test_pipeline_two_stages():
 
 
 @pytest.mark.subprocess
+def test_zero_bubble():
+    out = run_example("zero_bubble.py", "--small").stdout
+    assert "ZB-H1 (27 time units)" in out and "1F1B (33 time units" in out
+    assert "cotangent for params['w1']" in out and "cotangent of the output" in out
+    assert "OK: every order's gradients match jax.grad" in out
+
+
+@pytest.mark.subprocess
 def test_resume_in_new_process():
     out = run_example("resume_in_new_process.py", "--small").stdout
     assert "residual_store.demo is not importable here" in out
