@@ -245,7 +245,7 @@ def _ms_and_ratio(title: str, seconds: dict[str, float], base: str) -> list[dict
     ]
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]]) -> str:
     cols = list(rows[0])
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     cells = [[fmt(r[c]) for c in cols] for r in rows]
@@ -268,10 +268,10 @@ def main() -> None:
             args.runs,
         ),
     ]
-    print(_table(rows))
+    print(table(rows))
     d = dispatch_overhead(calls=200 if args.quick else 2000)
     print()
-    print(_table([
+    print(table([
         {
             "tiny function": "backward",
             "via rs (us)": d["backward via rs (us)"],
@@ -289,7 +289,7 @@ def main() -> None:
     ]))
     c = new_signature_cost(repeats=3 if args.quick else 7)
     print()
-    print(_table(_ms_and_ratio("new signature, demo transformer", {
+    print(table(_ms_and_ratio("new signature, demo transformer", {
         "signature": c["signature"],
         "trace (incl. signature)": c["trace"],
         "forward compile": c["first call"] - c["trace"],
@@ -298,7 +298,7 @@ def main() -> None:
     }, base="first call")))
     e = export_cost(repeats=3 if args.quick else 7)
     print()
-    print(_table(_ms_and_ratio("stored backward, demo transformer", {
+    print(table(_ms_and_ratio("stored backward, demo transformer", {
         "export, this platform": e["one platform"],
         "export, all platforms": e["all platforms"],
         "backward compile": e["backward compile"],

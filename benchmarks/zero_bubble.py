@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import residual_store as rs  # noqa: E402
 from residual_store.store.tiers import own_nbytes  # noqa: E402
-from split_overhead import interleaved_medians, mlp_stage_case, transformer_stage_case  # noqa: E402
+from split_overhead import interleaved_medians, mlp_stage_case, table, transformer_stage_case  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -121,15 +121,6 @@ def _example() -> Any:
     return module
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    cols = list(rows[0])
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    cells = [[fmt(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: " | ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
-    return "\n".join([line(cols), "-+-".join("-" * w for w in widths), *map(line, cells)])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="timed runs per number (default 20)")
@@ -143,12 +134,12 @@ def main() -> int:
                        *transformer_stage_case(args.quick), args.runs),
     ]
     print("1. B (input gradient) and W (weight gradients) against the plain backward of the same context")
-    print(_table(halves))
+    print(table(halves))
 
     with tempfile.TemporaryDirectory(prefix="rs-zero-bubble-") as folder:
         spills = [spill_reads(folder, True), spill_reads(folder, False)]
     print("\n2. eight contexts, device budget two contexts, no host tier: contexts read back from disk")
-    print(_table(spills))
+    print(table(spills))
 
     print("\n3. four stages, eight microbatches: examples/zero_bubble.py")
     example = _example()
@@ -168,7 +159,7 @@ def main() -> int:
     declared, lru = zb["ZB-H1, offloaded, schedule declared"], zb["ZB-H1, offloaded, LRU (no schedule)"]
     goals.append(("ZB-H1, 4 stages, 1F1B's budget: disk reads against LRU", f"{declared} vs {lru}", "< LRU", declared < lru))
     print("\ngoals (issue 13); LRU: the better of one and two loads ahead by hand:")
-    print(_table([{"goal": g, "measured": m, "target": t, "verdict": "PASS" if ok else "MISS"} for g, m, t, ok in goals]))
+    print(table([{"goal": g, "measured": m, "target": t, "verdict": "PASS" if ok else "MISS"} for g, m, t, ok in goals]))
     return code
 
 

@@ -91,6 +91,26 @@ class Executables:
         with self._lock:
             self._by_placement.clear()
 
+    def run(self, residuals: list[Any], cts: list[Any], check: Callable[[], None]) -> Any:
+        """``fn(residuals, cts)``: inlined into the caller's trace under ``jax.jit``, else
+        through the executable for these placements. ``check()`` names a bad residual (a wrong
+        shape, a deleted array) before anything is traced or compiled for it, and after a call
+        the executable rejected (:class:`SignatureMismatchError` if it passes)."""
+        if staged(residuals + cts, "the backward"):
+            check()  # at trace time only: named here, not deep inside JAX
+            return self._jitted(residuals, cts)
+        compiled = self.find(residuals, cts)
+        if compiled is None:
+            check()
+            compiled = self.compile(residuals, cts)
+        try:
+            return compiled(residuals, cts)
+        except (TypeError, ValueError, RuntimeError) as err:
+            check()
+            if not isinstance(err, (TypeError, ValueError)):
+                raise  # a failure of the computation itself, not of its inputs
+            raise SignatureMismatchError(f"the backward rejected its inputs: {err}") from err
+
 
 class Backward:
     """The backward of one signature: cotangent checks, a lazily compiled flat executable.
@@ -201,24 +221,7 @@ class Backward:
         if self.unavailable is not None:
             raise type(self.unavailable)(*self.unavailable.args)
         cts = self.cotangent_leaves(cotangent)
-        residuals = list(ctx.residuals)
-        if staged(residuals + cts, "the backward"):
-            self.check_residuals(ctx)  # at trace time only: named here, not deep inside JAX
-            grads = self._jitted(residuals, cts)
-        else:
-            compiled = self._executables.find(residuals, cts)
-            if compiled is None:
-                # the executable is compiled for these residuals: a replaced or deleted one is
-                # named here, not by an error from inside the compiler
-                self.check_residuals(ctx)
-                compiled = self._executables.compile(residuals, cts)
-            try:
-                grads = compiled(residuals, cts)
-            except (TypeError, ValueError, RuntimeError) as err:
-                self.check_residuals(ctx)
-                if not isinstance(err, (TypeError, ValueError)):
-                    raise  # a failure of the computation itself, not of its inputs
-                raise SignatureMismatchError(f"the backward rejected its inputs: {err}") from err
+        grads = self._executables.run(list(ctx.residuals), cts, lambda: self.check_residuals(ctx))
         return self.grad_structure.unflatten(grads, like=like)
 
     def check_residuals(self, ctx: ResidualContext) -> None:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from residual_store import _jax_internals, placement
-from residual_store.backward import Backward, Executables, staged
+from residual_store.backward import Backward, Executables
 from residual_store.context import ResidualContext, ResidualSpec
 from residual_store.errors import InvalidArgumentError, SignatureMismatchError
 from residual_store.keypaths import PathStructure
@@ -204,19 +204,7 @@ class Halves:
             )
         cts = parent.cotangent_leaves(cotangent)
         residuals = list(ctx.residuals)
-        if staged(residuals + cts, "the backward"):
-            parent.check_residuals(ctx)
-            g_now, computed = self._b_jit(residuals, cts)
-        else:
-            compiled = self._b_executables.find(residuals, cts)
-            if compiled is None:
-                parent.check_residuals(ctx)
-                compiled = self._b_executables.compile(residuals, cts)
-            try:
-                g_now, computed = compiled(residuals, cts)
-            except (TypeError, ValueError) as err:
-                parent.check_residuals(ctx)
-                raise SignatureMismatchError(f"the backward rejected its inputs: {err}") from err
+        g_now, computed = self._b_executables.run(residuals, cts, lambda: parent.check_residuals(ctx))
         pool = residuals + [c if isinstance(c, jax.Array) else jnp.asarray(c) for c in cts]
         held = [pool[i] for i in self.partition.inputs_of_w] + list(computed)
         later = ResidualContext.tree_unflatten(self.later_spec, held)

@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -188,22 +188,50 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return v.val if _jax_internals.is_literal(v) else env[v]
 
 
-def _run_b(level: _Level, consts: Sequence[Any], args: Sequence[Any]) -> tuple[dict[Any, Any], list[Any]]:
-    """Runs B's equations of ``level`` (``args``: values for the inputs B reads, anything for
-    the others); the environment and the cut values, this level's then each split equation's."""
+def _placed(n: int, *parts: tuple[Sequence[int], Sequence[Any]]) -> list[Any]:
+    """A list of ``n`` with each part's values at its indices, ``None`` elsewhere."""
+    out: list[Any] = [None] * n
+    for indices, values in parts:
+        for i, value in zip(indices, values):
+            out[i] = value
+    return out
+
+
+def _run(
+    level: _Level,
+    part: str,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    split: Callable[[_Sub, Any, dict[Any, Any]], None],
+    bound: dict[Any, Any] | None = None,
+) -> dict[Any, Any]:
+    """Runs the equations of ``level`` that ``part`` (B or W) runs, on the inputs it reads
+    (``args``: anything for the others) and the values ``bound`` already (W: what B cut at this
+    level), handing each split equation to ``split(sub, eqn, env)``; the environment."""
+    reads = level.b_in if part == _B else level.w_in
     env: dict[Any, Any] = dict(zip(level.jaxpr.constvars, consts))
-    env.update((v, x) for v, x, r in zip(level.jaxpr.invars, args, level.b_in) if r)
-    nested: list[Any] = []
+    env.update((v, x) for v, x, r in zip(level.jaxpr.invars, args, reads) if r)
+    env.update(bound or {})
     for i, (eqn, where) in enumerate(zip(level.jaxpr.eqns, level.where)):
-        if where == _B:
-            outs = _jax_internals.bind_equation(eqn, [_read(env, v) for v in eqn.invars])
-            env.update(zip(eqn.outvars, outs))
+        if where == part:
+            env.update(zip(eqn.outvars, _jax_internals.bind_equation(eqn, [_read(env, v) for v in eqn.invars])))
         elif where == _SPLIT:
-            sub = level.subs[i]
-            invals = [_read(env, v) if r else None for v, r in zip(eqn.invars, sub.reads_b())]
-            outs, cut = _run_b_sub(sub, invals)
-            env.update((v, x) for v, x, b in zip(eqn.outvars, outs, sub.b_out) if b)
-            nested += cut
+            split(level.subs[i], eqn, env)
+    return env
+
+
+def _run_b(level: _Level, consts: Sequence[Any], args: Sequence[Any]) -> tuple[dict[Any, Any], list[Any]]:
+    """Runs B's equations of ``level``; the environment and the cut values, this level's then
+    each split equation's."""
+    nested: list[Any] = []
+
+    def split(sub: _Sub, eqn: Any, env: dict[Any, Any]) -> None:
+        invals = [_read(env, v) if r else None for v, r in zip(eqn.invars, sub.reads_b())]
+        outs, cut = _run_b_sub(sub, invals)
+        env.update((v, x) for v, x, b in zip(eqn.outvars, outs, sub.b_out) if b)
+        nested.extend(cut)
+
+    env = _run(level, _B, consts, args, split)
     return env, [env[v] for v in level.cut] + nested
 
 
@@ -220,9 +248,7 @@ def _run_b_sub(sub: _Sub, invals: list[Any]) -> tuple[list[Any], list[Any]]:
     ys_b = [j for j, b in enumerate(sub.b_out[nk:]) if b]
 
     def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
-        full_carry: list[Any] = [None] * nk
-        for k, value in zip(carries, carry):
-            full_carry[k] = value
+        full_carry = _placed(nk, (carries, carry))
         env, cut = _run_b(level, s.consts, consts + full_carry + x)
         out = level.jaxpr.outvars
         new_carry = [_read(env, out[k]) for k in carries]
@@ -232,30 +258,20 @@ def _run_b_sub(sub: _Sub, invals: list[Any]) -> tuple[list[Any], list[Any]]:
     final, (ys, cut) = jax.lax.scan(
         body, [init[k] for k in carries], xs, length=s.length, reverse=s.reverse, unroll=s.unroll
     )
-    outs: list[Any] = [None] * len(sub.b_out)
-    for k, value in zip(carries, final):
-        outs[k] = value
-    for j, value in zip(ys_b, ys):
-        outs[nk + j] = value
-    return outs, cut
+    return _placed(len(sub.b_out), (carries, final), ([nk + j for j in ys_b], ys)), cut
 
 
 def _run_w(level: _Level, consts: Sequence[Any], args: Sequence[Any], cut: Iterator[Any]) -> dict[Any, Any]:
     """Runs W's equations of ``level`` on the inputs W reads (``args``) and the values B cut
     (taken from ``cut`` in the order :func:`_run_b` gave them); the environment."""
-    env: dict[Any, Any] = dict(zip(level.jaxpr.constvars, consts))
-    env.update((v, x) for v, x, r in zip(level.jaxpr.invars, args, level.w_in) if r)
-    env.update((v, next(cut)) for v in level.cut)
-    for i, (eqn, where) in enumerate(zip(level.jaxpr.eqns, level.where)):
-        if where == _W:
-            outs = _jax_internals.bind_equation(eqn, [_read(env, v) for v in eqn.invars])
-            env.update(zip(eqn.outvars, outs))
-        elif where == _SPLIT:
-            sub = level.subs[i]
-            invals = [_read(env, v) if r else None for v, r in zip(eqn.invars, sub.reads_w())]
-            outs = _run_w_sub(sub, invals, [next(cut) for _ in range(sub.n_cut)])
-            env.update((v, x) for v, x, w in zip(eqn.outvars, outs, sub.w_out) if w)
-    return env
+    own = [next(cut) for _ in level.cut]
+
+    def split(sub: _Sub, eqn: Any, env: dict[Any, Any]) -> None:
+        invals = [_read(env, v) if r else None for v, r in zip(eqn.invars, sub.reads_w())]
+        outs = _run_w_sub(sub, invals, [next(cut) for _ in range(sub.n_cut)])
+        env.update((v, x) for v, x, w in zip(eqn.outvars, outs, sub.w_out) if w)
+
+    return _run(level, _W, consts, args, split, bound=dict(zip(level.cut, own)))
 
 
 def _run_w_sub(sub: _Sub, invals: list[Any], cut: list[Any]) -> list[Any]:
@@ -272,11 +288,7 @@ def _run_w_sub(sub: _Sub, invals: list[Any], cut: list[Any]) -> list[Any]:
 
     def body(carry: list[Any], x: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
         xs_here, cut_here = x
-        full_carry: list[Any] = [None] * nk
-        for k, value in zip(carries, carry):
-            full_carry[k] = value
-        for k, value in zip(sub.carry_cut, cut_here[:n_carry_cut]):
-            full_carry[k] = value
+        full_carry = _placed(nk, (carries, carry), (sub.carry_cut, cut_here[:n_carry_cut]))
         env = _run_w(level, s.consts, consts + full_carry + xs_here, iter(cut_here[n_carry_cut:]))
         out = level.jaxpr.outvars
         return [_read(env, out[k]) for k in carries], [_read(env, out[nk + j]) for j in ys_w]
@@ -284,12 +296,7 @@ def _run_w_sub(sub: _Sub, invals: list[Any], cut: list[Any]) -> list[Any]:
     final, ys = jax.lax.scan(
         body, [init[k] for k in carries], (xs, cut), length=s.length, reverse=s.reverse, unroll=s.unroll
     )
-    outs: list[Any] = [None] * len(sub.w_out)
-    for k, value in zip(carries, final):
-        outs[k] = value
-    for j, value in zip(ys_w, ys):
-        outs[nk + j] = value
-    return outs
+    return _placed(len(sub.w_out), (carries, final), ([nk + j for j in ys_w], ys))
 
 
 # ----------------------------------------------------------------------------------------------
