@@ -97,21 +97,33 @@ def _block(cfg: DemoConfig, train: bool) -> Callable[..., Any]:
     return block
 
 
-def transformer_loss(
-    params: Params, tokens: jax.Array, key: jax.Array, cfg: DemoConfig = DemoConfig()
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Next-token cross entropy of ``tokens`` (int ``[batch, seq_len + 1]``) and its accuracy."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    x = params["embed"][inputs] + params["pos"][: inputs.shape[1]]
+def _embed(params: Params, inputs: jax.Array) -> jax.Array:
+    return params["embed"][inputs] + params["pos"][: inputs.shape[1]]
+
+
+def _layers(layers: Params, x: jax.Array, keys: jax.Array, cfg: DemoConfig) -> jax.Array:
+    """The blocks, one per leading index of ``layers``, under ``lax.scan`` and ``jax.checkpoint``."""
     policy = jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_hidden")
     body = jax.checkpoint(_block(cfg, train=True), policy=policy)
-    keys = jax.random.split(key, cfg.n_layers)
-    x, _ = jax.lax.scan(body, x, (params["layers"], keys))
+    return jax.lax.scan(body, x, (layers, keys))[0]
+
+
+def _head(params: Params, x: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     logits = (_layernorm(x, params["ln_f"]) @ params["embed"].T).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     accuracy = jnp.mean((jnp.argmax(logits, -1) == targets).astype(jnp.float32))
     return jnp.mean(nll), {"accuracy": accuracy}
+
+
+def transformer_loss(
+    params: Params, tokens: jax.Array, key: jax.Array, cfg: DemoConfig = DemoConfig()
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Next-token cross entropy of ``tokens`` (int ``[batch, seq_len + 1]``) and its accuracy."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    keys = jax.random.split(key, cfg.n_layers)
+    x = _layers(params["layers"], _embed(params, inputs), keys, cfg)
+    return _head(params, x, targets)
 
 
 def _tree_max_rel_diff(a: Any, b: Any) -> float:
@@ -123,7 +135,8 @@ def _tree_max_rel_diff(a: Any, b: Any) -> float:
 
 @dataclasses.dataclass
 class _Timeline:
-    """Bytes per tier after every store operation, for the table and the plot."""
+    """The contexts' own bytes per tier after every step of a schedule, for the table and the
+    plot (the same quantity on every tier: what the budgets count)."""
 
     labels: list[str] = dataclasses.field(default_factory=list)
     device: list[int] = dataclasses.field(default_factory=list)
@@ -134,7 +147,75 @@ class _Timeline:
         self.labels.append(label)
         self.device.append(stats["device"]["bytes"])
         self.host.append(stats["host"]["bytes"])
-        self.disk.append(stats["disk"]["bytes"])
+        self.disk.append(stats["disk"]["own_bytes"])
+
+
+def _split_params(params: Params, k: int) -> tuple[Params, Params, Params]:
+    """The embedding's, the first ``k`` layers' and the rest's (the head shares the embedding)."""
+    layers = params["layers"]
+    return (
+        {"embed": params["embed"], "pos": params["pos"]},
+        jax.tree.map(lambda x: x[:k], layers),
+        {"layers": jax.tree.map(lambda x: x[k:], layers), "ln_f": params["ln_f"], "embed": params["embed"]},
+    )
+
+
+def _zero_bubble_step(
+    cfg: DemoConfig, params: Params, tokens: jax.Array, drop_keys: jax.Array, store: Any, timeline: _Timeline
+) -> tuple[Params, dict[str, Any]]:
+    """One step of the model as a two-stage pipeline in the ZB-H1-style order: stage 1 runs the
+    first half of the layers on the embedded tokens, stage 2 the rest, the head and the loss; each
+    backward is split into B (``now=1``: the input gradient, sent to the stage before at once)
+    and W (``rs.backward(later)``, deferred), and every context and ``later`` goes through
+    ``store`` under its declared order of gets. Returns the summed gradients (the full model's
+    structure) and what ran."""
+    import residual_store as rs
+    from residual_store.pipeline import timeline as pipeline_timeline
+
+    n, k = cfg.n_microbatches, max(1, cfg.n_layers // 2)
+    emb_params, first_params, last_params = _split_params(params, k)
+    first = rs.split(lambda layers, x, keys: _layers(layers, x, keys, cfg), argnums=(0, 1))
+    last = rs.split(lambda p, x, tokens, keys: _head(p, _layers(p["layers"], x, keys, cfg), tokens[:, 1:])[0],
+                    argnums=(0, 1))
+    steps = pipeline_timeline(2, n, split_backward=True)
+    key_of = lambda st: f"zb-s{st.stage + 1}-{'w' if st.op == 'W' else 'f'}{st.microbatch}"  # noqa: E731
+    store.schedule([key_of(st) for st in steps if st.op != "F"])
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+    g_emb, g_first, g_last = zeros(emb_params), zeros(first_params), zeros(last_params)
+    acts: dict[int, jax.Array] = {}
+    cts: dict[int, jax.Array] = {}
+    embed_vjps: dict[int, Any] = {}
+    for st in steps:
+        i = st.microbatch
+        layer_keys = jax.random.split(drop_keys[i], cfg.n_layers)
+        if (st.op, st.stage) == ("F", 0):
+            x, embed_vjps[i] = jax.vjp(lambda e: _embed(e, tokens[i][:, :-1]), emb_params)
+            acts[i], ctx = first(first_params, x, layer_keys[:k])
+            store.put(ctx, key_of(st))
+        elif (st.op, st.stage) == ("F", 1):
+            store.put(last(last_params, acts.pop(i), tokens[i], layer_keys[k:])[1], key_of(st))
+        elif (st.op, st.stage) == ("B", 1):
+            cts[i], later = last.backward(store.pop(key_of(st)), jnp.float32(1.0 / n), now=1)
+            store.put(later, key_of(dataclasses.replace(st, op="W")))
+        elif (st.op, st.stage) == ("B", 0):
+            g_x, later = first.backward(store.pop(key_of(st)), cts.pop(i), now=1)
+            store.put(later, key_of(dataclasses.replace(st, op="W")))
+            g_emb = jax.tree.map(jnp.add, g_emb, embed_vjps.pop(i)(g_x)[0])
+        elif st.stage == 0:  # W
+            g_first = jax.tree.map(jnp.add, g_first, rs.backward(store.pop(key_of(st))))
+        else:
+            g_last = jax.tree.map(jnp.add, g_last, rs.backward(store.pop(key_of(st))))
+        timeline.record(f"{st.label} s{st.stage + 1}", store.stats())
+    store.schedule([])
+    grads = {
+        "embed": g_emb["embed"] + g_last["embed"],
+        "pos": g_emb["pos"],
+        "layers": jax.tree.map(lambda a, b: jnp.concatenate([a, b]), g_first, g_last["layers"]),
+        "ln_f": g_last["ln_f"],
+    }
+    compiles = {name: (f.cache_info().forward_compiles, f.cache_info().backward_compiles)
+                for name, f in (("stage 1", first), ("stage 2", last))}
+    return grads, {"steps": steps, "compiles": compiles}
 
 
 def run_demo(
@@ -149,11 +230,15 @@ def run_demo(
     Per step: forwards F1..Fn, each context ``put`` into a :class:`~residual_store.Store`
     whose device and host budgets hold only a few contexts (the rest spill to disk); then
     backwards Bn..B1, each prefetching the next context before popping its own. Gradients are
-    checked against ``jax.grad`` of the full batch.
+    checked against ``jax.grad`` of the full batch. Then one more batch runs through the same
+    model cut into two pipeline stages, in a zero-bubble (ZB-H1-style) order: each backward
+    split into B (``now=1``) and a deferred W, the contexts and ``later`` contexts through the
+    same store under a declared ``store.schedule``, the gradients checked likewise.
 
     Returns a dict with ``losses``, ``max_rel_grad_diff`` (per step), ``cache_info``,
-    ``timings`` (seconds: forward, backward, io), ``peak_bytes`` per tier, ``budgets`` and
-    ``plot`` (the PNG's path, or ``None`` without matplotlib).
+    ``timings`` (seconds: forward, backward, io), ``peak_bytes`` per tier, ``budgets``,
+    ``plot`` (the PNG's path, or ``None`` without matplotlib) and ``zero_bubble`` (its
+    ``steps``, ``compiles`` per stage and ``max_rel_grad_diff``).
     """
     import tempfile
 
@@ -169,6 +254,7 @@ def run_demo(
     losses, diffs = [], []
     timings = {"forward": 0.0, "backward": 0.0, "io": 0.0}
     timeline = _Timeline()
+    zb_timeline = _Timeline()
     own_dir = tempfile.TemporaryDirectory(prefix="residual-store-demo-") if store_path is None else None
     path = store_path or own_dir.name  # type: ignore[union-attr]
 
@@ -215,6 +301,16 @@ def run_demo(
             losses.append(step_loss)
             diffs.append(diff)
             print_fn(f"  step {step + 1}/{cfg.steps}: loss {step_loss:.4f}, max rel. grad diff {diff:.2e}")
+        key, data_key, drop_key = jax.random.split(key, 3)
+        tokens = jax.random.randint(data_key, (n, cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
+        drop_keys = jax.random.split(drop_key, n)
+        zb_grads, zb = _zero_bubble_step(cfg, params, tokens, drop_keys, store, zb_timeline)
+        zb["max_rel_grad_diff"] = _tree_max_rel_diff(zb_grads, reference(params, tokens, drop_keys))
+        compiles = ", ".join(f"{name} {f} forward and {b} backward (B, W)" for name, (f, b) in zb["compiles"].items())
+        print_fn(
+            f"  zero-bubble step: the model as 2 stages, ZB-H1 order ({len(zb['steps'])} steps, B and W "
+            f"split, W deferred), max rel. grad diff {zb['max_rel_grad_diff']:.2e}; compiles: {compiles}"
+        )
         store.flush()
     finally:
         store.close()
@@ -224,7 +320,13 @@ def run_demo(
     info = fwd.cache_info()
     peaks = {tier: max(getattr(timeline, tier)) for tier in ("device", "host", "disk")}
     _print_report(print_fn, losses, diffs, timings, peaks, budgets, info, cfg)
-    plot = _plot(timeline, budgets, plot_path, print_fn) if plot_path else None
+    first_step = _Timeline(*(getattr(timeline, f.name)[: 2 * n] for f in dataclasses.fields(_Timeline)))
+    panels = [
+        (f"one training step: F1..F{n}, then B{n}..B1 (every context through the store)", first_step),
+        ("the same model as 2 pipeline stages, ZB-H1 order: B now, W (weight gradients) deferred, "
+         "later contexts through the store", zb_timeline),
+    ]
+    plot = _plot(panels, budgets, plot_path, print_fn) if plot_path else None
     return {
         "losses": losses,
         "max_rel_grad_diff": diffs,
@@ -233,6 +335,7 @@ def run_demo(
         "peak_bytes": peaks,
         "budgets": budgets,
         "plot": plot,
+        "zero_bubble": zb,
     }
 
 
@@ -258,7 +361,15 @@ def _print_report(
     print_fn("\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows))
 
 
-def _plot(timeline: _Timeline, budgets: dict[str, int], path: str, print_fn: Callable[[str], None]) -> str | None:
+_OP_COLORS = {"F": "black", "B": "tab:purple", "W": "tab:green"}
+
+
+def _plot(
+    panels: list[tuple[str, _Timeline]], budgets: dict[str, int], path: str, print_fn: Callable[[str], None]
+) -> str | None:
+    """One panel per schedule: the contexts' own MiB per tier after each step, the budgets
+    dashed, each step labelled on the x axis (F forward, B backward or input gradient, W weight
+    gradient, coloured alike), the legend outside the data."""
     try:
         import matplotlib
 
@@ -268,19 +379,26 @@ def _plot(timeline: _Timeline, budgets: dict[str, int], path: str, print_fn: Cal
         print_fn("(no plot: pip install 'residual-store[plot]' to draw memory per tier over the schedule)")
         return None
     mib = 1 / 2**20
-    x = range(len(timeline.labels))
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for tier, color in (("device", "tab:red"), ("host", "tab:blue"), ("disk", "tab:gray")):
-        ax.step(x, [b * mib for b in getattr(timeline, tier)], where="post", label=tier, color=color)
-        if tier in budgets:
-            ax.axhline(budgets[tier] * mib, color=color, linestyle="--", linewidth=0.8, label=f"{tier} budget")
-    step = max(1, len(timeline.labels) // 24)
-    ax.set_xticks(list(x)[::step], timeline.labels[::step], rotation=90, fontsize=7)
-    ax.set_ylabel("MiB of residuals")
-    ax.set_title("residual-store demo: memory per tier over the schedule (F1..Fn, Bn..B1 per step)")
-    ax.legend(loc="upper right", fontsize=8)
+    widest = max(len(t.labels) for _, t in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(10, 0.28 * widest + 3), 4.2 * len(panels)), squeeze=False)
+    for ax, (title, timeline) in zip(axes[:, 0], panels):
+        x = list(range(len(timeline.labels)))
+        for tier, color in (("device", "tab:red"), ("host", "tab:blue"), ("disk", "tab:gray")):
+            ax.step(x, [b * mib for b in getattr(timeline, tier)], where="post", label=f"{tier}", color=color, linewidth=1.6)
+            if tier in budgets:
+                ax.axhline(budgets[tier] * mib, color=color, linestyle="--", linewidth=0.9, label=f"{tier} budget")
+        ax.set_xticks(x, timeline.labels, rotation=90, fontsize=8)
+        for tick, label in zip(ax.get_xticklabels(), timeline.labels):
+            tick.set_color(_OP_COLORS.get(label[:1], "black"))
+        ax.set_xlim(-0.5, len(x) - 0.5)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("schedule step, after each (F forward, B backward or input gradient, W weight gradient)", fontsize=9)
+        ax.set_ylabel("MiB of contexts' own residuals", fontsize=9)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", linewidth=0.3)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     print_fn(f"plot of memory per tier: {path}")
     return path

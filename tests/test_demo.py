@@ -20,6 +20,11 @@ def test_demo_small(tmp_path):
     assert result["peak_bytes"]["disk"] > 0
     text = "\n".join(lines)
     assert "peak bytes" in text and "compiles" in text and "max rel. diff" in text
+    zb = result["zero_bubble"]  # the same model as two stages, B and W split, W deferred
+    assert zb["max_rel_grad_diff"] < 1e-4
+    assert zb["compiles"] == {"stage 1": (1, 2), "stage 2": (1, 2)}
+    assert [s.op for s in zb["steps"]].count("W") == 2 * SMALL.n_microbatches
+    assert "zero-bubble step" in text
 
 
 def test_demo_writes_the_plot(tmp_path):

@@ -193,7 +193,8 @@ def test_contexts_sharing_weights_store_them_once(tmp_path, rng):
             store.put(c, f"mb{i}")
         store.flush()
         assert store.stats()["disk"] == {
-            "bytes": weights + 8 * acts, "contexts": 8, "reads": 0, "bytes_read": 0, "writes": 8, "bytes_written": 8 * acts
+            "bytes": weights + 8 * acts, "contexts": 8, "own_bytes": 8 * acts,
+            "reads": 0, "bytes_read": 0, "writes": 8, "bytes_written": 8 * acts,
         }
     total = disk_usage(root)
     assert 8 * acts <= total < 1.5 * weights + 1.2 * 8 * acts, (total, weights, acts)
@@ -202,7 +203,8 @@ def test_contexts_sharing_weights_store_them_once(tmp_path, rng):
     assert len(children(root / "weights")) == sum(is_weight)
     with rs.Store(root) as store:
         assert store.stats()["disk"] == {
-            "bytes": weights + 8 * acts, "contexts": 8, "reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0
+            "bytes": weights + 8 * acts, "contexts": 8, "own_bytes": 8 * acts,
+            "reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0,
         }
         a, b = store.get("mb0"), store.get("mb7")
         # one device array per stored weight, shared by every loaded context
@@ -523,7 +525,9 @@ def test_memory_only_store_over_budget_raises_and_stays_intact(mlp_split, rng):
         store.put(ctxs[1], "b")
         before = store.stats()
         assert before["device"]["contexts"] == before["host"]["contexts"] == 1
-        assert before["disk"] == {"bytes": 0, "contexts": 0, "reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0}
+        assert before["disk"] == {
+            "bytes": 0, "contexts": 0, "own_bytes": 0, "reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0
+        }
         with pytest.raises(rs.StoreFullError):
             store.put(ctxs[2], "c")
         assert store.stats() == before
@@ -654,7 +658,10 @@ def test_another_store_sees_a_context_after_flush(tmp_path, mlp_split, rng):
         )
         total = ctxs[0].nbytes + ctxs[1].nbytes - shared
         # the reader read both contexts, the weights only once (still live for the second get)
-        assert stats == {"contexts": 2, "bytes": total, "reads": 2, "bytes_read": total, "writes": 0, "bytes_written": 0}
+        own = sum(raw(x).nbytes for c in ctxs[:2] for x, k in zip(c.residuals, c.spec.kinds) if k in ("input", "intermediate"))
+        assert stats == {
+            "contexts": 2, "bytes": total, "own_bytes": own, "reads": 2, "bytes_read": total, "writes": 0, "bytes_written": 0
+        }
         reader.close()
     finally:
         writer.close()

@@ -716,7 +716,8 @@ class Store:
         return len(self.keys())
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Bytes and contexts per tier (disk bytes count each shared weight once), and what this
+        """Bytes and contexts per tier (disk ``bytes`` count each shared weight once; its
+        ``own_bytes`` only the contexts' own arrays, as the memory tiers count), and what this
         store moved since it was opened: per memory tier ``bytes_in`` (put, promoted or spilled
         into it) and ``bytes_out`` (moved to another tier); on disk ``reads`` and ``bytes_read``
         (contexts read back, and the bytes of their arrays; weights already on the device are
@@ -730,7 +731,7 @@ class Store:
                 for name, tier in (("device", self._device), ("host", self._host))
             }
             io = dict(self._disk_io)
-        disk = {"bytes": 0, "contexts": 0, **io}
+        disk = {"bytes": 0, "contexts": 0, "own_bytes": 0, **io}
         if self._disk is not None:
             seen: set[str] = set()
             for _, stored in self._disk.iter_manifests():
@@ -738,6 +739,8 @@ class Store:
                     continue
                 disk["contexts"] += 1
                 for record in stored.records:
+                    if not record.shared:
+                        disk["own_bytes"] += record.nbytes
                     if record.path not in seen:
                         seen.add(record.path)
                         disk["bytes"] += record.nbytes
