@@ -1,14 +1,19 @@
 """The ``residual-store`` command line (also ``python -m residual_store``).
 
-Commands: ``demo`` (the README's main job), ``ls``, ``inspect``, ``verify``, ``gc`` and ``du`` on
-a store folder. Errors print one line on stderr and exit non-zero; ``--json`` gives scripts a
-machine-readable form.
+Commands: ``demo`` (the README's main job), and on a store (a folder, or a tensorstore kvstore
+spec as JSON: ``'{"driver": "file", "path": "/data/s"}'``): ``ls``, ``inspect``, ``verify``,
+``gc``, ``du``, ``rm``, ``export`` and ``diff``. The commands that only read open the store
+read-only. Conventions: every error is one line on stderr and exit status 2 (``verify`` exits 1
+when it finds damage); a closed pipe (``| head``) ends the output quietly; ``--json`` gives the
+same facts, under the same words, as the text; sizes and ages are human-readable; progress is
+drawn only on a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -23,6 +28,19 @@ class _UsageError(Exception):
     """A bad path or key: reported as one line on stderr."""
 
 
+def _store_path(text: str) -> str | dict[str, Any]:
+    """A folder, or a kvstore spec given as a JSON object."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _UsageError(f"PATH looks like a kvstore spec but is not valid JSON ({err})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("driver"), str):
+        raise _UsageError('a kvstore spec is a JSON object with a "driver", e.g. \'{"driver": "file", "path": "/data/s"}\'')
+    return spec
+
+
 def _open_disk(path: str, *, read_only: bool = True) -> Any:
     """The store at ``path``: read-only for the commands that only read (nothing on disk
     changes, not even a marker), and never created."""
@@ -30,8 +48,40 @@ def _open_disk(path: str, *, read_only: bool = True) -> Any:
     from residual_store.store.disk import DiskTier
 
     try:
-        return DiskTier(path, create=False, read_only=read_only)
+        return DiskTier(_store_path(path), create=False, read_only=read_only)
     except StoreNotFoundError as err:
+        raise _UsageError(str(err)) from None
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """Seconds from ``"90"``, ``"90s"``, ``"15m"``, ``"1h"`` or ``"2d"`` (argparse type)."""
+    t = text.strip().lower()
+    scale = _DURATION_UNITS.get(t[-1:], None)
+    number = t[:-1] if scale is not None else t
+    try:
+        value = float(number) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use seconds or 90s, 15m, 1h, 2d") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration is at least 0")
+    return value
+
+
+def _stored(disk: Any, key: str) -> Any:
+    """The parsed manifest of ``key``, or a one-line error for an unknown or invalid key."""
+    from residual_store.errors import ContextNotFoundError, InvalidKeyError
+    from residual_store.store.keys import validate_key
+
+    try:
+        return disk.stat(validate_key(key))
+    except (ContextNotFoundError, InvalidKeyError) as err:
         raise _UsageError(str(err)) from None
 
 
@@ -60,7 +110,7 @@ def _age(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.0f}s"
+    return f"{max(seconds, 0):.0f}s"
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -138,20 +188,14 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 e["signature"], ",".join(status["platforms"]) if status["stored"] else "no",
                 _age(now - e["created"]),
             ])
-    lines = [f"{len(entries)} contexts"] + [f"{sig}: backward {_backward_text(st)}" for sig, st in statuses.items()]
+    lines = [_plural(len(entries), "context")] + [f"{sig}: backward {_backward_text(st)}" for sig, st in statuses.items()]
     _emit(args, entries, _table(rows) + "\n" + "\n".join(lines))
     return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from residual_store.errors import ContextNotFoundError, InvalidKeyError
-    from residual_store.store.keys import validate_key
-
     disk = _open_disk(args.path)
-    try:
-        stored = disk.stat(validate_key(args.key))
-    except (ContextNotFoundError, InvalidKeyError) as err:
-        raise _UsageError(str(err)) from None
+    stored = _stored(disk, args.key)
     rows = [["#", "name", "shape", "dtype", "bytes", "kind", "shared", "chunks", "path"]]
     data = []
     for i, (record, aval, kind) in enumerate(zip(stored.records, stored.spec.avals, stored.spec.kinds)):
@@ -202,10 +246,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return store_damaged(err)
     try:
         keys = [validate_key(k) for k in args.keys] if args.keys else disk.keys()
+        missing = [k for k in keys if k not in disk]
     except InvalidKeyError as err:
         raise _UsageError(str(err)) from None
     except CorruptContextError as err:
         return store_damaged(err)
+    if missing:
+        raise _UsageError(f"no {'context' if len(missing) == 1 else 'contexts'} {', '.join(map(repr, missing))} in store {disk.description}")
     check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
     damaged, checked = [], 0
     for key in _progress(keys, "verifying", not args.json):
@@ -233,38 +280,65 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     lines = [f"DAMAGED {d['key']}: {d['error']}" for d in damaged]
     lines += [f"DAMAGED backward {b['signature']}: {b['error']}" for b in broken]
     lines.append(
-        f"{checked} of {len(keys)} contexts verified, {len(signatures) - len(broken)} of "
-        f"{len(signatures)} stored backwards verified, {len(damaged) + len(broken)} damaged"
+        f"{checked} of {_plural(len(keys), 'context')} verified, {len(signatures) - len(broken)} of "
+        f"{_plural(len(signatures), 'stored backward')} verified, {len(damaged) + len(broken)} damaged"
     )
     _emit(
         args,
-        {"checked": len(keys), "ok": checked, "damaged": damaged, "backwards": len(signatures), "damaged_backwards": broken},
+        {
+            "contexts": len(keys),
+            "verified": checked,
+            "damaged": damaged,
+            "stored_backwards": len(signatures),
+            "backwards_verified": len(signatures) - len(broken),
+            "damaged_backwards": broken,
+        },
         "\n".join(lines),
     )
     return 1 if damaged or broken else 0
 
 
-def _cmd_gc(args: argparse.Namespace) -> int:
-    disk = _open_disk(args.path, read_only=False)
-    removed = disk.gc(older_than=args.older_than)
-    if removed.get("skipped_corrupt"):
-        print(
-            f"residual-store gc: {args.path} holds an unreadable manifest, so nothing was removed "
-            "(it may reference anything); run `residual-store verify` and remove the damaged context",
-            file=sys.stderr,
+_GC_KINDS = (
+    ("weights", "unreferenced weight"),
+    ("data", "unreferenced data folder"),
+    ("recycled", "recycled folder"),
+    ("backwards", "unneeded stored backward"),
+    ("temporary", "temporary file"),
+)
+
+
+def _gc_items(removed: dict[str, int]) -> str:
+    """``"1 unreferenced weight, 2 recycled folders"``, or ``"nothing"``."""
+    return ", ".join(_plural(removed[k], word) for k, word in _GC_KINDS if removed[k]) or "nothing"
+
+
+def _gc_text(removed: dict[str, int], older_than: float, dry_run: bool) -> str:
+    freed = "" if removed["bytes"] <= 0 else f" ({_human(removed['bytes'])})"
+    line = f"{'would remove' if dry_run else 'removed'} {_gc_items(removed)}{freed}"
+    if removed["young"]:
+        line += (
+            f"; kept {_plural(removed['young'], 'unneeded item')} younger than {_age(older_than)} "
+            "(writes in flight may need them; --older-than 0 removes them)"
         )
-        return 1
-    _emit(
-        args,
-        removed,
-        f"removed {removed['weights']} unreferenced weights, {removed['data']} data folders, "
-        f"{removed['recycled']} recycled folders, {removed['backwards']} stored backwards and "
-        f"{removed['temporary']} temporary files",
-    )
+    return line
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    disk = _open_disk(args.path, read_only=args.dry_run)
+    removed = disk.gc(older_than=args.older_than, dry_run=args.dry_run)
+    if removed.get("skipped_corrupt"):
+        raise _UsageError(
+            "a manifest is unreadable, so nothing was removed (it may reference anything): run "
+            "`residual-store verify` and `residual-store rm` the damaged context"
+        )
+    _emit(args, {**removed, "dry_run": args.dry_run}, _gc_text(removed, args.older_than, args.dry_run))
     return 0
 
 
 def _cmd_du(args: argparse.Namespace) -> int:
+    """Bytes on disk per part of the store (measured on a folder; as recorded on kvstores), per
+    signature, and what gc would free."""
+    from residual_store.store import layout
     from residual_store.store.records import StoredContext
 
     disk = _open_disk(args.path)
@@ -283,18 +357,150 @@ def _cmd_du(args: argparse.Namespace) -> int:
             elif record.path not in seen:
                 seen.add(record.path)
                 entry["weights"] += record.nbytes
+    parts = {
+        "data": layout.DATA,
+        "weights": layout.WEIGHTS,
+        "contexts": layout.CONTEXTS,
+        "backwards": layout.BACKWARDS,
+    }
+    measured = {name: disk.backend.tree_bytes(prefix) for name, prefix in parts.items()}
+    total = disk.backend.tree_bytes("")
+    free = disk.backend.tree_bytes(layout.FREE_DIR)
+    reclaim = disk.gc(older_than=0, dry_run=True)
+    usage = {
+        "measured": total is not None,
+        "total": total,
+        **{name: size for name, size in measured.items()},
+        "recycled": free,
+        "gc_would_free": None if reclaim["bytes"] < 0 else reclaim["bytes"],
+        "signatures": per_sig,
+    }
     rows = [["signature", "contexts", "intermediate", "inputs", "weights (once)"]]
     for sig, e in sorted(per_sig.items()):
         rows.append([sig, str(e["contexts"]), _human(e["intermediate"]), _human(e["input"]), _human(e["weights"])])
-    _emit(args, per_sig, _table(rows))
+    if total is None:
+        disk_lines = ["disk usage: not measurable on this kvstore (bytes above are as the manifests record them)"]
+    else:
+        sizes = ", ".join(f"{name} {_human(size or 0)}" for name, size in measured.items())
+        disk_lines = [
+            f"on disk: {_human(total)} in all ({sizes}; of data, {_human(free or 0)} recycled for reuse)",
+            f"gc --older-than 0 would free {_human(reclaim['bytes'])} ({_gc_items(reclaim)})"
+            if reclaim["bytes"] >= 0 else "",
+        ]
+    text = _table(rows) + "\n" + "\n".join(line for line in disk_lines if line)
+    _emit(args, usage, text)
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="residual-store",
-        description="Split JAX forward from backward, with typed, storable residuals.",
+def _cmd_rm(args: argparse.Namespace) -> int:
+    disk = _open_disk(args.path, read_only=False)
+    for key in args.keys:  # every key checked before any is removed
+        _stored(disk, key)
+    for key in args.keys:
+        _, stale = disk.delete(key)
+        if stale is not None:
+            disk.drop_data(stale)
+    _emit(args, {"removed": list(args.keys)}, f"removed {_plural(len(args.keys), 'context')}: {', '.join(args.keys)}")
+    return 0
+
+
+def _array_names(names: Sequence[str]) -> list[str]:
+    """Unique names for the residuals of a context (a name repeats: ``#i`` added)."""
+    counts: dict[str, int] = {}
+    for n in names:
+        counts[n] = counts.get(n, 0) + 1
+    return [n if counts[n] == 1 else f"{n} #{i}" for i, n in enumerate(names)]
+
+
+def _read_residuals(disk: Any, key: str) -> tuple[Any, list[Any]]:
+    import numpy as np
+
+    stored = _stored(disk, key)
+    _, arrays = disk.read(stored.key, place=False)
+    return stored, [np.asarray(a) for a in arrays]
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    disk = _open_disk(args.path)
+    stored, arrays = _read_residuals(disk, args.key)
+    names = _array_names(stored.spec.names)
+    chosen = list(range(len(arrays)))
+    if args.residual is not None:
+        pick = args.residual
+        chosen = [i for i, n in enumerate(names) if n == pick or stored.spec.names[i] == pick or str(i) == pick]
+        if not chosen:
+            raise _UsageError(f"context {stored.key!r} has no residual {pick!r} (see `residual-store inspect`)")
+    out = args.output or f"{stored.key}.npz"
+    np.savez(out, **{names[i]: arrays[i] for i in chosen})
+    data = {"key": stored.key, "file": out, "residuals": [names[i] for i in chosen]}
+    _emit(args, data, f"wrote {_plural(len(chosen), 'residual')} of {stored.key} to {out}")
+    return 0
+
+
+def _compare(a: Any, b: Any) -> dict[str, Any]:
+    import numpy as np
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {"status": "differs", "why": f"{a.dtype}{list(a.shape)} against {b.dtype}{list(b.shape)}"}
+    if np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
+        return {"status": "same"}
+    if a.dtype.kind not in "fciub":
+        return {"status": "differs"}
+    x, y = a.astype(np.float64), b.astype(np.float64)
+    abs_diff = float(np.max(np.abs(x - y)))
+    scale = float(max(np.max(np.abs(x)), np.max(np.abs(y)), np.finfo(np.float64).tiny))
+    return {"status": "differs", "max_abs": abs_diff, "max_rel": abs_diff / scale}
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    disk = _open_disk(args.path)
+    first, arrays_a = _read_residuals(disk, args.key1)
+    second, arrays_b = _read_residuals(disk, args.key2)
+    names_a, names_b = _array_names(first.spec.names), _array_names(second.spec.names)
+    same_signature = first.spec.signature == second.spec.signature
+    rows_data = []
+    if same_signature:  # one layout: residual i against residual i
+        pairs = [(n, i, i) for i, n in enumerate(names_a)]
+    else:  # by name
+        index_b = {n: i for i, n in enumerate(names_b)}
+        pairs = [(n, i, index_b.get(n)) for i, n in enumerate(names_a)]
+        pairs += [(n, None, j) for j, n in enumerate(names_b) if n not in set(names_a)]
+    for name, i, j in pairs:
+        if i is None or j is None:
+            rows_data.append({"name": name, "status": f"only in {args.key1 if j is None else args.key2}"})
+        else:
+            rows_data.append({"name": name, **_compare(arrays_a[i], arrays_b[j])})
+    rows = [["name", "status", "max abs diff", "max rel diff"]]
+    for r in rows_data:
+        rows.append([r["name"], r["status"] + (f" ({r['why']})" if "why" in r else ""),
+                     f"{r['max_abs']:.3g}" if "max_abs" in r else "-", f"{r['max_rel']:.3g}" if "max_rel" in r else "-"])
+    differing = sum(r["status"] != "same" for r in rows_data)
+    head = (
+        f"{args.key1} and {args.key2}: " + ("the same signature" if same_signature else
+        f"signatures {first.spec.signature} and {second.spec.signature} (residuals matched by name)")
+        + f"; {_plural(differing, 'residual')} of {len(rows_data)} differ"
     )
+    _emit(args, {"key1": args.key1, "key2": args.key2, "same_signature": same_signature, "residuals": rows_data},
+          head + "\n" + _table(rows))
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit status 2 (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="residual-store",
+        description="Split JAX forward from backward, with typed, storable residuals. PATH is a store "
+        "folder or a tensorstore kvstore spec as JSON, e.g. '{\"driver\": \"file\", \"path\": \"/data/s\"}'.",
+    )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, run: Callable[[argparse.Namespace], int], json_flag: bool = False) -> argparse.ArgumentParser:
@@ -319,19 +525,57 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("keys", nargs="*", help="keys to check (default: all)")
     gc = command("gc", "remove weights, data and backwards no context needs", _cmd_gc, json_flag=True)
     gc.add_argument("path")
-    gc.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
-                    help="only remove what is at least this old (default 3600; 0: everything unreferenced)")
-    command("du", "bytes per signature: intermediates, inputs, and weights once", _cmd_du, json_flag=True).add_argument("path")
+    gc.add_argument("--older-than", type=_duration, default=3600.0, metavar="AGE",
+                    help="only remove what is at least this old: seconds, or 90s, 15m, 1h, 2d (default 1h; 0: all)")
+    gc.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    command("du", "disk usage per part of the store, per signature, and what gc would free", _cmd_du,
+            json_flag=True).add_argument("path")
+    rm = command("rm", "remove contexts (their data goes; shared weights stay until gc)", _cmd_rm, json_flag=True)
+    rm.add_argument("path")
+    rm.add_argument("keys", nargs="+")
+    export = command("export", "write a context's residuals to a NumPy .npz file", _cmd_export, json_flag=True)
+    export.add_argument("path")
+    export.add_argument("key")
+    export.add_argument("-o", "--output", default=None, help="the .npz file (default: KEY.npz)")
+    export.add_argument("--residual", default=None, metavar="NAME", help="only this residual (its name or index)")
+    diff = command("diff", "which residuals of two contexts differ, and by how much", _cmd_diff, json_flag=True)
+    diff.add_argument("path")
+    diff.add_argument("key1")
+    diff.add_argument("key2")
     return parser
+
+
+def _version() -> str:
+    import jax
+    import jaxlib
+
+    from residual_store import __version__
+
+    return f"residual-store {__version__} (jax {jax.__version__}, jaxlib {jaxlib.__version__})"
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe (``| head``): later writes, and the flush at exit, go nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
+    from residual_store.errors import ResidualStoreError
+
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except _UsageError as err:
-        print(f"residual-store {args.command}: {err}", file=sys.stderr)
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 0
+    except (_UsageError, ResidualStoreError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"residual-store {args.command}: {first}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -195,6 +195,11 @@ class Halves:
         """B executables compiled so far (one per placement of the residuals)."""
         return self._b_executables.compiles
 
+    def drop_compiled(self) -> None:
+        """Forgets the executables of both halves; the next call compiles again."""
+        self._b_executables.clear()
+        self.weight_backward.drop_compiled()
+
     def __call__(self, ctx: ResidualContext, cotangent: Any = None) -> tuple[Any, ResidualContext]:
         """B on ``ctx``: ``(gradients of the now arguments, later)``."""
         parent = self.parent

@@ -192,10 +192,16 @@ class Split:
         self._grad_parts: dict[str, GradParts] = {}  # what a B/W split of each needs
         self._halves: dict[tuple[str, tuple[int, ...], bool], Halves] = {}
         self._foreign: OrderedDict[str, str] = OrderedDict()  # signatures it does not make -> why
-        self._cache: ExecutableCache[_Forward] = ExecutableCache(
-            cache_size, on_evict=lambda entry: entry.backward.drop_compiled()
-        )
+        self._cache: ExecutableCache[_Forward] = ExecutableCache(cache_size, on_evict=self._evicted)
         self.__wrapped__ = fun
+
+    def _evicted(self, entry: _Forward) -> None:
+        """The cache dropped a signature's forward: its backward's executables go too, and its
+        B/W halves' (each compiles again if a context of it comes back)."""
+        entry.backward.drop_compiled()
+        for (signature, _, _), halves in list(self._halves.items()):
+            if signature == entry.spec.signature:
+                halves.drop_compiled()
 
     def __repr__(self) -> str:
         name = getattr(self.fun, "__qualname__", type(self.fun).__name__)

@@ -444,3 +444,16 @@ def test_one_signature_on_two_devices_compiles_each_half_per_device(tmp_path):
     script = write_script(tmp_path, "two_devices.py", _TWO_DEVICES)
     proc = run_python(script, str(tmp_path / "store"))
     assert proc.stdout.split() == ["2", "6"], proc.stdout  # per device: forward; plain, B and W
+
+
+def test_an_evicted_signature_drops_its_halves_and_compiles_them_again():
+    fwd = rs.split(mlp_stage, argnums=(0, 1), cache_size=1)
+    _, params, x, ct = _inputs("mlp", 40)
+    x2 = _normal(jax.random.key(41), (2 * T, D))
+    for xs in (x, x2, x):  # the third call brings back the first signature, evicted by the second
+        y, ctx = fwd(params, xs)
+        dx, later = fwd.backward(ctx, jnp.ones_like(y), now=1)
+        _close((rs.backward(later), dx), fwd.backward(ctx, jnp.ones_like(y)))
+    info = fwd.cache_info()
+    # per call: B, W and the plain backward compile (the second shape, and the first again)
+    assert (info.forward_compiles, info.backward_compiles) == (3, 9), info

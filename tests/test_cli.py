@@ -58,7 +58,7 @@ def test_ls_and_inspect(store_path):
 
 def test_du_and_gc(store_path):
     du = json.loads(_cli("du", store_path, "--json").stdout)
-    (entry,) = du.values()
+    (entry,) = du["signatures"].values()
     assert entry["contexts"] == 3 and entry["intermediate"] > 0 and entry["weights"] > 0
     assert entry["input"] == 3 * 4 * 3 * 4  # each context's batch x, float32[4, 3]
     orphan = os.path.join(store_path, "weights", "0" * 32)
@@ -108,3 +108,136 @@ def test_bad_paths_and_keys_give_one_line(store_path, tmp_path, args, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+# -- conventions and the commands of issue 14 ------------------------------------------------
+
+
+def test_version():
+    out = _cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("residual-store ") and f"jax {jax.__version__}" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    """A store whose listing is longer than a pipe holds (64 KiB)."""
+    path = str(tmp_path_factory.mktemp("cli-many"))
+    fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x * w)))
+    with rs.Store(path, durable=False) as store:
+        for i in range(300):
+            store.put(fwd(jnp.ones(3), jnp.full(3, float(i)))[1], f"context-with-a-long-name-{i:04d}")
+    return path
+
+
+def test_a_closed_pipe_ends_quietly(many):
+    for args in (["ls", many, "--json"], ["ls", many]):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "residual_store", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        first = proc.stdout.readline()
+        proc.stdout.close()  # what `| head -1` does
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 0, err
+        assert first and "Traceback" not in err and err == "", err
+
+
+def test_rm_export_diff(tmp_path):
+    path = str(tmp_path / "store")
+    fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w)), argnums=(0, 1))  # residuals: w, x, tanh, 1 - tanh**2
+    w = jax.random.normal(jax.random.key(0), (3, 2))
+    xs = [jax.random.normal(jax.random.key(i + 1), (4, 3)) for i in range(3)]
+    with rs.Store(path) as store:
+        contexts = [fwd(w, x)[1] for x in xs]
+        for i, c in enumerate(contexts):
+            store.put(c, f"mb{i}")
+    # export: every residual, by name, equal to the context's
+    out = tmp_path / "mb1.npz"
+    assert _cli("export", path, "mb1", "-o", str(out)).returncode == 0
+    import numpy as np
+
+    with np.load(out) as got:
+        assert sorted(got.files) == sorted(contexts[1].spec.names)
+        for name, x in zip(contexts[1].spec.names, contexts[1].residuals):
+            np.testing.assert_array_equal(got[name], np.asarray(x))
+    one = tmp_path / "one.npz"
+    assert _cli("export", path, "mb1", "-o", str(one), "--residual", "input x").returncode == 0
+    with np.load(one) as got:
+        assert got.files == ["input x"]
+    bad = _cli("export", path, "mb1", "--residual", "nope")
+    assert bad.returncode == 2 and "no residual 'nope'" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    # diff: the same context, and two of one signature
+    same = json.loads(_cli("diff", path, "mb0", "mb0", "--json").stdout)
+    assert same["same_signature"] and {r["status"] for r in same["residuals"]} == {"same"}
+    two = json.loads(_cli("diff", path, "mb0", "mb2", "--json").stdout)
+    by_name = {r["name"]: r for r in two["residuals"]}
+    assert by_name["input w"]["status"] == "same"
+    x_diff = float(np.max(np.abs(np.asarray(xs[0]) - np.asarray(xs[2]))))
+    assert by_name["input x"]["status"] == "differs" and abs(by_name["input x"]["max_abs"] - x_diff) < 1e-6
+    text = _cli("diff", path, "mb0", "mb2").stdout
+    assert "input x" in text and "differs" in text and "3 residuals of 4 differ" in text  # all but w
+    # rm, then ls; an unknown key removes nothing
+    missing = _cli("rm", path, "mb0", "nope")
+    assert missing.returncode == 2 and "no context 'nope'" in missing.stderr
+    assert json.loads(_cli("ls", path, "--json").stdout)[0]["key"] == "mb0"
+    removed = _cli("rm", path, "mb0", "mb1")
+    assert removed.returncode == 0 and "removed 2 contexts: mb0, mb1" in removed.stdout
+    assert [e["key"] for e in json.loads(_cli("ls", path, "--json").stdout)] == ["mb2"]
+    assert "1 context\n" in _cli("ls", path).stdout  # one context, not "1 contexts"
+    with rs.Store(path, read_only=True) as store:
+        assert store.keys() == ["mb2"]
+
+
+def test_gc_dry_run_then_gc_and_du(tmp_path):
+    path = str(tmp_path / "store")
+    fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+    with rs.Store(path) as store:
+        for i in range(3):
+            store.put(fwd(jnp.ones((3, 2)), jnp.full((4, 3), float(i)))[1], f"mb{i}")
+        store.flush()
+        store.delete("mb0")  # its data folder is kept in data/.free for reuse
+    young = _cli("gc", path, "--older-than", "1h")
+    assert young.returncode == 0 and "removed nothing; kept 1 unneeded item younger than 1h" in young.stdout
+    before = sorted(os.path.relpath(os.path.join(r, f), path) for r, _, fs in os.walk(path) for f in fs)
+    dry = json.loads(_cli("gc", path, "--older-than", "0", "--dry-run", "--json").stdout)
+    after = sorted(os.path.relpath(os.path.join(r, f), path) for r, _, fs in os.walk(path) for f in fs)
+    assert before == after and dry["dry_run"] and dry["recycled"] == 1 and dry["bytes"] > 0
+    du = json.loads(_cli("du", path, "--json").stdout)
+    assert du["measured"] and du["total"] == sum(os.path.getsize(os.path.join(path, f)) for f in before)
+    assert du["gc_would_free"] == dry["bytes"] and du["recycled"] == dry["bytes"]
+    assert "gc --older-than 0 would free" in _cli("du", path).stdout
+    done = json.loads(_cli("gc", path, "--older-than", "0s", "--json").stdout)
+    assert {k: done[k] for k in ("weights", "data", "recycled", "backwards", "temporary", "bytes")} == {
+        k: dry[k] for k in ("weights", "data", "recycled", "backwards", "temporary", "bytes")
+    }
+    assert json.loads(_cli("du", path, "--json").stdout)["gc_would_free"] == 0
+    bad = _cli("gc", path, "--older-than", "1x")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "not a duration" in bad.stderr
+
+
+def test_a_kvstore_spec_as_path_and_corrupt_manifests(tmp_path):
+    path = str(tmp_path / "store")
+    fwd = rs.split(lambda x: jnp.sum(jnp.sin(x) ** 2))
+    with rs.Store(path) as store:
+        store.put(fwd(jnp.arange(4.0))[1], "good")
+        store.put(fwd(jnp.arange(4.0) + 1)[1], "broken")
+    spec = json.dumps({"driver": "file", "path": path})
+    assert [e["key"] for e in json.loads(_cli("ls", spec, "--json").stdout)] == ["broken", "good"]
+    assert _cli("verify", spec).returncode == 0
+    assert "intermediate" in _cli("inspect", spec, "good").stdout
+    assert json.loads(_cli("verify", spec, "good", "--json").stdout)["verified"] == 1
+    for bad_spec, message in (('{"driver": ', "not valid JSON"), ('{"path": "/x"}', 'with a "driver"')):
+        out = _cli("ls", bad_spec)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+    manifest = [os.path.join(path, "contexts", f) for f in os.listdir(os.path.join(path, "contexts")) if f.startswith("broken")][0]
+    with open(manifest, "r+b") as f:
+        f.truncate(20)
+    for args in (("inspect", path, "broken"), ("gc", path, "--older-than", "0"), ("export", path, "broken")):
+        out = _cli(*args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "CORRUPT" in _cli("ls", path).stdout
+    verify = _cli("verify", path, "--json")
+    assert verify.returncode == 1 and [d["key"] for d in json.loads(verify.stdout)["damaged"]] == ["broken"]
+    unknown = _cli("verify", path, "good", "nope")
+    assert unknown.returncode == 2 and "no context 'nope'" in unknown.stderr and "DAMAGED" not in unknown.stdout

@@ -473,7 +473,7 @@ def test_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_path):
             jax.block_until_ready(rs.backward(ctx))
     verify = _cli("verify", root)
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert f"{len(keys)} of {len(keys)} contexts verified" in verify.stdout
+    assert f"{len(keys)} of {len(keys)} context{'' if len(keys) == 1 else 's'} verified" in verify.stdout
     # what the failed write left is gone: only committed contexts' data folders remain
     referenced = set()
     for key in keys:

@@ -95,7 +95,7 @@ def test_a_damaged_stored_backward(stored, tmp_path, damage):
 
     verify = _cli("verify", root)
     assert verify.returncode == 1, verify.stdout
-    assert "DAMAGED backward rs2-" in verify.stdout and "1 of 1 contexts verified" in verify.stdout
+    assert "DAMAGED backward rs2-" in verify.stdout and "1 of 1 context verified" in verify.stdout
 
     # this process has a live split of the signature: get and its backward work
     with rs.Store(root, read_only=True) as store:

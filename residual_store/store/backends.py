@@ -93,6 +93,7 @@ class Backend(Protocol):
     def delete(self, key: str) -> None: ...
     def delete_tree(self, prefix: str) -> None: ...
     def age_seconds(self, prefix: str) -> float | None: ...
+    def tree_bytes(self, prefix: str) -> int | None: ...  # bytes of the files under it (None: unknown)
     def version(self, key: str) -> Any | None: ...
     def exists(self, key: str) -> bool: ...
     def is_file(self) -> bool: ...
@@ -393,6 +394,27 @@ class _LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return None
 
+    def tree_bytes(self, prefix: str) -> int | None:
+        """Bytes of the regular files at or under ``prefix`` (``""``: the whole store), links
+        never followed; 0 if there is nothing."""
+        top = self._safe(prefix) if prefix else self.root
+        total = 0
+        try:
+            st = os.lstat(top)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        if not stat.S_ISDIR(st.st_mode):
+            return st.st_size if stat.S_ISREG(st.st_mode) else 0
+        for folder, _, names in os.walk(top, followlinks=False):
+            for name in names:
+                try:
+                    st = os.lstat(os.path.join(folder, name))
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+        return total
+
     def version(self, key: str) -> Any | None:
         try:
             st = os.lstat(self._safe(key))
@@ -535,6 +557,9 @@ class _KvBackend:
 
     def age_seconds(self, prefix: str) -> float | None:
         return None  # kvstores have no portable mtime: gc only removes with older_than=0
+
+    def tree_bytes(self, prefix: str) -> int | None:
+        return None  # listing a kvstore gives keys, not sizes: unknown without reading everything
 
     def exists(self, key: str) -> bool:
         return self.get_bytes(key) is not None

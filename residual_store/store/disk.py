@@ -27,6 +27,7 @@ the same sharding record.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -35,7 +36,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -691,7 +692,7 @@ class DiskTier:
         age = self.backend.age_seconds(path)
         return age is not None and age >= older_than
 
-    def gc(self, older_than: float = 3600.0) -> dict[str, int]:
+    def gc(self, older_than: float = 3600.0, *, dry_run: bool = False) -> dict[str, int]:
         """Removes what no committed context needs: weights no manifest references, data folders
         of no committed context, recycled folders, stored backwards of signatures no context has
         (and damaged ones), and temporary files of interrupted writes.
@@ -699,7 +700,9 @@ class DiskTier:
         Only items at least ``older_than`` seconds old are removed, so writes in flight in other
         processes are left alone (on kvstores without modification times, nothing is removed
         unless ``older_than`` is 0). A store holding an unreadable manifest is left alone (it may
-        reference anything). Returns counts of what was removed.
+        reference anything). Returns counts of what was removed (with ``dry_run``: of what would
+        be, and nothing changes), ``"young"``: the unneeded items kept for being younger than
+        ``older_than``, and ``"bytes"``: the bytes removed (-1 where the backend cannot say).
 
         Safe against writers in any process (see docs/format.md, "Garbage collection"): it holds
         the store's gc lock exclusively, which writers hold shared from checking which weights
@@ -707,37 +710,43 @@ class DiskTier:
         folder is first renamed into ``data/.trash`` (atomic against a writer's claim) and only
         then removed.
         """
-        self.check_writable("gc")
-        with self.backend.gc_lock(exclusive=True):
-            removed = self._gc_locked(older_than)
-        event(logging.INFO, "gc", store=self.description, older_than=older_than, **removed)
+        if not dry_run:
+            self.check_writable("gc")
+        with self.backend.gc_lock(exclusive=True) if not dry_run else contextlib.nullcontext():
+            removed = self._gc_locked(older_than, dry_run)
+        event(logging.INFO, "gc", store=self.description, older_than=older_than, dry_run=dry_run, **removed)
         return removed
 
-    def _gc_locked(self, older_than: float) -> dict[str, int]:
-        removed = {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0}
+    def _gc_locked(self, older_than: float, dry_run: bool) -> dict[str, int]:
+        removed = {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0, "young": 0, "bytes": 0}
         found = self._references()
         if found is None:
             return {**removed, "skipped_corrupt": 1}
         referenced, signatures = found
-        for name in self.backend.list_dir(layout.TRASH_DIR):  # left by a gc that was killed
-            self.backend.delete_tree(layout.trash_path(name))
+
+        def take(kind: str, paths: Sequence[str], remove: Callable[[], bool]) -> None:
+            """Removes one unneeded item (its ``paths``) if it is old enough, counting it."""
+            if not all(self._old_enough(p, older_than) for p in paths):
+                removed["young"] += 1
+                return
+            sizes = [self.backend.tree_bytes(p) for p in paths]
+            if dry_run or remove():
+                removed[kind] += 1
+                removed["bytes"] = -1 if removed["bytes"] < 0 or None in sizes else removed["bytes"] + sum(sizes)  # type: ignore[arg-type]
+
+        if not dry_run:
+            for name in self.backend.list_dir(layout.TRASH_DIR):  # left by a gc that was killed
+                self.backend.delete_tree(layout.trash_path(name))
         for kind, prefix in (("weights", layout.WEIGHTS), ("data", layout.DATA)):
             for name in self.backend.list_dir(prefix):
                 if layout.is_node_metadata(name):
                     continue  # the group's own zarr.json
                 path = f"{prefix}/{name}"
-                if path not in referenced and self._old_enough(path, older_than) and self._discard(path):
-                    removed[kind] += 1
+                if path not in referenced:
+                    take(kind, [path], functools.partial(self._discard, path))
         for name in self.backend.list_dir(layout.FREE_DIR):  # recycled folders kept for reuse
             path = f"{layout.FREE_DIR}/{name}"
-            if not self._old_enough(path, older_than):
-                continue
-            with self._lock:
-                for pool in self._free.values():
-                    if path in pool:
-                        pool.remove(path)
-            if self._discard(path):
-                removed["recycled"] += 1
+            take("recycled", [path], functools.partial(self._discard_recycled, path))
         stems = {n.rsplit(".", 1)[0] for n in self.backend.list_dir(layout.BACKWARDS)}
         for sig in sorted(stems):
             if sig in signatures:
@@ -748,17 +757,25 @@ class DiskTier:
                     pass  # damaged: removed, so a later put of this signature saves it again
             # unneeded, damaged, or a torn write (an export without its manifest)
             paths = [p for p in layout.backward_paths(sig) if self.backend.exists(p)]
-            if paths and all(self._old_enough(p, older_than) for p in paths):
-                for p in paths:
-                    self.backend.delete(p)
-                removed["backwards"] += 1
+            if paths:
+                take("backwards", paths, functools.partial(self._delete_all, paths))
         for prefix in ("", layout.CONTEXTS, layout.BACKWARDS):
             for name in self.backend.list_temporary(prefix):
                 path = f"{prefix}/{name}" if prefix else name
-                if self._old_enough(path, older_than):
-                    self.backend.delete(path)
-                    removed["temporary"] += 1
+                take("temporary", [path], functools.partial(self._delete_all, [path]))
         return removed
+
+    def _discard_recycled(self, path: str) -> bool:
+        with self._lock:
+            for pool in self._free.values():
+                if path in pool:
+                    pool.remove(path)
+        return self._discard(path)
+
+    def _delete_all(self, paths: Sequence[str]) -> bool:
+        for p in paths:
+            self.backend.delete(p)
+        return True
 
     def _discard(self, path: str) -> bool:
         """Removes a folder gc chose: renamed into the trash first, so a writer that claims it

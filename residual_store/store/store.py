@@ -762,16 +762,22 @@ class Store:
         finally:
             self._emit_warnings()
 
-    def gc(self, older_than: float = 3600.0) -> dict[str, int]:
+    def gc(self, older_than: float = 3600.0, *, dry_run: bool = False) -> dict[str, int]:
         """Removes what no committed context needs: unreferenced weights and data, recycled
         folders, stored backwards of signatures no context has (and damaged ones), temporary
-        files of interrupted writes; only items at least ``older_than`` seconds old."""
+        files of interrupted writes; only items at least ``older_than`` seconds old.
+
+        Returns how many of each kind it removed (``dry_run``: would remove, changing nothing),
+        ``"young"``, the unneeded items it kept for being younger, and ``"bytes"``, what it
+        freed (-1 on kvstores, which do not say).
+        """
         self._check_open()
-        self._check_writable("gc")
+        if not dry_run:
+            self._check_writable("gc")
         if self._disk is None:
-            return {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0}
+            return {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0, "young": 0, "bytes": 0}
         self.flush()
-        return self._disk.gc(older_than)
+        return self._disk.gc(older_than, dry_run=dry_run)
 
     def close(self) -> None:
         """Flushes and stops the background threads; the store cannot be used afterwards."""
