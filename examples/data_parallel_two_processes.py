@@ -154,12 +154,21 @@ def main() -> int:
         return 0
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    temporary = tempfile.TemporaryDirectory(prefix="rs-data-parallel-")  # the processes' scripts and outputs
+    try:
+        return _run(args, temporary.name)
+    finally:
+        temporary.cleanup()
+
+
+def _run(args: argparse.Namespace, folder: str) -> int:
+    """The parent's part, with ``folder`` for the processes' scripts, outputs and (without
+    ``--store``) the store."""
     import jax
     import numpy as np
 
     import residual_store as rs
 
-    folder = tempfile.mkdtemp(prefix="rs-data-parallel-")
     store_path = args.store or os.path.join(folder, "store")
     s = sizes(args.small)
     print(f"{N_PROCESSES} processes x {DEVICES_PER_PROCESS} CPU devices, batch {s['batch']} sharded over "

@@ -15,6 +15,7 @@ key, integer tokens, and an accuracy ``aux`` output.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -255,13 +256,15 @@ def run_demo(
     timings = {"forward": 0.0, "backward": 0.0, "io": 0.0}
     timeline = _Timeline()
     zb_timeline = _Timeline()
-    own_dir = tempfile.TemporaryDirectory(prefix="residual-store-demo-") if store_path is None else None
-    path = store_path or own_dir.name  # type: ignore[union-attr]
+    scratch = tempfile.TemporaryDirectory(prefix="residual-store-demo-")  # removed at the end
+    path = store_path or os.path.join(scratch.name, "store")
+    kept = store_path is not None
 
+    where = path if kept else "a temporary store (removed at the end; --store DIR keeps one)"
     print_fn(
         f"residual-store demo: {cfg.n_layers}-layer transformer, {n} microbatches of "
         f"{cfg.microbatch}x{cfg.seq_len} tokens, {cfg.steps} steps; schedule F1..F{n}, B{n}..B1 "
-        f"with every context offloaded to {path}"
+        f"with every context offloaded to {where}"
     )
     # Size the budgets from one context: the device holds 2, host memory 3, the rest go to disk.
     probe_tokens = jnp.zeros((cfg.microbatch, cfg.seq_len + 1), jnp.int32)
@@ -288,7 +291,8 @@ def run_demo(
                 start = time.perf_counter()
                 if i > 0:
                     store.prefetch(keys[i - 1])
-                ctx = store.pop(keys[i])
+                last_kept = kept and step == cfg.steps - 1  # a kept store keeps the last step's contexts
+                ctx = store.get(keys[i]) if last_kept else store.pop(keys[i])
                 middle = time.perf_counter()
                 g = fwd.backward(ctx, jnp.float32(1.0 / n))
                 grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
@@ -301,25 +305,34 @@ def run_demo(
             losses.append(step_loss)
             diffs.append(diff)
             print_fn(f"  step {step + 1}/{cfg.steps}: loss {step_loss:.4f}, max rel. grad diff {diff:.2e}")
+        store.flush()
+        if kept:
+            store.gc(older_than=0)  # the popped contexts' recycled folders: nothing unreferenced is left
         key, data_key, drop_key = jax.random.split(key, 3)
         tokens = jax.random.randint(data_key, (n, cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
         drop_keys = jax.random.split(drop_key, n)
-        zb_grads, zb = _zero_bubble_step(cfg, params, tokens, drop_keys, store, zb_timeline)
+        with rs.Store(os.path.join(scratch.name, "zero-bubble"), device_budget=budgets["device"],
+                      host_budget=budgets["host"], durable=False) as zb_store:
+            zb_grads, zb = _zero_bubble_step(cfg, params, tokens, drop_keys, zb_store, zb_timeline)
         zb["max_rel_grad_diff"] = _tree_max_rel_diff(zb_grads, reference(params, tokens, drop_keys))
         compiles = ", ".join(f"{name} {f} forward and {b} backward (B, W)" for name, (f, b) in zb["compiles"].items())
         print_fn(
             f"  zero-bubble step: the model as 2 stages, ZB-H1 order ({len(zb['steps'])} steps, B and W "
             f"split, W deferred), max rel. grad diff {zb['max_rel_grad_diff']:.2e}; compiles: {compiles}"
         )
-        store.flush()
     finally:
         store.close()
-        if own_dir is not None:
-            own_dir.cleanup()
+        scratch.cleanup()
 
     info = fwd.cache_info()
     peaks = {tier: max(getattr(timeline, tier)) for tier in ("device", "host", "disk")}
-    _print_report(print_fn, losses, diffs, timings, peaks, budgets, info, cfg)
+    _print_report(print_fn, timings, peaks, budgets, info, cfg)
+    if kept:
+        print_fn(
+            f"the store keeps step {cfg.steps}'s {n} contexts (step{cfg.steps - 1}-mb0..mb{n - 1}); look inside:\n"
+            f"  residual-store ls {path}\n  residual-store inspect {path} step{cfg.steps - 1}-mb0\n"
+            f"  residual-store du {path}"
+        )
     first_step = _Timeline(*(getattr(timeline, f.name)[: 2 * n] for f in dataclasses.fields(_Timeline)))
     panels = [
         (f"one training step: F1..F{n}, then B{n}..B1 (every context through the store)", first_step),
@@ -341,17 +354,15 @@ def run_demo(
 
 def _print_report(
     print_fn: Callable[[str], None],
-    losses: list[float],
-    diffs: list[float],
     timings: dict[str, float],
     peaks: dict[str, int],
     budgets: dict[str, int],
     info: Any,
     cfg: DemoConfig,
 ) -> None:
-    rows = [("step", "loss", "max rel. diff vs jax.grad")]
-    rows += [(str(i + 1), f"{loss:.4f}", f"{d:.2e}") for i, (loss, d) in enumerate(zip(losses, diffs))]
-    rows += [("", "", ""), ("tier", "peak bytes", "budget")]
+    """One table (the steps' losses and gradient checks are printed as they run): peak bytes of
+    the contexts' own residuals per tier against the budgets, time, compiles."""
+    rows = [("tier (contexts' own bytes)", "peak bytes", "budget")]
     rows += [(t, f"{peaks[t]:,}", f"{budgets[t]:,}" if t in budgets else "-") for t in ("device", "host", "disk")]
     rows += [("", "", ""), ("time", "seconds", "")]
     rows += [(k, f"{v:.2f}", "") for k, v in timings.items()]
@@ -384,7 +395,8 @@ def _plot(
     for ax, (title, timeline) in zip(axes[:, 0], panels):
         x = list(range(len(timeline.labels)))
         for tier, color in (("device", "tab:red"), ("host", "tab:blue"), ("disk", "tab:gray")):
-            ax.step(x, [b * mib for b in getattr(timeline, tier)], where="post", label=f"{tier}", color=color, linewidth=1.6)
+            name = "disk (committed)" if tier == "disk" else tier
+            ax.step(x, [b * mib for b in getattr(timeline, tier)], where="post", label=name, color=color, linewidth=1.6)
             if tier in budgets:
                 ax.axhline(budgets[tier] * mib, color=color, linestyle="--", linewidth=0.9, label=f"{tier} budget")
         ax.set_xticks(x, timeline.labels, rotation=90, fontsize=8)

@@ -19,12 +19,19 @@ def test_demo_small(tmp_path):
         assert 0 < result["peak_bytes"][tier] <= result["budgets"][tier]
     assert result["peak_bytes"]["disk"] > 0
     text = "\n".join(lines)
-    assert "peak bytes" in text and "compiles" in text and "max rel. diff" in text
+    assert "peak bytes" in text and "compiles" in text and "max rel. grad diff" in text
     zb = result["zero_bubble"]  # the same model as two stages, B and W split, W deferred
     assert zb["max_rel_grad_diff"] < 1e-4
     assert zb["compiles"] == {"stage 1": (1, 2), "stage 2": (1, 2)}
     assert [s.op for s in zb["steps"]].count("W") == 2 * SMALL.n_microbatches
     assert "zero-bubble step" in text
+    # the store given is kept, with the last step's contexts and nothing unreferenced
+    import residual_store as rs
+
+    with rs.Store(tmp_path / "store", read_only=True) as store:
+        assert store.keys() == [f"step1-mb{i}" for i in range(SMALL.n_microbatches)]
+        assert store.gc(older_than=0, dry_run=True)["bytes"] == 0
+    assert f"residual-store ls {tmp_path / 'store'}" in text and "residual-store du" in text
 
 
 def test_demo_writes_the_plot(tmp_path):
