@@ -372,13 +372,16 @@ def _cmd_du(args: argparse.Namespace) -> int:
         "total": total,
         **{name: size for name, size in measured.items()},
         "recycled": free,
-        "gc_would_free": None if reclaim["bytes"] < 0 else reclaim["bytes"],
+        "gc_would_free": None if reclaim["bytes"] < 0 or reclaim.get("skipped_corrupt") else reclaim["bytes"],
         "signatures": per_sig,
     }
     rows = [["signature", "contexts", "intermediate", "inputs", "weights (once)"]]
     for sig, e in sorted(per_sig.items()):
         rows.append([sig, str(e["contexts"]), _human(e["intermediate"]), _human(e["input"]), _human(e["weights"])])
-    if total is None:
+    if reclaim.get("skipped_corrupt"):
+        disk_lines = [f"on disk: {_human(total)} in all" if total is not None else "",
+                      "gc removes nothing while a manifest is unreadable (see `residual-store verify`)"]
+    elif total is None:
         disk_lines = ["disk usage: not measurable on this kvstore (bytes above are as the manifests record them)"]
     else:
         sizes = ", ".join(f"{name} {_human(size or 0)}" for name, size in measured.items())
@@ -393,9 +396,17 @@ def _cmd_du(args: argparse.Namespace) -> int:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
+    """Removes contexts, a damaged one included (its manifest goes; gc removes its data)."""
+    from residual_store.errors import InvalidKeyError
+    from residual_store.store.keys import validate_key
+
     disk = _open_disk(args.path, read_only=False)
-    for key in args.keys:  # every key checked before any is removed
-        _stored(disk, key)
+    try:
+        missing = [k for k in args.keys if validate_key(k) not in disk]  # checked before any is removed
+    except InvalidKeyError as err:
+        raise _UsageError(str(err)) from None
+    if missing:
+        raise _UsageError(f"no {'context' if len(missing) == 1 else 'contexts'} {', '.join(map(repr, missing))} in store {disk.description}")
     for key in args.keys:
         _, stale = disk.delete(key)
         if stale is not None:

@@ -241,3 +241,38 @@ def test_a_kvstore_spec_as_path_and_corrupt_manifests(tmp_path):
     assert verify.returncode == 1 and [d["key"] for d in json.loads(verify.stdout)["damaged"]] == ["broken"]
     unknown = _cli("verify", path, "good", "nope")
     assert unknown.returncode == 2 and "no context 'nope'" in unknown.stderr and "DAMAGED" not in unknown.stdout
+    assert _cli("diff", path, "good", "broken").returncode == 2
+    du = _cli("du", path, "--json")
+    assert du.returncode == 0 and [e["contexts"] for e in json.loads(du.stdout)["signatures"].values()] == [1]
+    assert json.loads(du.stdout)["gc_would_free"] is None and "unreadable" in _cli("du", path).stdout
+    # the way out: rm the damaged context, then everything works again
+    assert _cli("rm", path, "broken").returncode == 0
+    assert _cli("verify", path).returncode == 0 and _cli("gc", path, "--older-than", "0").returncode == 0
+    assert [e["key"] for e in json.loads(_cli("ls", path, "--json").stdout)] == ["good"]
+
+
+def test_every_command_on_a_kvstore_spec(tmp_path):
+    """The file driver through tensorstore: the kvstore path of every command (no modification
+    times, no sizes in a listing)."""
+    path = str(tmp_path / "store")
+    fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w)), argnums=(0, 1))
+    spec_store = {"driver": "file", "path": path, "file_io_sync": False}  # an option: the kvstore path, not the folder's
+    with rs.Store(spec_store) as store:
+        for i in range(2):
+            store.put(fwd(jnp.ones((3, 2)), jnp.full((4, 3), float(i)))[1], f"mb{i}")
+    spec = json.dumps(spec_store)
+    assert "2 contexts" in _cli("ls", spec).stdout
+    assert "intermediate" in _cli("inspect", spec, "mb0").stdout
+    assert _cli("verify", spec).returncode == 0
+    du = json.loads(_cli("du", spec, "--json").stdout)
+    assert du["measured"] is False and du["total"] is None and du["signatures"]
+    assert "not measurable on this kvstore" in _cli("du", spec).stdout
+    out = tmp_path / "mb1.npz"
+    assert _cli("export", spec, "mb1", "-o", str(out)).returncode == 0 and out.exists()
+    assert "3 residuals of 4 differ" in _cli("diff", spec, "mb0", "mb1").stdout  # all but the weight w
+    assert _cli("rm", spec, "mb0").returncode == 0
+    # rm on a kvstore removes the data at once (no folders to recycle): nothing is left for gc
+    dry = json.loads(_cli("gc", spec, "--older-than", "0", "--dry-run", "--json").stdout)
+    assert dry["data"] == dry["recycled"] == dry["young"] == 0 and dry["bytes"] == 0
+    assert _cli("gc", spec, "--older-than", "0").stdout.startswith("removed nothing")
+    assert [e["key"] for e in json.loads(_cli("ls", spec, "--json").stdout)] == ["mb1"]

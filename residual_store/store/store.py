@@ -129,7 +129,7 @@ class Store:
       >>> import jax.numpy as jnp, residual_store as rs, tempfile
       >>> fwd = rs.split(lambda w: jnp.sum(jnp.sin(w) ** 2))
       >>> _, ctx = fwd(jnp.arange(3.0))
-      >>> with rs.Store(tempfile.mkdtemp(), device_budget=0) as store:
+      >>> with tempfile.TemporaryDirectory() as path, rs.Store(path, device_budget=0) as store:
       ...     key = store.put(ctx, "step0-mb0")
       ...     grads = rs.backward(store.get(key))
     """
