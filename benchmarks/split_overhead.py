@@ -254,12 +254,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([line(cols), "-+-".join("-" * w for w in widths), *map(line, cells)])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(doc: str) -> argparse.Namespace:
+    """``--runs`` and ``--quick``, and a header line naming JAX, the platform and the runs."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="timed runs per number (default 20)")
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; medians of {args.runs} runs\n")
+    return args
+
+
+def main() -> None:
+    args = parse_args(__doc__)
     rows = [
         measure_model("MLP 8x1024 tanh, batch 256" if not args.quick else "MLP (quick)", *mlp_case(args.quick), args.runs),
         measure_model(

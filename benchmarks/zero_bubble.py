@@ -28,7 +28,6 @@ Goals (issue 13), printed as one table with a verdict per goal:
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import pathlib
@@ -44,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import residual_store as rs  # noqa: E402
 from residual_store.store.tiers import own_nbytes  # noqa: E402
-from split_overhead import interleaved_medians, mlp_stage_case, table, transformer_stage_case  # noqa: E402
+from split_overhead import interleaved_medians, mlp_stage_case, parse_args, table, transformer_stage_case  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -122,11 +121,7 @@ def _example() -> Any:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=20, help="timed runs per number (default 20)")
-    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
-    args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; medians of {args.runs} runs\n")
+    args = parse_args(__doc__)
     halves = [
         measure_halves("MLP stage 8x1024 tanh, batch 256" if not args.quick else "MLP stage (quick)",
                        *mlp_stage_case(args.quick), args.runs),

@@ -69,12 +69,17 @@ def test_du_and_gc(store_path):
     assert json.loads(_cli("verify", store_path, "--json").stdout)["damaged"] == []
 
 
-def test_verify_finds_damage(tmp_path):
-    path = str(tmp_path / "store")
+def _two_contexts(path: str, second: str) -> None:
+    """A store at ``path`` with two contexts of one signature: ``good`` and ``second``."""
     fwd = rs.split(lambda x: jnp.sum(jnp.sin(x) ** 2))
     with rs.Store(path) as store:
         store.put(fwd(jnp.arange(4.0))[1], "good")
-        store.put(fwd(jnp.arange(4.0) + 1)[1], "bad")
+        store.put(fwd(jnp.arange(4.0) + 1)[1], second)
+
+
+def test_verify_finds_damage(tmp_path):
+    path = str(tmp_path / "store")
+    _two_contexts(path, "bad")
     clean = _cli("verify", path)
     assert clean.returncode == 0 and "0 damaged" in clean.stdout
     record_dir = [d for d in os.listdir(os.path.join(path, "data")) if d.startswith("bad.")][0]
@@ -217,10 +222,7 @@ def test_gc_dry_run_then_gc_and_du(tmp_path):
 
 def test_a_kvstore_spec_as_path_and_corrupt_manifests(tmp_path):
     path = str(tmp_path / "store")
-    fwd = rs.split(lambda x: jnp.sum(jnp.sin(x) ** 2))
-    with rs.Store(path) as store:
-        store.put(fwd(jnp.arange(4.0))[1], "good")
-        store.put(fwd(jnp.arange(4.0) + 1)[1], "broken")
+    _two_contexts(path, "broken")
     spec = json.dumps({"driver": "file", "path": path})
     assert [e["key"] for e in json.loads(_cli("ls", spec, "--json").stdout)] == ["broken", "good"]
     assert _cli("verify", spec).returncode == 0
