@@ -171,12 +171,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     "signature": stored.spec.signature,
                     "residuals": len(stored.records),
                     "bytes": stored.nbytes,
-                    "intermediate_bytes": sum(r.nbytes for r in stored.records if not r.shared),
+                    "own_bytes": sum(r.nbytes for r in stored.records if not r.shared),
                     "created": stored.created,
+                    "age": now - stored.created,
                 }
             )
     statuses = {sig: _backward_status(disk, sig) for sig in sorted({e["signature"] for e in entries if "signature" in e})}
-    rows = [["key", "residuals", "size", "own", "signature", "backward", "age"]]
+    rows = [["key", "residuals", "bytes", "own bytes", "signature", "backward", "age"]]
     for e in entries:
         if "error" in e:
             rows.append([e["key"], "-", "-", "-", "CORRUPT", "-", e["error"]])
@@ -184,9 +185,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             status = statuses[e["signature"]]
             e["backward"] = status
             rows.append([
-                e["key"], str(e["residuals"]), _human(e["bytes"]), _human(e["intermediate_bytes"]),
+                e["key"], str(e["residuals"]), _human(e["bytes"]), _human(e["own_bytes"]),
                 e["signature"], ",".join(status["platforms"]) if status["stored"] else "no",
-                _age(now - e["created"]),
+                _age(e["age"]),
             ])
     lines = [_plural(len(entries), "context")] + [f"{sig}: backward {_backward_text(st)}" for sig, st in statuses.items()]
     _emit(args, entries, _table(rows) + "\n" + "\n".join(lines))
@@ -348,12 +349,12 @@ def _cmd_du(args: argparse.Namespace) -> int:
         if not isinstance(stored, StoredContext):
             continue
         entry = per_sig.setdefault(
-            stored.spec.signature, {"contexts": 0, "intermediate": 0, "input": 0, "weights": 0}
+            stored.spec.signature, {"contexts": 0, "intermediate": 0, "inputs": 0, "weights": 0}
         )
         entry["contexts"] += 1
         for record, kind in zip(stored.records, stored.spec.kinds):
             if not record.shared:  # the context's own: intermediates and per-context inputs
-                entry["input" if kind == "input" else "intermediate"] += record.nbytes
+                entry["inputs" if kind == "input" else "intermediate"] += record.nbytes
             elif record.path not in seen:
                 seen.add(record.path)
                 entry["weights"] += record.nbytes
@@ -377,7 +378,7 @@ def _cmd_du(args: argparse.Namespace) -> int:
     }
     rows = [["signature", "contexts", "intermediate", "inputs", "weights (once)"]]
     for sig, e in sorted(per_sig.items()):
-        rows.append([sig, str(e["contexts"]), _human(e["intermediate"]), _human(e["input"]), _human(e["weights"])])
+        rows.append([sig, str(e["contexts"]), _human(e["intermediate"]), _human(e["inputs"]), _human(e["weights"])])
     if reclaim.get("skipped_corrupt"):
         disk_lines = [f"on disk: {_human(total)} in all" if total is not None else "",
                       "gc removes nothing while a manifest is unreadable (see `residual-store verify`)"]

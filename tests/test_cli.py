@@ -60,7 +60,7 @@ def test_du_and_gc(store_path):
     du = json.loads(_cli("du", store_path, "--json").stdout)
     (entry,) = du["signatures"].values()
     assert entry["contexts"] == 3 and entry["intermediate"] > 0 and entry["weights"] > 0
-    assert entry["input"] == 3 * 4 * 3 * 4  # each context's batch x, float32[4, 3]
+    assert entry["inputs"] == 3 * 4 * 3 * 4  # each context's batch x, float32[4, 3]
     orphan = os.path.join(store_path, "weights", "0" * 32)
     os.makedirs(orphan)
     gc = json.loads(_cli("gc", store_path, "--older-than", "0", "--json").stdout)

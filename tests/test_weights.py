@@ -121,7 +121,7 @@ def test_du_and_inspect_tell_inputs_from_weights(tmp_path, rng):
     cli = [sys.executable, "-m", "residual_store"]
     du = json.loads(subprocess.run([*cli, "du", root, "--json"], capture_output=True, text=True, check=True).stdout)
     (entry,) = du["signatures"].values()
-    assert entry["input"] == 3 * int(np.prod(ACT)) * 4  # each context's own activation
+    assert entry["inputs"] == 3 * int(np.prod(ACT)) * 4  # each context's own activation
     assert entry["weights"] == int(np.prod(W)) * 4  # the weight matrix, once (b is no residual)
     rows = json.loads(
         subprocess.run([*cli, "inspect", root, "mb1", "--json"], capture_output=True, text=True, check=True).stdout
