@@ -154,6 +154,44 @@ def call_body(eqn: Any) -> tuple[Any, tuple[Any, ...]] | None:
     return None
 
 
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def inline_calls(closed_jaxpr: Any, in_avals: Sequence[Any]) -> Any:
+    """``closed_jaxpr`` traced again with every ``jit`` call's body in place of the call
+    (``checkpoint`` bodies, scans and custom derivative rules stay whole): the same computation,
+    whose every operation a pass over the top level sees (assumption ``BIND_EQUATION``)."""
+
+    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        read = lambda v: v.val if is_literal(v) else env[v]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            body = call_body(eqn) if eqn.primitive.name in _INLINED else None
+            outs = run(body[0], body[1], ins) if body is not None else bind_equation(eqn, ins)
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    import jax  # noqa: PLC0415 - this module imports only jax._src at the top
+
+    return jax.make_jaxpr(lambda *args: run(closed_jaxpr.jaxpr, closed_jaxpr.consts, args))(*in_avals)
+
+
+def with_outvars(jaxpr: Any, outvars: Sequence[Any]) -> Any:
+    """``jaxpr`` returning ``outvars`` (any of its variables) instead of its outputs (assumption
+    ``JAXPR_TEXT``: a ``Jaxpr`` has ``replace``)."""
+    return jaxpr.replace(outvars=list(outvars))
+
+
+def has_inner_jaxprs(eqn: Any) -> bool:
+    """Whether an equation holds jaxprs in its params (``jit``, ``scan``, ``checkpoint``, custom
+    derivative calls): a higher-order primitive (assumption ``JAXPR_TEXT``)."""
+    return bool(_inner_jaxprs(eqn)) or any(
+        callable(getattr(v, "call_wrapped", None)) for v in eqn.params.values()
+    )
+
+
 def equation_line(eqn: Any) -> tuple[str | None, int | None]:
     """The user's (file basename, line) that bound ``eqn`` (assumption ``EQN_SOURCE``)."""
     return _user_frame(eqn)

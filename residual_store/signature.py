@@ -98,6 +98,8 @@ def compute_signature(
     add("has_aux", repr(call.has_aux))
     if call.differentiated is not None:
         add("differentiated", repr(call.differentiated))
+    if call.save != "all":  # "all" adds nothing: the signatures of before stay
+        add("save", call.save)
     for index, value in statics:
         add("static", f"{index}={canon.value(value)}")
     add("context_mesh", repr(call.context_mesh))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from residual_store import _jax_internals, filters, names, placement, structure
+from residual_store import _jax_internals, filters, names, placement, remat, structure
 from residual_store.backward import Backward, register_backward, staged
 from residual_store.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
 from residual_store.halves import GradParts, Halves
@@ -55,6 +55,7 @@ _FROM_CONST, _FROM_INPUT, _FROM_OUTPUT = 0, 1, 2
 _WARNED_SIGNATURES: set[str] = set()
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
 _MAX_FOREIGN = 256  # signatures a split remembers it does not make
+_SAVE_CHOICES = ("all", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +159,11 @@ class Split:
         weight_argnums: int | Sequence[int] | None = None,
         filter: Callable[[Any], bool] | None = None,  # noqa: A002 - named like eqx.filter_grad's
         cache_size: int = DEFAULT_CACHE_SIZE,
+        save: str = "all",
     ) -> None:
+        if save not in _SAVE_CHOICES:
+            raise InvalidArgumentError(f"save must be one of {', '.join(map(repr, _SAVE_CHOICES))}, got {save!r}")
+        self.save = save
         if not callable(fun):
             raise InvalidArgumentError(f"split expects a callable, got {type(fun).__name__}")
         self.fun = fun
@@ -427,10 +432,10 @@ class Split:
                 ": it was written by residual-store 0.1, whose signatures did not cover what is "
                 "computed and recorded no input structure; run the forward again",
             )
-        mine = (self._argnums_option, self.weight_argnums, self.static_argnums, self.has_aux)
-        theirs = (call.argnums, call.weight_argnums, call.static_argnums, call.has_aux)
+        mine = (self._argnums_option, self.weight_argnums, self.static_argnums, self.has_aux, self.save)
+        theirs = (call.argnums, call.weight_argnums, call.static_argnums, call.has_aux, call.save)
         if mine != theirs:
-            names = ("argnums", "weight_argnums", "static_argnums", "has_aux")
+            names = ("argnums", "weight_argnums", "static_argnums", "has_aux", "save")
             diff = ", ".join(f"{n}={t!r} (this split: {m!r})" for n, m, t in zip(names, mine, theirs) if m != t)
             raise self._mismatch(spec, f": it was made by a split with {diff}")
         if (call.differentiated is None) != (self.filter is None):
@@ -618,6 +623,7 @@ class Split:
             context_mesh=context_mesh,
             unrecorded=unrecorded,
             differentiated=None if self.filter is None else tuple(differentiated),
+            save=self.save,
         )
 
     def _trace_call(
@@ -697,14 +703,18 @@ class Split:
         forward_jit = jax.jit(forward)
         traced = forward_jit.trace(consts, list(leaves))
         slots: tuple[tuple[int, int], ...] = box["slots"]
+        flat_bwd, grad_tree, templates = self._flat_backward(
+            box["vjp_tree"], out_avals, treedef, positions, differentiated
+        )
+        if self.save == "auto":  # keep the fewest bytes; the backward recomputes the rest
+            weights = [False] * n_consts + [pos not in self.weight_argnums for pos in leaf_args]
+            forward_jit, slots, flat_bwd = _keep_fewest_bytes(traced, slots, n_consts, weights, flat_bwd)
+            traced = forward_jit.trace(consts, list(leaves))
         jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
         residual_types = [
             jaxpr_in[i] if src == _FROM_CONST else jaxpr_in[n_consts + i] if src == _FROM_INPUT else jaxpr_out[i]
             for src, i in slots
         ]
-        flat_bwd, grad_tree, templates = self._flat_backward(
-            box["vjp_tree"], out_avals, treedef, positions, differentiated
-        )
         float_out = [i for i, a in enumerate(out_avals) if jax.dtypes.issubdtype(a.dtype, np.inexact)]
         bwd_jit = jax.jit(flat_bwd)
         parts = GradParts(
@@ -863,6 +873,50 @@ class Split:
             )
 
 
+def _keep_fewest_bytes(
+    traced: Any,
+    slots: tuple[tuple[int, int], ...],
+    n_consts: int,
+    input_cost: Sequence[bool],
+    flat_bwd: Callable[[Sequence[Any], Sequence[Any]], list[Any]],
+) -> tuple[Any, tuple[tuple[int, int], ...], Callable[[Sequence[Any], Sequence[Any]], list[Any]]]:
+    """``save="auto"``: a forward that returns, in place of its computed residuals, the values of
+    :func:`residual_store.remat.plan`, its slots, and a backward that recomputes the residuals
+    from them before running ``flat_bwd``."""
+    closed = _jax_internals.inline_calls(traced.jaxpr, [placement.abstract(a) for a in traced.jaxpr.in_avals])
+    jaxpr = closed.jaxpr
+    computed = [k for k, (src, _) in enumerate(slots) if src == _FROM_OUTPUT]
+    n_kept_out = len(jaxpr.outvars) - len(computed)  # outputs and aux come first
+    p = remat.plan(jaxpr, [jaxpr.outvars[slots[k][1]] for k in computed], input_cost)
+    kept_out = [v for v in p.kept if p.is_input(v) is None]
+
+    def slot_of_input(j: int) -> tuple[int, int]:
+        return (_FROM_CONST, j) if j < n_consts else (_FROM_INPUT, j - n_consts)
+
+    given = [slot for slot in slots if slot[0] != _FROM_OUTPUT]
+    extra = [slot_of_input(j) for v in p.kept if (j := p.is_input(v)) is not None]
+    new_slots = tuple(dict.fromkeys(given + extra)) + tuple(
+        (_FROM_OUTPUT, n_kept_out + k) for k in range(len(kept_out))
+    )
+    at = {slot: k for k, slot in enumerate(new_slots)}
+    picked = _jax_internals.with_outvars(jaxpr, list(jaxpr.outvars[:n_kept_out]) + kept_out)
+
+    def forward(consts: list[Any], flat: list[Any]) -> list[Any]:
+        return _jax_internals.eval_jaxpr(picked, closed.consts, *consts, *flat)
+
+    def backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
+        kept_values = [
+            residuals[at[(_FROM_OUTPUT, n_kept_out + kept_out.index(v))]] if (j := p.is_input(v)) is None
+            else residuals[at[slot_of_input(j)]]
+            for v in p.kept
+        ]
+        again = iter(p.rebuild(kept_values, closed.consts))
+        original = [next(again) if src == _FROM_OUTPUT else residuals[at[(src, i)]] for src, i in slots]
+        return flat_bwd(original, cts)
+
+    return jax.jit(forward), new_slots, backward
+
+
 def _count_backward(split_ref: weakref.ref[Split]) -> None:
     """Counts a backward compile on its split, if the split is still alive (a backward does not
     keep its split alive: contexts may outlive it)."""
@@ -880,6 +934,7 @@ def split(
     weight_argnums: int | Sequence[int] | None = None,
     filter: Callable[[Any], bool] | None = None,  # noqa: A002
     cache_size: int = DEFAULT_CACHE_SIZE,
+    save: str = "all",
 ) -> Split:
     """Splits ``fun`` into a forward that returns typed residuals and a backward that uses them.
 
@@ -901,6 +956,12 @@ def split(
         leaf is part of the signature.
       cache_size: how many signatures keep their compiled executables (least recently used
         dropped first).
+      save: ``"all"`` (the default) keeps every residual ``jax.vjp`` keeps; ``"auto"`` keeps the
+        values with the fewest bytes from which the backward recomputes the rest using only
+        cheap, pure operations (elementwise, layout, reductions; never matrix products,
+        convolutions, custom_vjp / custom_jvp calls, custom calls, callbacks, RNG operations,
+        collectives or the bodies of ``jit``, ``scan`` and ``checkpoint``), see
+        :mod:`residual_store.remat`. The choice is part of the signature.
 
     Returns:
       A :class:`Split`: ``out, ctx = fwd(*args)``; ``grads = fwd.backward(ctx, cotangent)``.
@@ -925,4 +986,5 @@ def split(
         weight_argnums=weight_argnums,
         filter=filter,
         cache_size=cache_size,
+        save=save,
     )

@@ -116,6 +116,7 @@ def _cached_call_map(call: CallSpec) -> dict[str, Any]:
         "unrecorded": call.unrecorded,
         **({} if call.differentiated is None else {"differentiated": list(call.differentiated)}),
         **({} if call.now is None else {"now": list(call.now), "parent": call.parent}),
+        **({} if call.save == "all" else {"save": call.save}),
     }
 
 
@@ -195,7 +196,14 @@ def _call_from_map(m: Any) -> CallSpec:
         differentiated=differentiated,
         now=now,
         parent=parent,
+        save=_save_choice(m.get("save", "all")),
     )
+
+
+def _save_choice(v: Any) -> str:
+    if v not in ("all", "auto"):
+        raise ValueError(f"save must be 'all' or 'auto', got {str(v)[:40]!r}")
+    return v
 
 
 def spec_to_map(
