@@ -81,7 +81,8 @@ class CallSpec:
       unrecorded: why ``in_tree`` or ``statics`` is ``None``.
       differentiated: with a split ``filter``, whether each leaf of ``in_avals`` is
         differentiated; ``None`` without one (every leaf of ``argnums`` is).
-      save: the split's ``save`` choice (``"all"`` or ``"auto"``).
+      save: the split's ``save`` choice: ``"all"``, ``"auto"``, or ``"policy:<qualified name>"``
+        for a checkpoint policy.
       now, parent: for the ``later`` context of a B/W split (``split.backward(ctx, ct,
         now=...)``), the arguments whose gradients B returned and the signature of the context
         it was split from (whose call this record otherwise is); ``None`` for any other.

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from residual_store import _jax_internals
+from residual_store.errors import InvalidArgumentError
 
-__all__ = ["CHEAP", "RematPlan", "plan"]
+__all__ = ["CHEAP", "RematPlan", "cheap", "plan", "policy_recomputable"]
 
 CHEAP: frozenset[str] = frozenset(
     {
@@ -59,12 +60,48 @@ CHEAP: frozenset[str] = frozenset(
 """Primitives a backward may run again: pure, and costing about one pass over their inputs."""
 
 
-def _cheap(eqn: Any) -> bool:
-    return (
-        eqn.primitive.name in CHEAP
-        and not eqn.effects
-        and not _jax_internals.has_inner_jaxprs(eqn)
-    )
+_NEVER: frozenset[str] = frozenset(
+    {
+        "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split",
+        "threefry2x32", "rng_bit_generator", "rng_uniform", "custom_call", "pallas_call", "ffi_call",
+        "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter", "psum_scatter",
+        "axis_index", "pure_callback", "io_callback", "debug_callback",
+    }
+)
+"""Primitives never run again, whatever a policy says: RNG, kernels, collectives, callbacks."""
+
+
+def _protected(eqn: Any) -> bool:
+    """Never recomputed: effects, higher-order primitives (their bodies stay whole), :data:`_NEVER`."""
+    return bool(eqn.effects) or _jax_internals.has_inner_jaxprs(eqn) or eqn.primitive.name in _NEVER
+
+
+def cheap(eqn: Any) -> bool:
+    """Whether ``save="auto"`` lets the backward run ``eqn`` again: in :data:`CHEAP`, and pure."""
+    return eqn.primitive.name in CHEAP and not _protected(eqn)
+
+
+def policy_recomputable(policy: Callable[..., Any]) -> Callable[[Any], bool]:
+    """What a JAX checkpoint policy (``policy(prim, *avals, **params) -> saveable``) lets the
+    backward recompute: what it does not save, except what is never recomputed.
+
+    Raises:
+      InvalidArgumentError: the policy raised (the message names the primitive).
+    """
+
+    def recomputable(eqn: Any) -> bool:
+        if _protected(eqn):
+            return False
+        try:
+            saveable = policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+        except Exception as err:  # noqa: BLE001 - whatever the user's policy raises
+            raise InvalidArgumentError(
+                f"the save policy {getattr(policy, '__qualname__', policy)!r} raised on primitive "
+                f"{eqn.primitive.name} ({type(err).__name__}: {err})"
+            ) from err
+        return not saveable
+
+    return recomputable
 
 
 def _nbytes(aval: Any) -> int:
@@ -143,10 +180,16 @@ class RematPlan:
         return [v.val if _jax_internals.is_literal(v) else env[v] for v in self.residuals]
 
 
-def plan(jaxpr: Any, residuals: Sequence[Any], input_cost: Sequence[bool]) -> RematPlan:
+def plan(
+    jaxpr: Any,
+    residuals: Sequence[Any],
+    input_cost: Sequence[bool],
+    recomputable: Callable[[Any], bool] = cheap,
+) -> RematPlan:
     """The cheapest set of values of the open ``jaxpr`` (a forward) to keep for ``residuals``
     (some of its vars), see the module docstring. ``input_cost[i]``: whether keeping input ``i``
-    costs its bytes (a per-context input) or nothing (a weight, a constant)."""
+    costs its bytes (a per-context input) or nothing (a weight, a constant). ``recomputable``:
+    which equations the backward may run again (default: the cheap ones)."""
     index: dict[Any, int] = {}
 
     def node(v: Any) -> int:
@@ -166,7 +209,7 @@ def plan(jaxpr: Any, residuals: Sequence[Any], input_cost: Sequence[bool]) -> Re
         flow.edge(2 * k, 2 * k + 1, _nbytes(v.aval) if costs else 0)
     producer: dict[Any, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        cheap = _cheap(eqn)
+        cheap = recomputable(eqn)
         for o in eqn.outvars:
             if _jax_internals.is_dropped(o):
                 continue
@@ -193,7 +236,7 @@ def plan(jaxpr: Any, residuals: Sequence[Any], input_cost: Sequence[bool]) -> Re
             continue
         seen.add(v)
         i = producer.get(v)
-        if i is None or not _cheap(jaxpr.eqns[i]):
+        if i is None or not recomputable(jaxpr.eqns[i]):
             raise AssertionError(f"remat plan: {v} is neither kept nor recomputable")  # a cut is a cover
         recompute.add(i)
         todo.extend(a for a in jaxpr.eqns[i].invars if not _jax_internals.is_literal(a))

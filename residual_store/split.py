@@ -44,6 +44,7 @@ from residual_store.errors import (
     ResidualStoreError,
     SignatureMismatchError,
 )
+from residual_store.canonical import qualified_name
 from residual_store.keypaths import PathStructure
 from residual_store.signature import compute_signature, is_current
 
@@ -159,10 +160,17 @@ class Split:
         weight_argnums: int | Sequence[int] | None = None,
         filter: Callable[[Any], bool] | None = None,  # noqa: A002 - named like eqx.filter_grad's
         cache_size: int = DEFAULT_CACHE_SIZE,
-        save: str = "all",
+        save: str | Callable[..., Any] = "all",
     ) -> None:
-        if save not in _SAVE_CHOICES:
-            raise InvalidArgumentError(f"save must be one of {', '.join(map(repr, _SAVE_CHOICES))}, got {save!r}")
+        if callable(save):
+            self._save_record = f"policy:{qualified_name(save)}"
+        elif save in _SAVE_CHOICES:
+            self._save_record = save
+        else:
+            raise InvalidArgumentError(
+                f"save must be one of {', '.join(map(repr, _SAVE_CHOICES))} or a JAX checkpoint policy "
+                f"(a callable such as jax.checkpoint_policies.dots_saveable), got {save!r}"
+            )
         self.save = save
         if not callable(fun):
             raise InvalidArgumentError(f"split expects a callable, got {type(fun).__name__}")
@@ -432,7 +440,7 @@ class Split:
                 ": it was written by residual-store 0.1, whose signatures did not cover what is "
                 "computed and recorded no input structure; run the forward again",
             )
-        mine = (self._argnums_option, self.weight_argnums, self.static_argnums, self.has_aux, self.save)
+        mine = (self._argnums_option, self.weight_argnums, self.static_argnums, self.has_aux, self._save_record)
         theirs = (call.argnums, call.weight_argnums, call.static_argnums, call.has_aux, call.save)
         if mine != theirs:
             names = ("argnums", "weight_argnums", "static_argnums", "has_aux", "save")
@@ -623,7 +631,7 @@ class Split:
             context_mesh=context_mesh,
             unrecorded=unrecorded,
             differentiated=None if self.filter is None else tuple(differentiated),
-            save=self.save,
+            save=self._save_record,
         )
 
     def _trace_call(
@@ -706,9 +714,10 @@ class Split:
         flat_bwd, grad_tree, templates = self._flat_backward(
             box["vjp_tree"], out_avals, treedef, positions, differentiated
         )
-        if self.save == "auto":  # keep the fewest bytes; the backward recomputes the rest
+        if self.save != "all":  # keep the fewest bytes; the backward recomputes the rest
             weights = [False] * n_consts + [pos not in self.weight_argnums for pos in leaf_args]
-            forward_jit, slots, flat_bwd = _keep_fewest_bytes(traced, slots, n_consts, weights, flat_bwd)
+            recomputable = remat.policy_recomputable(self.save) if callable(self.save) else remat.cheap
+            forward_jit, slots, flat_bwd = _keep_fewest_bytes(traced, slots, n_consts, weights, flat_bwd, recomputable)
             traced = forward_jit.trace(consts, list(leaves))
         jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
         residual_types = [
@@ -879,6 +888,7 @@ def _keep_fewest_bytes(
     n_consts: int,
     input_cost: Sequence[bool],
     flat_bwd: Callable[[Sequence[Any], Sequence[Any]], list[Any]],
+    recomputable: Callable[[Any], bool],
 ) -> tuple[Any, tuple[tuple[int, int], ...], Callable[[Sequence[Any], Sequence[Any]], list[Any]]]:
     """``save="auto"``: a forward that returns, in place of its computed residuals, the values of
     :func:`residual_store.remat.plan`, its slots, and a backward that recomputes the residuals
@@ -887,7 +897,7 @@ def _keep_fewest_bytes(
     jaxpr = closed.jaxpr
     computed = [k for k, (src, _) in enumerate(slots) if src == _FROM_OUTPUT]
     n_kept_out = len(jaxpr.outvars) - len(computed)  # outputs and aux come first
-    p = remat.plan(jaxpr, [jaxpr.outvars[slots[k][1]] for k in computed], input_cost)
+    p = remat.plan(jaxpr, [jaxpr.outvars[slots[k][1]] for k in computed], input_cost, recomputable)
     kept_out = [v for v in p.kept if p.is_input(v) is None]
 
     def slot_of_input(j: int) -> tuple[int, int]:
@@ -934,7 +944,7 @@ def split(
     weight_argnums: int | Sequence[int] | None = None,
     filter: Callable[[Any], bool] | None = None,  # noqa: A002
     cache_size: int = DEFAULT_CACHE_SIZE,
-    save: str = "all",
+    save: str | Callable[..., Any] = "all",
 ) -> Split:
     """Splits ``fun`` into a forward that returns typed residuals and a backward that uses them.
 
@@ -961,7 +971,10 @@ def split(
         cheap, pure operations (elementwise, layout, reductions; never matrix products,
         convolutions, custom_vjp / custom_jvp calls, custom calls, callbacks, RNG operations,
         collectives or the bodies of ``jit``, ``scan`` and ``checkpoint``), see
-        :mod:`residual_store.remat`. The choice is part of the signature.
+        :mod:`residual_store.remat`. A JAX checkpoint policy (e.g.
+        ``jax.checkpoint_policies.dots_saveable``) instead lets the backward recompute what the
+        policy does not save, with the same exceptions (RNG, kernels, callbacks, collectives and
+        higher-order primitives are never recomputed). The choice is part of the signature.
 
     Returns:
       A :class:`Split`: ``out, ctx = fwd(*args)``; ``grads = fwd.backward(ctx, cotangent)``.

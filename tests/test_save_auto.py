@@ -134,3 +134,32 @@ def test_an_auto_context_resumes_without_the_model(tmp_path):
     want = jax.tree.leaves(jax.grad(loss, argnums=(0, 1))(params, x))
     for i, w in enumerate(want):
         np.testing.assert_allclose(got[f"arr_{i}"], np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+def test_a_checkpoint_policy_as_save():
+    """A JAX policy chooses what may be recomputed (matrix products too, if it says so); RNG,
+    callbacks and higher-order primitives stay protected."""
+    loss = _loss(mlp_stage)
+    params, x = mlp_params(jax.random.key(8)), jax.random.normal(jax.random.key(9), (16, 8))
+    want = jax.grad(loss, argnums=(0, 1))(params, x)
+    own = {}
+    for name, save in (
+        ("all", "all"),
+        ("everything", jax.checkpoint_policies.everything_saveable),
+        ("dots", jax.checkpoint_policies.dots_saveable),
+        ("nothing", jax.checkpoint_policies.nothing_saveable),
+    ):
+        fwd = rs.split(loss, argnums=(0, 1), save=save)
+        _, ctx = fwd(params, x)
+        _close(fwd.backward(ctx), want)
+        own[name] = _own(ctx)
+        if name == "nothing":  # only the input x: the backward recomputes the whole forward
+            assert [k for k in ctx.spec.kinds if k != "weight"] == ["input"]
+            assert ctx.spec.call.save.startswith("policy:") and "nothing_saveable" in ctx.spec.call.save
+    assert own["everything"] == own["all"] > own["dots"] > own["nothing"] > 0
+
+    def broken(prim, *avals, **params):
+        raise RuntimeError("no")
+
+    with pytest.raises(rs.InvalidArgumentError, match="raised on primitive"):
+        rs.split(loss, argnums=(0, 1), save=broken)(params, x)

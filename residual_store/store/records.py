@@ -201,9 +201,9 @@ def _call_from_map(m: Any) -> CallSpec:
 
 
 def _save_choice(v: Any) -> str:
-    if v not in ("all", "auto"):
-        raise ValueError(f"save must be 'all' or 'auto', got {str(v)[:40]!r}")
-    return v
+    if v in ("all", "auto") or (isinstance(v, str) and v.startswith("policy:") and len(v) <= 300):
+        return v
+    raise ValueError(f"save must be 'all', 'auto' or 'policy:<name>', got {str(v)[:40]!r}")
 
 
 def spec_to_map(
