@@ -240,5 +240,8 @@ def plan(
             raise AssertionError(f"remat plan: {v} is neither kept nor recomputable")  # a cut is a cover
         recompute.add(i)
         todo.extend(a for a in jaxpr.eqns[i].invars if not _jax_internals.is_literal(a))
+    # only what is read: a value of no cost (a weight) may sit on the cut without being needed
+    read = set(residuals) | {a for i in recompute for a in jaxpr.eqns[i].invars if not _jax_internals.is_literal(a)}
     order = {v: i for i, v in enumerate(index)}
-    return RematPlan(jaxpr, tuple(sorted(kept, key=order.__getitem__)), tuple(sorted(recompute)), tuple(residuals))
+    kept_read = sorted((v for v in kept if v in read), key=order.__getitem__)
+    return RematPlan(jaxpr, tuple(kept_read), tuple(sorted(recompute)), tuple(residuals))
