@@ -163,3 +163,19 @@ def test_a_checkpoint_policy_as_save():
 
     with pytest.raises(rs.InvalidArgumentError, match="raised on primitive"):
         rs.split(loss, argnums=(0, 1), save=broken)(params, x)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_bw_split_of_an_auto_context(name):
+    """Zero-bubble and save="auto" together: B recomputes what the input gradient needs, W the
+    rest; the sum is still the vjp."""
+    stage, make, x_shape, _ = CASES[name]
+    k = jax.random.split(jax.random.key(10), 3)
+    params, x = make(k[0]), jax.random.normal(k[1], x_shape)
+    fwd = rs.split(stage, argnums=(0, 1), save="auto")
+    y, ctx = fwd(params, x)
+    ct = jax.random.normal(k[2], y.shape)
+    want_p, want_x = jax.vjp(stage, params, x)[1](ct)
+    dx, later = fwd.backward(ctx, ct, now=1)
+    _close(dx, want_x)
+    _close(rs.backward(later), want_p)
