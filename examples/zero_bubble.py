@@ -172,7 +172,8 @@ def main(argv=None, report=None):
     for declared in (True, False):
         with tempfile.TemporaryDirectory(prefix="zero-bubble-") as folder:
             stores = [
-                rs.Store(os.path.join(folder, f"stage{s}"), device_budget=peak_1f1b[s], host_budget=0, write_through=False)
+                rs.Store(os.path.join(folder, f"stage{s}"), device_budget=peak_1f1b[s], host_budget=0,
+                         write_through=False, device=devices[s])  # contexts come back on the stage's device
                 for s in range(n)
             ]
             if declared:

@@ -417,14 +417,16 @@ fwd = rs.split(stage, argnums=(0, 1))
 devices = jax.devices()
 k = jax.random.split(jax.random.key(0), 3)
 p0 = {"w": jax.random.normal(k[0], (8, 16)), "v": jax.random.normal(k[1], (16, 8))}
-with rs.Store(sys.argv[1], device_budget=0, host_budget=0) as store:
-    for d, dev in enumerate(devices):  # one signature (single-device placements are not in it), two devices
+for d, dev in enumerate(devices):  # one signature (single-device placements are not in it), two devices
+    # each stage's store reads its contexts back onto the stage's device
+    with rs.Store(f"{sys.argv[1]}-{d}", device_budget=0, host_budget=0, device=dev) as store:
         p = jax.device_put(p0, dev)
         x = jax.device_put(jax.random.normal(k[2], (4, 8)) + d, dev)
         ct = jax.device_put(jnp.ones((4, 8)), dev)
         y, ctx = fwd(p, x)
         want = jax.vjp(stage, p, x)[1](ct)
         store.put(ctx, f"c{d}")
+        assert {next(iter(r.devices())) for r in store.get(f"c{d}").residuals} == {dev}
         plain = fwd.backward(store.get(f"c{d}"), ct)       # read back from disk: no live backward
         dx, later = fwd.backward(store.get(f"c{d}"), ct, now=1)
         store.put(later, f"w{d}")

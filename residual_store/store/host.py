@@ -192,8 +192,9 @@ def to_host(ctx: ResidualContext) -> ResidualContext:
 
 
 
-def to_device(ctx: ResidualContext) -> ResidualContext:
-    """A copy of ``ctx`` in device memory (the default memory space); shared arrays stay shared."""
+def to_device(ctx: ResidualContext, device: jax.Device | None = None) -> ResidualContext:
+    """A copy of ``ctx`` in device memory (the default memory space of its arrays' devices; a
+    NumPy host copy goes to ``device``, else the default device); shared arrays stay shared."""
     copies: dict[int, Any] = {}
 
     def move(x: Any) -> Any:
@@ -206,7 +207,7 @@ def to_device(ctx: ResidualContext) -> ResidualContext:
                 x, sharding.with_memory_kind(default)
             )
         else:
-            moved = jax.device_put(x)
+            moved = jax.device_put(x, device)
         copies[id(x)] = moved
         return moved
 
@@ -218,14 +219,16 @@ def place(
     shared: Sequence[bool],
     key_impls: Sequence[str | None],
     shared_array: Callable[[int], jax.Array],
+    device: jax.Device | None = None,
 ) -> list[jax.Array]:
     """The residuals of a read context on the devices: the context's own arrays in one
-    ``device_put`` (on CPU it aliases a suitably aligned NumPy buffer instead of copying), a
+    ``device_put`` onto ``device`` (``None``: the default one; on CPU it aliases a suitably
+    aligned NumPy buffer instead of copying), a
     sharded one block by block onto its devices, a shared one (a weight) from ``shared_array(i)``,
     which keeps one device array per stored weight; typed PRNG keys wrapped again."""
     own = [i for i, s in enumerate(shared) if not s]
     plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
-    placed = dict(zip(plain, jax.device_put([arrays[i] for i in plain])))
+    placed = dict(zip(plain, jax.device_put([arrays[i] for i in plain], device)))
     for i in own:
         host = arrays[i]
         if isinstance(host, ShardedHost):

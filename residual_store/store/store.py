@@ -119,6 +119,9 @@ class Store:
         ``delete`` and ``gc`` raise :class:`ReadOnlyStoreError`. Implies ``create=False``.
       collective_timeout: in a multi-process job, seconds a process waits for the others at one
         step of a collective put or delete before it raises (a peer died or hangs).
+      device: the ``jax.Device`` that contexts read back from host memory or disk are placed on
+        (``None``: JAX's default device): a pipeline stage's store gives its stage's device.
+        Sharded residuals go back to their recorded mesh either way.
 
     Nothing put is lost on a normal exit: pending writes complete at interpreter exit (the end
     of the script, ``sys.exit``, an uncaught exception) and when the store is garbage-collected.
@@ -146,6 +149,7 @@ class Store:
         create: bool = True,
         read_only: bool = False,
         collective_timeout: float = TIMEOUT_S,
+        device: jax.Device | None = None,
     ) -> None:
         self._closed = True  # until every part exists: a failed constructor leaves no threads
         self._read_only = bool(read_only)
@@ -153,6 +157,9 @@ class Store:
             raise InvalidArgumentError("a memory-only store (path=None) cannot be read_only")
         _check_path(path)
         # Arguments first: a refused one must not leave a new store on disk.
+        if device is not None and not isinstance(device, jax.Device):
+            raise InvalidArgumentError(f"device must be a jax.Device or None, got {type(device).__name__}")
+        self._target = device
         self._tiers = Tiers(device_budget, host_budget, demote=to_host)
         self._device, self._host = self._tiers.device, self._tiers.host
         if (
@@ -469,10 +476,10 @@ class Store:
                 except StoreFullError:
                     stays = True
             if stays:
-                return to_device(source), []
+                return to_device(source, self._target), []
             if in_host:
                 self._host.remove(key, moved=True)
-            ctx = to_device(source)
+            ctx = to_device(source, self._target)
             self._device.add(key, ctx)
             return ctx, self._rebalance(protect=key)
 
@@ -490,7 +497,7 @@ class Store:
         _check_representable(key, stored.spec)
         residuals = place(
             arrays, [r.shared for r in stored.records], stored.key_impls,
-            functools.partial(self._shared_array, stored, arrays, live),
+            functools.partial(self._shared_array, stored, arrays, live), self._target,
         )
         ctx = ResidualContext(residuals, stored.spec)
         self._ensure_backward(stored.spec.signature)
@@ -514,7 +521,7 @@ class Store:
         with self._lock:
             live = self._weights.get(cache_key)
             if live is None:
-                live = to_device_sharded(x) if isinstance(x, ShardedHost) else jax.device_put(x)
+                live = to_device_sharded(x) if isinstance(x, ShardedHost) else jax.device_put(x, self._target)
                 self._weights[cache_key] = live
             return live
 
