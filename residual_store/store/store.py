@@ -442,15 +442,17 @@ class Store:
                 raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
             prefetched = self._loading.pop(key, None)
             self._tiers.schedule.consume(key)
-        self._prefetch_ahead()
         if prefetched is not None:
-            return prefetched.result()  # kept for this get even when the budgets could not hold it
-        ctx, spills = self._get_from_memory(key)
-        for write in spills:
-            self._schedule_write(*write)
-        if ctx is not None:
-            return ctx
-        return self._load_and_promote(key)
+            ctx = prefetched.result()  # kept for this get even when the budgets could not hold it
+        else:
+            ctx, spills = self._get_from_memory(key)
+            for write in spills:
+                self._schedule_write(*write)
+            if ctx is None:
+                ctx = self._load_and_promote(key)
+        # only now: a load ahead may push out the context just got (the schedule is done with it)
+        self._prefetch_ahead()
+        return ctx
 
     def _get_from_memory(
         self, key: str
