@@ -201,6 +201,11 @@ class Backward:
         """Executables compiled so far (one per placement of the residuals)."""
         return self._executables.compiles
 
+    def jaxpr(self, residual_avals: Sequence[Any], cotangent_avals: Sequence[Any]) -> Any:
+        """The ``ClosedJaxpr`` of the flat function on these abstract inputs (traced, not
+        compiled): what a B/W split partitions."""
+        return self._jitted.trace(list(residual_avals), list(cotangent_avals)).jaxpr
+
     def drop_compiled(self) -> None:
         """Forgets the executables (the split's cache evicted them); the next call compiles again."""
         self._executables.clear()

@@ -99,7 +99,7 @@ class Halves:
         counts = {p: len(jax.tree.leaves(t)) for p, t in parts.templates}
         b_mask = [p in now for p in order for _ in range(counts[p])]
         res_avals, ct_avals = list(parts.residual_avals), list(parts.cotangent_avals)
-        closed = parent._jitted.trace(res_avals, ct_avals).jaxpr
+        closed = parent.jaxpr(res_avals, ct_avals)
         self.partition: Partition = partition(closed, b_mask)
         self.parent = parent
         self.now = now
