@@ -74,6 +74,14 @@ def _duration(text: str) -> float:
     return value
 
 
+def _refuse_missing(disk: Any, missing: Sequence[str]) -> None:
+    """One line naming the keys the store does not hold, if any."""
+    if missing:
+        raise _UsageError(
+            f"no {'context' if len(missing) == 1 else 'contexts'} {', '.join(map(repr, missing))} in store {disk.description}"
+        )
+
+
 def _stored(disk: Any, key: str) -> Any:
     """The parsed manifest of ``key``, or a one-line error for an unknown or invalid key."""
     from residual_store.errors import ContextNotFoundError, InvalidKeyError
@@ -252,8 +260,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise _UsageError(str(err)) from None
     except CorruptContextError as err:
         return store_damaged(err)
-    if missing:
-        raise _UsageError(f"no {'context' if len(missing) == 1 else 'contexts'} {', '.join(map(repr, missing))} in store {disk.description}")
+    _refuse_missing(disk, missing)
     check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
     damaged, checked = [], 0
     for key in _progress(keys, "verifying", not args.json):
@@ -406,8 +413,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
         missing = [k for k in args.keys if validate_key(k) not in disk]  # checked before any is removed
     except InvalidKeyError as err:
         raise _UsageError(str(err)) from None
-    if missing:
-        raise _UsageError(f"no {'context' if len(missing) == 1 else 'contexts'} {', '.join(map(repr, missing))} in store {disk.description}")
+    _refuse_missing(disk, missing)
     for key in args.keys:
         _, stale = disk.delete(key)
         if stale is not None:
