@@ -114,6 +114,19 @@ def transformer_block_case(quick: bool) -> tuple[Callable[..., Any], tuple[Any, 
     return _as_loss(transformer_stage_case(quick))
 
 
+def scan_transformer_case(quick: bool) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The demo transformer's loss (``residual_store.demo``) with its layers under a plain
+    ``lax.scan`` (no ``jax.checkpoint``): 4 layers, d_model 256, d_ff 1024, 4x128 tokens."""
+    from residual_store.demo import DemoConfig, init_transformer, transformer_loss
+
+    cfg = DemoConfig(vocab=256, d_model=256, n_heads=4, d_ff=1024, n_layers=4, seq_len=128, microbatch=4, remat=False)
+    if quick:
+        cfg = DemoConfig(vocab=64, d_model=64, n_heads=4, d_ff=256, n_layers=2, seq_len=32, microbatch=2, remat=False)
+    params = init_transformer(jax.random.key(2), cfg)
+    tokens = jax.random.randint(jax.random.key(3), (cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
+    return (lambda p, t, k: transformer_loss(p, t, k, cfg)[0]), (params, tokens, jax.random.key(4))
+
+
 def measure_model(
     name: str, loss: Callable[..., Any], args: tuple[Any, ...], runs: int, save: str = "all"
 ) -> dict[str, Any]:
@@ -277,6 +290,7 @@ def main() -> None:
         for name, case in (
             ("MLP 8x1024 tanh, batch 256" if not args.quick else "MLP (quick)", mlp_case),
             ("transformer block s256 d512 h8" if not args.quick else "block (quick)", transformer_block_case),
+            ("demo transformer, plain scan, 4 layers d256" if not args.quick else "scan (quick)", scan_transformer_case),
         )
         for save in ("all", "auto")
     ]

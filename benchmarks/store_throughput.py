@@ -40,7 +40,8 @@ intermediates per context), all forwards then all backwards (F1..F16, B16..B1) w
 ``rs.split``: contexts kept in a Python list, against every context ``put`` into a disk
 ``Store(path, device_budget=0, host_budget=0)`` (write-through; the contexts leave memory) with
 ``store.prefetch`` one backward ahead, then ``store.get`` and the backward; the step ends with
-``store.flush()``, so the writer's work is counted. Durable and non-durable stores. Besides the
+``store.flush()``, so the writer's work is counted. Durable and non-durable stores, each with
+``save="all"`` and ``save="auto"`` (fewer bytes to move; the backward recomputes the rest). Besides the
 wall time, the process's user and system CPU seconds per step (``getrusage``, all threads: XLA's,
 and the store's writer and loaders), so the I/O threads' cost shows.
 
@@ -60,7 +61,8 @@ ratio from the medians of one table; "x raw" is raw time / store time (higher is
 - 2 MiB: the same three at >= 0.7x raw;
 - 4 MiB durable round trip >= 10x faster than Orbax save + restore;
 - schedule through the spilled store <= 1.15x in memory without fsync, <= 1.25x with fsync;
-  its gradients bit-identical (``np.array_equal``) to the in-memory ones;
+  its gradients bit-identical (``np.array_equal``) to the in-memory ones; with ``save="auto"``
+  (issue 15) <= 1.1x the in-memory ``save="all"`` without fsync;
 - split forward + backward <= 1.10x fused ``value_and_grad``.
 
 A goal that this run could not measure (a size not in ``--sizes``, no page-cache drop, no Orbax)
@@ -564,6 +566,7 @@ def _print_checksums(t_by_size: dict[int, dict[str, float]]) -> None:
 
 IN_MEMORY = "in memory (list)"
 SPILLED = "store, durable={}"
+SPILLED_AUTO = "store, durable={}, save='auto'"
 
 
 def measure_schedule(base: Path, repeats: int) -> dict[str, Any]:
@@ -571,9 +574,8 @@ def measure_schedule(base: Path, repeats: int) -> dict[str, Any]:
     n = cfg.n_microbatches
     key = jax.random.key(cfg.seed)
     params = init_transformer(key, cfg)
-    fwd = rs.split(
-        lambda p, tokens, k: transformer_loss(p, tokens, k, cfg), argnums=0, has_aux=True
-    )
+    loss = lambda p, tokens, k: transformer_loss(p, tokens, k, cfg)  # noqa: E731
+    splits = {save: rs.split(loss, argnums=0, has_aux=True, save=save) for save in ("all", "auto")}
     data_key, drop_key = jax.random.split(jax.random.key(1))
     tokens = jax.random.randint(data_key, (n, cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
     batches = [tokens[i] for i in range(n)]
@@ -583,14 +585,14 @@ def measure_schedule(base: Path, repeats: int) -> dict[str, Any]:
     def add(a: Any, b: Any) -> Any:
         return b if a is None else jax.tree.map(jnp.add, a, b)
 
-    def in_memory() -> Any:
+    def in_memory(fwd: rs.Split = splits["all"]) -> Any:
         contexts = [fwd(params, batches[i], drop_keys[i])[1] for i in range(n)]
         grads = None
         for ctx in reversed(contexts):
             grads = add(grads, fwd.backward(ctx, ct))
         return jax.block_until_ready(grads)
 
-    def via_store(store: rs.Store) -> Any:
+    def via_store(store: rs.Store, fwd: rs.Split) -> Any:
         keys = [f"mb{i}" for i in range(n)]
         for i in range(n):
             store.put(fwd(params, batches[i], drop_keys[i])[1], keys[i])
@@ -604,25 +606,35 @@ def measure_schedule(base: Path, repeats: int) -> dict[str, Any]:
         store.flush()
         return grads
 
-    ctx0 = fwd(params, batches[0], drop_keys[0])[1]
-    inter = sum(x.nbytes for x, k in zip(ctx0.residuals, ctx0.spec.kinds) if k == "intermediate")
+    def own(save: str) -> int:
+        ctx = splits[save](params, batches[0], drop_keys[0])[1]
+        return sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in ("intermediate", "input"))
+
+    ctx0 = splits["all"](params, batches[0], drop_keys[0])[1]
+    labels = {(d, save): (SPILLED if save == "all" else SPILLED_AUTO).format(d) for d in (True, False) for save in splits}
     stores = {
-        durable: rs.Store(
-            base / f"schedule-{int(durable)}", device_budget=0, host_budget=0, durable=durable
-        )
-        for durable in (True, False)
+        (d, save): rs.Store(base / f"schedule-{int(d)}-{save}", device_budget=0, host_budget=0, durable=d)
+        for d, save in labels
     }
     try:
         reference = jax.tree.leaves(in_memory())
-        identical = {}
-        for durable, store in stores.items():
-            got = jax.tree.leaves(via_store(store))
-            identical[durable] = len(got) == len(reference) and all(
-                np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, reference)
-            )
+        want = jax.tree.leaves(in_memory(splits["auto"]))
+        identical, auto_close = {}, {}
+        for (d, save), store in stores.items():
+            got = jax.tree.leaves(via_store(store, splits[save]))
+            if save == "all":
+                identical[d] = len(got) == len(reference) and all(
+                    np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, reference)
+                )
+            else:  # the same values as "auto" in memory, and jax.grad's up to rounding
+                identical[f"{d}, auto"] = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
+                auto_close[d] = max(
+                    float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / max(float(np.max(np.abs(np.asarray(b)))), 1e-30)
+                    for a, b in zip(got, reference)
+                )
         cases = {
             IN_MEMORY: Case(in_memory),
-            **{SPILLED.format(d): Case(lambda d=d: via_store(stores[d])) for d in (True, False)},
+            **{label: Case(lambda k=k: via_store(stores[k], splits[k[1]])) for k, label in labels.items()},
         }
         t = _interleaved_medians(cases, repeats)
     finally:
@@ -630,11 +642,13 @@ def measure_schedule(base: Path, repeats: int) -> dict[str, Any]:
             s.close()
     return {
         "cfg": cfg,
-        "own_bytes": inter,
+        "own_bytes": own("all"),
+        "own_bytes_auto": own("auto"),
         "context_bytes": ctx0.nbytes,
         "t": t,
         "cpu": {name: case.median_cpu() for name, case in cases.items()},
         "identical": identical,
+        "auto_rel_diff": auto_close,
     }
 
 
@@ -644,16 +658,19 @@ def _print_schedule(s: dict[str, Any], reps: int) -> None:
         f"\nschedule: {cfg.n_microbatches} microbatches of the demo transformer "
         f"({cfg.n_layers} layers, d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.microbatch}x{cfg.seq_len} "
         f"tokens), F1..F{cfg.n_microbatches} then B{cfg.n_microbatches}..B1; a context holds "
-        f"{s['own_bytes'] / 2**20:.2f} MiB of intermediates ({s['context_bytes'] / 2**20:.2f} MiB "
+        f"{s['own_bytes'] / 2**20:.2f} MiB of intermediates with save='all', "
+        f"{s['own_bytes_auto'] / 2**20:.2f} MiB with save='auto' ({s['context_bytes'] / 2**20:.2f} MiB "
         f"with weights); medians of {reps} steps, round-robin; CPU: process user and system "
-        f"seconds per step, all threads (getrusage)"
+        f"seconds per step, all threads (getrusage); grads: bit-identical to the same save in memory"
     )
-    rows = [(IN_MEMORY, IN_MEMORY, "-")] + [
-        (SPILLED.format(d), f"Store(path, budgets 0), prefetch+get, durable={d}", str(s["identical"][d]))
-        for d in (True, False)
+    rows = [(IN_MEMORY, IN_MEMORY + ", save='all'", "-")] + [
+        ((SPILLED if save == "all" else SPILLED_AUTO).format(d),
+         f"Store(path, budgets 0), prefetch+get, durable={d}, save={save!r}",
+         str(s["identical"][d if save == "all" else f"{d}, auto"]))
+        for save in ("all", "auto") for d in (True, False)
     ]
     header = (
-        f"{'contexts':<52} | {'ms/step':>8} | {'ratio':>6} | {'user s':>7} | {'sys s':>7} | "
+        f"{'contexts':<68} | {'ms/step':>8} | {'ratio':>6} | {'user s':>7} | {'sys s':>7} | "
         f"{'CPU/wall':>8} | {'grads identical':>15}"
     )
     print(header)
@@ -661,9 +678,11 @@ def _print_schedule(s: dict[str, Any], reps: int) -> None:
     for name, label, same in rows:
         user, system = cpu[name]
         print(
-            f"{label:<52} | {t[name] * 1e3:>8.1f} | {t[name] / t[IN_MEMORY]:>6.2f} | {user:>7.3f} | "
+            f"{label:<68} | {t[name] * 1e3:>8.1f} | {t[name] / t[IN_MEMORY]:>6.2f} | {user:>7.3f} | "
             f"{system:>7.3f} | {(user + system) / t[name]:>8.2f} | {same:>15}"
         )
+    print("save='auto' against jax.grad's values (the in-memory 'all'), largest relative difference: "
+          + ", ".join(f"durable={d}: {e:.1e}" for d, e in s["auto_rel_diff"].items()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -791,6 +810,10 @@ def _schedule_goals(goals: Goals, s: dict[str, Any]) -> None:
             f"spilled schedule (durable={durable}) / in memory",
             t[SPILLED.format(durable)] / t[IN_MEMORY], "<=", target,
         )  # fmt: skip
+    goals.ratio(
+        "spilled schedule, save='auto' (durable=False) / in memory 'all'",
+        t[SPILLED_AUTO.format(False)] / t[IN_MEMORY], "<=", 1.10,
+    )  # fmt: skip
     same = s["identical"]
     goals.check(
         "spilled schedule gradients bit-identical to in memory",

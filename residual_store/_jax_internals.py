@@ -60,6 +60,7 @@ Assumptions (the tests refer to them by these tags):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -105,12 +106,26 @@ def is_dropped(v: Any) -> bool:
     return isinstance(v, _core.DropVar)
 
 
-def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Runs one equation on ``invals`` in the current trace; its outputs as a list
-    (assumption ``BIND_EQUATION``)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
+@contextlib.contextmanager
+def equation_context(eqn: Any, caller: Any = None) -> Iterator[None]:
+    """What is bound inside is attributed to ``eqn``'s source line and name stack, under its
+    context (assumption ``BIND_EQUATION``): a computation made again keeps its names. An
+    equation of a ``jit`` body records only the frames inside the body (a ``jnp`` function's
+    own, say): when it has no user line, it takes that of ``caller``, the equation that called
+    the body, if given."""
+    traceback = eqn.source_info.traceback
+    if caller is not None and equation_line(eqn) == (None, None):
+        traceback = caller.source_info.traceback
     name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    with _source_info_util.user_context(traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
+def bind_equation(eqn: Any, invals: Sequence[Any], caller: Any = None) -> list[Any]:
+    """Runs one equation on ``invals`` in the current trace; its outputs as a list (assumption
+    ``BIND_EQUATION``); ``caller`` as in :func:`equation_context`."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with equation_context(eqn, caller):
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -157,23 +172,49 @@ def call_body(eqn: Any) -> tuple[Any, tuple[Any, ...]] | None:
 _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
-def inline_calls(closed_jaxpr: Any, in_avals: Sequence[Any]) -> Any:
-    """``closed_jaxpr`` traced again with every ``jit`` call's body in place of the call
-    (``checkpoint`` bodies, scans and custom derivative rules stay whole): the same computation,
-    whose every operation a pass over the top level sees (assumption ``BIND_EQUATION``)."""
+def _holds_calls(jaxpr: Any) -> bool:
+    return any(
+        eqn.primitive.name in _INLINED or (eqn.primitive.name == "scan" and _holds_calls(eqn.params["jaxpr"].jaxpr))
+        for eqn in jaxpr.eqns
+    )
 
-    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+
+def inline_calls(closed_jaxpr: Any, in_avals: Sequence[Any]) -> Any:
+    """``closed_jaxpr`` traced again with every ``jit`` call's body in place of the call, at the
+    top level and in scan bodies (``checkpoint`` bodies and custom derivative rules stay whole):
+    the same computation, whose every operation a pass over a level sees (assumption
+    ``BIND_EQUATION``)."""
+    import jax  # noqa: PLC0415 - this module imports only jax._src at the top
+
+    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], caller: Any = None) -> list[Any]:
         env = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         read = lambda v: v.val if is_literal(v) else env[v]  # noqa: E731
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
             body = call_body(eqn) if eqn.primitive.name in _INLINED else None
-            outs = run(body[0], body[1], ins) if body is not None else bind_equation(eqn, ins)
+            scan = scan_parts(eqn)
+            inner_caller = caller if caller is not None and equation_line(eqn) == (None, None) else eqn
+            if body is not None:
+                outs = run(body[0], body[1], ins, inner_caller)
+            elif scan is not None and _holds_calls(scan.body):
+                outs = run_scan(eqn, scan, ins, caller, inner_caller)
+            else:
+                outs = bind_equation(eqn, ins, caller)
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
 
-    import jax  # noqa: PLC0415 - this module imports only jax._src at the top
+    def run_scan(eqn: Any, scan: ScanParts, ins: Sequence[Any], caller: Any, inner_caller: Any) -> list[Any]:
+        nc, nk = scan.num_consts, scan.num_carry
+
+        def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+            outs = run(scan.body, scan.consts, [*ins[:nc], *carry, *x], inner_caller)
+            return outs[:nk], outs[nk:]
+
+        with equation_context(eqn, caller):
+            final, ys = jax.lax.scan(step, list(ins[nc : nc + nk]), list(ins[nc + nk :]), length=scan.length,
+                                     reverse=scan.reverse, unroll=scan.unroll)
+        return [*final, *ys]
 
     return jax.make_jaxpr(lambda *args: run(closed_jaxpr.jaxpr, closed_jaxpr.consts, args))(*in_avals)
 

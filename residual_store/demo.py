@@ -44,6 +44,8 @@ class DemoConfig:
     steps: int = 3
     learning_rate: float = 0.05
     dropout: float = 0.1
+    remat: bool = True  # the layers under jax.checkpoint saving only named outputs; False: a plain scan
+    compare_save: bool = True  # one more step per save choice and layer variant (save="all" vs "auto")
     seed: int = 0
 
 
@@ -103,9 +105,12 @@ def _embed(params: Params, inputs: jax.Array) -> jax.Array:
 
 
 def _layers(layers: Params, x: jax.Array, keys: jax.Array, cfg: DemoConfig) -> jax.Array:
-    """The blocks, one per leading index of ``layers``, under ``lax.scan`` and ``jax.checkpoint``."""
-    policy = jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_hidden")
-    body = jax.checkpoint(_block(cfg, train=True), policy=policy)
+    """The blocks, one per leading index of ``layers``, under ``lax.scan``; with ``cfg.remat``
+    each under ``jax.checkpoint`` saving only the attention and MLP outputs (a hand-written
+    policy), else plain (``jax.vjp`` keeps every intermediate of every layer)."""
+    body = _block(cfg, train=True)
+    if cfg.remat:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_hidden"))
     return jax.lax.scan(body, x, (layers, keys))[0]
 
 
@@ -219,6 +224,89 @@ def _zero_bubble_step(
     return grads, {"steps": steps, "compiles": compiles}
 
 
+def _save_comparison(
+    cfg: DemoConfig, params: Params, tokens: jax.Array, drop_keys: jax.Array, folder: str,
+    reference: Callable[..., Any], repeats: int = 3,
+) -> list[dict[str, Any]]:
+    """``save="all"`` against ``save="auto"``, for the layers under the demo's hand-written
+    checkpoint policy and as a plain scan: one step (F1..Fn, then Bn..B1) with the contexts in a
+    list, and through a store with zero budgets (each context spilled to disk, read back ahead of
+    its backward). Per row: the contexts' own bytes, the medians of ``repeats`` steps (after one
+    to compile) and the gradients' largest relative difference from ``jax.grad``."""
+    import residual_store as rs
+    from residual_store.store.tiers import own_nbytes
+
+    n, ct = cfg.n_microbatches, jnp.float32(1.0 / cfg.n_microbatches)
+    want = reference(params, tokens, drop_keys)
+
+    def median_seconds(step: Callable[[], Any]) -> tuple[float, Any]:
+        grads = step()  # compiles
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(step())
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2], grads
+
+    rows = []
+    for remat in (True, False):
+        variant = dataclasses.replace(cfg, remat=remat)
+        for save in ("all", "auto"):
+            fwd = rs.split(lambda p, t, k, c=variant: transformer_loss(p, t, k, c), argnums=0, has_aux=True, save=save)
+
+            def backwards(contexts: Any, fwd: Any = fwd) -> Any:
+                grads = None
+                for ctx in contexts:
+                    g = fwd.backward(ctx, ct)
+                    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+                return grads
+
+            def in_memory(fwd: Any = fwd, backwards: Any = backwards) -> Any:
+                return backwards(reversed([fwd(params, tokens[i], drop_keys[i])[1] for i in range(n)]))
+
+            name = f"{'checkpoint' if remat else 'plain'}-{save}"
+            with rs.Store(os.path.join(folder, name), device_budget=0, host_budget=0, durable=False) as store:
+
+                def gets(keys: list[str], store: Any = store) -> Any:
+                    for i in reversed(range(n)):
+                        if i > 0:
+                            store.prefetch(keys[i - 1])
+                        yield store.pop(keys[i])
+
+                def spilled(fwd: Any = fwd, store: Any = store, backwards: Any = backwards, gets: Any = gets) -> Any:
+                    keys = [store.put(fwd(params, tokens[i], drop_keys[i])[1], f"mb{i}") for i in range(n)]
+                    return backwards(gets(keys))
+
+                t_memory, grads = median_seconds(in_memory)
+                t_spilled, spilled_grads = median_seconds(spilled)
+            own = own_nbytes(fwd(params, tokens[0], drop_keys[0])[1])
+            rows.append({
+                "layers": "jax.checkpoint, named outputs saved" if remat else "plain lax.scan",
+                "save": save,
+                "own_bytes": own,
+                "ms_in_memory": t_memory * 1e3,
+                "ms_spilled": t_spilled * 1e3,
+                "max_rel_grad_diff": max(_tree_max_rel_diff(grads, want), _tree_max_rel_diff(spilled_grads, want)),
+            })
+    return rows
+
+
+def _print_save_comparison(print_fn: Callable[[str], None], rows: list[dict[str, Any]], cfg: DemoConfig) -> None:
+    n = cfg.n_microbatches
+    table = [("layers", "save", "MiB/context", "ms/step in memory", "ms/step spilled", "max rel. grad diff")]
+    base = {r["layers"]: r for r in rows if r["save"] == "all"}
+    for r in rows:
+        ratio = r["own_bytes"] / base[r["layers"]]["own_bytes"]
+        table.append((r["layers"], repr(r["save"]), f"{r['own_bytes'] / 2**20:.2f} ({ratio:.2f}x)",
+                      f"{r['ms_in_memory']:.1f}", f"{r['ms_spilled']:.1f}", f"{r['max_rel_grad_diff']:.1e}"))
+    widths = [max(len(t[c]) for t in table) for c in range(len(table[0]))]
+    print_fn(
+        f"save='all' vs save='auto': one step, F1..F{n} then B{n}..B1, contexts in a list (in memory) or "
+        f"through a store with budgets 0 (spilled: every context to disk and back)"
+    )
+    print_fn("\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table))
+
+
 def run_demo(
     cfg: DemoConfig = DemoConfig(),
     *,
@@ -239,7 +327,10 @@ def run_demo(
     Returns a dict with ``losses``, ``max_rel_grad_diff`` (per step), ``cache_info``,
     ``timings`` (seconds: forward, backward, io), ``peak_bytes`` per tier, ``budgets``,
     ``plot`` (the PNG's path, or ``None`` without matplotlib) and ``zero_bubble`` (its
-    ``steps``, ``compiles`` per stage and ``max_rel_grad_diff``).
+    ``steps``, ``compiles`` per stage and ``max_rel_grad_diff``) and ``save``: ``save="all"``
+    against ``save="auto"`` on one more step, for the layers under the demo's checkpoint policy
+    and as a plain scan (rows with ``own_bytes``, ``ms_in_memory``, ``ms_spilled``,
+    ``max_rel_grad_diff``).
     """
     import tempfile
 
@@ -320,6 +411,10 @@ def run_demo(
             f"  zero-bubble step: the model as 2 stages, ZB-H1 order ({len(zb['steps'])} steps, B and W "
             f"split, W deferred), max rel. grad diff {zb['max_rel_grad_diff']:.2e}; compiles: {compiles}"
         )
+        save_rows = (
+            _save_comparison(cfg, params, tokens, drop_keys, os.path.join(scratch.name, "save"), reference)
+            if cfg.compare_save else []
+        )
     finally:
         store.close()
         scratch.cleanup()
@@ -327,6 +422,8 @@ def run_demo(
     info = fwd.cache_info()
     peaks = {tier: max(getattr(timeline, tier)) for tier in ("device", "host", "disk")}
     _print_report(print_fn, timings, peaks, budgets, info, cfg)
+    if save_rows:
+        _print_save_comparison(print_fn, save_rows, cfg)
     if kept:
         print_fn(
             f"the store keeps step {cfg.steps}'s {n} contexts (step{cfg.steps - 1}-mb0..mb{n - 1}); look inside:\n"
@@ -349,6 +446,7 @@ def run_demo(
         "budgets": budgets,
         "plot": plot,
         "zero_bubble": zb,
+        "save": save_rows,
     }
 
 

@@ -6,9 +6,9 @@ normalized input of its input. :func:`plan` chooses, over the forward's computat
 values to keep with the fewest bytes such that every residual the backward reads can be computed
 again from them and the forward's inputs using only cheap, pure operations (:data:`CHEAP`); the
 backward then recomputes the rest before it runs. Matrix products, convolutions, custom_vjp /
-custom_jvp calls, custom calls and kernels, callbacks, RNG operations, collectives and every
-higher-order primitive (``jit``, ``scan``, ``checkpoint``: their bodies are kept whole) are
-never recomputed: what they produce is kept when something needs it.
+custom_jvp calls, custom calls and kernels, callbacks, RNG operations, collectives,
+``checkpoint_name``'d values and the bodies of ``checkpoint``, ``while`` and ``cond`` are never
+recomputed: what they produce is kept when something needs it.
 
 The choice is a minimum cut (as PyTorch's compiler partitions its joint graph): every value ``v``
 of the forward is an edge ``v_in -> v_out`` costing its bytes (keeping it); a cheap operation
@@ -17,6 +17,14 @@ forward's inputs, hang from the source (they exist only in the forward); the res
 backward reads hang on the sink. The cut's edges are the values to keep; the values on the sink
 side are recomputed. Weights and closed-over constants cost nothing (held by reference); the
 other inputs (a stage's input activation, the batch) cost their bytes.
+
+Scans (layers under ``lax.scan``) are planned inside: their body gets its own cut over one
+iteration, whose kept values the forward stacks over the iterations (:class:`Stacked`); in the
+top-level graph the scan's per-iteration residuals then come from a *rebuild* that reads every
+stacked value, so the top-level cut weighs keeping the residuals against keeping the stacks. A
+rebuild never runs as a loop of its own when it can be helped: :func:`run_backward` makes each
+iteration's residuals inside the backward's scan that reads them, where XLA fuses the
+recomputation into its uses, so the whole residual stacks are never written to memory.
 
 Reductions (``reduce_sum``, ``reduce_max``...) count as cheap: like elementwise operations they
 read each element once, and a layer norm's statistics are one; so do indexing (``gather``,
@@ -33,12 +41,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from residual_store import _jax_internals
 from residual_store.errors import InvalidArgumentError
 
-__all__ = ["CHEAP", "RematPlan", "cheap", "plan", "policy_recomputable"]
+__all__ = ["CHEAP", "RematPlan", "Stacked", "abstract", "cheap", "is_lazy", "plan", "policy_recomputable", "run_backward"]
 
 CHEAP: frozenset[str] = frozenset(
     {
@@ -144,40 +153,250 @@ class _Flow:
                 self.cap[b][a] += push
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stacked:
+    """A value of a scan's body kept once per iteration: the body's ``value`` (a body variable
+    or a deeper :class:`Stacked`) stacked over the iterations of the scan equation ``eqn``.
+    Compared by identity: one object per kept value."""
+
+    eqn: int
+    value: Any
+    aval: Any  # one iteration's
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.aval) * self.length
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rebuild:
+    """The node of a scan's rebuild in the cut's graph: it needs all of the scan's kept values."""
+
+    eqn: int
+
+
+def _read(env: dict[Any, Any], v: Any) -> Any:
+    return v.val if _jax_internals.is_literal(v) else env[v]
+
+
 @dataclasses.dataclass(frozen=True)
 class RematPlan:
     """What a forward keeps and what its backward recomputes.
 
     Attributes:
-      kept: the forward's values to keep, in the order of the forward's equations: invars (by
-        index among the jaxpr's inputs) or equation outputs.
-      recompute: indices of the forward's equations the backward runs again, in order.
-      residuals: the forward's outvars that are the residuals the backward reads.
+      jaxpr: the forward (an open jaxpr).
+      kept: what to keep, in the order of the forward's equations: its variables (inputs by
+        their index among the jaxpr's inputs, or equation outputs) and :class:`Stacked` values
+        of the scans in ``scans``.
+      recompute: indices of the forward's equations the backward runs again, in order; a scan in
+        ``scans`` runs as its rebuild (the cheap part of its body, once per iteration).
+      residuals: the forward's variables that are the residuals the backward reads.
+      scans: the scans whose bodies are planned too, by equation index.
     """
 
     jaxpr: Any
     kept: tuple[Any, ...]
     recompute: tuple[int, ...]
     residuals: tuple[Any, ...]
+    scans: dict[int, _ScanPlan] = dataclasses.field(default_factory=dict)
 
     def is_input(self, v: Any) -> int | None:
         """The index of ``v`` among the jaxpr's inputs, or ``None``."""
+        if isinstance(v, Stacked):
+            return None
         try:
             return list(self.jaxpr.invars).index(v)
         except ValueError:
             return None
 
-    def rebuild(self, kept_values: Sequence[Any], consts: Sequence[Any] = ()) -> list[Any]:
+    def evaluate(self, consts: Sequence[Any], args: Sequence[Any], want: Sequence[Any]) -> list[Any]:
+        """Runs the forward on its constants and ``args``, each planned scan also stacking the
+        values it keeps; the values of ``want`` (variables of the jaxpr, :class:`Stacked`)."""
+        env = self._forward(consts, args)
+        return [_read(env, v) for v in want]
+
+    def _forward(self, consts: Sequence[Any], args: Sequence[Any]) -> dict[Any, Any]:
+        env: dict[Any, Any] = dict(zip(self.jaxpr.constvars, consts))
+        env.update(zip(self.jaxpr.invars, args))
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            ins = [_read(env, v) for v in eqn.invars]
+            scan = self.scans.get(i)
+            if scan is None:
+                outs = _jax_internals.bind_equation(eqn, ins)
+            else:
+                outs, stacks = scan.forward(eqn, ins)
+                env.update(zip(scan.stacked, stacks))
+            env.update(zip(eqn.outvars, outs))
+        return env
+
+    def rebuild(self, kept_values: Sequence[Any], consts: Sequence[Any] = (), lazy: bool = False) -> list[Any]:
         """The residuals, from the kept values (in ``kept``'s order) and the jaxpr's own
-        constants: the recomputed ones again."""
+        constants: the recomputed ones again. With ``lazy``, a planned scan's outputs come as
+        placeholders that :func:`run_backward` rebuilds inside the backward's own scan, one
+        iteration at a time (never the whole stack at once)."""
         env = dict(zip(self.jaxpr.constvars, consts))
         env.update(zip(self.kept, kept_values))
+        self._recompute(env, lazy)
+        return [_read(env, v) for v in self.residuals]
+
+    def _recompute(self, env: dict[Any, Any], lazy: bool = False) -> None:
         eqns = self.jaxpr.eqns
         for i in self.recompute:
-            eqn = eqns[i]
-            ins = [v.val if _jax_internals.is_literal(v) else env[v] for v in eqn.invars]
-            env.update(zip(eqn.outvars, _jax_internals.bind_equation(eqn, ins)))
-        return [v.val if _jax_internals.is_literal(v) else env[v] for v in self.residuals]
+            eqn, scan = eqns[i], self.scans.get(i)
+            if scan is None:
+                ins = [_force(_read(env, v)) for v in eqn.invars]
+                env.update(zip(eqn.outvars, _jax_internals.bind_equation(eqn, ins)))
+                continue
+            pending = scan.pending(eqn, env)
+            outs = [_Lazy(pending, k) for k in range(len(scan.planned))] if lazy else pending.outputs()
+            env.update(zip((eqn.outvars[k] for k in scan.planned), outs))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScanPlan:
+    """A scan whose body is planned: the forward runs it stacking ``stacked`` besides its own
+    outputs; the backward's rebuild scans ``stacked`` (and the kept per-iteration inputs) to
+    make the outputs at ``planned`` (per-iteration outputs the backward needs) again."""
+
+    parts: _jax_internals.ScanParts
+    body: RematPlan  # over parts.body; its residuals are the body outputs at ``planned``
+    planned: tuple[int, ...]  # positions among the scan equation's outputs
+    stacked: tuple[Stacked, ...]  # the body's kept per-iteration values: carries, computed
+    consts: tuple[int, ...]  # positions among the equation's inputs of kept loop constants
+    xs: tuple[int, ...]  # positions among the equation's inputs of kept per-iteration inputs
+
+    def forward(self, eqn: Any, ins: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """The scan equation ``eqn`` run on ``ins``: its outputs and the stacks of ``stacked``."""
+        p, nc, nk = self.parts, self.parts.num_consts, self.parts.num_carry
+        consts, init, xs = list(ins[:nc]), list(ins[nc : nc + nk]), list(ins[nc + nk :])
+        out = p.body.outvars
+
+        def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
+            env = self.body._forward(p.consts, consts + carry + x)
+            ys = [_read(env, v) for v in out[nk:]]
+            return [_read(env, v) for v in out[:nk]], (ys, [env[s.value] for s in self.stacked])
+
+        with _jax_internals.equation_context(eqn):
+            final, (ys, stacks) = jax.lax.scan(step, init, xs, length=p.length, reverse=p.reverse, unroll=p.unroll)
+        return list(final) + list(ys), list(stacks)
+
+    def pending(self, eqn: Any, env: dict[Any, Any]) -> _PendingRebuild:
+        """The rebuild of the outputs at ``planned``, reading the kept values in ``env``."""
+        return _PendingRebuild(
+            self,
+            eqn,
+            {self.parts.body.invars[j]: _force(_read(env, eqn.invars[j])) for j in self.consts},
+            [_force(_read(env, eqn.invars[j])) for j in self.xs],
+            [env[s] for s in self.stacked],
+        )
+
+
+class _PendingRebuild:
+    """A planned scan's rebuild and what it reads: run whole (:meth:`outputs`, once) or one
+    iteration at a time inside another scan (:meth:`iteration`)."""
+
+    def __init__(self, scan: _ScanPlan, eqn: Any, consts: dict[Any, Any], xs: list[Any], stacks: list[Any]) -> None:
+        self.scan, self.eqn, self.consts, self.xs, self.stacks = scan, eqn, consts, xs, stacks
+        self._outputs: list[Any] | None = None
+
+    def iteration(self, xs: Sequence[Any], stacks: Sequence[Any]) -> list[Any]:
+        """One iteration's outputs at ``planned``, from its slices of ``xs`` and ``stacks``."""
+        scan = self.scan
+        env = dict(zip(scan.parts.body.constvars, scan.parts.consts))
+        env.update(self.consts)
+        env.update(zip((scan.parts.body.invars[j] for j in scan.xs), xs))
+        env.update(zip((s.value for s in scan.stacked), stacks))
+        scan.body._recompute(env)
+        return [_read(env, v) for v in scan.body.residuals]
+
+    def outputs(self) -> list[Any]:
+        """The outputs at ``planned``, every iteration stacked (made once)."""
+        if self._outputs is None:
+            # no carry: every iteration reads and writes index i of its stacks, whatever the direction
+            with _jax_internals.equation_context(self.eqn):
+                _, ys = jax.lax.scan(lambda _, x: (None, self.iteration(*x)), None, (self.xs, self.stacks),
+                                     length=self.scan.parts.length)
+            self._outputs = list(ys)
+        return self._outputs
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Lazy:
+    """Output ``k`` of a pending rebuild, not made yet."""
+
+    pending: _PendingRebuild
+    k: int
+
+    @property
+    def aval(self) -> Any:
+        body_aval = self.pending.scan.body.residuals[self.k].aval
+        return jax.ShapeDtypeStruct((self.pending.scan.parts.length, *body_aval.shape), body_aval.dtype)
+
+
+def _force(x: Any) -> Any:
+    return x.pending.outputs()[x.k] if isinstance(x, _Lazy) else x
+
+
+def is_lazy(x: Any) -> bool:
+    """Whether ``x`` is a residual :meth:`RematPlan.rebuild` left to :func:`run_backward`."""
+    return isinstance(x, _Lazy)
+
+
+def abstract(x: Any) -> Any:
+    """The shape and dtype of a residual, lazy or not."""
+    if isinstance(x, _Lazy):
+        return x.aval
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def run_backward(closed_jaxpr: Any, args: Sequence[Any]) -> list[Any]:
+    """Evaluates a backward's jaxpr on ``args``, some of them lazy residuals of
+    :meth:`RematPlan.rebuild`: a scan that reads them as per-iteration inputs rebuilds each
+    iteration's slices in its own body, where XLA fuses the recomputation into their uses (the
+    stacks are never made whole); anything else that reads one makes it."""
+    return _run(closed_jaxpr.jaxpr, closed_jaxpr.consts, args)
+
+
+def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        ins = [_read(env, v) for v in eqn.invars]
+        if not any(isinstance(x, _Lazy) for x in ins):
+            outs = _jax_internals.bind_equation(eqn, ins)
+        elif (scan := _jax_internals.scan_parts(eqn)) is not None and not any(
+            isinstance(x, _Lazy) for x in ins[: scan.num_consts + scan.num_carry]
+        ):
+            outs = _fused_scan(eqn, scan, ins)
+        elif eqn.primitive.name in ("jit", "pjit") and (body := _jax_internals.call_body(eqn)) is not None:
+            outs = _run(body[0], body[1], ins)
+        else:
+            outs = _jax_internals.bind_equation(eqn, [_force(x) for x in ins])
+        env.update(zip(eqn.outvars, outs))
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _fused_scan(eqn: Any, scan: _jax_internals.ScanParts, ins: Sequence[Any]) -> list[Any]:
+    """A backward scan whose per-iteration inputs include lazy residuals: each iteration first
+    rebuilds its slices of them (from its slices of the kept stacks), then runs the body."""
+    nc, nk = scan.num_consts, scan.num_carry
+    consts, init, xs = list(ins[:nc]), list(ins[nc : nc + nk]), list(ins[nc + nk :])
+    pendings = list({id(x.pending): x.pending for x in xs if isinstance(x, _Lazy)}.values())
+    plain = [None if isinstance(x, _Lazy) else x for x in xs]
+
+    def step(carry: list[Any], x: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
+        plain_x, per_pending = x
+        made = {id(p): p.iteration(*slices) for p, slices in zip(pendings, per_pending)}
+        full = [made[id(v.pending)][v.k] if isinstance(v, _Lazy) else px for v, px in zip(xs, plain_x)]
+        outs = _run(scan.body, scan.consts, [*consts, *carry, *full])
+        return outs[:nk], outs[nk:]
+
+    with _jax_internals.equation_context(eqn):
+        final, ys = jax.lax.scan(step, init, (plain, [(p.xs, p.stacks) for p in pendings]), length=scan.length,
+                                 reverse=scan.reverse, unroll=scan.unroll)
+    return [*final, *ys]
 
 
 def plan(
@@ -190,6 +409,63 @@ def plan(
     (some of its vars), see the module docstring. ``input_cost[i]``: whether keeping input ``i``
     costs its bytes (a per-context input) or nothing (a weight, a constant). ``recomputable``:
     which equations the backward may run again (default: the cheap ones)."""
+    costs = [_nbytes(v.aval) if c else 0 for v, c in zip(jaxpr.invars, input_cost)]
+    return _plan(jaxpr, residuals, costs, recomputable)
+
+
+def _wanted(jaxpr: Any, residuals: Sequence[Any], recomputable: Callable[[Any], bool]) -> set[Any]:
+    """The variables a backward might read or recompute from: the residuals and, through every
+    recomputable equation or scan that makes one, its inputs (an over-approximation)."""
+    wanted = {v for v in residuals if not _jax_internals.is_literal(v)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(o in wanted for o in eqn.outvars) and (recomputable(eqn) or eqn.primitive.name == "scan"):
+            wanted.update(v for v in eqn.invars if not _jax_internals.is_literal(v))
+    return wanted
+
+
+def _plan_scan(
+    i: int, eqn: Any, wanted: set[Any], free: set[Any], recomputable: Callable[[Any], bool]
+) -> _ScanPlan | None:
+    """The plan of a scan's body for its per-iteration outputs in ``wanted``, or ``None`` when
+    planning gains nothing (no output wanted, nothing recomputed)."""
+    parts = _jax_internals.scan_parts(eqn)
+    if parts is None:
+        return None
+    nc, nk = parts.num_consts, parts.num_carry
+    planned = tuple(k for k in range(nk, len(eqn.outvars)) if eqn.outvars[k] in wanted)
+    if not planned:
+        return None
+    body = parts.body
+    length = max(parts.length, 1)
+
+    def cost(j: int) -> int:
+        bv, outer = body.invars[j], eqn.invars[j]
+        if j < nc:  # a loop constant: kept once, its bytes shared by the iterations
+            return 0 if _jax_internals.is_literal(outer) or outer in free else -(-_nbytes(bv.aval) // length)
+        if j < nc + nk:  # a carry: kept by stacking it
+            return _nbytes(bv.aval)
+        return 0 if outer in free else _nbytes(bv.aval)
+
+    inner = _plan(body, [body.outvars[k] for k in planned], [cost(j) for j in range(len(body.invars))], recomputable)
+    if not inner.recompute:
+        return None
+    position = {v: j for j, v in enumerate(body.invars)}
+    stacked, consts, xs = [], [], []
+    for v in inner.kept:
+        j = position.get(v) if not isinstance(v, Stacked) else None
+        if j is None or nc <= j < nc + nk:
+            aval = v.aval if not isinstance(v, Stacked) else jax.ShapeDtypeStruct((v.length, *v.aval.shape), v.aval.dtype)
+            stacked.append(Stacked(i, v, aval, parts.length))
+        elif j < nc:
+            consts.append(j)
+        else:
+            xs.append(j)
+    return _ScanPlan(parts, inner, planned, tuple(stacked), tuple(consts), tuple(xs))
+
+
+def _plan(
+    jaxpr: Any, residuals: Sequence[Any], input_bytes: Sequence[int], recomputable: Callable[[Any], bool]
+) -> RematPlan:
     index: dict[Any, int] = {}
 
     def node(v: Any) -> int:
@@ -199,36 +475,57 @@ def plan(
 
     flow = _Flow()
     source, sink = -1, -2
-    infinite = 1 + sum(_nbytes(v.aval) for v in jaxpr.invars) + sum(
-        _nbytes(v.aval) for e in jaxpr.eqns for v in e.outvars
-    )
-    # node 2k: v_in, 2k + 1: v_out
-    for v, costs in zip(jaxpr.invars, input_cost):
+    wanted = _wanted(jaxpr, residuals, recomputable)
+    free = {v for v, b in zip(jaxpr.invars, input_bytes) if b == 0} | set(jaxpr.constvars)
+    infinite = 1 + sum(input_bytes) + sum(_nbytes(v.aval) for e in jaxpr.eqns for v in e.outvars) * 2
+
+    def value(v: Any, nbytes: int, made_in_forward: bool) -> int:
+        """The node pair of a value (2k: v_in, 2k + 1: v_out); keeping it costs ``nbytes``."""
         k = node(v)
-        flow.edge(source, 2 * k, infinite)
-        flow.edge(2 * k, 2 * k + 1, _nbytes(v.aval) if costs else 0)
+        flow.edge(2 * k, 2 * k + 1, nbytes)
+        if made_in_forward:
+            flow.edge(source, 2 * k, infinite)
+        return k
+
+    def feed(inputs: Sequence[Any], to: int) -> None:
+        for a in inputs:
+            if not _jax_internals.is_literal(a) and a in index:
+                flow.edge(2 * index[a] + 1, to, infinite)
+
+    for v, nbytes in zip(jaxpr.invars, input_bytes):
+        value(v, nbytes, made_in_forward=True)
     producer: dict[Any, int] = {}
+    scans: dict[int, _ScanPlan] = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        cheap = recomputable(eqn)
+        is_cheap = recomputable(eqn)
+        scan = None if is_cheap else _plan_scan(i, eqn, wanted, free, recomputable)
+        rebuilt: set[Any] = set()
+        r = -3
+        if scan is not None:
+            scans[i] = scan
+            r = 2 * node(_Rebuild(i))  # one node: a rebuild reads every stacked value
+            for s in scan.stacked:
+                flow.edge(2 * value(s, s.nbytes, made_in_forward=True) + 1, r, infinite)
+            feed([eqn.invars[j] for j in scan.consts + scan.xs], r)
+            rebuilt = {eqn.outvars[k] for k in scan.planned}
         for o in eqn.outvars:
             if _jax_internals.is_dropped(o):
                 continue
             producer[o] = i
-            k = node(o)
-            flow.edge(2 * k, 2 * k + 1, _nbytes(o.aval))
-            if not cheap:
-                flow.edge(source, 2 * k, infinite)  # exists only in the forward
-            else:
-                for a in eqn.invars:
-                    if not _jax_internals.is_literal(a) and a in index:
-                        flow.edge(2 * index[a] + 1, 2 * k, infinite)
+            k = value(o, _nbytes(o.aval), made_in_forward=not is_cheap and o not in rebuilt)
+            if is_cheap:
+                feed(eqn.invars, 2 * k)
+            elif o in rebuilt:
+                flow.edge(r, 2 * k, infinite)
     for r in residuals:
-        flow.edge(2 * node(r) + 1, sink, infinite)
+        if not _jax_internals.is_literal(r):
+            flow.edge(2 * node(r) + 1, sink, infinite)
     reach = flow.source_side(source, sink)
-    kept = {v for v, k in index.items() if 2 * k in reach and 2 * k + 1 not in reach}
+    kept = {v for v, k in index.items() if 2 * k in reach and 2 * k + 1 not in reach and not isinstance(v, _Rebuild)}
     # the equations that make the residuals again from what is kept (and only those)
     recompute: set[int] = set()
-    todo = [r for r in residuals if not _jax_internals.is_literal(r)]
+    read: set[Any] = {r for r in residuals if not _jax_internals.is_literal(r)}
+    todo = list(read)
     seen: set[Any] = set()
     while todo:
         v = todo.pop()
@@ -236,12 +533,19 @@ def plan(
             continue
         seen.add(v)
         i = producer.get(v)
-        if i is None or not recomputable(jaxpr.eqns[i]):
+        scan = scans.get(i) if i is not None else None
+        if scan is not None and v in {jaxpr.eqns[i].outvars[k] for k in scan.planned}:
+            needs = list(scan.stacked) + [jaxpr.eqns[i].invars[j] for j in scan.consts + scan.xs]
+        elif i is not None and recomputable(jaxpr.eqns[i]):
+            needs = list(jaxpr.eqns[i].invars)
+        else:
             raise AssertionError(f"remat plan: {v} is neither kept nor recomputable")  # a cut is a cover
         recompute.add(i)
-        todo.extend(a for a in jaxpr.eqns[i].invars if not _jax_internals.is_literal(a))
+        needs = [a for a in needs if not _jax_internals.is_literal(a)]
+        read.update(needs)
+        todo.extend(needs)
     # only what is read: a value of no cost (a weight) may sit on the cut without being needed
-    read = set(residuals) | {a for i in recompute for a in jaxpr.eqns[i].invars if not _jax_internals.is_literal(a)}
     order = {v: i for i, v in enumerate(index)}
     kept_read = sorted((v for v in kept if v in read), key=order.__getitem__)
-    return RematPlan(jaxpr, tuple(kept_read), tuple(sorted(recompute)), tuple(residuals))
+    used = {i: s for i, s in scans.items() if i in recompute}
+    return RematPlan(jaxpr, tuple(kept_read), tuple(sorted(recompute)), tuple(residuals), used)

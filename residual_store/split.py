@@ -909,10 +909,10 @@ def _keep_fewest_bytes(
         (_FROM_OUTPUT, n_kept_out + k) for k in range(len(kept_out))
     )
     at = {slot: k for k, slot in enumerate(new_slots)}
-    picked = _jax_internals.with_outvars(jaxpr, list(jaxpr.outvars[:n_kept_out]) + kept_out)
+    returned = list(jaxpr.outvars[:n_kept_out]) + kept_out
 
     def forward(consts: list[Any], flat: list[Any]) -> list[Any]:
-        return _jax_internals.eval_jaxpr(picked, closed.consts, *consts, *flat)
+        return p.evaluate(closed.consts, [*consts, *flat], returned)
 
     def backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
         kept_values = [
@@ -920,9 +920,13 @@ def _keep_fewest_bytes(
             else residuals[at[slot_of_input(j)]]
             for v in p.kept
         ]
-        again = iter(p.rebuild(kept_values, closed.consts))
+        again = iter(p.rebuild(kept_values, closed.consts, lazy=True))
         original = [next(again) if src == _FROM_OUTPUT else residuals[at[(src, i)]] for src, i in slots]
-        return flat_bwd(original, cts)
+        if not any(map(remat.is_lazy, original)):
+            return flat_bwd(original, cts)
+        # a rebuilt scan's residuals are made inside the backward's scan, an iteration at a time
+        plain = jax.make_jaxpr(flat_bwd)([remat.abstract(r) for r in original], [remat.abstract(c) for c in cts])
+        return remat.run_backward(plain, [*original, *cts])
 
     return jax.jit(forward), new_slots, backward
 

@@ -32,12 +32,20 @@ def test_demo_small(tmp_path):
         assert store.keys() == [f"step1-mb{i}" for i in range(SMALL.n_microbatches)]
         assert store.gc(older_than=0, dry_run=True)["bytes"] == 0
     assert f"residual-store ls {tmp_path / 'store'}" in text and "residual-store du" in text
+    # save="all" against save="auto", the layers under the demo's checkpoint policy and plain
+    rows = {(r["layers"].split()[0], r["save"]): r for r in result["save"]}
+    assert set(rows) == {(layers, save) for layers in ("jax.checkpoint,", "plain") for save in ("all", "auto")}
+    assert all(r["max_rel_grad_diff"] < 1e-4 and r["ms_in_memory"] > 0 and r["ms_spilled"] > 0 for r in rows.values())
+    assert rows["jax.checkpoint,", "auto"]["own_bytes"] < rows["jax.checkpoint,", "all"]["own_bytes"]
+    assert rows["plain", "auto"]["own_bytes"] <= 0.6 * rows["plain", "all"]["own_bytes"]
+    assert "save='all' vs save='auto'" in text
 
 
 def test_demo_writes_the_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "demo.png"
-    cfg = DemoConfig(vocab=32, d_model=32, n_heads=2, d_ff=64, n_layers=1, seq_len=8, microbatch=2, n_microbatches=3, steps=1)
+    cfg = DemoConfig(vocab=32, d_model=32, n_heads=2, d_ff=64, n_layers=1, seq_len=8, microbatch=2, n_microbatches=3, steps=1,
+                     compare_save=False)
     result = run_demo(cfg, plot_path=str(png), print_fn=lambda _: None)
     assert result["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
