@@ -226,7 +226,7 @@ def _zero_bubble_step(
 
 def _save_comparison(
     cfg: DemoConfig, params: Params, tokens: jax.Array, drop_keys: jax.Array, folder: str,
-    reference: Callable[..., Any], repeats: int = 3,
+    reference: Callable[..., Any], repeats: int = 5,
 ) -> list[dict[str, Any]]:
     """``save="all"`` against ``save="auto"``, for the layers under the demo's hand-written
     checkpoint policy and as a plain scan: one step (F1..Fn, then Bn..B1) with the contexts in a

@@ -44,13 +44,27 @@ def test_public_names_are_exported():
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
+HEADING = re.compile(r"^#{1,6} (.+)$", re.M)
+FENCE = re.compile(r"```.*?```", re.S)
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped
+    (hyphens and underscores kept), spaces as hyphens."""
+    text = FENCE.sub("", path.read_text())
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in HEADING.findall(text)}
+
+
 @pytest.mark.parametrize("path", DOC_FILES + [ROOT / "examples" / "README.md"], ids=lambda p: p.name)
 def test_markdown_links_resolve(path):
     for target in LINK.findall(path.read_text()):
-        if target.startswith(("http://", "https://", "#", "mailto:")):
+        if target.startswith(("http://", "https://", "mailto:")):
             continue
-        file = target.split("#", 1)[0]
-        assert (path.parent / file).exists(), f"{path.name}: broken link {target}"
+        file, _, anchor = target.partition("#")
+        linked = path.parent / file if file else path
+        assert linked.exists(), f"{path.name}: broken link {target}"
+        if anchor and linked.suffix == ".md":
+            assert anchor in _anchors(linked), f"{path.name}: no heading {anchor!r} in {linked.name}"
 
 
 def test_api_reference_builds(tmp_path):
