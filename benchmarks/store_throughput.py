@@ -1,7 +1,7 @@
 """How fast ``rs.Store`` moves residual contexts, against raw file I/O, ``np.save`` and Orbax.
 
 Run: ``python benchmarks/store_throughput.py [--sizes 2,4,64] [--repeats N] [--quick]
-[--no-orbax] [--dir DIR] [--part all|io|schedule|put|split]``. ``--quick`` measures the same
+[--no-orbax] [--dir DIR] [--part all|io|schedule|put|split|s3]``. ``--quick`` measures the same
 sizes and the same schedule with fewer repeats (a minute or two on 2 cores); the full run takes a
 few minutes. One process; every number is the median of its timed runs, taken round-robin across
 the candidates of one table, each round starting one candidate later (drift and neighbours on a
@@ -52,6 +52,11 @@ seen its signature (a fresh ``Store`` each run: the put that also saves the back
 Part 4, split. ``rs.split`` forward + backward against one jitted ``jax.value_and_grad``:
 ``measure_model`` of ``benchmarks/split_overhead.py`` on its MLP (8 tanh layers of 1024, batch
 256: about 35 ms a step; its ``--quick`` MLP is too small, a step of dispatches, to judge by).
+
+Part 5, object store (no goal; issue 16). ``put`` + ``flush`` and ``get`` (a fresh ``Store``)
+at 4 and 64 MiB on an S3-compatible server on loopback (moto, started here as the tests start
+it, from the ``test`` extra) through tensorstore's ``s3`` driver, against a local folder
+(``durable=True``), as the ratio local time / s3 time.
 
 Goals (issue 12), printed at the end as one table (goal | measured | target | verdict), each
 ratio from the medians of one table; "x raw" is raw time / store time (higher is better):
@@ -686,6 +691,71 @@ def _print_schedule(s: dict[str, Any], reps: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Part 5: an S3-compatible object store on loopback
+
+
+def measure_object_store(base: Path, sizes: list[int], repeats: int) -> list[dict[str, Any]] | str:
+    """put+flush and get (a fresh ``Store`` per get) on moto's S3 server on loopback against a
+    local folder (``durable=True``: an object store's PUT returns once the object is stored),
+    per size; or why it cannot run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import s3_server  # noqa: PLC0415 - the tests' loopback server, for this part only
+
+    if not s3_server.available():
+        return "moto[s3] and flask are not installed (pip install -e '.[test]')"
+    os.environ.update(s3_server.CREDENTIALS)
+    server = s3_server.S3Server().start()
+    rows = []
+    try:
+        server.make_bucket("bench")
+        for mib in sizes:
+            ctx = make_context(mib << 20)
+            where = {"local folder": str(base / f"s3-local-{mib}"), "s3 on loopback": server.spec("bench", f"b{mib}/")}
+            stores = {name: rs.Store(path, durable=True) for name, path in where.items()}
+            fresh = _Fresh(base)
+            try:
+                for store in stores.values():
+                    _put_flush(store, ctx, "read")
+                cases = {}
+                for name, store in stores.items():
+                    cases[f"{name} put+flush"] = fresh.key_case(store, lambda k, s=store: _put_flush(s, ctx, k))
+
+                    def get(path: Any = where[name]) -> Any:
+                        with rs.Store(path, read_only=True) as reader:
+                            return reader.get("read").residuals
+
+                    cases[f"{name} get"] = Case(get)
+                t = _interleaved_medians(cases, repeats)
+            finally:
+                for store in stores.values():
+                    store.close()
+            for op in ("put+flush", "get"):
+                local, remote = t[f"local folder {op}"], t[f"s3 on loopback {op}"]
+                rows.append({"MiB": mib, "op": op, "local ms": local * 1e3, "s3 ms": remote * 1e3,
+                             "s3 GB/s": ctx.nbytes / remote / 1e9, "local / s3": local / remote})
+    finally:
+        server.stop()
+    return rows
+
+
+def _print_object_store(rows: list[dict[str, Any]] | str, repeats: int) -> None:
+    print(
+        f"\nobject store: moto's S3 server on loopback (python -m moto.server, objects in its memory) "
+        f"through tensorstore's s3 driver, against a local folder (durable=True); medians of "
+        f"{repeats}, round-robin; get opens a fresh Store; local / s3 = local time / s3 time"
+    )
+    if isinstance(rows, str):
+        print(f"  not measured: {rows}")
+        return
+    header = f"{'size':>6} | {'op':<10} | {'local ms':>9} | {'s3 ms':>9} | {'s3 GB/s':>8} | {'local / s3':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['MiB']:>4}MiB | {r['op']:<10} | {r['local ms']:>9.2f} | {r['s3 ms']:>9.2f} | "
+              f"{r['s3 GB/s']:>8.2f} | {r['local / s3']:>9.2f}x")
+
+
+# ----------------------------------------------------------------------------------------------
 # Part 3: put latency
 
 
@@ -853,7 +923,7 @@ def main() -> None:
     )
     parser.add_argument("--no-orbax", action="store_true", help="skip the Orbax baseline")
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temp dir)")
-    parser.add_argument("--part", choices=("all", "io", "schedule", "put", "split"), default="all")
+    parser.add_argument("--part", choices=("all", "io", "schedule", "put", "split", "s3"), default="all")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
@@ -913,6 +983,9 @@ def main() -> None:
             _print_first_put(measure_first_put(base, repeats_or(3, 9)))
         if args.part in ("all", "split"):
             _split_goal(goals, repeats_or(15, 30))
+        if args.part in ("all", "s3"):
+            reps = repeats_or(3, 7)
+            _print_object_store(measure_object_store(base, [4, 64], reps), reps)
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)

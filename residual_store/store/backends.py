@@ -461,8 +461,8 @@ class _KvBackend:
     """Any tensorstore kvstore spec (``memory``, ``file`` with options, ``gcs``, ``s3``)."""
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
-        self.spec = dict(spec)
-        self.description = repr(self.spec)
+        self.description = repr(dict(spec))
+        self.spec = _with_quiet_credentials(dict(spec))
         self.context = serializers.default_context()
         self.kv = ts.KvStore.open(self._with_slash(self.spec), context=self.context).result()
 
@@ -594,6 +594,20 @@ class _KvBackend:
 
     def publish(self, temporary: str, key: str, *, fsync: bool) -> None:
         raise NotImplementedError("kvstores have no renames; put_bytes instead")
+
+
+_ENVIRONMENT_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def _with_quiet_credentials(spec: dict[str, Any]) -> dict[str, Any]:
+    """An ``s3`` spec that names no credentials, opened where the environment holds them: the
+    same credentials (the AWS default chain reads the environment first) through tensorstore's
+    ``environment`` provider, so the SDK does not also look for ``~/.aws/config`` and print an
+    error line for each file it cannot open. Any other spec as it is."""
+    named = "aws_credentials" in spec or "aws_credentials" in (spec.get("context") or {})
+    if spec.get("driver") != "s3" or named or not all(os.environ.get(k) for k in _ENVIRONMENT_CREDENTIALS):
+        return spec
+    return {**spec, "aws_credentials": {"type": "environment"}}
 
 
 def _remove_quietly(path: str) -> None:

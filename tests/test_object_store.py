@@ -1,0 +1,264 @@
+"""Stores on an S3-compatible object store, as a user opens one: moto's server on loopback, a
+bucket made with one HTTP PUT, credentials from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``,
+and the tensorstore spec ``{"driver": "s3", "bucket", "path", "endpoint", "aws_region"}``.
+
+One process puts; new processes (with the model's code and without it, under other
+``PYTHONHASHSEED``s) resume; a damaged object is found; ``gc`` keeps to its rule on a store with
+no modification times; two processes on a 4-device mesh put sharded contexts and a new pair
+resumes them with ``fwd.backward``; the command line reads the store by its spec. Nothing the AWS
+SDK prints about missing ``~/.aws`` files reaches the user's terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import residual_store as rs
+import s3_server
+from store_helpers import python_env, run_python, write_script
+
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.skipif(not s3_server.available(), reason="moto[s3] and flask are in the test extra"),
+]
+
+SDK_NOISE = ("Failed to open file", "aws-error", "AuthCredentialsProvider")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One moto server for the module, with the credentials in this process's environment (and
+    so in its children's), stopped by its process id at the end."""
+    saved = {k: os.environ.get(k) for k in s3_server.CREDENTIALS}
+    os.environ.update(s3_server.CREDENTIALS)
+    s = s3_server.S3Server().start()
+    try:
+        s.make_bucket("residuals")
+        yield s
+    finally:
+        s.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def spec(server) -> dict:
+    """A fresh prefix in the bucket for each test: a store of its own."""
+    return server.spec("residuals", f"run-{uuid.uuid4().hex[:8]}/")
+
+
+def _kv(spec: dict) -> ts.KvStore:
+    """The store's prefix as a tensorstore kvstore: what another writer, or damage, does to it."""
+    return ts.KvStore.open({**spec, "aws_credentials": {"type": "environment"}}).result()
+
+
+def _objects(spec: dict) -> list[str]:
+    """Every key under the store's prefix, listed as the store sees them."""
+    return sorted(k.decode() for k in _kv(spec).list().result())
+
+
+def _mlp():
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+
+    k = jax.random.split(jax.random.key(31), 3)
+    params = {"w1": jax.random.normal(k[0], (8, 16)) / 3, "w2": jax.random.normal(k[1], (16, 4)) / 4}
+    xs = [jax.random.normal(kk, (32, 8)) for kk in jax.random.split(k[2], 2)]
+    return loss, params, xs
+
+
+def _put_two(spec: dict):
+    """The MLP's contexts of two microbatches put as ``mb0`` and ``mb1``; the model and data."""
+    loss, params, xs = _mlp()
+    fwd = rs.split(loss)
+    with rs.Store(spec) as store:
+        for i, x in enumerate(xs):
+            store.put(fwd(params, x)[1], f"mb{i}")
+    return loss, params, xs
+
+
+_RESUME = """
+import sys, json, jax, numpy as np, residual_store as rs
+spec, out, with_model = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "model"
+grads = {}
+with rs.Store(spec, read_only=True) as store:
+    keys = store.keys()
+    if with_model:  # a fresh split: it rebuilds the backward from the context's call record
+        import jax.numpy as jnp
+        def loss(p, x):
+            return jnp.mean(jnp.tanh(jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+        fwd = rs.split(loss)
+        for key in keys:
+            grads[key] = fwd.backward(store.get(key))
+        assert fwd.cache_info().forward_compiles == 0
+    else:  # no model here: the backward the store saved
+        for key in keys:
+            grads[key] = rs.backward(store.get(key))
+np.savez(out, **{f"{k}/{name}": np.asarray(v) for k, g in grads.items() for name, v in g.items()})
+print(json.dumps(keys))
+"""
+
+
+def test_a_round_trip_and_backwards_in_new_processes_with_and_without_the_model(tmp_path, spec):
+    loss, params, xs = _mlp()
+    fwd = rs.split(loss)
+    with rs.Store(spec) as store:
+        for i, x in enumerate(xs):
+            store.put(fwd(params, x)[1], f"mb{i}")
+        store.flush()
+        assert store.stats()["disk"]["contexts"] == 2
+    objects = _objects(spec)
+    assert {"contexts/mb0.manifest", "contexts/mb1.manifest"} <= set(objects)
+    assert any(o.startswith("backwards/") for o in objects) and any(o.startswith("weights/") for o in objects)
+    want = {f"mb{i}": jax.grad(loss)(params, x) for i, x in enumerate(xs)}
+    script = write_script(tmp_path, "resume.py", _RESUME)
+    for how, seed in (("model", "1"), ("no-model", "7")):
+        out = tmp_path / f"{how}.npz"
+        proc = run_python(script, json.dumps(spec), str(out), how, env={"PYTHONHASHSEED": seed})
+        assert json.loads(proc.stdout) == ["mb0", "mb1"]
+        assert not any(n in proc.stderr for n in SDK_NOISE), proc.stderr  # quiet opens
+        got = np.load(out)
+        for key, g in want.items():
+            for name, v in g.items():
+                np.testing.assert_allclose(got[f"{key}/{name}"], np.asarray(v), rtol=1e-5, atol=1e-6)
+
+
+def _flip_a_byte(spec: dict, key: str, at: int = -1) -> None:
+    kv = _kv(spec)
+    data = bytearray(kv.read(key).result().value)
+    data[at] ^= 0x40
+    kv.write(key, bytes(data)).result()
+
+
+def test_a_damaged_object_is_found_and_the_rest_still_reads(spec):
+    loss, params, xs = _put_two(spec)
+    manifest = msgpack_records(spec, "mb0")
+    own = next(r["path"] for r in manifest if not r["shared"])
+    chunk = next(o for o in _objects(spec) if o.startswith(own + "/") and not o.endswith("zarr.json"))
+    _flip_a_byte(spec, chunk)
+    with rs.Store(spec, read_only=True) as store:
+        with pytest.raises(rs.CorruptContextError, match="checksum|damaged|corrupt"):
+            store.get("mb0")
+        g = rs.backward(store.get("mb1"))  # the other context is intact
+    np.testing.assert_allclose(np.asarray(g["w1"]), np.asarray(jax.grad(loss)(params, xs[1])["w1"]), rtol=1e-5, atol=1e-6)
+    verify = _cli("verify", json.dumps(spec), "--json")
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert [d["key"] for d in json.loads(verify.stdout)["damaged"]] == ["mb0"]
+    # a truncated manifest: a clear error naming it, never a wrong context
+    _truncate(spec, "contexts/mb1.manifest", 17)
+    with rs.Store(spec, read_only=True) as store, pytest.raises(rs.CorruptContextError):
+        store.get("mb1")
+
+
+def msgpack_records(spec: dict, key: str) -> list[dict]:
+    import msgpack
+
+    return msgpack.unpackb(_kv(spec).read(f"contexts/{key}.manifest").result().value)["arrays"]
+
+
+def _truncate(spec: dict, key: str, n: int) -> None:
+    kv = _kv(spec)
+    kv.write(key, bytes(kv.read(key).result().value)[:n]).result()
+
+
+def test_gc_on_an_object_store_removes_only_with_older_than_zero(spec):
+    """An object store gives no modification times: gc cannot tell the objects of a put that a
+    writer in another process is about to commit from those of a put that was interrupted, so by
+    default it removes nothing and counts them as young; ``older_than=0`` (no writer running)
+    removes them, and nothing a context needs."""
+    loss, params, xs = _put_two(spec)
+    # an interrupted put (another process killed before its commit): data objects, no manifest
+    kv = _kv(spec)
+    own = next(r["path"] for r in msgpack_records(spec, "mb0") if not r["shared"]).rsplit("/", 1)[0]
+    orphan = "data/interrupted.0123456789ab"
+    for o in _objects(spec):
+        if o.startswith(own + "/"):
+            kv.write(orphan + o[len(own):], kv.read(o).result().value).result()
+    objects = _objects(spec)
+    assert any(o.startswith(orphan + "/") for o in objects)
+    with rs.Store(spec) as store:
+        kept = store.gc()  # older_than=1h: the age of an object is unknown, so nothing goes
+        assert {k: kept[k] for k in ("weights", "data", "recycled", "backwards", "temporary")} == dict.fromkeys(
+            ("weights", "data", "recycled", "backwards", "temporary"), 0)
+        assert kept["young"] == 1 and _objects(spec) == objects
+        dry = store.gc(older_than=0, dry_run=True)
+        assert dry["data"] == 1 and _objects(spec) == objects
+        removed = store.gc(older_than=0)
+        assert removed["data"] == 1 and removed["bytes"] == -1  # a listing gives no sizes
+        assert [o for o in _objects(spec) if o not in objects] == []
+        assert [o for o in objects if o not in _objects(spec)] == [o for o in objects if o.startswith(orphan + "/")]
+        assert store.keys() == ["mb0", "mb1"]
+        grads = [rs.backward(store.get(k)) for k in ("mb0", "mb1")]
+    for g, x in zip(grads, xs):
+        np.testing.assert_allclose(np.asarray(g["w2"]), np.asarray(jax.grad(loss)(params, x)["w2"]), rtol=1e-5, atol=1e-6)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "residual_store", *args],
+        capture_output=True, text=True, timeout=120, env=python_env(),
+    )
+
+
+def test_the_command_line_on_an_s3_spec(spec):
+    _put_two(spec)
+    path = json.dumps(spec)
+    ls = _cli("ls", path, "--json")
+    assert ls.returncode == 0 and [e["key"] for e in json.loads(ls.stdout)] == ["mb0", "mb1"], ls.stderr
+    verify = _cli("verify", path)
+    assert verify.returncode == 0 and "2 of 2 contexts verified" in verify.stdout, verify.stdout + verify.stderr
+    inspect = _cli("inspect", path, "mb1")
+    assert inspect.returncode == 0 and "intermediate" in inspect.stdout and "weight" in inspect.stdout
+    for out in (ls, verify, inspect):
+        assert not any(n in out.stderr for n in SDK_NOISE), out.stderr
+
+
+def test_named_credentials_are_left_as_given():
+    from residual_store.store import backends
+
+    given = {"driver": "s3", "bucket": "b", "aws_credentials": {"type": "anonymous"}}
+    assert backends._with_quiet_credentials(dict(given)) == given
+    in_context = {"driver": "s3", "bucket": "b", "context": {"aws_credentials": {"type": "profile"}}}
+    assert backends._with_quiet_credentials(dict(in_context)) == in_context
+    assert backends._with_quiet_credentials({"driver": "gcs", "bucket": "b"}) == {"driver": "gcs", "bucket": "b"}
+
+
+# -- a JAX multi-controller job on the object store ---------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_two_processes_put_and_a_new_pair_resumes_with_fwd_backward(tmp_path, spec):
+    """Two processes with two CPU devices each (a 4-device mesh) put two sharded contexts into
+    the object store; a new pair with the model, which never runs the forward, resumes them with
+    ``fwd.backward(store.get(key))``: the gradients of ``jax.grad``, the backward compiled once."""
+    import test_multiprocess as mp
+
+    root = json.dumps(spec)
+    written = mp._run_pair(tmp_path, "forward", root)
+    assert written["sharded"] >= 1 and written["signatures_equal"]
+    params = mp.init_params()
+    expected = jax.tree.map(lambda *g: sum(g), *[jax.grad(mp.loss)(params, x, y) for x, y in mp.batches()])
+    for i, (x, y) in enumerate(mp.batches()):
+        np.testing.assert_allclose(written[f"loss{i}"], mp.loss(params, x, y), rtol=1e-5)
+    records = msgpack_records(spec, "mb0")
+    assert any(not r["shared"] and r.get("chunk_shape") for r in records)  # an input sharded over both
+    resumed = mp._run_pair(tmp_path, "resume_split", root)
+    assert (resumed["cache_info"]["forward_compiles"], resumed["cache_info"]["backward_compiles"]) == (0, 1)
+    for name in ("w1", "w2"):
+        np.testing.assert_allclose(np.asarray(resumed["grads"][name]), expected[name], rtol=1e-5, atol=1e-6)
+    for i in range(2):
+        log = (tmp_path / f"resume_split{i}.log").read_text()
+        assert not any(n in log for n in SDK_NOISE), log[-2000:]
