@@ -31,6 +31,8 @@ from serializers.kv import (
     read_arrays,
     read_chunk,
     read_chunk_async,
+    read_raw,
+    check_array_metadata,
     write_array_async,
     write_arrays,
     write_arrays_kv,
@@ -134,6 +136,8 @@ __all__ = [
     "delete_prefix",
     "read_chunk",
     "read_chunk_async",
+    "read_raw",
+    "check_array_metadata",
     # the local fast path (serializers.local)
     "aligned_empty",
     "write_array_local",

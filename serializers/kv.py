@@ -62,6 +62,8 @@ from serializers.zarr import (
     zarr_dtype_name,
     zarr_metadata,
 )
+from serializers.local import _MAX_METADATA_BYTES, aligned_empty
+from serializers.zarr import SUPPORTED_DTYPES, _byte_view, _check_zarr_metadata, chunk_key
 
 __all__ = [
     "KvStoreSpec",
@@ -75,6 +77,8 @@ __all__ = [
     "read_arrays",
     "read_chunk",
     "read_chunk_async",
+    "read_raw",
+    "check_array_metadata",
     "delete_prefix",
 ]
 
@@ -617,3 +621,73 @@ def read_chunk(
     return np.asarray(
         read_chunk_async(kvstore, path, shape, dtype, chunk_shape, chunk_index, context=context).result()
     )
+
+
+def read_raw(
+    kv: ts.KvStore,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    *,
+    chunk_shape: Shape | None = None,
+    chunk_index: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Reads one chunk object of the raw layout every writer stores (:mod:`serializers.zarr`)
+    straight from the open kvstore ``kv``: the single chunk of the array ``path``, or chunk
+    ``chunk_index`` of a chunked one. One request, no ``zarr.json`` (the caller's manifest gives
+    shape and dtype, its checksum vouches for the bytes, as on the local fast path).
+
+    Returns a fresh, writable, 64-byte aligned array of ``shape`` (of ``chunk_shape`` for a chunk).
+
+    Raises:
+      CorruptDataError: the object is missing, or not exactly as many bytes as the shape needs.
+      ValueError: a chunk shape that does not divide ``shape``, an index outside the grid.
+    """
+    _check_relpath(path)
+    shape = tuple(int(d) for d in shape)
+    dt = SUPPORTED_DTYPES[zarr_dtype_name(numpy_dtype(dtype))]
+    what = f"array {path!r}"
+    if chunk_index is None:
+        piece, key = shape, chunk_key(shape)
+        if key is None:  # no elements: nothing is stored
+            return aligned_empty(shape, dt)
+    else:
+        piece = check_chunk_shape(shape, chunk_shape)
+        key = chunk_index_key(_check_chunk_index(chunk_index, chunk_grid(shape, piece), what))
+    try:
+        result = kv.read(f"{path}/{key}").result()
+    except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and others
+        raise _convert_read_error(e, what) from None
+    if result.state != "value":
+        raise CorruptDataError(f"{what}: chunk {path}/{key} is missing")
+    expected = int(np.prod(piece, dtype=np.int64)) * dt.itemsize
+    if len(result.value) != expected:
+        kind = "truncated" if len(result.value) < expected else "too long"
+        raise CorruptDataError(f"{what}: chunk {path}/{key} is {kind}: {len(result.value)} bytes, expected {expected}")
+    out = aligned_empty(piece, dt)
+    _byte_view(out)[:] = result.value
+    return out
+
+
+def check_array_metadata(
+    kv: ts.KvStore, path: str, shape: Shape, dtype: DTypeLike, chunk_shape: Shape | None = None
+) -> None:
+    """Checks that the ``zarr.json`` of the array ``path`` in the open kvstore ``kv`` describes
+    ``shape``, ``dtype`` and ``chunk_shape`` (default: one chunk) in the raw layout: what plain
+    ``zarr`` needs (:func:`read_raw` does not read it).
+
+    Raises:
+      CorruptDataError: it is missing, oversized, or describes another array.
+    """
+    _check_relpath(path)
+    shape = tuple(int(d) for d in shape)
+    name = zarr_dtype_name(numpy_dtype(dtype))
+    cs = check_chunk_shape(shape, chunk_shape) if chunk_shape is not None else None
+    what = f"array {path!r}"
+    key = f"{path}/{_METADATA_KEY}"
+    result = kv.read(key).result()
+    if result.state != "value":
+        raise CorruptDataError(f"{what}: metadata object {key} is missing")
+    if len(result.value) > _MAX_METADATA_BYTES:
+        raise CorruptDataError(f"{what}: metadata object {key} is {len(result.value):,} bytes, over the {_MAX_METADATA_BYTES:,} allowed")
+    _check_zarr_metadata(bytes(result.value), shape, name, f"{what} ({key})", cs)

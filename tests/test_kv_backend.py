@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import serializers
-from residual_store.store.backends import _KvBackend, open_backend
+from residual_store.store.backends import DamagedFileError, _KvBackend, open_backend
 
 
 def _file_spec(root: Path) -> dict[str, Any]:
@@ -42,6 +42,14 @@ def _collide(root: Path, key: str) -> None:
 M = np.arange(24, dtype=np.float32).reshape(4, 6)
 
 
+def _read_chunked(kv: _KvBackend, path: str) -> np.ndarray:
+    """``M``'s chunked array at ``path``, read as the store reads one: chunk by chunk."""
+    out = np.empty_like(M)
+    for idx in serializers.chunk_indices(M.shape, (2, 3)):
+        out[serializers.chunk_region(idx, (2, 3))] = kv.read_chunk(path, M.shape, "float32", (2, 3), idx)
+    return out
+
+
 def _chunked(keep: Any = lambda idx: True) -> serializers.ChunkedArray:
     blocks = {i: b for i, b in _blocks(M, (2, 3)).items() if keep(i)}
     return serializers.ChunkedArray(M.shape, M.dtype, (2, 3), blocks)
@@ -62,6 +70,27 @@ def test_kv_backend_writes_the_local_backends_bytes(tmp_path: Path) -> None:
     assert kv.array_exists("weights/w") and kv.array_exists("data/k/2")
 
 
+def test_kv_reads_are_one_request_and_refuse_what_does_not_fit(tmp_path: Path) -> None:
+    """A read takes the chunk object alone (no zarr.json: the manifest gives shape and dtype);
+    a missing, truncated or oversized chunk is a CorruptDataError naming the object, a missing
+    zarr.json (what ``verify`` checks for plain zarr readers) a DamagedFileError."""
+    kv = _kv_backend(_file_spec(tmp_path / "kv"))
+    kv.write_arrays({"data/k/0": M, "data/k/1": np.zeros((0, 3), np.float32)}, fsync=False)
+    (tmp_path / "kv" / "data/k/0/zarr.json").unlink()
+    np.testing.assert_array_equal(kv.read_array("data/k/0", M.shape, "float32"), M)  # zarr.json unread
+    assert kv.read_array("data/k/1", (0, 3), "float32").shape == (0, 3)
+    with pytest.raises(DamagedFileError, match="metadata object .* is missing"):
+        kv.check_metadata("data/k/0", M.shape, "float32")
+    chunk = tmp_path / "kv" / "data/k/0/c.0.0"
+    for data, message in ((M.tobytes()[:-4], "truncated"), (M.tobytes() + b"x", "too long")):
+        chunk.write_bytes(data)
+        with pytest.raises(serializers.CorruptDataError, match=f"chunk data/k/0/c.0.0 is {message}"):
+            kv.read_array("data/k/0", M.shape, "float32")
+    chunk.unlink()
+    with pytest.raises(serializers.CorruptDataError, match="is missing"):
+        kv.read_array("data/k/0", M.shape, "float32")
+
+
 def test_write_metadata_false_then_metadata_last() -> None:
     kv = _kv_backend({"driver": "memory", "path": f"kv-backend-{uuid.uuid4().hex}/"})
     kv.write_arrays({"data/c/0": _chunked(lambda i: i[0] == 0)}, fsync=False, write_metadata=False)
@@ -69,7 +98,8 @@ def test_write_metadata_false_then_metadata_last() -> None:
     assert not kv.array_exists("data/c/0")  # every chunk is in, but nobody said so yet
     kv.write_arrays({"data/c/0": _chunked(lambda i: False)}, fsync=False)
     assert kv.array_exists("data/c/0")
-    np.testing.assert_array_equal(kv.read_array("data/c/0", M.shape, "float32"), M)
+    np.testing.assert_array_equal(_read_chunked(kv, "data/c/0"), M)
+    kv.check_metadata("data/c/0", M.shape, "float32", (2, 3))
 
 
 def test_failed_write_leaves_no_array_and_others_chunks(tmp_path: Path) -> None:
@@ -94,7 +124,7 @@ def test_failing_shared_write_cannot_tear_a_complete_weight(tmp_path: Path) -> N
         p.unlink()
     (tmp_path / "weights/v/c.1.1").rmdir()
     kv.write_shared_arrays({"weights/v": _chunked()}, fsync=False)  # the next writer completes it
-    np.testing.assert_array_equal(kv.read_array("weights/v", M.shape, "float32"), M)
+    np.testing.assert_array_equal(_read_chunked(kv, "weights/v"), M)
 
 
 @pytest.mark.parametrize("where", ["file", "memory"])

@@ -60,6 +60,8 @@ class Backend(Protocol):
     description: str
 
     can_rename: bool
+    # each read waits on a request (an object store): reads go out together, whatever their size
+    latency_bound: bool
 
     # values: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard)
     def write_arrays(
@@ -115,6 +117,8 @@ class _LocalBackend:
     is read, written, listed, renamed or removed is checked with ``lstat`` (the root itself may
     be a link), files are opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked to be regular files
     of a plausible size, and a refusal is a :class:`DamagedFileError`."""
+
+    latency_bound = False
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -474,6 +478,7 @@ class _KvBackend:
         return spec
 
     can_rename = False
+    latency_bound = True
 
     def write_arrays(
         self,
@@ -513,7 +518,8 @@ class _KvBackend:
     def read_array(
         self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None
     ) -> np.ndarray:
-        x = np.asarray(serializers.read_array(self.spec, path, shape, dtype, context=self.context))
+        # one request for the chunk object: zarr.json is for other readers (see check_metadata)
+        x = serializers.read_raw(self.kv, path, shape, dtype)
         if checksum is not None:
             serializers.verify(x, checksum, what=f"array {path!r}")
         return x
@@ -521,9 +527,17 @@ class _KvBackend:
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
     ) -> np.ndarray:
-        return serializers.read_chunk(
-            self.spec, path, shape, dtype, chunk_shape, index, context=self.context
-        )
+        return serializers.read_raw(self.kv, path, shape, dtype, chunk_shape=chunk_shape, chunk_index=index)
+
+    def check_metadata(
+        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...] | None = None
+    ) -> None:
+        """Checks the array's ``zarr.json`` (which the store's own reads skip, but plain ``zarr``
+        needs): :class:`DamagedFileError` if it is missing or wrong."""
+        try:
+            serializers.check_array_metadata(self.kv, path, shape, dtype, chunk_shape)
+        except (serializers.CorruptDataError, serializers.UnsupportedDTypeError, ValueError) as err:
+            raise _damaged(err) from None
 
     def array_exists(self, path: str) -> bool:
         return self.get_bytes(f"{path}/zarr.json") is not None

@@ -66,6 +66,8 @@ __all__ = ["DiskTier", "STORE_MARKER", "is_disk_full"]
 _MAX_FREE_PER_LAYOUT = 64
 _STAT_CACHE_MAX = 4096  # parsed manifests kept for listing (least recently used dropped)
 _READ_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
+# an object store's reads each wait on a request: this many go out at once
+_REQUEST_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-request")
 _PARALLEL_READ_BYTES = 16 << 20  # a context this large is read two arrays at a time
 _SMALL_READ_BYTES = 64 << 10  # what one more file costs to open and read, counted as bytes
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
@@ -418,9 +420,10 @@ class DiskTier:
     def _read_arrays(
         self, key: str, stored: StoredContext, *, place: bool = False, skip: Container[str] = ()
     ) -> HostArrays:
-        """Reads and verifies the arrays (chunk by chunk for chunked ones): a small context in
-        this thread (handing a few reads to other threads costs more than they take), a large
-        one two reads at a time (file reads and checksums release the GIL)."""
+        """Reads and verifies the arrays (chunk by chunk for chunked ones): from a folder, a
+        small context in this thread (handing a few reads to other threads costs more than they
+        take), a large one two reads at a time (file reads and checksums release the GIL); from
+        an object store, up to 16 requests at a time."""
         placements: list[NamedSharding | None] = []
         by_shard: list[bool] = []  # read only the chunks of this process's devices
         tasks: list[tuple[int, tuple[int, ...] | None, str]] = []  # (residual, chunk, checksum)
@@ -449,8 +452,11 @@ class DiskTier:
             tasks += [(i, idx, sums[idx]) for idx in wanted]
         read = functools.partial(self._read_task, key, stored)
         nbytes = sum(stored.records[i].nbytes for i, chunk, _ in tasks if chunk is None)
-        parallel = len(tasks) > 1 and nbytes + len(tasks) * _SMALL_READ_BYTES >= _PARALLEL_READ_BYTES
-        results = list(_READ_POOL.map(read, tasks) if parallel else map(read, tasks))
+        if self.backend.latency_bound:
+            pool, parallel = _REQUEST_POOL, len(tasks) > 1
+        else:
+            pool, parallel = _READ_POOL, len(tasks) > 1 and nbytes + len(tasks) * _SMALL_READ_BYTES >= _PARALLEL_READ_BYTES
+        results = list(pool.map(read, tasks) if parallel else map(read, tasks))
         pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
         for (i, idx, _), x in zip(tasks, results):
             pieces.setdefault(i, {})[idx] = x
