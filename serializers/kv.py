@@ -364,6 +364,7 @@ def write_arrays_kv(
     write_metadata: bool = True,
     content_addressed: bool = False,
     attributes: Mapping[str, Mapping[str, Any]] | None = None,
+    fresh: bool = False,
 ) -> None:
     """Writes ``{path: array}`` under any tensorstore kvstore, byte for byte as
     :func:`write_arrays_local` does, and waits.
@@ -388,6 +389,9 @@ def write_arrays_kv(
         without ``zarr.json``: to readers no array, and the next writer's puts replace them.
       attributes: array path (a key of ``arrays``) -> its zarr attributes, as for
         :func:`~serializers.local.write_arrays_local`.
+      fresh: the paths are new (under a folder named for this write alone): no array is there
+        to replace, so nothing is cleared first (on an object store, one listing per array
+        fewer).
 
     Raises:
       ValueError, UnsupportedDTypeError: an unsafe path, an unsupported dtype or bad attributes,
@@ -413,7 +417,7 @@ def write_arrays_kv(
         for p, a in disk.items()
         if write_metadata or not isinstance(a, ChunkedArray)
     }
-    replaced = [] if content_addressed else [p for p, a in disk.items() if not isinstance(a, ChunkedArray)]
+    replaced = [] if content_addressed or fresh else [p for p, a in disk.items() if not isinstance(a, ChunkedArray)]
     put: list[str] = []
     try:
         deleted = {p: kv.delete_range(ts.KvStore.KeyRange(f"{p}/", f"{p}0")) for p in replaced}

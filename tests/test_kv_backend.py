@@ -139,3 +139,16 @@ def test_delete_tree_removes_a_prefix_and_nothing_beside_it(tmp_path: Path, wher
     np.testing.assert_array_equal(backend.read_array("data/k.10/0", (6,), "float32"), a)
     if where == "file":  # the file driver deletes files; the folders it leaves go too
         assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["k.10"]
+
+
+def test_a_fresh_write_clears_nothing_and_a_replacing_one_clears_the_old_array(tmp_path: Path) -> None:
+    """A put into a folder named for it alone (``fresh``, what the store's puts are) skips the
+    listing that clears a path; a write without it replaces whatever array was there."""
+    kv = _kv_backend(_file_spec(tmp_path))
+    kv.write_arrays({"data/a/0": _chunked()}, fsync=False)  # a chunked array: 4 chunk keys
+    kv.write_arrays({"data/a/0": M}, fsync=False)  # replaced by a one-chunk array: the others go
+    assert sorted(p.name for p in (tmp_path / "data/a/0").iterdir()) == ["c.0.0", "zarr.json"]
+    np.testing.assert_array_equal(kv.read_array("data/a/0", M.shape, "float32"), M)
+    kv.write_arrays({"data/b/0": _chunked()}, fsync=False)
+    kv.write_arrays({"data/b/0": M}, fsync=False, fresh=True)  # the caller vouched: nothing is cleared
+    assert sorted(p.name for p in (tmp_path / "data/b/0").iterdir()) == ["c.0.0", "c.0.1", "c.1.0", "c.1.1", "zarr.json"]

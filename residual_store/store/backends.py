@@ -76,6 +76,7 @@ class Backend(Protocol):
         keep_metadata: bool = False,  # with reuse: the arrays there have these attributes too
         sync_folders: Sequence[str] = (),  # with fsync: folders to sync with the rest
         temporaries: Mapping[str, bytes] | None = None,  # files the caller will publish
+        fresh: bool = False,  # the paths are new (a write's own folder): nothing there to replace
     ) -> None: ...
     def rename(self, src: str, dst: str) -> bool: ...
     def write_shared_arrays(
@@ -194,6 +195,7 @@ class _LocalBackend:
         keep_metadata: bool = False,
         sync_folders: Sequence[str] = (),
         temporaries: Mapping[str, bytes] | None = None,
+        fresh: bool = False,  # a folder's replacement costs nothing extra here
     ) -> None:
         try:
             serializers.write_arrays_local(
@@ -492,11 +494,14 @@ class _KvBackend:
         keep_metadata: bool = False,
         sync_folders: Sequence[str] = (),
         temporaries: Mapping[str, bytes] | None = None,
+        fresh: bool = False,
     ) -> None:
         """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
-        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""
+        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer;
+        with ``fresh``, no listing to clear the paths first."""
         serializers.write_arrays_kv(
-            self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes
+            self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes,
+            fresh=fresh,
         )
         for key, data in (files or {}).items():
             self.put_bytes(key, data, fsync=fsync)

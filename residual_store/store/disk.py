@@ -224,6 +224,7 @@ class DiskTier:
                 temporaries={staged: plan.manifest} if staged is not None else None,
                 # a recycled folder's new name must survive with the commit
                 sync_folders=(layout.DATA,) if reuse else (),
+                fresh=not reuse,  # else a folder named for this write alone: nothing to replace
             )
             # Under the shared gc lock from "which weights exist" to the commit: gc (which takes
             # it exclusively) cannot remove a weight between this check and the manifest that
