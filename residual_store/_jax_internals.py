@@ -219,12 +219,6 @@ def inline_calls(closed_jaxpr: Any, in_avals: Sequence[Any]) -> Any:
     return jax.make_jaxpr(lambda *args: run(closed_jaxpr.jaxpr, closed_jaxpr.consts, args))(*in_avals)
 
 
-def with_outvars(jaxpr: Any, outvars: Sequence[Any]) -> Any:
-    """``jaxpr`` returning ``outvars`` (any of its variables) instead of its outputs (assumption
-    ``JAXPR_TEXT``: a ``Jaxpr`` has ``replace``)."""
-    return jaxpr.replace(outvars=list(outvars))
-
-
 def has_inner_jaxprs(eqn: Any) -> bool:
     """Whether an equation holds jaxprs in its params (``jit``, ``scan``, ``checkpoint``, custom
     derivative calls): a higher-order primitive (assumption ``JAXPR_TEXT``)."""

@@ -323,19 +323,26 @@ def test_assumption_BIND_EQUATION():
     assert not ji.is_dropped(closed.jaxpr.outvars[0]) and ji.scan_parts(by_name["jit"]) is None
 
 
-def test_assumption_BIND_EQUATION_inline_calls_and_outvars():
-    """``inline_calls`` puts jit bodies in place (same values, no jit equation left, checkpoint
-    bodies kept whole); ``with_outvars`` returns inner variables; ``has_inner_jaxprs`` sees
-    higher-order equations."""
+def test_assumption_BIND_EQUATION_inline_calls_and_callers():
+    """``inline_calls`` puts jit bodies in place, at the top level and in scan bodies (same
+    values, no jit equation left, checkpoint bodies kept whole), and an inlined ``jnp`` body's
+    equations, which record only frames inside it, take the line that called it;
+    ``has_inner_jaxprs`` sees higher-order equations."""
     inner = jax.jit(lambda a: jnp.tanh(a) * 3.0)
-    f = lambda x: jax.checkpoint(lambda u: jnp.sin(u))(inner(x)) + 1.0  # noqa: E731
+
+    def f(x):
+        y = jax.checkpoint(lambda u: jnp.sin(u))(inner(x)) + 1.0
+        return jax.lax.scan(lambda c, _: (jnp.where(c > 0.5, c, -c), None), y, length=2)[0]
+
+    where_line = f.__code__.co_firstlineno + 2
     closed = jax.make_jaxpr(f)(jnp.ones(3))
     flat = ji.inline_calls(closed, [jax.ShapeDtypeStruct((3,), jnp.float32)])
     names = [e.primitive.name for e in flat.jaxpr.eqns]
     assert "jit" not in names and "pjit" not in names and set(names) & ji.REMAT_PRIMITIVE_NAMES, names
+    body = next(e for e in flat.jaxpr.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
+    assert {"jit", "pjit"}.isdisjoint(e.primitive.name for e in body.eqns), "BIND_EQUATION: a jit in a scan body"
+    select = next(e for e in body.eqns if e.primitive.name == "select_n")
+    assert ji.equation_line(select) == ("test_jax_internals.py", where_line), "EQN_SOURCE: the caller's line"
     x = jnp.linspace(0.1, 1.0, 3)
     assert jnp.allclose(ji.eval_jaxpr(flat.jaxpr, flat.consts, x)[0], f(x))
-    tanh_out = next(e.outvars[0] for e in flat.jaxpr.eqns if e.primitive.name == "tanh")
-    picked = ji.with_outvars(flat.jaxpr, [tanh_out])
-    assert jnp.allclose(ji.eval_jaxpr(picked, flat.consts, x)[0], jnp.tanh(x)), "JAXPR_TEXT: Jaxpr.replace"
-    assert [ji.has_inner_jaxprs(e) for e in closed.jaxpr.eqns].count(True) == 2
+    assert [ji.has_inner_jaxprs(e) for e in closed.jaxpr.eqns].count(True) == 3
