@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -124,9 +125,9 @@ class _Flow:
     """Max flow by shortest augmenting paths (Edmonds-Karp) on a small graph."""
 
     def __init__(self) -> None:
-        self.cap: dict[int, dict[int, int]] = collections.defaultdict(dict)
+        self.cap: dict[int, dict[int, float]] = collections.defaultdict(dict)
 
-    def edge(self, a: int, b: int, c: int) -> None:
+    def edge(self, a: int, b: int, c: float) -> None:
         self.cap[a][b] = self.cap[a].get(b, 0) + c
         self.cap[b].setdefault(a, 0)
 
@@ -444,7 +445,7 @@ def _plan_scan(
             return 0 if _jax_internals.is_literal(outer) or outer in free else -(-_nbytes(bv.aval) // length)
         if j < nc + nk:  # a carry: kept by stacking it
             return _nbytes(bv.aval)
-        return 0 if outer in free else _nbytes(bv.aval)
+        return 0 if _jax_internals.is_literal(outer) or outer in free else _nbytes(bv.aval)
 
     inner = _plan(body, [body.outvars[k] for k in planned], [cost(j) for j in range(len(body.invars))], recomputable)
     if not inner.recompute:
@@ -452,7 +453,7 @@ def _plan_scan(
     position = {v: j for j, v in enumerate(body.invars)}
     stacked, consts, xs = [], [], []
     for v in inner.kept:
-        j = position.get(v) if not isinstance(v, Stacked) else None
+        j = position.get(v)  # None: a body value or a deeper scan's stack
         if j is None or nc <= j < nc + nk:
             aval = v.aval if not isinstance(v, Stacked) else jax.ShapeDtypeStruct((v.length, *v.aval.shape), v.aval.dtype)
             stacked.append(Stacked(i, v, aval, parts.length))
@@ -477,7 +478,7 @@ def _plan(
     source, sink = -1, -2
     wanted = _wanted(jaxpr, residuals, recomputable)
     free = {v for v, b in zip(jaxpr.invars, input_bytes) if b == 0} | set(jaxpr.constvars)
-    infinite = 1 + sum(input_bytes) + sum(_nbytes(v.aval) for e in jaxpr.eqns for v in e.outvars) * 2
+    infinite = math.inf  # every source-sink path crosses a value's finite edge: pushes stay finite
 
     def value(v: Any, nbytes: int, made_in_forward: bool) -> int:
         """The node pair of a value (2k: v_in, 2k + 1: v_out); keeping it costs ``nbytes``."""
@@ -499,15 +500,14 @@ def _plan(
     for i, eqn in enumerate(jaxpr.eqns):
         is_cheap = recomputable(eqn)
         scan = None if is_cheap else _plan_scan(i, eqn, wanted, free, recomputable)
-        rebuilt: set[Any] = set()
-        r = -3
+        rebuilt: dict[Any, int] = {}  # a planned scan's outputs -> its rebuild's node
         if scan is not None:
             scans[i] = scan
-            r = 2 * node(_Rebuild(i))  # one node: a rebuild reads every stacked value
+            rebuild = 2 * node(_Rebuild(i))  # one node: a rebuild reads every stacked value
             for s in scan.stacked:
-                flow.edge(2 * value(s, s.nbytes, made_in_forward=True) + 1, r, infinite)
-            feed([eqn.invars[j] for j in scan.consts + scan.xs], r)
-            rebuilt = {eqn.outvars[k] for k in scan.planned}
+                flow.edge(2 * value(s, s.nbytes, made_in_forward=True) + 1, rebuild, infinite)
+            feed([eqn.invars[j] for j in scan.consts + scan.xs], rebuild)
+            rebuilt = {eqn.outvars[k]: rebuild for k in scan.planned}
         for o in eqn.outvars:
             if _jax_internals.is_dropped(o):
                 continue
@@ -516,7 +516,7 @@ def _plan(
             if is_cheap:
                 feed(eqn.invars, 2 * k)
             elif o in rebuilt:
-                flow.edge(r, 2 * k, infinite)
+                flow.edge(rebuilt[o], 2 * k, infinite)
     for r in residuals:
         if not _jax_internals.is_literal(r):
             flow.edge(2 * node(r) + 1, sink, infinite)
