@@ -15,6 +15,7 @@ key, integer tokens, and an accuracy ``aux`` output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -224,19 +225,41 @@ def _zero_bubble_step(
     return grads, {"steps": steps, "compiles": compiles}
 
 
+def _one_step(fwd: Any, params: Params, tokens: jax.Array, drop_keys: jax.Array, store: Any = None) -> Any:
+    """One step, F1..Fn then Bn..B1, with the contexts in a list, or through ``store`` (each
+    put, then read back one backward ahead); the summed gradients."""
+    n = len(drop_keys)
+    if store is None:
+        contexts: Any = reversed([fwd(params, tokens[i], drop_keys[i])[1] for i in range(n)])
+    else:
+        keys = [store.put(fwd(params, tokens[i], drop_keys[i])[1], f"mb{i}") for i in range(n)]
+
+        def gets() -> Any:
+            for i in reversed(range(n)):
+                if i > 0:
+                    store.prefetch(keys[i - 1])
+                yield store.pop(keys[i])
+
+        contexts = gets()
+    grads = None
+    for ctx in contexts:
+        g = fwd.backward(ctx, jnp.float32(1.0 / n))
+        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    return grads
+
+
 def _save_comparison(
     cfg: DemoConfig, params: Params, tokens: jax.Array, drop_keys: jax.Array, folder: str,
     reference: Callable[..., Any], repeats: int = 5,
 ) -> list[dict[str, Any]]:
     """``save="all"`` against ``save="auto"``, for the layers under the demo's hand-written
-    checkpoint policy and as a plain scan: one step (F1..Fn, then Bn..B1) with the contexts in a
+    checkpoint policy and as a plain scan: one step (:func:`_one_step`) with the contexts in a
     list, and through a store with zero budgets (each context spilled to disk, read back ahead of
     its backward). Per row: the contexts' own bytes, the medians of ``repeats`` steps (after one
     to compile) and the gradients' largest relative difference from ``jax.grad``."""
     import residual_store as rs
     from residual_store.store.tiers import own_nbytes
 
-    n, ct = cfg.n_microbatches, jnp.float32(1.0 / cfg.n_microbatches)
     want = reference(params, tokens, drop_keys)
 
     def median_seconds(step: Callable[[], Any]) -> tuple[float, Any]:
@@ -253,37 +276,15 @@ def _save_comparison(
         variant = dataclasses.replace(cfg, remat=remat)
         for save in ("all", "auto"):
             fwd = rs.split(lambda p, t, k, c=variant: transformer_loss(p, t, k, c), argnums=0, has_aux=True, save=save)
-
-            def backwards(contexts: Any, fwd: Any = fwd) -> Any:
-                grads = None
-                for ctx in contexts:
-                    g = fwd.backward(ctx, ct)
-                    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-                return grads
-
-            def in_memory(fwd: Any = fwd, backwards: Any = backwards) -> Any:
-                return backwards(reversed([fwd(params, tokens[i], drop_keys[i])[1] for i in range(n)]))
-
+            step = functools.partial(_one_step, fwd, params, tokens, drop_keys)
             name = f"{'checkpoint' if remat else 'plain'}-{save}"
             with rs.Store(os.path.join(folder, name), device_budget=0, host_budget=0, durable=False) as store:
-
-                def gets(keys: list[str], store: Any = store) -> Any:
-                    for i in reversed(range(n)):
-                        if i > 0:
-                            store.prefetch(keys[i - 1])
-                        yield store.pop(keys[i])
-
-                def spilled(fwd: Any = fwd, store: Any = store, backwards: Any = backwards, gets: Any = gets) -> Any:
-                    keys = [store.put(fwd(params, tokens[i], drop_keys[i])[1], f"mb{i}") for i in range(n)]
-                    return backwards(gets(keys))
-
-                t_memory, grads = median_seconds(in_memory)
-                t_spilled, spilled_grads = median_seconds(spilled)
-            own = own_nbytes(fwd(params, tokens[0], drop_keys[0])[1])
+                t_memory, grads = median_seconds(step)
+                t_spilled, spilled_grads = median_seconds(functools.partial(step, store=store))
             rows.append({
                 "layers": "jax.checkpoint, named outputs saved" if remat else "plain lax.scan",
                 "save": save,
-                "own_bytes": own,
+                "own_bytes": own_nbytes(fwd(params, tokens[0], drop_keys[0])[1]),
                 "ms_in_memory": t_memory * 1e3,
                 "ms_spilled": t_spilled * 1e3,
                 "max_rel_grad_diff": max(_tree_max_rel_diff(grads, want), _tree_max_rel_diff(spilled_grads, want)),
