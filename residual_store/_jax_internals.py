@@ -173,8 +173,9 @@ _INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
 def _holds_calls(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` calls a ``jit`` body, itself or in a scan body."""
     return any(
-        eqn.primitive.name in _INLINED or (eqn.primitive.name == "scan" and _holds_calls(eqn.params["jaxpr"].jaxpr))
+        eqn.primitive.name in _INLINED or ((scan := scan_parts(eqn)) is not None and _holds_calls(scan.body))
         for eqn in jaxpr.eqns
     )
 

@@ -36,7 +36,7 @@ import numpy as np
 from residual_store import _jax_internals, filters, names, placement, remat, structure
 from residual_store.backward import Backward, register_backward, staged
 from residual_store.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
-from residual_store.halves import GradParts, Halves
+from residual_store.canonical import qualified_name
 from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec
 from residual_store.errors import (
     InvalidArgumentError,
@@ -44,7 +44,7 @@ from residual_store.errors import (
     ResidualStoreError,
     SignatureMismatchError,
 )
-from residual_store.canonical import qualified_name
+from residual_store.halves import GradParts, Halves
 from residual_store.keypaths import PathStructure
 from residual_store.signature import compute_signature, is_current
 
@@ -972,13 +972,15 @@ def split(
         dropped first).
       save: ``"all"`` (the default) keeps every residual ``jax.vjp`` keeps; ``"auto"`` keeps the
         values with the fewest bytes from which the backward recomputes the rest using only
-        cheap, pure operations (elementwise, layout, reductions; never matrix products,
-        convolutions, custom_vjp / custom_jvp calls, custom calls, callbacks, RNG operations,
-        collectives or the bodies of ``jit``, ``scan`` and ``checkpoint``), see
-        :mod:`residual_store.remat`. A JAX checkpoint policy (e.g.
+        cheap, pure operations (elementwise, layout, reductions, indexing; never matrix
+        products, convolutions, custom_vjp / custom_jvp calls, custom calls, callbacks, RNG
+        operations, collectives, ``checkpoint_name``'d values, or inside the function's own
+        ``checkpoint``, ``while`` and ``cond`` bodies; ``jit`` and ``scan`` bodies are planned
+        through), see :mod:`residual_store.remat`. A JAX checkpoint policy (e.g.
         ``jax.checkpoint_policies.dots_saveable``) instead lets the backward recompute what the
         policy does not save, with the same exceptions (RNG, kernels, callbacks, collectives and
-        higher-order primitives are never recomputed). The choice is part of the signature.
+        higher-order primitives but ``scan`` are never recomputed). The choice is part of the
+        signature.
 
     Returns:
       A :class:`Split`: ``out, ctx = fwd(*args)``; ``grads = fwd.backward(ctx, cotangent)``.

@@ -40,16 +40,19 @@ import numpy as np
 import tensorstore as ts
 
 from serializers.errors import CorruptDataError, DiskFullError
-from serializers.local import _DISK_FULL_ERRNOS
+from serializers.local import _DISK_FULL_ERRNOS, _MAX_METADATA_BYTES, aligned_empty
 from serializers.zarr import (
     _METADATA_KEY,
+    SUPPORTED_DTYPES,
     ChunkedArray,
     DTypeLike,
     PathLike,
     Shape,
+    _byte_view,
     _check_attributes,
     _check_chunk_index,
     _check_relpath,
+    _check_zarr_metadata,
     _describe,
     _disk_array,
     _disk_chunks,
@@ -57,13 +60,12 @@ from serializers.zarr import (
     check_chunk_shape,
     chunk_grid,
     chunk_index_key,
+    chunk_key,
     chunk_region,
     numpy_dtype,
     zarr_dtype_name,
     zarr_metadata,
 )
-from serializers.local import _MAX_METADATA_BYTES, aligned_empty
-from serializers.zarr import SUPPORTED_DTYPES, _byte_view, _check_zarr_metadata, chunk_key
 
 __all__ = [
     "KvStoreSpec",
