@@ -40,6 +40,7 @@ from serializers.kv import (
 from serializers.local import (
     aligned_empty,
     read_array_local,
+    read_arrays_local,
     read_chunk_local,
     write_array_local,
     write_arrays_local,
@@ -143,6 +144,7 @@ __all__ = [
     "write_array_local",
     "write_arrays_local",
     "read_array_local",
+    "read_arrays_local",
     "write_chunks_local",
     "read_chunk_local",
     # plain zarr-python (serializers.zarr_compat, which imports zarr: loaded when first asked for)

@@ -71,6 +71,7 @@ __all__ = [
     "write_arrays_local",
     "write_array_local",
     "read_array_local",
+    "read_arrays_local",
     "write_chunks_local",
     "read_chunk_local",
     "read_file_local",
@@ -168,27 +169,42 @@ def check_folders_local(root: PathLike, parts: Sequence[str]) -> str:
     Raises:
       CorruptDataError: a component is a symbolic link, or cannot be examined.
     """
-    p = os.fspath(root)
-    walking = True
-    for part in parts:
-        p = os.path.join(p, part)
-        if not walking:
-            continue
-        try:
-            st = os.lstat(p)
-        except (FileNotFoundError, NotADirectoryError):
-            walking = False
-            continue
-        except OSError as e:
-            raise CorruptDataError(f"{p} cannot be examined ({e.strerror or e})") from None
-        if stat.S_ISLNK(st.st_mode):
-            raise CorruptDataError(
-                f"{p} is a symbolic link: a store never makes one, and never reads, writes or "
-                "removes anything through one"
-            )
-        if not stat.S_ISDIR(st.st_mode):
-            walking = False
-    return p
+    return _Folders(root).path(tuple(parts))
+
+
+class _Folders:
+    """:func:`check_folders_local` for many paths below one root: each folder is examined once
+    (the arrays of one context share every folder but their own)."""
+
+    def __init__(self, root: PathLike) -> None:
+        # relative parts -> (absolute path, whether the walk goes on below it)
+        self._seen: dict[tuple[str, ...], tuple[str, bool]] = {(): (os.fspath(root), True)}
+
+    def path(self, parts: tuple[str, ...]) -> str:
+        return self._walk(parts)[0]
+
+    def _walk(self, parts: tuple[str, ...]) -> tuple[str, bool]:
+        hit = self._seen.get(parts)
+        if hit is not None:
+            return hit
+        above, walking = self._walk(parts[:-1])
+        p = os.path.join(above, parts[-1])
+        if walking:
+            try:
+                st = os.lstat(p)
+            except (FileNotFoundError, NotADirectoryError):
+                walking = False
+            except OSError as e:
+                raise CorruptDataError(f"{p} cannot be examined ({e.strerror or e})") from None
+            else:
+                if stat.S_ISLNK(st.st_mode):
+                    raise CorruptDataError(
+                        f"{p} is a symbolic link: a store never makes one, and never reads, writes or "
+                        "removes anything through one"
+                    )
+                walking = stat.S_ISDIR(st.st_mode)
+        self._seen[parts] = (p, walking)
+        return p, walking
 
 
 def read_file_local(p: str, *, max_bytes: int, what: str | None = None) -> bytes | None:
@@ -752,10 +768,37 @@ def read_array_local(
       CorruptDataError: a missing or wrong-sized chunk file, or missing or
         mismatching metadata; the message names the file.
     """
+    return read_arrays_local(root, [(path, shape, dtype, checksum)], check_metadata=check_metadata)[0]
+
+
+def read_arrays_local(
+    root: PathLike,
+    arrays: Sequence[tuple[str, Shape, DTypeLike, str | None]],
+    *,
+    check_metadata: bool = True,
+) -> list[np.ndarray]:
+    """:func:`read_array_local` of each ``(path, shape, dtype, checksum)`` in order (``checksum``
+    may be ``None``), in this thread, examining each folder on the way once: the arrays of one
+    context share all their folders but their own, and for a small context that walk costs more
+    than reading the bytes.
+
+    Raises:
+      CorruptDataError: as :func:`read_array_local`, for the first array that fails.
+    """
+    folders = _Folders(root)
+    return [
+        _read_single_chunk(folders, path, shape, dtype, check_metadata, checksum)
+        for path, shape, dtype, checksum in arrays
+    ]
+
+
+def _read_single_chunk(
+    folders: _Folders, path: str, shape: Shape, dtype: DTypeLike, check_metadata: bool, checksum: str | None
+) -> np.ndarray:
     _check_relpath(path)
     shape = tuple(int(d) for d in shape)
     name = zarr_dtype_name(numpy_dtype(dtype))
-    folder = check_folders_local(root, path.split("/"))
+    folder = folders.path(tuple(path.split("/")))
     what = f"array {path!r}"
     if check_metadata:
         _check_metadata_file(folder, shape, name, what, None)

@@ -30,6 +30,7 @@ match it.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -259,30 +260,53 @@ def _type_name(v: object) -> str:
     return "nil" if v is None else type(v).__name__
 
 
-def _check_fields(d: object, fields: Sequence[Field], where: str) -> None:
-    """Raises :class:`_Invalid` unless ``d`` is a map with ``fields`` well typed."""
-    if not isinstance(d, dict):
-        where = f"field {where!r}" if where else "manifest"
-        raise _Invalid(f"{where} must be a map, got {_type_name(d)}")
+# (name, required, predicate or None for "array_records", description) per field, by the
+# identity of the field tuple (kept alive here): manifests are checked on every get, so the
+# schema is looked up once and a message is only formatted for a field that fails.
+_COMPILED: dict[int, tuple[Sequence[Field], tuple[tuple[str, bool, Callable[[object], bool] | None, str], ...]]] = {}
+
+
+def _compiled(fields: Sequence[Field]) -> tuple[tuple[str, bool, Callable[[object], bool] | None, str], ...]:
+    hit = _COMPILED.get(id(fields))
+    if hit is not None and hit[0] is fields:
+        return hit[1]
+    out = []
     for f in fields:
-        path = f"{where}.{f.name}" if where else f.name
-        if f.name not in d:
-            if f.required:
-                raise _Invalid(f"missing required field {path!r}")
-            continue
-        value = d[f.name]
         if f.kind == "array_records":
-            _check_array_records(value, path)
+            out.append((f.name, f.required, None, ""))
             continue
         try:
             predicate, description = _KINDS[f.kind]
         except KeyError:
             raise ValueError(f"schema field {f.name!r} has unknown kind {f.kind!r}") from None
-        if not predicate(value):
+        out.append((f.name, f.required, predicate, description))
+    compiled = tuple(out)
+    _COMPILED[id(fields)] = (fields, compiled)
+    return compiled
+
+
+def _check_fields(d: object, fields: Sequence[Field], where: str) -> None:
+    """Raises :class:`_Invalid` unless ``d`` is a map with ``fields`` well typed."""
+    if not isinstance(d, dict):
+        where = f"field {where!r}" if where else "manifest"
+        raise _Invalid(f"{where} must be a map, got {_type_name(d)}")
+    for name, required, predicate, description in _compiled(fields):
+        if name not in d:
+            if required:
+                raise _Invalid(f"missing required field {_field_path(where, name)!r}")
+            continue
+        value = d[name]
+        if predicate is None:
+            _check_array_records(value, _field_path(where, name))
+        elif not predicate(value):
             shown = repr(value) if isinstance(value, (str, int, float)) else _type_name(value)
             if len(shown) > 80:
                 shown = shown[:77] + "..."
-            raise _Invalid(f"field {path!r} must be {description}, got {shown}")
+            raise _Invalid(f"field {_field_path(where, name)!r} must be {description}, got {shown}")
+
+
+def _field_path(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
 
 
 # --------------------------------------------------------------------------- paths
@@ -450,11 +474,17 @@ class ArrayRecord:
     @classmethod
     def _built(cls, d: Mapping[str, Any]) -> ArrayRecord:
         record = object.__new__(cls)
-        for f in dataclasses.fields(cls):
-            object.__setattr__(record, f.name, d.get(f.name, f.default))
+        # a frozen dataclass's fields live in its __dict__: filled at once, as __init__ would
+        record.__dict__.update({name: d.get(name, default) for name, default in _record_defaults()})
         record._normalize()
         record._check_chunks()
         return record
+
+
+@functools.cache
+def _record_defaults() -> tuple[tuple[str, Any], ...]:
+    """``(field name, default)`` of every :class:`ArrayRecord` field, in order."""
+    return tuple((f.name, f.default) for f in dataclasses.fields(ArrayRecord))
 
 
 def chunked_checksum(chunk_checksums: Sequence[tuple[Sequence[int], str]]) -> str:

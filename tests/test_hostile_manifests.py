@@ -217,6 +217,25 @@ def test_a_shared_array_outside_weights_is_refused(stored):
     assert "shared array" in _get_refused(root, "a")
 
 
+def test_a_spec_parsed_before_never_stands_in_for_a_changed_one(stored):
+    """Specs are parsed once per signature in a process: a manifest of that signature whose
+    spec differs (here its names, then an aval that disagrees with its array) is parsed as it is."""
+    root, ctxs = stored
+    with rs.Store(root, read_only=True) as store:
+        assert store.get("a").spec == ctxs["a"].spec
+    m = read_manifest(root, "b")
+    names = [f"renamed {i}" for i in range(len(m["spec"]["names"]))]
+    _write(root, "b", {**m, "spec": {**m["spec"], "names": names}})
+    with rs.Store(root, read_only=True) as store:
+        assert list(store.get("b").spec.names) == names
+        assert store.get("a").spec == ctxs["a"].spec
+    i = _own(m)
+    avals = list(m["spec"]["avals"])
+    avals[i] = [[*avals[i][0][:-1], avals[i][0][-1] + 1], avals[i][1]]
+    _write(root, "b", {**m, "spec": {**m["spec"], "avals": avals}})
+    assert "disagrees with its array record" in _get_refused(root, "b")
+
+
 @pytest.mark.parametrize(
     "signature",
     ["../../x", "rs2-" + "0" * 31 + "\x00", "rs2-\x00" + "0" * 31, "rs3-" + "0" * 32, "rs2-" + "A" * 32,

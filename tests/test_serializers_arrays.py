@@ -43,6 +43,7 @@ from serializers import (
     read_array,
     read_array_async,
     read_array_local,
+    read_arrays_local,
     read_arrays,
     read_chunk,
     read_chunk_local,
@@ -915,3 +916,23 @@ def test_reuse_with_keep_metadata_neither_reads_nor_writes_zarr_json(
     assert {p: (tmp_path / p / "zarr.json").read_bytes() for p in ("a", "b")} == before
     _same_bits(read_array_local(tmp_path, "a", a.shape, "float32"), a + 1)
     _same_bits(read_array_local(tmp_path, "b", b.shape, "int16"), b + 1)
+
+
+def test_read_arrays_local_reads_in_order_and_names_the_first_bad_array(tmp_path):
+    """Arrays of one folder read in one call, each checksum verified; a bad checksum or a
+    folder that is a symbolic link fails naming that array, whatever came before it."""
+    rng = np.random.default_rng(7)
+    arrays = {f"ctx/{i}": rng.standard_normal((3 + i, 5)).astype(np.float32) for i in range(4)}
+    write_arrays_local(tmp_path, arrays)
+    items = [(p, a.shape, "float32", checksum(a)) for p, a in arrays.items()]
+    for got, want in zip(read_arrays_local(tmp_path, items), arrays.values()):
+        _same_bits(got, want)
+        assert got.ctypes.data % 64 == 0
+    wrong = list(items)
+    wrong[2] = (*wrong[2][:3], checksum(arrays["ctx/1"]))
+    with pytest.raises(CorruptDataError, match="'ctx/2'"):
+        read_arrays_local(tmp_path, wrong)
+    os.rename(tmp_path / "ctx" / "3", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "ctx" / "3")
+    with pytest.raises(CorruptDataError, match="symbolic link"):
+        read_arrays_local(tmp_path, items)

@@ -87,6 +87,32 @@ def test_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_manifest(tm
         assert len(parses) == 1
 
 
+def test_contexts_of_one_signature_parse_their_spec_once_and_examine_each_folder_once(tmp_path, split, monkeypatch):
+    """A fresh store's gets of contexts of one signature: the spec part of their manifests is
+    parsed once in the process (every such manifest has the same spec map), and each get
+    examines each folder on the way to its arrays once, not once per array."""
+    params = _inputs(10)[0]
+    xs = [_inputs(s)[1] for s in (11, 12, 13)]
+    root = tmp_path / "s"
+    with rs.Store(root) as store:
+        for i, x in enumerate(xs):
+            store.put(split(params, x)[1], f"k{i}")
+    monkeypatch.setattr(records, "_SPECS", records._SpecMemo())  # as in a new process
+    specs = _count(monkeypatch, records, "spec_from_map")
+    lstats = _count(monkeypatch, os, "lstat")
+    with rs.Store(root, read_only=True, device_budget=0, host_budget=0) as store:
+        lstats.clear()
+        got = [store.get(f"k{i}") for i in range(len(xs))]
+    assert len(specs) == 1
+    examined = [str(a[0]) for a in lstats]
+    data = [p for p in examined if os.sep + "data" + os.sep in p]
+    assert len(data) == len(set(data)), sorted(data)  # no folder twice
+    own = sum(1 for k in got[0].spec.kinds if k != "weight")
+    assert len(data) >= len(xs) * own  # every array folder was examined
+    for ctx, x in zip(got, xs):
+        assert_trees_close(rs.backward(ctx), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
+
+
 def test_weights_a_store_holds_on_the_device_are_not_read_again(tmp_path, split, monkeypatch):
     params, _ = _inputs(5)
     xs = [_inputs(s)[1] for s in (6, 7)]
@@ -94,19 +120,22 @@ def test_weights_a_store_holds_on_the_device_are_not_read_again(tmp_path, split,
     with rs.Store(root) as store:
         for i, x in enumerate(xs):
             store.put(split(params, x)[1], f"k{i}")
-    reads = _count(monkeypatch, backends._LocalBackend, "read_array")
+    batches = _count(monkeypatch, backends._LocalBackend, "read_arrays")  # every array read goes through it
+
+    def weight_reads():
+        return [path for batch in batches for path, *_ in batch[1] if path.startswith("weights/")]
+
     with rs.Store(root, read_only=True, device_budget=0, host_budget=0) as store:  # keeps no context
         first = store.get("k0")  # holds the weights: the next get takes them from here
-        weight_reads = [a for a in reads if a[1].startswith("weights/")]
-        assert len(weight_reads) == 2
+        assert len(weight_reads()) == 2
         second = store.get("k1")
-        assert [a for a in reads if a[1].startswith("weights/")] == weight_reads
+        assert len(weight_reads()) == 2
         assert second.residuals[ctx_weight_index(second)] is first.residuals[ctx_weight_index(first)]
         for ctx, x in zip((first, second), xs):
             assert_trees_close(rs.backward(ctx), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
         del first, second, ctx
         third = store.get("k0")  # no context holds them now: read again
-        assert len([a for a in reads if a[1].startswith("weights/")]) == 4
+        assert len(weight_reads()) == 4
         assert_trees_close(rs.backward(third), jax.grad(_loss, argnums=(0, 1))(params, xs[0]), **F32_TOL)
 
 

@@ -86,6 +86,7 @@ class Backend(Protocol):
     def read_array(
         self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None
     ) -> np.ndarray: ...
+    def read_arrays(self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]]) -> list[np.ndarray]: ...
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
     ) -> np.ndarray: ...
@@ -263,9 +264,12 @@ class _LocalBackend:
     ) -> np.ndarray:
         # zarr.json is for other readers: the manifest gives shape and dtype, and the checksum
         # (verified while reading) and the chunk's size vouch for the data.
-        return serializers.read_array_local(
-            self.root, path, shape, dtype, check_metadata=False, checksum=checksum
-        )
+        return self.read_arrays([(path, shape, dtype, checksum)])[0]
+
+    def read_arrays(self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]]) -> list[np.ndarray]:
+        """``read_array`` of each ``(path, shape, dtype, checksum)``, in this thread, each folder
+        on the way examined once."""
+        return serializers.read_arrays_local(self.root, arrays, check_metadata=False)
 
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
@@ -528,6 +532,9 @@ class _KvBackend:
         if checksum is not None:
             serializers.verify(x, checksum, what=f"array {path!r}")
         return x
+
+    def read_arrays(self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]]) -> list[np.ndarray]:
+        return [self.read_array(*a) for a in arrays]
 
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]

@@ -457,7 +457,7 @@ class DiskTier:
             pool, parallel = _REQUEST_POOL, len(tasks) > 1
         else:
             pool, parallel = _READ_POOL, len(tasks) > 1 and nbytes + len(tasks) * _SMALL_READ_BYTES >= _PARALLEL_READ_BYTES
-        results = list(pool.map(read, tasks) if parallel else map(read, tasks))
+        results = list(pool.map(read, tasks)) if parallel else self._read_in_turn(key, stored, tasks)
         pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
         for (i, idx, _), x in zip(tasks, results):
             pieces.setdefault(i, {})[idx] = x
@@ -498,6 +498,22 @@ class DiskTier:
                 f"context {key!r}, residual {i} ({record.name}): cannot rebuild its sharding "
                 f"{sharding} on this process's devices ({type(err).__name__}: {err})"
             ) from err
+
+    def _read_in_turn(
+        self, key: str, stored: StoredContext, tasks: Sequence[tuple[int, tuple[int, ...] | None, str]]
+    ) -> list[np.ndarray]:
+        """Every task in this thread: whole arrays in one call of the backend (which examines
+        each folder on the way once); after a failure there, one array at a time again, so that
+        the error names the context and the residual."""
+        if any(chunk is not None for _, chunk, _ in tasks):
+            return [self._read_task(key, stored, task) for task in tasks]
+        records = stored.records
+        try:
+            return self.backend.read_arrays(
+                [(records[i].path, records[i].shape, records[i].dtype, expected) for i, _, expected in tasks]
+            )
+        except (serializers.CorruptDataError, serializers.UnsupportedDTypeError, OSError, ValueError):
+            return [self._read_task(key, stored, task) for task in tasks]
 
     def _read_task(self, key: str, stored: StoredContext, task: tuple[int, tuple[int, ...] | None, str]) -> np.ndarray:
         i, chunk, expected = task

@@ -25,6 +25,7 @@ processes of a job (:mod:`residual_store.store.collective`); both write the same
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -165,26 +166,39 @@ class StaleData(NamedTuple):
 
 
 def layout_digest(
-    items: Iterable[tuple[str, tuple[int, ...], str, tuple[int, ...] | None, Mapping[str, Any] | None]],
+    spec: ResidualSpec, arrays: Iterable[tuple[int, str, tuple[int, ...], str, tuple[int, ...] | None]]
 ) -> str:
-    """A digest of (name, shape, dtype, chunk shape, zarr attributes) of each own array: a folder
-    of equal layout can take another write's arrays in place, each ``zarr.json`` unchanged."""
+    """A digest of (name, shape, dtype, chunk shape, zarr attributes) of each own array, given as
+    ``(residual index, name in the folder, shape, dtype, chunk shape or None)``, the attributes
+    those of ``spec``'s residual: a folder of equal layout can take another write's arrays in
+    place, each ``zarr.json`` unchanged. Remembered per spec and arrays (every write of one
+    signature has the same layout)."""
+    own = tuple((i, name, tuple(int(d) for d in shape), dtype, None if chunks is None else tuple(int(c) for c in chunks))
+                for i, name, shape, dtype, chunks in arrays)
+    try:
+        return _layout_digest(spec, own)
+    except TypeError:  # a spec holding an unhashable value
+        return _layout_digest.__wrapped__(spec, own)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_digest(spec: ResidualSpec, own: tuple[tuple[int, str, tuple[int, ...], str, tuple[int, ...] | None], ...]) -> str:
     h = hashlib.sha256()
-    for name, shape, dtype, chunks, attributes in sorted(items, key=lambda t: (t[0], str(t[1:]))):
-        grid = "" if chunks is None else f"|{tuple(int(c) for c in chunks)}"
-        attrs = "" if attributes is None else "|" + json.dumps(attributes, sort_keys=True)
-        h.update(f"{name}|{tuple(int(d) for d in shape)}|{dtype}{grid}{attrs};".encode())
+    for i, name, shape, dtype, chunks in sorted(own, key=lambda t: (t[1], str(t[2:]))):
+        grid = "" if chunks is None else f"|{chunks}"
+        attrs = json.dumps(_array_attributes(spec, i), sort_keys=True)
+        h.update(f"{name}|{shape}|{dtype}{grid}|{attrs};".encode())
     return h.hexdigest()[:16]
 
 
 def data_of(stored: StoredContext) -> StaleData:
     """The data folder of a committed context and its layout (see :func:`layout_digest`)."""
     prefix = stored.data_dir + "/"
-    return StaleData(stored.data_dir, layout_digest(
-        (r.path[len(prefix):], tuple(r.shape), r.dtype, r.chunk_shape, _array_attributes(stored.spec, i))
+    return StaleData(stored.data_dir, layout_digest(stored.spec, (
+        (i, r.path[len(prefix):], r.shape, r.dtype, r.chunk_shape)
         for i, r in enumerate(stored.records)
         if r.path.startswith(prefix)
-    ))
+    )))
 
 
 def chunked_digest_of(
@@ -227,6 +241,7 @@ class ArrayWrite:
     process 0 alone writes it).
     """
 
+    index: int  # of the residual (the first one, for a weight held twice)
     path: str
     data: Any
     shared: bool
@@ -324,7 +339,7 @@ def plan_write(
             whole = True
         path = weight_path(digest) if shared else own_array_path(folder, i)
         if not (shared and any(w.path == path for w in writes)):
-            writes.append(ArrayWrite(path, data, shared, whole, None if shared else _array_attributes(spec, i)))
+            writes.append(ArrayWrite(i, path, data, shared, whole, None if shared else _array_attributes(spec, i)))
         records.append(serializers.ArrayRecord.for_writing(
             name=spec.names[i], path=path, shape=x.shape, dtype=serializers.zarr_dtype_name(x.dtype),
             nbytes=int(x.nbytes), checksum=checksum, input_path=spec.input_paths[i], shared=shared,
@@ -346,11 +361,11 @@ def plan_write(
         "manifest": manifest_path(key),
         "arrays": [{"path": r.path, "name": r.name, "kind": k} for r, k in zip(records, spec.kinds)],
     }})
-    layout = layout_digest(
-        (a.path[len(folder) + 1:], tuple(a.data.shape), serializers.zarr_dtype_name(a.data.dtype),
-         getattr(a.data, "chunk_shape", None) if not a.whole else None, a.attributes)
+    layout = layout_digest(spec, (
+        (a.index, a.path[len(folder) + 1:], a.data.shape, serializers.zarr_dtype_name(a.data.dtype),
+         getattr(a.data, "chunk_shape", None) if not a.whole else None)
         for a in writes if not a.shared
-    )
+    ))
     stored = StoredContext(
         key, spec, tuple(records), tuple(impls), created, jax.__version__, folder, tuple(shardings)
     )

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -206,11 +207,17 @@ def _save_choice(v: Any) -> str:
     raise ValueError(f"save must be 'all', 'auto' or 'policy:<name>', got {str(v)[:40]!r}")
 
 
+@functools.lru_cache(maxsize=256)
+def _dtype_text(dtype: Any) -> str:
+    """``str(dtype)`` (NumPy spends microseconds on each), remembered."""
+    return str(dtype)
+
+
 def spec_to_map(
     spec: ResidualSpec, impls: Sequence[str | None], shardings: Sequence[dict[str, Any] | None] = ()
 ) -> dict[str, Any]:
     out = {
-        "avals": [[list(a.shape), str(a.dtype)] for a in spec.avals],
+        "avals": [[list(a.shape), _dtype_text(a.dtype)] for a in spec.avals],
         "names": list(spec.names),
         "input_paths": list(spec.input_paths),
         "kinds": list(spec.kinds),
@@ -355,6 +362,41 @@ def _check_record(
             )
 
 
+class _SpecMemo:
+    """The specs of recent manifests, by signature and format version: every context of one
+    split called alike has the same spec map, so a process parses it once, not on every get.
+
+    A hit needs an equal map (``==`` on the decoded map, compared in C) and records of the same
+    shapes, dtypes and sharing, the only parts of the records :func:`spec_from_map` reads: so a
+    hit returns exactly what parsing would. Thread-safe (loader threads parse too); bounded.
+    """
+
+    _SIZE = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._specs: dict[tuple[str, int], tuple[Any, tuple[Any, ...], Any]] = {}
+
+    def parse(
+        self, signature: str, spec_map: Any, records: Sequence[serializers.ArrayRecord], what: str, version: int
+    ) -> tuple[ResidualSpec, tuple[str | None, ...], tuple[dict[str, Any] | None, ...]]:
+        layout = tuple((r.shape, r.dtype, r.shared) for r in records)
+        with self._lock:
+            hit = self._specs.get((signature, version))
+        if hit is not None and hit[1] == layout and hit[0] == spec_map:
+            return hit[2]
+        parsed = spec_from_map(signature, spec_map, records, what, version=version)
+        with self._lock:
+            self._specs.pop((signature, version), None)
+            while len(self._specs) >= self._SIZE:
+                del self._specs[next(iter(self._specs))]
+            self._specs[(signature, version)] = (spec_map, layout, parsed)
+        return parsed
+
+
+_SPECS = _SpecMemo()
+
+
 def parse_context_manifest(key: str, data: bytes) -> StoredContext:
     """Decodes and cross-checks the manifest of context ``key`` (read from ``contexts/``).
 
@@ -401,7 +443,7 @@ def parse_context_manifest(key: str, data: bytes) -> StoredContext:
             _check_record(i, record, data_dir, impl, what)
         except Exception as err:  # noqa: BLE001 - JAX raises several types for an unknown key impl
             raise CorruptContextError(f"{what}: array {i} ({record.name[:80]}): {err}") from None
-    spec, impls_out, shardings = spec_from_map(signature, spec_map, records, what, version=m["version"])
+    spec, impls_out, shardings = _SPECS.parse(signature, spec_map, records, what, m["version"])
     return StoredContext(
         key, spec, records, impls_out, float(m["created"]), m["jax_version"], data_dir, shardings
     )
