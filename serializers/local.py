@@ -776,24 +776,34 @@ def read_arrays_local(
     arrays: Sequence[tuple[str, Shape, DTypeLike, str | None]],
     *,
     check_metadata: bool = True,
+    empty: Callable[[Shape, np.dtype], np.ndarray] = aligned_empty,
 ) -> list[np.ndarray]:
     """:func:`read_array_local` of each ``(path, shape, dtype, checksum)`` in order (``checksum``
     may be ``None``), in this thread, examining each folder on the way once: the arrays of one
     context share all their folders but their own, and for a small context that walk costs more
     than reading the bytes.
 
+    ``empty(shape, dtype)`` gives the buffer each array is read into (a fresh, 64-byte aligned,
+    C-contiguous array: every byte of it is read before it is returned).
+
     Raises:
       CorruptDataError: as :func:`read_array_local`, for the first array that fails.
     """
     folders = _Folders(root)
     return [
-        _read_single_chunk(folders, path, shape, dtype, check_metadata, checksum)
+        _read_single_chunk(folders, path, shape, dtype, check_metadata, checksum, empty)
         for path, shape, dtype, checksum in arrays
     ]
 
 
 def _read_single_chunk(
-    folders: _Folders, path: str, shape: Shape, dtype: DTypeLike, check_metadata: bool, checksum: str | None
+    folders: _Folders,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    check_metadata: bool,
+    checksum: str | None,
+    empty: Callable[[Shape, np.dtype], np.ndarray],
 ) -> np.ndarray:
     _check_relpath(path)
     shape = tuple(int(d) for d in shape)
@@ -809,7 +819,7 @@ def _read_single_chunk(
         if verifier is not None:
             verifier.check()
         return out
-    return _read_chunk_file(os.path.join(folder, key), shape, SUPPORTED_DTYPES[name], what, verifier)
+    return _read_chunk_file(os.path.join(folder, key), shape, SUPPORTED_DTYPES[name], what, verifier, empty)
 
 
 def write_chunks_local(
@@ -904,7 +914,12 @@ def check_array_metadata_local(
 
 
 def _read_chunk_file(
-    p: str, shape: tuple[int, ...], dtype: np.dtype, what: str, verifier: Verifier | None = None
+    p: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    what: str,
+    verifier: Verifier | None = None,
+    empty: Callable[[Shape, np.dtype], np.ndarray] = aligned_empty,
 ) -> np.ndarray:
     """The chunk file ``p`` as a fresh aligned array of ``shape`` and ``dtype``: opened without
     following a link or blocking, and refused unless it is a regular file of exactly that many
@@ -926,7 +941,7 @@ def _read_chunk_file(
             raise CorruptDataError(
                 f"{what}: chunk file {p} is {kind}: {size} bytes, expected {expected}"
             )
-        out = aligned_empty(shape, dtype)
+        out = empty(shape, dtype)
         _read_exact(fd, _byte_view(out), p, what, verifier)
         return out
     finally:

@@ -16,7 +16,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Sequence, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -53,6 +53,9 @@ def _damaged(err: Exception) -> DamagedFileError:
     return DamagedFileError(str(err))
 
 
+Empty = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+"""Gives the aligned buffer an array is read into (see :func:`serializers.read_arrays_local`)."""
+
 _GC_LOCK = ".gc.lock"  # hidden: listings and the empty-folder check skip dot files
 
 
@@ -83,10 +86,13 @@ class Backend(Protocol):
         self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
     ) -> None: ...
     # with a checksum, verified (serializers.CorruptDataError on a mismatch)
+    # empty(shape, dtype): the aligned buffer to read into (None: a fresh one); kvstores ignore it
     def read_array(
-        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None
+        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None, *, empty: Empty | None = None
     ) -> np.ndarray: ...
-    def read_arrays(self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]]) -> list[np.ndarray]: ...
+    def read_arrays(
+        self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]], *, empty: Empty | None = None
+    ) -> list[np.ndarray]: ...
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
     ) -> np.ndarray: ...
@@ -260,16 +266,20 @@ class _LocalBackend:
                 fsync_folder_local(folder)
 
     def read_array(
-        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None
+        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None, *, empty: Empty | None = None
     ) -> np.ndarray:
         # zarr.json is for other readers: the manifest gives shape and dtype, and the checksum
         # (verified while reading) and the chunk's size vouch for the data.
-        return self.read_arrays([(path, shape, dtype, checksum)])[0]
+        return self.read_arrays([(path, shape, dtype, checksum)], empty=empty)[0]
 
-    def read_arrays(self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]]) -> list[np.ndarray]:
+    def read_arrays(
+        self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]], *, empty: Empty | None = None
+    ) -> list[np.ndarray]:
         """``read_array`` of each ``(path, shape, dtype, checksum)``, in this thread, each folder
         on the way examined once."""
-        return serializers.read_arrays_local(self.root, arrays, check_metadata=False)
+        return serializers.read_arrays_local(
+            self.root, arrays, check_metadata=False, empty=empty or serializers.aligned_empty
+        )
 
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
@@ -525,7 +535,7 @@ class _KvBackend:
         )
 
     def read_array(
-        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None
+        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None, *, empty: Empty | None = None
     ) -> np.ndarray:
         # one request for the chunk object: zarr.json is for other readers (see check_metadata)
         x = serializers.read_raw(self.kv, path, shape, dtype)
@@ -533,7 +543,9 @@ class _KvBackend:
             serializers.verify(x, checksum, what=f"array {path!r}")
         return x
 
-    def read_arrays(self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]]) -> list[np.ndarray]:
+    def read_arrays(
+        self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]], *, empty: Empty | None = None
+    ) -> list[np.ndarray]:
         return [self.read_array(*a) for a in arrays]
 
     def read_chunk(

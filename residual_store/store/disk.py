@@ -56,6 +56,7 @@ from residual_store.errors import (
 from residual_store.logs import event
 from residual_store.placement import rebuild_sharding
 from residual_store.store.backends import open_backend
+from residual_store.store.buffers import ReadBuffers
 from residual_store.store import layout
 from residual_store.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
 from residual_store.store.host import HostArrays, ShardedHost, chunk_index
@@ -88,9 +89,13 @@ class DiskTier:
         *,
         create: bool = True,
         read_only: bool = False,
+        read_buffer_bytes: int = 0,
     ) -> None:
         self.backend = open_backend(path)
         self.read_only = bool(read_only)
+        # the host buffers reads fill, reused once their arrays are gone (0: always fresh ones)
+        self.buffers = ReadBuffers(read_buffer_bytes) if read_buffer_bytes > 0 else None
+        self._empty = self.buffers.empty if self.buffers is not None else None
         self._lock = threading.Lock()
         # key -> (manifest version, parsed manifest), least recently used first
         self._stat_cache: OrderedDict[str, tuple[Any, StoredContext]] = OrderedDict()
@@ -510,7 +515,8 @@ class DiskTier:
         records = stored.records
         try:
             return self.backend.read_arrays(
-                [(records[i].path, records[i].shape, records[i].dtype, expected) for i, _, expected in tasks]
+                [(records[i].path, records[i].shape, records[i].dtype, expected) for i, _, expected in tasks],
+                empty=self._empty,
             )
         except (serializers.CorruptDataError, serializers.UnsupportedDTypeError, OSError, ValueError):
             return [self._read_task(key, stored, task) for task in tasks]
@@ -536,7 +542,7 @@ class DiskTier:
             expected = record.checksum if chunk is None else dict(record.chunk_checksums or ())[chunk]
         try:
             if chunk is None:
-                return self.backend.read_array(record.path, record.shape, record.dtype, checksum=expected)
+                return self.backend.read_array(record.path, record.shape, record.dtype, checksum=expected, empty=self._empty)
             assert record.chunk_shape is not None
             x = self.backend.read_chunk(record.path, record.shape, record.dtype, record.chunk_shape, chunk)
             serializers.verify(x, expected, what=what)

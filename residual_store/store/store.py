@@ -31,6 +31,7 @@ from residual_store.errors import (
 )
 from residual_store.store import backwards
 from residual_store.store.collective import TIMEOUT_S, CollectiveCommitter, is_multiprocess
+from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
 from residual_store.store.host import (
     ShardedHost,
@@ -113,6 +114,9 @@ class Store:
       durable: fsync arrays and manifests before a write counts as done (``flush`` then means
         "survives a power loss"); ``False`` leaves that to the OS.
       max_pending_bytes: bytes of queued background writes before ``put`` waits (backpressure).
+      read_buffer_bytes: host memory the store keeps for the buffers its disk reads fill, each
+        reused once no array refers to it any more (fresh pages cost the kernel a fault and a
+        zeroing each); ``0``: a fresh buffer for every read. Given back at ``close``.
       create: with ``False``, a path that holds no store raises :class:`StoreNotFoundError`
         instead of becoming a new store (a resume loop over a mistyped path fails loudly).
       read_only: open an existing store to read: nothing on disk changes, and ``put``, ``pop``,
@@ -146,6 +150,7 @@ class Store:
         write_through: bool = True,
         durable: bool = True,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
         create: bool = True,
         read_only: bool = False,
         collective_timeout: float = TIMEOUT_S,
@@ -162,14 +167,9 @@ class Store:
         self._target = device
         self._tiers = Tiers(device_budget, host_budget, demote=to_host)
         self._device, self._host = self._tiers.device, self._tiers.host
-        if (
-            isinstance(max_pending_bytes, bool)
-            or not isinstance(max_pending_bytes, numbers.Integral)
-            or max_pending_bytes < 0
-        ):
-            raise InvalidArgumentError(
-                f"max_pending_bytes must be a non-negative int, got {max_pending_bytes!r}"
-            )
+        for name, value in (("max_pending_bytes", max_pending_bytes), ("read_buffer_bytes", read_buffer_bytes)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
         if (
             isinstance(collective_timeout, bool)
             or not isinstance(collective_timeout, numbers.Real)
@@ -178,7 +178,9 @@ class Store:
             raise InvalidArgumentError(
                 f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}"
             )
-        self._disk = DiskTier(path, create=create, read_only=read_only) if path is not None else None
+        self._disk = DiskTier(
+            path, create=create, read_only=read_only, read_buffer_bytes=int(read_buffer_bytes)
+        ) if path is not None else None
         # Several processes (jax.process_count() > 1) write each context collectively, in put
         # order: every put is written through (a spill depends on one process's budgets), and
         # data folders are removed, never recycled (each process would have to claim the same).
@@ -801,6 +803,8 @@ class Store:
                 self._writer.close()
             self._loader.close()
             self._janitor.close()
+            if self._disk is not None and self._disk.buffers is not None:
+                self._disk.buffers.clear()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -31,6 +31,8 @@ __all__ = ["MemoryTier", "Tiers", "own_nbytes", "spill_order"]
 
 
 def _nbytes(x: Any) -> int:
+    if isinstance(x.dtype, np.dtype):  # a NumPy dtype is never a typed PRNG key's
+        return int(x.nbytes)
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return int(np.prod(x.shape, dtype=np.int64)) * int(
             np.prod(jax.random.key_data(x).shape[x.ndim :], dtype=np.int64)
