@@ -287,6 +287,8 @@ class _Undo:
         Raises:
           CorruptDataError: a folder on the way below ``root`` is a symbolic link or not a folder.
         """
+        if folder in self._checked:  # found or made by this write already
+            return False
         root = self.root
         if root is not None and folder.startswith(root + os.sep):
             return self._makedirs_below(root, folder[len(root) + 1 :].split(os.sep))
@@ -564,8 +566,7 @@ def _write_one_local(
     keep_metadata: bool = False,
     attributes: Mapping[str, Any] | None = None,
 ) -> None:
-    _check_relpath(path)
-    a = _disk_array(arr)
+    a = _disk_array(arr)  # path: checked by the caller
     folder = os.path.join(root, *path.split("/"))
     fresh = undo.makedirs(folder)  # a folder this call made holds no stale chunks
     meta = None if keep_metadata else functools.partial(_disk_metadata, a, attributes)

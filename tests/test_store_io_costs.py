@@ -14,7 +14,7 @@ import pytest
 import residual_store as rs
 import serializers
 from residual_store.store import backends, records
-from store_helpers import F32_TOL, assert_trees_close
+from store_helpers import F32_TOL, assert_trees_close, data_dirs
 
 
 def _loss(params, x):
@@ -85,6 +85,34 @@ def test_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_manifest(tm
         parses.clear()
         assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params2, x2), **F32_TOL)
         assert len(parses) == 1
+
+
+def test_a_delete_after_this_stores_put_parses_nothing_and_after_anothers_drops_the_new_data(
+    tmp_path, split, monkeypatch
+):
+    root = tmp_path / "s"
+    params, x = _inputs(20)
+    with rs.Store(root) as store:
+        store.put(split(params, x)[1], "k")
+        store.put(split(params, _inputs(21)[1])[1], "other")
+        store.flush()
+        from residual_store.store import disk
+        parses = _count(monkeypatch, disk, "parse_context_manifest")
+        (own,) = data_dirs(root, "k")
+        store.delete("k")
+        store.flush()
+        assert parses == [] and "k" not in store
+        # another store replaces "other" after this one parsed it: the delete reads the new one
+        with rs.Store(root) as writer:
+            writer.put(split(params, _inputs(22)[1])[1], "other")
+        (replaced,) = data_dirs(root, "other")
+        parses.clear()
+        store.delete("other")
+        store.flush()
+        assert [key for key, _ in parses] == ["other"]
+    # the janitor (drained by close) has taken both data folders, each the current commit's
+    assert data_dirs(root, "k") == data_dirs(root, "other") == []
+    assert not (root / "data" / own).exists() and not (root / "data" / replaced).exists()
 
 
 def test_contexts_of_one_signature_parse_their_spec_once_and_examine_each_folder_once(tmp_path, split, monkeypatch):

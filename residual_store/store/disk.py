@@ -618,7 +618,12 @@ class DiskTier:
         Returns whether it was there and its data, for the caller to :meth:`drop_data`.
         """
         self.check_writable(f"delete {key!r}")
-        self.forget_stat(key)
+        version = self.backend.version(layout.manifest_path(key))
+        with self._lock:  # the file parsed before, unchanged since: its data is known
+            cached = self._stat_cache.pop(key, None)
+        if version is not None and cached is not None and cached[0] == version:
+            self.backend.delete(layout.manifest_path(key))
+            return True, layout.data_of(cached[1])
         try:
             data = self.read_manifest_bytes(key)
         except CorruptContextError:  # not a regular file, oversized: removed all the same
