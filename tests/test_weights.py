@@ -17,6 +17,8 @@ import pytest
 
 import residual_store as rs
 from residual_store.backward import lookup_backward
+from residual_store.store import backends
+from store_helpers import run_python, write_script
 
 # Shapes no other residual has, so jax.live_arrays() can find the activation by shape.
 ACT, W, OUT = (37, 19), (19, 11), 11
@@ -151,3 +153,84 @@ def _manifest(root, key):
 
     with open(os.path.join(root, "contexts", f"{key}.manifest"), "rb") as f:
         return msgpack.unpackb(f.read())
+
+
+def test_a_context_read_back_holds_the_callers_live_weights_not_copies(tmp_path, rng, monkeypatch):
+    """A store's get of a context it wrote takes the weights from the live arrays the put held
+    (no read, no second copy on the device) while the caller holds them; a weight deleted
+    (donated) since is read from disk again. Gradients: bit for bit the in-memory ones."""
+    params, h = _stage_inputs(rng)
+    fwd = rs.split(stage2, argnums=(0, 1), weight_argnums=0)
+    _, ctx = fwd(params, h)
+    want = fwd.backward(ctx)
+    batches = []
+    real = backends._LocalBackend.read_arrays
+    monkeypatch.setattr(
+        backends._LocalBackend, "read_arrays", lambda self, arrays, **kw: batches.append(list(arrays)) or real(self, arrays, **kw)
+    )
+
+    def weight_reads():
+        return sum(1 for batch in batches for path, *_ in batch if path.startswith("weights/"))
+
+    with rs.Store(tmp_path / "s", device_budget=0, host_budget=0) as store:
+        store.put(ctx, "k")
+        store.flush()
+        del ctx
+        got = store.get("k")
+        (weight,) = [x for x, k in zip(got.residuals, got.spec.kinds) if k == "weight"]
+        assert weight is params["w"]  # the caller's array: b is no residual of this backward
+        assert weight_reads() == 0
+        assert_equal_trees(fwd.backward(got), want)
+        del got, weight
+        params["w"].delete()  # as a donation to an optimizer step would
+        got = store.get("k")
+        assert weight_reads() == 1
+        assert_equal_trees(fwd.backward(got), want)
+        del got
+        gc.collect()
+        got = store.get("k")  # the copy read before went with its context: read again
+        assert weight_reads() == 2
+        assert_equal_trees(fwd.backward(got), want)
+
+
+def assert_equal_trees(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+_WEIGHTS_ELSEWHERE = """
+import sys, jax
+jax.config.update("jax_num_cpu_devices", 2)
+import jax.numpy as jnp, numpy as np, residual_store as rs
+
+def stage(p, x):
+    return jnp.sum(jnp.tanh(x @ p["w"]) ** 2)
+
+dev0, dev1 = jax.devices()
+fwd = rs.split(stage, argnums=(0, 1), weight_argnums=0)
+p = {"w": jax.device_put(jax.random.normal(jax.random.key(0), (8, 16)), dev0)}
+x = jax.device_put(jax.random.normal(jax.random.key(1), (4, 8)), dev0)
+_, ctx = fwd(p, x)
+want = fwd.backward(ctx)
+# the stage's store reads onto dev1: the caller's weight, on dev0, is not what a read gives
+with rs.Store(sys.argv[1], device_budget=0, host_budget=0, device=dev1) as store:
+    store.put(ctx, "k")
+    store.flush()
+    got = store.get("k")
+    assert {next(iter(r.devices())) for r in got.residuals} == {dev1}, [r.devices() for r in got.residuals]
+    assert all(r is not p["w"] for r in got.residuals)
+    for a, b in zip(jax.tree.leaves(fwd.backward(got)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+# on dev0, the caller's own array
+with rs.Store(sys.argv[1] + "-0", device_budget=0, host_budget=0, device=dev0) as store:
+    store.put(ctx, "k")
+    store.flush()
+    assert any(r is p["w"] for r in store.get("k").residuals)
+print("ok")
+"""
+
+
+def test_live_weights_on_another_device_than_the_stores_are_read_onto_its_device(tmp_path):
+    script = write_script(tmp_path, "weights_elsewhere.py", _WEIGHTS_ELSEWHERE)
+    proc = run_python(script, str(tmp_path / "store"))
+    assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr

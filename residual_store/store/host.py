@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import serializers
 from residual_store.context import OWN_KINDS, SHARED_KINDS, ResidualContext
@@ -32,7 +32,9 @@ __all__ = [
     "chunk_index",
     "host_arrays",
     "host_memory_kind",
+    "is_whole_on",
     "place",
+    "read_device",
     "to_device",
     "to_device_sharded",
     "to_host",
@@ -190,6 +192,30 @@ def to_host(ctx: ResidualContext) -> ResidualContext:
         ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)]
     )
 
+
+
+def read_device(device: jax.Device | None) -> jax.Device:
+    """Where a read's host arrays go: ``device``, or where ``jax.device_put`` puts a host array
+    given no device in this thread (``jax.default_device``, else this process's first device)."""
+    if device is not None:
+        return device
+    default = jax.config.jax_default_device
+    if isinstance(default, jax.Device):
+        return default
+    return jax.local_devices(backend=default)[0] if isinstance(default, str) else jax.local_devices()[0]
+
+
+def is_whole_on(x: Any, device: jax.Device) -> bool:
+    """Whether ``x`` is a live ``jax.Array`` held whole on ``device`` in its default memory:
+    what a read of its bytes placed on ``device`` would be."""
+    if not isinstance(x, jax.Array) or x.is_deleted():
+        return False
+    sharding = x.sharding
+    return (
+        isinstance(sharding, SingleDeviceSharding)
+        and sharding.device_set == {device}
+        and sharding.memory_kind in (None, device.default_memory().kind)
+    )
 
 
 def to_device(ctx: ResidualContext, device: jax.Device | None = None) -> ResidualContext:

@@ -37,13 +37,15 @@ from residual_store.store.host import (
     ShardedHost,
     WeightSums,
     host_arrays,
+    is_whole_on,
     place,
+    read_device,
     to_device,
     to_device_sharded,
     to_host,
 )
 from residual_store.store.keys import new_key, validate_key
-from residual_store.store.layout import StaleData
+from residual_store.store.layout import StaleData, weight_path
 from residual_store.store.records import StoredContext
 from residual_store.store.tiers import Tiers, own_nbytes
 from residual_store.store.workers import Loader, Writer
@@ -346,6 +348,7 @@ class Store:
                         self._forget_memory(key)
                 raise
             self._drop_later(stale)
+            self._hold_weights(ctx, impls, known[1])
             with self._lock:
                 self._disk_io["writes"] += 1
                 self._disk_io["bytes_written"] += own_nbytes(ctx)
@@ -355,6 +358,26 @@ class Store:
             with self._lock:
                 if self._pending.get(key, (None, None))[1] is token:
                     del self._pending[key]
+
+    def _hold_weights(self, ctx: ResidualContext, impls: Sequence[str | None], digests: Mapping[int, str]) -> None:
+        """Remembers the live weights a write stored, by path: while the caller holds them, a
+        context read back takes these very arrays (read from nowhere, copied nowhere) as the one
+        put did, where a read would place them (see :meth:`_live_weights`)."""
+        for i, digest in digests.items():
+            x = ctx.residuals[i]
+            if impls[i] is None and isinstance(x, jax.Array) and not x.is_deleted():
+                path = weight_path(digest)
+                with self._lock:
+                    held = self._weights.get(path)
+                    if held is None or held.is_deleted():
+                        self._weights[path] = x
+
+    def _live_weights(self) -> dict[str, jax.Array]:
+        """The weights a read need not read, by path: live arrays whole on the device the read
+        places its arrays on (a weight the caller donated since, or one elsewhere, is read)."""
+        device = read_device(self._target)
+        with self._lock:
+            return {k: v for k, v in self._weights.items() if isinstance(k, str) and is_whole_on(v, device)}
 
     def _drop_later(self, stale: StaleData | None) -> None:
         """Hands data no manifest references any more to the janitor, off the write path."""
@@ -490,8 +513,7 @@ class Store:
     def _load_and_promote(self, key: str) -> ResidualContext:
         if self._disk is None:
             raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
-        with self._lock:  # weights on the device now, kept alive until placed: not read again
-            live = {k: v for k, v in self._weights.items() if isinstance(k, str)}
+        live = self._live_weights()  # kept alive until placed: not read again
         stored, arrays = self._disk.read(key, skip=live)  # sharded: only this process's chunks
         with self._lock:
             self._disk_io["reads"] += 1
@@ -521,13 +543,14 @@ class Store:
         path, x = stored.records[i].path, arrays[i]
         if x is None:
             return live[path]
-        cache_key: Any = (path, x.placement) if isinstance(x, ShardedHost) else path
+        sharded = isinstance(x, ShardedHost)
+        cache_key: Any = (path, x.placement) if sharded else path
         with self._lock:
-            live = self._weights.get(cache_key)
-            if live is None:
-                live = to_device_sharded(x) if isinstance(x, ShardedHost) else jax.device_put(x, self._target)
-                self._weights[cache_key] = live
-            return live
+            held = self._weights.get(cache_key)
+            if held is None or held.is_deleted() or not (sharded or is_whole_on(held, read_device(self._target))):
+                held = to_device_sharded(x) if sharded else jax.device_put(x, self._target)
+                self._weights[cache_key] = held
+            return held
 
     def _ensure_backward(self, signature: str) -> None:
         """Offers the stored backward of ``signature`` to ``rs.backward``, which deserializes it
