@@ -637,13 +637,15 @@ def read_raw(
     *,
     chunk_shape: Shape | None = None,
     chunk_index: Sequence[int] | None = None,
+    empty: Callable[[Shape, np.dtype], np.ndarray] = aligned_empty,
 ) -> np.ndarray:
     """Reads one chunk object of the raw layout every writer stores (:mod:`serializers.zarr`)
     straight from the open kvstore ``kv``: the single chunk of the array ``path``, or chunk
     ``chunk_index`` of a chunked one. One request, no ``zarr.json`` (the caller's manifest gives
     shape and dtype, its checksum vouches for the bytes, as on the local fast path).
 
-    Returns a fresh, writable, 64-byte aligned array of ``shape`` (of ``chunk_shape`` for a chunk).
+    Returns a fresh, writable, 64-byte aligned array of ``shape`` (of ``chunk_shape`` for a
+    chunk), from ``empty(shape, dtype)`` (see :func:`serializers.read_arrays_local`).
 
     Raises:
       CorruptDataError: the object is missing, or not exactly as many bytes as the shape needs.
@@ -670,7 +672,7 @@ def read_raw(
     if len(result.value) != expected:
         kind = "truncated" if len(result.value) < expected else "too long"
         raise CorruptDataError(f"{what}: chunk {path}/{key} is {kind}: {len(result.value)} bytes, expected {expected}")
-    out = aligned_empty(piece, dt)
+    out = empty(piece, dt)
     _byte_view(out)[:] = result.value
     return out
 

@@ -132,3 +132,20 @@ def test_read_buffer_bytes_zero_reads_into_fresh_buffers_and_bad_values_are_refu
         with pytest.raises(rs.InvalidArgumentError, match="read_buffer_bytes"):
             rs.Store(tmp_path / "t", read_buffer_bytes=bad)
     assert not (tmp_path / "t").exists()
+
+
+def test_a_kvstore_store_reads_into_recycled_buffers_too():
+    fwd = rs.split(_loss, argnums=(0, 1), weight_argnums=0)
+    w = jax.random.normal(jax.random.key(0), (16, 8))
+    xs = [jax.random.normal(jax.random.key(i + 1), (12, 16)) for i in range(3)]
+    contexts = [fwd(w, x)[1] for x in xs]
+    in_memory = [fwd.backward(ctx) for ctx in contexts]
+    with rs.Store({"driver": "memory"}, device_budget=0, host_budget=0) as store:  # the kvstore path
+        assert type(store._disk.backend).__name__ == "_KvBackend"
+        for i, ctx in enumerate(contexts):
+            store.put(ctx, f"k{i}")
+        store.flush()
+        for _ in range(3):
+            for i, want in enumerate(in_memory):
+                assert_trees_equal(rs.backward(store.get(f"k{i}")), want)
+        assert store._disk.buffers.reused > 0

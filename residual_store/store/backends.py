@@ -86,7 +86,7 @@ class Backend(Protocol):
         self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
     ) -> None: ...
     # with a checksum, verified (serializers.CorruptDataError on a mismatch)
-    # empty(shape, dtype): the aligned buffer to read into (None: a fresh one); kvstores ignore it
+    # empty(shape, dtype): the aligned buffer to read into (None: a fresh one)
     def read_array(
         self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None, *, empty: Empty | None = None
     ) -> np.ndarray: ...
@@ -538,7 +538,7 @@ class _KvBackend:
         self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None, *, empty: Empty | None = None
     ) -> np.ndarray:
         # one request for the chunk object: zarr.json is for other readers (see check_metadata)
-        x = serializers.read_raw(self.kv, path, shape, dtype)
+        x = serializers.read_raw(self.kv, path, shape, dtype, empty=empty or serializers.aligned_empty)
         if checksum is not None:
             serializers.verify(x, checksum, what=f"array {path!r}")
         return x
@@ -546,7 +546,7 @@ class _KvBackend:
     def read_arrays(
         self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]], *, empty: Empty | None = None
     ) -> list[np.ndarray]:
-        return [self.read_array(*a) for a in arrays]
+        return [self.read_array(*a, empty=empty) for a in arrays]
 
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
