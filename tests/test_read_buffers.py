@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -140,7 +141,9 @@ def test_a_kvstore_store_reads_into_recycled_buffers_too():
     xs = [jax.random.normal(jax.random.key(i + 1), (12, 16)) for i in range(3)]
     contexts = [fwd(w, x)[1] for x in xs]
     in_memory = [fwd.backward(ctx) for ctx in contexts]
-    with rs.Store({"driver": "memory"}, device_budget=0, host_budget=0) as store:  # the kvstore path
+    # the kvstore path; the memory kvstore is one per process: a folder of this test's own
+    spec = {"driver": "memory", "path": f"read-buffers-{uuid.uuid4().hex}/"}
+    with rs.Store(spec, device_budget=0, host_budget=0) as store:
         assert type(store._disk.backend).__name__ == "_KvBackend"
         for i, ctx in enumerate(contexts):
             store.put(ctx, f"k{i}")
