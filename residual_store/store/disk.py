@@ -618,20 +618,22 @@ class DiskTier:
         Returns whether it was there and its data, for the caller to :meth:`drop_data`.
         """
         self.check_writable(f"delete {key!r}")
-        version = self.backend.version(layout.manifest_path(key))
-        with self._lock:  # the file parsed before, unchanged since: its data is known
+        manifest = layout.manifest_path(key)
+        version = self.backend.version(manifest)
+        with self._lock:
             cached = self._stat_cache.pop(key, None)
         if version is not None and cached is not None and cached[0] == version:
-            self.backend.delete(layout.manifest_path(key))
-            return True, layout.data_of(cached[1])
-        try:
-            data = self.read_manifest_bytes(key)
-        except CorruptContextError:  # not a regular file, oversized: removed all the same
-            data = b""
-        if data is None:
-            return False, None
-        self.backend.delete(layout.manifest_path(key))
-        return True, self.data_of(data, key)
+            stale = layout.data_of(cached[1])  # the file parsed before, unchanged since
+        else:
+            try:
+                data = self.read_manifest_bytes(key)
+            except CorruptContextError:  # not a regular file, oversized: removed all the same
+                data = b""
+            if data is None:
+                return False, None
+            stale = self.data_of(data, key)
+        self.backend.delete(manifest)
+        return True, stale
 
     def iter_manifests(self) -> Iterator[tuple[str, StoredContext | CorruptContextError]]:
         keys = self.keys()
