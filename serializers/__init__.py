@@ -5,7 +5,8 @@ bytes. ``residual_store`` builds its disk tier on top of it. No pickle anywhere:
 manifests are msgpack validated against a schema, arrays are raw zarr chunks.
 
 One module a job: :mod:`serializers.zarr` (the zarr v3 format: dtypes, chunk grid,
-metadata), :mod:`serializers.local` (the local-file fast path), :mod:`serializers.kv`
+metadata), :mod:`serializers.bundle` (many arrays as one zip that zarr and tensorstore read),
+:mod:`serializers.local` (the local-file fast path), :mod:`serializers.kv`
 (tensorstore, any kvstore), :mod:`serializers.zarr_compat` (plain zarr-python and the
 ``ml_dtypes`` floats), :mod:`serializers.checksums`, :mod:`serializers.manifest`,
 :mod:`serializers.errors`.

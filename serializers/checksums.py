@@ -23,6 +23,11 @@ crc32c (google-crc32c 1.9)   16-21 *         2.0-2.1 *
 zlib.crc32 (stdlib)          6.4-7.2         4.9-7.1
 ===========================  ==============  ===============
 
+A bundle (:mod:`serializers.bundle`) is a zip archive, whose readers check each entry's CRC-32,
+so its arrays' checksums are their CRC-32s (``"crc32:<8 hex digits>"``), computed once for the
+zip and the manifest alike: ``isal``'s CRC-32 (ISA-L, PCLMUL folding) ran at 32 GB/s here against
+zlib's 3 GB/s on the same 16 MiB on a busy machine, so a CRC-32 costs no more than an xxh3_64.
+
 ``*`` google-crc32c's C extension only accepts ``bytes``, so a copy is included;
 it cannot hash a buffer in place. The 4 MiB case fits in cache; 64 MiB is bound by
 memory bandwidth. xxh3_64 is the fastest by 2-3x, releases the GIL (two threads
@@ -34,7 +39,8 @@ adversary, so a 64-bit non-cryptographic hash is enough.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -42,7 +48,12 @@ import xxhash
 
 from serializers.errors import CorruptDataError
 
-__all__ = ["ALGORITHM", "Buffer", "Verifier", "checksum", "content_digest", "verify"]
+try:  # the same function as zlib.crc32, ten times faster
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
+    _crc32 = zlib.crc32
+
+__all__ = ["ALGORITHM", "Buffer", "Verifier", "checksum", "checksum_parts", "content_digest", "crc32", "crc32_bytes", "parse_checksum", "verify"]
 
 ALGORITHM: Final[str] = "xxh3_64"
 """The algorithm :func:`checksum` uses, and the prefix of the strings it returns."""
@@ -55,7 +66,19 @@ _HEX_DIGEST: Final = re.compile(r"[0-9a-f]+")
 # Algorithm name -> (hex digest of a C-contiguous buffer, hex digest length).
 _ALGORITHMS: Final[dict[str, tuple[Callable[[memoryview], str], int]]] = {
     "xxh3_64": (xxhash.xxh3_64_hexdigest, 16),
+    "crc32": (lambda view: f"{_crc32(view):08x}", 8),
 }
+
+
+def crc32(buf: Buffer) -> int:
+    """The CRC-32 (zip's, zlib's) of ``buf``'s bytes (C order, little endian)."""
+    return _crc32(_as_bytes(buf))
+
+
+crc32_bytes: Final[Callable[..., int]] = _crc32
+"""``crc32_bytes(flat_bytes, start=0)``: :func:`crc32` of a flat C-contiguous byte buffer, with
+nothing checked or converted (for callers that hold byte views already); ``start`` continues a
+running CRC-32."""
 
 
 def _as_bytes(buf: Buffer) -> memoryview:
@@ -81,6 +104,15 @@ def checksum(buf: Buffer) -> str:
     return f"{ALGORITHM}:{digest(_as_bytes(buf))}"
 
 
+def checksum_parts(parts: Sequence[Buffer]) -> str:
+    """:func:`checksum` of the bytes of ``parts`` one after another (a file written from
+    several buffers), without joining them."""
+    h = _STREAMING[ALGORITHM]()
+    for part in parts:
+        h.update(_as_bytes(part))
+    return f"{ALGORITHM}:{h.hexdigest()}"
+
+
 def content_digest(buf: np.ndarray) -> str:
     """A 128-bit content address (32 hex digits) of an array: its dtype, shape and bytes.
 
@@ -91,6 +123,15 @@ def content_digest(buf: np.ndarray) -> str:
     h.update(f"{buf.dtype.str}{tuple(buf.shape)}".encode())
     h.update(_as_bytes(buf))
     return h.hexdigest()
+
+
+def parse_checksum(expected: object, *, what: str) -> tuple[str, str]:
+    """The algorithm and hex digest of a stored checksum string (untrusted).
+
+    Raises:
+      CorruptDataError: malformed, or an algorithm this library does not know.
+    """
+    return _parse(expected, what)
 
 
 def _parse(expected: object, what: str) -> tuple[str, str]:
@@ -132,7 +173,20 @@ def verify(buf: Buffer, expected: str, *, what: str) -> None:
 
 
 # Algorithm name -> a streaming hasher with the one-shot digest's result.
-_STREAMING: Final[dict[str, Callable[[], Any]]] = {"xxh3_64": xxhash.xxh3_64}
+class _Crc32:
+    """A streaming CRC-32 with the hasher interface :class:`Verifier` uses."""
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, piece: memoryview) -> None:
+        self._value = _crc32(piece, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+_STREAMING: Final[dict[str, Callable[[], Any]]] = {"xxh3_64": xxhash.xxh3_64, "crc32": _Crc32}
 
 
 class Verifier:

@@ -79,6 +79,8 @@ __all__ = [
     "check_array_metadata_local",
     "fsync_folder_local",
     "sync_data",
+    "write_file_local",
+    "read_file_exact_local",
 ]
 
 ALIGNMENT: Final[int] = 64
@@ -409,10 +411,17 @@ def fsync_folder_local(p: str) -> None:
 
 
 def _write_file(
-    p: str, data: memoryview, undo: _Undo, *, fsync: bool, fresh: bool = False, new_name: bool = True
+    p: str,
+    data: memoryview | Sequence[memoryview | bytes],
+    undo: _Undo,
+    *,
+    fsync: bool,
+    fresh: bool = False,
+    new_name: bool = True,
 ) -> None:
-    """Creates (or truncates) the regular file ``p`` and writes ``data``; never through a link,
-    never blocking on a FIFO; ``fresh``: ``p``'s folder was just made, so ``p`` must be new.
+    """Creates (or truncates) the regular file ``p`` and writes ``data`` (one buffer, or buffers
+    written one after another); never through a link, never blocking on a FIFO; ``fresh``:
+    ``p``'s folder was just made, so ``p`` must be new.
 
     Raises:
       CorruptDataError: ``p`` is a symbolic link, a folder, a FIFO or anything but a regular file.
@@ -435,24 +444,50 @@ def _write_file(
             os.close(fd)
         raise
     undo.add_file(p, new_name=new_name)
+    parts = [data] if isinstance(data, memoryview) else [memoryview(b) for b in data]
     try:
-        if data.nbytes >= _PREALLOCATE_BYTES and hasattr(os, "posix_fallocate"):
+        total = sum(v.nbytes for v in parts)
+        if total >= _PREALLOCATE_BYTES and hasattr(os, "posix_fallocate"):
             try:  # faster large writes, and a full disk is reported before any byte is written
-                os.posix_fallocate(fd, 0, data.nbytes)
+                os.posix_fallocate(fd, 0, total)
             except OSError as e:
                 if e.errno in _DISK_FULL_ERRNOS:
                     raise
-        view = data
-        while view.nbytes:
-            n = os.write(fd, view)
-            if n <= 0:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), p)
-            view = view[n:]
+        _write_all(fd, parts, p)
         if fsync:
             sync_data(fd)
             undo.add_synced(p)
     finally:
         os.close(fd)
+
+
+_IOV_MAX: Final[int] = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+def _write_all(fd: int, parts: list[memoryview], p: str) -> None:
+    """Writes ``parts`` one after another with as few ``writev`` calls as the kernel allows,
+    resuming after a short write (one buffer: plain ``write`` calls)."""
+    if len(parts) == 1:
+        (view,) = parts
+        while view.nbytes:
+            n = os.write(fd, view)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), p)
+            view = view[n:]
+        return
+    i = 0
+    while i < len(parts):
+        batch = parts[i : i + _IOV_MAX]
+        n = os.writev(fd, batch)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), p)
+        for view in batch:  # skip what was written; a partly written buffer continues next call
+            if n >= view.nbytes:
+                n -= view.nbytes
+                i += 1
+                continue
+            parts[i] = view[n:]
+            break
 
 
 def _open_for_write(p: str, flags: int) -> int:
@@ -948,3 +983,61 @@ def _read_chunk_file(
     finally:
         os.close(fd)
 
+
+
+def write_file_local(
+    root: PathLike, path: str, parts: Sequence[memoryview | bytes], *, fsync: bool = False
+) -> None:
+    """Writes the file ``root/path`` (its folders made as needed, none through a link) from
+    ``parts``, one after another, with ``writev``: a bundle (:mod:`serializers.bundle`) from its
+    headers and its arrays' own buffers, with no copy. With ``fsync``, the file and each folder
+    that gained an entry are synced before this returns. An existing file there is replaced
+    (never written through a link, nor into bytes another hard link shares).
+
+    Raises:
+      ValueError: an unsafe ``path``.
+      DiskFullError: on ``ENOSPC``/``EFBIG``/``EDQUOT``, after removing what this call created.
+      CorruptDataError: a link, FIFO or folder where the file or a folder on its way should be.
+    """
+    _check_relpath(path)
+    root = os.path.normpath(os.fspath(root))
+    undo = _Undo(root)
+    p = os.path.join(root, *path.split("/"))
+    try:
+        undo.makedirs(os.path.dirname(p))
+        _write_file(p, parts, undo, fsync=fsync)
+        if fsync:
+            for folder in sorted(undo.dirty_dirs, key=len, reverse=True):
+                fsync_folder_local(folder)
+    except BaseException as e:
+        undo.remove()
+        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS and not isinstance(e, DiskFullError):
+            raise DiskFullError(e.errno, f"disk full while writing {path!r} under {root!r}: {e.strerror}", e.filename) from e
+        raise
+
+
+def read_file_exact_local(
+    root: PathLike,
+    path: str,
+    nbytes: int,
+    *,
+    checksum: str | None = None,
+    what: str | None = None,
+    empty: Callable[[Shape, np.dtype], np.ndarray] = aligned_empty,
+) -> np.ndarray:
+    """The file ``root/path`` of exactly ``nbytes`` bytes (a bundle) as a fresh 64-byte aligned
+    ``uint8`` array from ``empty``, read with as few calls as its size allows; with a
+    ``checksum`` (of the whole file), verified piece by piece as it lands.
+
+    Opened without following a link or blocking; refused unless it is a regular file of exactly
+    ``nbytes`` bytes, checked before anything is allocated; no folder on the way is a link.
+
+    Raises:
+      CorruptDataError: missing, not a regular file, of another size, or not matching
+        ``checksum``; the message names ``what`` (default: the path) and the file.
+    """
+    _check_relpath(path)
+    p = check_folders_local(root, path.split("/"))
+    label = what or f"file {path!r}"
+    verifier = Verifier(checksum, what=label) if checksum is not None else None
+    return _read_chunk_file(p, (int(nbytes),), np.dtype(np.uint8), label, verifier, empty)
