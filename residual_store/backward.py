@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from residual_store import _jax_internals
-from residual_store.context import ResidualContext
+from residual_store.context import ResidualContext, check_representable, describe_residual
 from residual_store.errors import (
     BackwardUnavailableError,
     InvalidArgumentError,
@@ -225,9 +225,21 @@ class Backward:
             )
         if self.unavailable is not None:
             raise type(self.unavailable)(*self.unavailable.args)
+        self.check_representable(ctx)
         cts = self.cotangent_leaves(cotangent)
         grads = self._executables.run(list(ctx.residuals), cts, lambda: self.check_residuals(ctx))
         return self.grad_structure.unflatten(grads, like=like)
+
+    def check_representable(self, ctx: ResidualContext) -> None:
+        """Raises :class:`SignatureMismatchError`, saying to turn ``jax_enable_x64`` on, if a
+        residual's or an output's dtype is 64-bit while x64 is off in this process now (it was
+        on when the context was made): JAX would hand the traced backward 32-bit values."""
+        residuals, n = describe_residual(ctx.spec, "this context"), len(ctx.spec.avals)
+
+        def describe(i: int) -> str:
+            return residuals(i) if i < n else f"output leaf {i - n} of this context's forward"
+
+        check_representable([*ctx.spec.avals, *self.out_avals], describe, "running its backward")
 
     def check_residuals(self, ctx: ResidualContext) -> None:
         """Raises, naming the residual, if one is not what the signature says: another shape

@@ -18,7 +18,7 @@ import numpy as np
 
 from residual_store import _jax_internals
 from residual_store.backward import find_backward
-from residual_store.context import ResidualContext
+from residual_store.context import ResidualContext, check_representable, describe_residual
 from residual_store.errors import (
     BackwardUnavailableError,
     ContextNotFoundError,
@@ -26,7 +26,6 @@ from residual_store.errors import (
     InvalidArgumentError,
     ReadOnlyStoreError,
     ResidualStoreWarning,
-    SignatureMismatchError,
     StoreFullError,
 )
 from residual_store.store import backwards
@@ -62,17 +61,7 @@ _LOOKAHEAD = 64  # keys of a schedule looked at for loading ahead
 def _check_representable(key: str, spec: Any) -> None:
     """Raises if a stored dtype has no exact counterpart in this process (64-bit types without
     ``jax_enable_x64``, which JAX would silently narrow to 32 bits)."""
-    for i, aval in enumerate(spec.avals):
-        dtype = aval.dtype
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            continue
-        if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-            raise SignatureMismatchError(
-                f"context {key!r}, residual {i} ({spec.names[i]}) is {np.dtype(dtype).name}, which "
-                "this process cannot represent: jax_enable_x64 is off, and JAX would make it "
-                f"{np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name}. Set "
-                "jax.config.update('jax_enable_x64', True) (or JAX_ENABLE_X64=1) before loading it"
-            )
+    check_representable(spec.avals, describe_residual(spec, f"context {key!r}"), "loading it")
 
 
 def _shut_down(writer: Writer | None, loader: Loader, janitor: Loader) -> None:
