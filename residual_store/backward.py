@@ -347,8 +347,11 @@ def backward(ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -
     A backward loaded from a store, in a process without the model, rebuilds the gradients'
     structure where every node type is a JAX container or registered in this process (nothing
     is imported for it); otherwise pass ``like=``, a tree of that structure (the parameters, a
-    previous step's gradients), or get a ``dict`` from key path (``jax.tree_util.keystr``) to
-    array. ``like`` of another structure raises :class:`SignatureMismatchError` naming the path.
+    previous step's gradients), or get a mapping (a ``collections.OrderedDict``) from key path
+    (``jax.tree_util.keystr``) to array whose leaves keep the model's leaf order:
+    ``jax.tree.leaves(grads)`` lists them as ``jax.tree.leaves(params)`` would, so they can be
+    ``jax.tree.unflatten``-ed on the parameters' treedef. ``like`` of another structure raises
+    :class:`SignatureMismatchError` naming the path.
 
     Example:
       >>> import jax.numpy as jnp, residual_store as rs
