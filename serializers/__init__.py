@@ -18,6 +18,7 @@ from serializers.errors import (
     CorruptDataError,
     DiskFullError,
     SerializationError,
+    UnavailableError,
     UnsupportedDTypeError,
     UnsupportedVersionError,
 )
@@ -25,6 +26,8 @@ from serializers.kv import (
     KvStoreSpec,
     default_context,
     delete_prefix,
+    is_unavailable,
+    wait_request,
     local_root,
     read_array,
     read_array_async,
@@ -86,6 +89,7 @@ __all__ = [
     "CorruptDataError",
     "UnsupportedVersionError",
     "DiskFullError",
+    "UnavailableError",
     "UnsupportedDTypeError",
     # checksums
     "ALGORITHM",
@@ -128,6 +132,8 @@ __all__ = [
     "KvStoreSpec",
     "default_context",
     "local_root",
+    "is_unavailable",
+    "wait_request",
     "write_array_async",
     "write_arrays",
     "read_array",
