@@ -710,11 +710,11 @@ def test_kv_writer_puts_every_chunk_before_any_zarr_json(
     real = kv_mod._put_all
     phases: list[list[str]] = []
 
-    def spy(kv: Any, items: Any, started: list[str]) -> None:
+    def spy(kv: Any, items: Any, started: list[str], timeout: float | None = None) -> None:
         phases.append(sorted(items))
         if len(phases) == 2:  # a crash once the chunks are in, before any metadata
             raise KeyboardInterrupt
-        real(kv, items, started)
+        real(kv, items, started, timeout)
 
     monkeypatch.setattr(kv_mod, "_put_all", spy)
     m = _array("float32", (4, 6))
