@@ -45,7 +45,7 @@ MAX_TRACED_BYTES = 200 << 20
 SPARSE_BYTES = 4 << 30
 
 HAZARDS = ["fifo", "folder", "link_loop", "dev_zero", "sparse_4gib"]
-FILE_KINDS = ["manifest", "marker", "chunk", "zarr_json", "weight_chunk", "backward_export", "backward_manifest"]
+FILE_KINDS = ["manifest", "marker", "bundle", "zarr_json", "weight_chunk", "backward_export", "backward_manifest"]
 
 
 @pytest.fixture(scope="module")
@@ -133,15 +133,14 @@ class Stored:
         with rs.Store(root) as store:
             store.put(self.ctx, "k")
         m = read_manifest(root, "k")
-        own = next(r for r in m["arrays"] if not r["shared"] and np.prod(r["shape"]) > 0)
         weight = next(r for r in m["arrays"] if r["shared"] and np.prod(r["shape"]) > 0)
         (self.sig,) = [n[: -len(".manifest")] for n in os.listdir(root / "backwards") if n.endswith(".manifest")]
         self.data_dir = root / m["data_dir"]
         self.files = {
             "manifest": root / "contexts" / "k.manifest",
             "marker": root / "residual-store.json",
-            "chunk": root / own["path"] / ("c" + ".0" * len(own["shape"])),
-            "zarr_json": root / own["path"] / "zarr.json",
+            "bundle": root / m["bundle"]["path"],  # every own residual of the context
+            "zarr_json": root / weight["path"] / "zarr.json",  # for plain zarr; the store's reads skip it
             "weight_chunk": root / weight["path"] / ("c" + ".0" * len(weight["shape"])),
             "backward_export": root / "backwards" / f"{self.sig}.export",
             "backward_manifest": root / "backwards" / f"{self.sig}.manifest",
@@ -173,7 +172,7 @@ def test_a_hostile_file_gives_a_library_error_quickly(stored, kind, hazard, caps
         err = _refused(lambda: rs.Store(root))
         assert "residual-store.json" in str(err)
         _refused(lambda: rs.Store(root, read_only=True))
-    elif kind in ("manifest", "chunk", "weight_chunk"):
+    elif kind in ("manifest", "bundle", "weight_chunk"):
         err = _refused(get)
         assert "'k'" in str(err) or "k.manifest" in str(err), str(err)
     elif kind == "zarr_json":
