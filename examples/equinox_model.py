@@ -14,8 +14,9 @@ What it shows, in the idiom of Equinox (``equinox``):
   F1..F4 into an ``rs.Store``, backwards B4..B1 from it later, then ``optax.adamw`` in an
   ``eqx.filter_jit`` step with ``eqx.apply_updates``;
 - the new process (``python -c``) has no ``Net`` class (importing ``equinox`` would not define
-  this script's class), so ``rs.backward`` gives it a ``dict`` from key path
-  (``jax.tree_util.keystr``) to array; ``rs.backward(ctx, like=params)`` would rebuild the module
+  this script's class), so ``rs.backward`` gives it a mapping (an ``OrderedDict``) from key path
+  (``jax.tree_util.keystr``) to array, whose leaves keep the module's leaf order (``jax.tree.leaves``
+  lists them as it lists the module's); ``rs.backward(ctx, like=params)`` would rebuild the module
   where a template exists. The reference gradients differentiate the floating leaves, as
   ``eqx.filter_grad`` does.
 
@@ -36,9 +37,9 @@ N_MICROBATCHES, BATCH, D_IN, HIDDEN, D_OUT = 4, 8, 6, 16, 3
 CHILD = r"""
 import _resume
 
-total, keys = _resume.backwards_from_store()  # no Net class here: a dict from keystr path to array
+total, keys = _resume.backwards_from_store()  # no Net class here: keystr path -> array, in Net's leaf order
 print(f"  [new process] {len(keys)} backwards from the store, no model code; "
-      f"gradients are a {type(total).__name__} keyed by path: {sorted(total)}")
+      f"gradients are a {type(total).__name__} keyed by path: {list(total)}")
 _resume.save({path: x for path, x in total.items() if x is not None})  # the step's gradient is None
 """
 

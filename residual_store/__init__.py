@@ -17,6 +17,7 @@ from residual_store.errors import (
     SignatureMismatchError,
     StoreFullError,
     StoreNotFoundError,
+    StoreUnavailableError,
 )
 from residual_store.filters import is_inexact
 from residual_store.split import Split, split
@@ -46,6 +47,7 @@ __all__ = [
     "BackwardUnavailableError",
     "StoreNotFoundError",
     "ReadOnlyStoreError",
+    "StoreUnavailableError",
     "ResidualStoreWarning",
     "RecomputeWarning",
 ]

@@ -42,6 +42,13 @@ Assumptions (the tests refer to them by these tags):
   ``jax._src.linear_util.WrappedFun`` holds a function in ``f`` with ``transforms`` and
   ``params``; extended dtypes (typed PRNG keys) are ``jax._src.dtypes.ExtendedDType``. Tracing a ``custom_vjp``/``custom_jvp`` rule under ``jax.vjp`` inlines the rule's
   computation (closed-over values included) into the traced jaxprs.
+* ``DEBUG_INFO``: ``jax._src.linear_util.DebugInfo`` (a named tuple) holds what error messages
+  name: the traced function's name and source location (``func_src_info``, ``"name at
+  file:line"``), its argument names and result paths; JAX keeps one in the transformations of
+  the Python functions an equation holds (a ``custom_vjp_call``'s ``bwd`` and fwd thunk, where
+  a ``custom_vjp`` is applied to a value not differentiated). ``source_info_util.SourceInfo``
+  and ``source_info_util.Traceback`` are where an equation was bound. None of them is part of
+  what is computed.
 * ``BIND_EQUATION``: an equation runs again on new inputs as
   ``eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))``, inside ``source_info_util.user_context`` and
   ``eqn.ctx.manager`` (as ``jax._src.core.eval_jaxpr`` does); ``primitive.multiple_results``
@@ -648,6 +655,11 @@ def _open_jaxpr_text(jaxpr: Any, canon: Canonicalizer) -> str:
     return "{" + "\n".join(lines) + "}"
 
 
+_DEBUG_TYPES = (_lu.DebugInfo, _source_info_util.SourceInfo, _source_info_util.Traceback)
+"""What JAX records for messages, never for computing (``DEBUG_INFO``): a comment line moves
+them, a renamed file changes them, so no text of a computation may hold them."""
+
+
 def _canonical_hook(v: Any, canon: Canonicalizer) -> str | None:
     """Text for JAX's internal types inside jaxprs (``JAXPR_TEXT``); ``None`` for anything else."""
     if isinstance(v, _core.ClosedJaxpr):
@@ -661,6 +673,8 @@ def _canonical_hook(v: Any, canon: Canonicalizer) -> str | None:
         return f"primitive {v.name}"
     if isinstance(v, _dtypes.ExtendedDType):  # typed PRNG keys' dtypes
         return f"dtype {v}"
+    if isinstance(v, _DEBUG_TYPES):  # names and source lines for messages (``DEBUG_INFO``)
+        return "debug"
     if isinstance(v, _lu.WrappedFun):  # a function JAX holds with its pending transformations
         return f"wrapped({canon.value(v.f)};{canon.value(v.transforms)};{canon.value(v.params)})"
     return None

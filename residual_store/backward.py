@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from residual_store import _jax_internals
-from residual_store.context import ResidualContext
+from residual_store.context import ResidualContext, check_representable, describe_residual
 from residual_store.errors import (
     BackwardUnavailableError,
     InvalidArgumentError,
@@ -225,9 +225,21 @@ class Backward:
             )
         if self.unavailable is not None:
             raise type(self.unavailable)(*self.unavailable.args)
+        self.check_representable(ctx)
         cts = self.cotangent_leaves(cotangent)
         grads = self._executables.run(list(ctx.residuals), cts, lambda: self.check_residuals(ctx))
         return self.grad_structure.unflatten(grads, like=like)
+
+    def check_representable(self, ctx: ResidualContext) -> None:
+        """Raises :class:`SignatureMismatchError`, saying to turn ``jax_enable_x64`` on, if a
+        residual's or an output's dtype is 64-bit while x64 is off in this process now (it was
+        on when the context was made): JAX would hand the traced backward 32-bit values."""
+        residuals, n = describe_residual(ctx.spec, "this context"), len(ctx.spec.avals)
+
+        def describe(i: int) -> str:
+            return residuals(i) if i < n else f"output leaf {i - n} of this context's forward"
+
+        check_representable([*ctx.spec.avals, *self.out_avals], describe, "running its backward")
 
     def check_residuals(self, ctx: ResidualContext) -> None:
         """Raises, naming the residual, if one is not what the signature says: another shape
@@ -335,8 +347,11 @@ def backward(ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -
     A backward loaded from a store, in a process without the model, rebuilds the gradients'
     structure where every node type is a JAX container or registered in this process (nothing
     is imported for it); otherwise pass ``like=``, a tree of that structure (the parameters, a
-    previous step's gradients), or get a ``dict`` from key path (``jax.tree_util.keystr``) to
-    array. ``like`` of another structure raises :class:`SignatureMismatchError` naming the path.
+    previous step's gradients), or get a mapping (a ``collections.OrderedDict``) from key path
+    (``jax.tree_util.keystr``) to array whose leaves keep the model's leaf order:
+    ``jax.tree.leaves(grads)`` lists them as ``jax.tree.leaves(params)`` would, so they can be
+    ``jax.tree.unflatten``-ed on the parameters' treedef. ``like`` of another structure raises
+    :class:`SignatureMismatchError` naming the path.
 
     Example:
       >>> import jax.numpy as jnp, residual_store as rs

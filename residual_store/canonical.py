@@ -5,7 +5,10 @@ the values are equal, whatever ``PYTHONHASHSEED`` is and wherever objects sit in
 
 * sets and frozensets are written with their elements sorted by their text, dicts with their
   items sorted by key text (the iteration order of a set of strings changes with the hash seed);
-* no memory address appears (``0x7f...`` in reprs is scrubbed);
+* no memory address and no source location appears: a repr written as a last resort is
+  scrubbed of addresses (``0x7f...``, ``id=140...``) and of file names with line numbers
+  (``model.py:12``, ``File "model.py", line 12``), which move when a comment is added or a file
+  is renamed while the code stays the same;
 * arrays are written as dtype, shape and a digest of their bytes (typed PRNG keys: their
   implementation and key data);
 * dataclasses (JAX's checkpoint policies, ``_FlatCallback``) by their type and fields, named
@@ -41,6 +44,11 @@ import xxhash
 __all__ = ["Canonicalizer", "array_text", "qualified_name", "scrub"]
 
 _HEX_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+_DECIMAL_ID = re.compile(r"\bid=\d+")  # JAX's Var reprs: id() in decimal
+_SOURCE_LOCATION = re.compile(
+    r"""[Ff]ile ["'][^"']*["'], line \d+"""  # tracebacks, code objects
+    r"""|[^\s"'(),<>\[\]]*\.pyw?:\d+"""  # "name at /path/model.py:12" (JAX's debug info)
+)
 _SMALL_ARRAY = 16  # elements written out exactly; larger arrays by digest
 _MAX_DEPTH = 24
 _MAX_REPR = 4096
@@ -49,8 +57,11 @@ Hook = Callable[[Any, "Canonicalizer"], "str | None"]
 
 
 def scrub(text: str) -> str:
-    """``text`` with memory addresses (``0x7f3a...``) replaced by ``0x?``."""
-    return _HEX_ADDRESS.sub("0x?", text)
+    """A repr made process- and place-independent: memory addresses (``0x7f3a...`` -> ``0x?``,
+    ``id=140...`` -> ``id=?``) and source locations (``model.py:12``, ``File "model.py", line
+    12`` -> ``<src>``) taken out. Only for reprs: a string value is written whole."""
+    text = _SOURCE_LOCATION.sub("<src>", text)
+    return _DECIMAL_ID.sub("id=?", _HEX_ADDRESS.sub("0x?", text))
 
 
 def qualified_name(t: Any) -> str:

@@ -41,14 +41,15 @@ def _store_path(text: str) -> str | dict[str, Any]:
     return spec
 
 
-def _open_disk(path: str, *, read_only: bool = True) -> Any:
+def _open_disk(path: str, *, read_only: bool = True, timeout: float | None = None) -> Any:
     """The store at ``path``: read-only for the commands that only read (nothing on disk
-    changes, not even a marker), and never created."""
+    changes, not even a marker), and never created; ``timeout``: seconds each request to an
+    object store may take."""
     from residual_store.errors import StoreNotFoundError
     from residual_store.store.disk import DiskTier
 
     try:
-        return DiskTier(_store_path(path), create=False, read_only=read_only)
+        return DiskTier(_store_path(path), create=False, read_only=read_only, timeout=timeout)
     except StoreNotFoundError as err:
         raise _UsageError(str(err)) from None
 
@@ -71,6 +72,17 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use seconds or 90s, 15m, 1h, 2d") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a duration is at least 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds (argparse type of ``--timeout``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a timeout is a positive number of seconds")
     return value
 
 
@@ -166,7 +178,7 @@ def _backward_text(status: dict[str, Any]) -> str:
 def _cmd_ls(args: argparse.Namespace) -> int:
     from residual_store.errors import CorruptContextError
 
-    disk = _open_disk(args.path)
+    disk = _open_disk(args.path, timeout=args.timeout)
     now = time.time()
     entries = []
     for key, stored in _progress(list(disk.iter_manifests()), "reading manifests", not args.json):
@@ -203,7 +215,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    disk = _open_disk(args.path)
+    disk = _open_disk(args.path, timeout=args.timeout)
     stored = _stored(disk, args.key)
     rows = [["#", "name", "shape", "dtype", "bytes", "kind", "shared", "chunks", "path"]]
     data = []
@@ -250,7 +262,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1
 
     try:
-        disk = _open_disk(args.path)
+        disk = _open_disk(args.path, timeout=args.timeout)
     except CorruptContextError as err:
         return store_damaged(err)
     try:
@@ -333,7 +345,7 @@ def _gc_text(removed: dict[str, int], older_than: float, dry_run: bool) -> str:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    disk = _open_disk(args.path, read_only=args.dry_run)
+    disk = _open_disk(args.path, timeout=args.timeout, read_only=args.dry_run)
     removed = disk.gc(older_than=args.older_than, dry_run=args.dry_run)
     if removed.get("skipped_corrupt"):
         raise _UsageError(
@@ -350,7 +362,7 @@ def _cmd_du(args: argparse.Namespace) -> int:
     from residual_store.store import layout
     from residual_store.store.records import StoredContext
 
-    disk = _open_disk(args.path)
+    disk = _open_disk(args.path, timeout=args.timeout)
     per_sig: dict[str, dict[str, int]] = {}
     seen: set[str] = set()
     for _, stored in disk.iter_manifests():
@@ -409,7 +421,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     from residual_store.errors import InvalidKeyError
     from residual_store.store.keys import validate_key
 
-    disk = _open_disk(args.path, read_only=False)
+    disk = _open_disk(args.path, timeout=args.timeout, read_only=False)
     try:
         missing = [k for k in args.keys if validate_key(k) not in disk]  # checked before any is removed
     except InvalidKeyError as err:
@@ -442,7 +454,7 @@ def _read_residuals(disk: Any, key: str) -> tuple[Any, list[Any]]:
 def _cmd_export(args: argparse.Namespace) -> int:
     import numpy as np
 
-    disk = _open_disk(args.path)
+    disk = _open_disk(args.path, timeout=args.timeout)
     stored, arrays = _read_residuals(disk, args.key)
     names = _array_names(stored.spec.names)
     chosen = list(range(len(arrays)))
@@ -474,7 +486,7 @@ def _compare(a: Any, b: Any) -> dict[str, Any]:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    disk = _open_disk(args.path)
+    disk = _open_disk(args.path, timeout=args.timeout)
     first, arrays_a = _read_residuals(disk, args.key1)
     second, arrays_b = _read_residuals(disk, args.key2)
     names_a, names_b = _array_names(first.spec.names), _array_names(second.spec.names)
@@ -527,6 +539,10 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         if json_flag:
             p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name != "demo":
+            p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                           help="seconds each request to an object store may take, retries included "
+                           "(default: tensorstore's retries, minutes for an unreachable store)")
         return p
 
     demo = command("demo", "train a small transformer with a pipeline schedule", _cmd_demo)

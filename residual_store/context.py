@@ -9,11 +9,14 @@ registered pytree (leaves: the residual arrays; auxiliary data: the spec), so it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 import numpy as np
+
+from residual_store.errors import SignatureMismatchError
 
 __all__ = [
     "CallSpec",
@@ -23,6 +26,8 @@ __all__ = [
     "ResidualKind",
     "ResidualSpec",
     "SHARED_KINDS",
+    "check_representable",
+    "describe_residual",
 ]
 
 ResidualKind = Literal["weight", "input", "constant", "intermediate"]
@@ -139,6 +144,45 @@ class ResidualSpec:
     def nbytes(self) -> int:
         """Bytes of all residual leaves, as the avals describe them."""
         return sum(_aval_nbytes(a) for a in self.avals)
+
+
+@functools.lru_cache(maxsize=256)
+def _narrowed(dtype: Any, x64: bool) -> np.dtype | None:
+    """What JAX makes ``dtype`` now, where that is another dtype; ``x64`` (the flag now) only
+    keys the cache."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    canonical = jax.dtypes.canonicalize_dtype(dtype)
+    return None if canonical == dtype else np.dtype(canonical)
+
+
+def check_representable(avals: Sequence[Any], describe: Callable[[int], str], before: str) -> None:
+    """Raises if a dtype of ``avals`` has no exact counterpart in this process: a 64-bit type
+    while ``jax_enable_x64`` is off (JAX would narrow it to 32 bits, and a backward traced for
+    it would be handed 32-bit values). ``describe(i)`` names aval ``i`` in the message,
+    ``before`` what to turn x64 on before (``"loading it"``). A lookup per aval: it runs on
+    every backward call.
+
+    Raises:
+      SignatureMismatchError: for the first such dtype, saying how to turn x64 on.
+    """
+    x64 = bool(jax.config.jax_enable_x64)
+    if x64:  # every dtype is its own canonical one
+        return
+    for i, aval in enumerate(avals):
+        narrowed = _narrowed(aval.dtype, x64)
+        if narrowed is not None:
+            raise SignatureMismatchError(
+                f"{describe(i)} is {np.dtype(aval.dtype).name}, which this process cannot represent: "
+                f"jax_enable_x64 is off, and JAX would make it {narrowed.name}. Set "
+                f"jax.config.update('jax_enable_x64', True) (or JAX_ENABLE_X64=1) before {before}"
+            )
+
+
+def describe_residual(spec: ResidualSpec, context: str) -> Callable[[int], str]:
+    """Names residual ``i`` of ``spec`` for :func:`check_representable`:
+    ``"<context>, residual 3 (tanh model.py:12)"``."""
+    return lambda i: f"{context}, residual {i} ({spec.names[i]})"
 
 
 def _aval_nbytes(aval: Any) -> int:

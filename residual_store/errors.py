@@ -19,6 +19,7 @@ __all__ = [
     "BackwardUnavailableError",
     "StoreNotFoundError",
     "ReadOnlyStoreError",
+    "StoreUnavailableError",
     "ResidualStoreWarning",
     "RecomputeWarning",
 ]
@@ -65,6 +66,13 @@ class StoreNotFoundError(ResidualStoreError, FileNotFoundError):
 
 class ReadOnlyStoreError(ResidualStoreError, PermissionError):
     """A write (``put``, ``pop``, ``delete``, ``gc``) on a store opened with ``read_only=True``."""
+
+
+class StoreUnavailableError(ResidualStoreError, OSError):
+    """An object store (a tensorstore kvstore such as ``s3`` or ``gcs``) did not answer within
+    ``Store(..., timeout=...)`` or refused the request (connection refused, retries exhausted,
+    credentials refused). A put that met it is not committed, and nothing half-written is ever
+    visible; check the endpoint, the network and the credentials, or give a longer timeout."""
 
 
 class ResidualStoreWarning(UserWarning):

@@ -7,7 +7,12 @@ model may lack those types (nothing is ever imported for stored data), so the st
 stored twice over: as a :mod:`residual_store.structure` record, decoded where every node type
 is a JAX container or already imported, and as the ``jax.tree_util.keystr`` of every leaf, which
 always works. Gradients then come back in their original structure where the types allow, on a
-template given with ``like=``, or else as a ``dict`` from key path to array.
+template given with ``like=``, or else as a mapping from key path to array whose leaves keep the
+model's leaf order: a ``collections.OrderedDict``, which JAX flattens in insertion order (a plain
+``dict`` flattens in sorted key order, so ``jax.tree.leaves`` would list the gradients of an
+Equinox module or a dataclass with fields out of alphabetical order in another order than its
+parameters', and ``jax.tree.unflatten`` on the parameters' treedef would swap two weights of one
+shape without a word).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -16,10 +21,14 @@ Example:
   ("['b'][0]", "['b'][1]", "['w']")
   >>> s.unflatten([1, 2, 3])
   {'b': [1, 2], 'w': 3}
+  >>> grads = PathStructure(paths=(".w", ".b")).unflatten([1, 2])  # no treedef here
+  >>> list(grads.items()), jax.tree.leaves(grads)
+  ([('.w', 1), ('.b', 2)], [1, 2])
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +38,7 @@ import jax
 from residual_store import structure
 from residual_store.errors import CorruptContextError, SignatureMismatchError
 
-__all__ = ["PathStructure", "leaf_paths"]
+__all__ = ["PathStructure", "by_path", "leaf_paths"]
 
 
 def leaf_paths(tree: Any, is_leaf: Any = None) -> tuple[str, ...]:
@@ -195,10 +204,23 @@ class PathStructure:
 
     def unflatten(self, leaves: Sequence[Any], like: Any = None, what: str = "the gradients") -> Any:
         """``leaves`` in this structure: on ``like``'s structure when given (checked path by
-        path), else through the treedef, else as a ``dict`` from key path to leaf."""
+        path), else through the treedef, else as a key-path mapping (:func:`by_path`)."""
         if like is not None:
             return self.on_like(leaves, like, what)
         treedef = self.resolved()
         if treedef is not None:
             return jax.tree.unflatten(treedef, list(leaves))
-        return dict(zip(self.paths, leaves))
+        return by_path(self.paths, leaves)
+
+
+def by_path(paths: Sequence[str], leaves: Sequence[Any]) -> collections.OrderedDict[str, Any]:
+    """``{path: leaf}`` whose ``jax.tree.leaves`` are ``leaves`` in the order given.
+
+    Invariant: ``paths`` are in the model's flattening order, so the result flattens as the
+    model's own tree would and ``jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(
+    grads))`` puts every gradient on its parameter. An ``OrderedDict`` because JAX flattens it
+    in insertion order; a ``dict`` would flatten in sorted key order.
+    """
+    if len(paths) != len(leaves):
+        raise ValueError(f"{len(leaves)} leaves for {len(paths)} key paths")
+    return collections.OrderedDict(zip(paths, leaves))

@@ -522,14 +522,49 @@ def _plan(
             flow.edge(2 * node(r) + 1, sink, infinite)
     reach = flow.source_side(source, sink)
     kept = {v for v, k in index.items() if 2 * k in reach and 2 * k + 1 not in reach and not isinstance(v, _Rebuild)}
-    # the equations that make the residuals again from what is kept (and only those)
-    recompute: set[int] = set()
+    recompute = _recompute_set(jaxpr, residuals, kept, producer, scans, recomputable)
+    # only what is read: a value of no cost (a weight) may sit on the cut without being needed
+    order = {v: i for i, v in enumerate(index)}
+    kept_read = sorted((v for v in recompute.kept if v in recompute.read), key=order.__getitem__)
+    used = {i: s for i, s in scans.items() if i in recompute.equations}
+    return RematPlan(jaxpr, tuple(kept_read), tuple(sorted(recompute.equations)), tuple(residuals), used)
+
+
+@dataclasses.dataclass
+class _Recompute:
+    """The equations a backward runs again (``equations``), every value they or the residuals
+    read (``read``), and the values kept (``kept``: the cut's, see :func:`_recompute_set`)."""
+
+    equations: set[int]
+    read: set[Any]
+    kept: set[Any]
+
+
+def _recompute_set(
+    jaxpr: Any,
+    residuals: Sequence[Any],
+    kept: set[Any],
+    producer: dict[Any, int],
+    scans: dict[int, _ScanPlan],
+    recomputable: Callable[[Any], bool],
+) -> _Recompute:
+    """The equations that make the residuals again from what is kept (and only those).
+
+    The backward has, besides the kept values, the jaxpr's own constants (:meth:`RematPlan.rebuild`
+    takes them: a constant a custom rule or a closure captured is held by the backward, not the
+    context), so a constvar is never recomputed nor kept. Invariant: the cut separates every
+    residual from whatever only the forward makes, so a value reached here that is neither kept,
+    a constant, nor made by a recomputable equation is a bug of the cut, never of the function;
+    it is then kept (anything the forward makes can be), which costs bytes but stays correct.
+    """
+    constants, kept = set(jaxpr.constvars), set(kept)
+    equations: set[int] = set()
     read: set[Any] = {r for r in residuals if not _jax_internals.is_literal(r)}
     todo = list(read)
     seen: set[Any] = set()
     while todo:
         v = todo.pop()
-        if v in seen or v in kept:
+        if v in seen or v in kept or v in constants:
             continue
         seen.add(v)
         i = producer.get(v)
@@ -539,13 +574,10 @@ def _plan(
         elif i is not None and recomputable(jaxpr.eqns[i]):
             needs = list(jaxpr.eqns[i].invars)
         else:
-            raise AssertionError(f"remat plan: {v} is neither kept nor recomputable")  # a cut is a cover
-        recompute.add(i)
+            kept.add(v)
+            continue
+        equations.add(i)
         needs = [a for a in needs if not _jax_internals.is_literal(a)]
         read.update(needs)
         todo.extend(needs)
-    # only what is read: a value of no cost (a weight) may sit on the cut without being needed
-    order = {v: i for i, v in enumerate(index)}
-    kept_read = sorted((v for v in kept if v in read), key=order.__getitem__)
-    used = {i: s for i, s in scans.items() if i in recompute}
-    return RematPlan(jaxpr, tuple(kept_read), tuple(sorted(recompute)), tuple(residuals), used)
+    return _Recompute(equations, read, kept)

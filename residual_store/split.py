@@ -37,7 +37,7 @@ from residual_store import _jax_internals, filters, names, placement, remat, str
 from residual_store.backward import Backward, register_backward, staged
 from residual_store.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
 from residual_store.canonical import qualified_name
-from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec
+from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec, check_representable, describe_residual
 from residual_store.errors import (
     InvalidArgumentError,
     RecomputeWarning,
@@ -318,6 +318,8 @@ class Split:
         """
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"backward expects a rs.ResidualContext, got {type(ctx).__name__}")
+        # before any trace: a 64-bit context traced again under x64 off gets another signature
+        check_representable(ctx.spec.avals, describe_residual(ctx.spec, "this context"), "running its backward")
         if now is not None:
             if like is not None:
                 raise InvalidArgumentError("like= rebuilds a backward's gradients without a split: not with now=")

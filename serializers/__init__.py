@@ -19,6 +19,7 @@ from serializers.errors import (
     CorruptDataError,
     DiskFullError,
     SerializationError,
+    UnavailableError,
     UnsupportedDTypeError,
     UnsupportedVersionError,
 )
@@ -26,6 +27,8 @@ from serializers.kv import (
     KvStoreSpec,
     default_context,
     delete_prefix,
+    is_unavailable,
+    wait_request,
     local_root,
     read_array,
     read_array_async,
@@ -87,6 +90,7 @@ __all__ = [
     "CorruptDataError",
     "UnsupportedVersionError",
     "DiskFullError",
+    "UnavailableError",
     "UnsupportedDTypeError",
     # checksums
     "ALGORITHM",
@@ -129,6 +133,8 @@ __all__ = [
     "KvStoreSpec",
     "default_context",
     "local_root",
+    "is_unavailable",
+    "wait_request",
     "write_array_async",
     "write_arrays",
     "read_array",

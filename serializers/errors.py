@@ -14,6 +14,7 @@ __all__ = [
     "CorruptDataError",
     "UnsupportedVersionError",
     "DiskFullError",
+    "UnavailableError",
     "UnsupportedDTypeError",
 ]
 
@@ -43,6 +44,13 @@ class DiskFullError(SerializationError, OSError):
     removed again, so a failed write leaves no bytes behind. ``errno`` and
     ``filename`` are set like on the ``OSError`` that caused it.
     """
+
+
+class UnavailableError(SerializationError, OSError):
+    """A kvstore did not answer within the caller's timeout, or refused the request: the
+    connection failed and its retries ran out, the service said it is unavailable, or a wait
+    timed out. Nothing is known of the request's outcome beyond that (a timed-out put may
+    still land), so a caller commits nothing on top of it."""
 
 
 class UnsupportedDTypeError(SerializationError, TypeError):

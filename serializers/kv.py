@@ -24,7 +24,9 @@ possibly by several writers that each hold some chunks, and read chunk by chunk
 Errors: a missing, truncated or oversized chunk, missing or mismatching metadata ->
 :class:`~serializers.errors.CorruptDataError`. ``ENOSPC``/``EFBIG``/``EDQUOT`` while
 writing -> :class:`~serializers.errors.DiskFullError`, after removing what that write
-had created.
+had created. A store that does not answer (a request that outlives the ``timeout`` of the
+functions that take one, or tensorstore giving up after its retries: ``ABORTED``,
+``UNAVAILABLE``, ``DEADLINE_EXCEEDED``) -> :class:`~serializers.errors.UnavailableError`.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Final
 import numpy as np
 import tensorstore as ts
 
-from serializers.errors import CorruptDataError, DiskFullError
+from serializers.errors import CorruptDataError, DiskFullError, UnavailableError
 from serializers.local import _DISK_FULL_ERRNOS, _MAX_METADATA_BYTES, aligned_empty
 from serializers.zarr import (
     _METADATA_KEY,
@@ -71,6 +73,8 @@ __all__ = [
     "KvStoreSpec",
     "default_context",
     "local_root",
+    "is_unavailable",
+    "wait_request",
     "write_array_async",
     "write_arrays",
     "write_arrays_kv",
@@ -174,6 +178,41 @@ _CORRUPT_STATUS: Final = (
 )
 
 
+_UNAVAILABLE_STATUS: Final = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNAUTHENTICATED")
+
+
+def is_unavailable(e: BaseException) -> bool:
+    """Whether ``e`` says the kvstore did not answer or gave up (connection refused and its
+    retries exhausted, a timeout, the service unavailable), rather than what it holds being
+    wrong."""
+    if isinstance(e, (UnavailableError, TimeoutError)):
+        return True
+    message = _ts_message(e)
+    return isinstance(e, ValueError) and (message.startswith(_UNAVAILABLE_STATUS) or "CURL error" in message)
+
+
+def _unavailable(e: BaseException, what: str, timeout: float | None) -> UnavailableError:
+    if isinstance(e, UnavailableError):
+        return e
+    if isinstance(e, TimeoutError):
+        err = UnavailableError(errno.ETIMEDOUT, f"{what}: no answer within {timeout:g} s")
+    else:
+        err = UnavailableError(errno.EIO, f"{what}: {_ts_message(e)}")
+    err.__cause__ = e
+    return err
+
+
+def wait_request(future: Any, timeout: float | None = None, what: str = "kvstore request") -> Any:
+    """``future.result()``, waiting at most ``timeout`` seconds (``None``: as long as it takes);
+    :class:`UnavailableError` for a request that outlives it or that tensorstore gave up on."""
+    try:
+        return future.result(timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and others
+        if is_unavailable(e):
+            raise _unavailable(e, what, timeout) from None
+        raise
+
+
 def _ts_message(e: BaseException) -> str:
     """tensorstore's message without the (long) echo of the full spec."""
     return str(e).split(" [tensorstore_spec=", 1)[0]
@@ -185,6 +224,8 @@ def _ts_errno(e: BaseException) -> int | None:
 
 
 def _convert_write_error(e: BaseException, what: str) -> BaseException:
+    if is_unavailable(e):
+        return _unavailable(e, what, None)
     code = _ts_errno(e)
     if code in _DISK_FULL_ERRNOS:
         err = DiskFullError(code, f"{what}: disk full while writing: {_ts_message(e)}")
@@ -194,6 +235,8 @@ def _convert_write_error(e: BaseException, what: str) -> BaseException:
 
 
 def _convert_read_error(e: BaseException, what: str) -> BaseException:
+    if is_unavailable(e):
+        return _unavailable(e, what, None)
     code = _ts_errno(e)
     message = _ts_message(e)
     if code in (errno.EACCES, errno.EPERM) or message.startswith("PERMISSION_DENIED"):
@@ -257,11 +300,14 @@ def _delete_array_async(kv: dict[str, Any], context: ts.Context) -> ts.Future:
     return _then(deleted, lambda _: _prune_empty_dirs(_file_folder(kv)))
 
 
-def delete_prefix(kvstore: KvStoreSpec, prefix: str, *, context: ts.Context | None = None) -> None:
-    """Removes every key under the folder ``prefix`` of ``kvstore`` and waits; with the ``file``
-    driver, also the folders it leaves empty (it deletes files, not folders)."""
+def delete_prefix(
+    kvstore: KvStoreSpec, prefix: str, *, context: ts.Context | None = None, timeout: float | None = None
+) -> None:
+    """Removes every key under the folder ``prefix`` of ``kvstore`` and waits (at most
+    ``timeout`` seconds: :class:`UnavailableError`); with the ``file`` driver, also the folders
+    it leaves empty (it deletes files, not folders)."""
     ctx = context if context is not None else default_context()
-    _delete_array_async(_array_kvstore(kvstore, prefix), ctx).result()
+    wait_request(_delete_array_async(_array_kvstore(kvstore, prefix), ctx), timeout, f"deleting {prefix!r}")
 
 
 def _file_folder(kv: Mapping[str, Any]) -> str | None:
@@ -312,12 +358,16 @@ def write_array_async(
     return _then(written, lambda _: None, on_error)
 
 
-def _wait_all(futures: Mapping[str, ts.Future]) -> tuple[dict[str, Any], list[BaseException]]:
+def _wait_all(
+    futures: Mapping[str, ts.Future], timeout: float | None = None
+) -> tuple[dict[str, Any], list[BaseException]]:
+    """Every future's result or error, each waited for at most ``timeout`` seconds (the
+    requests run at once: a store that does not answer costs about one ``timeout``)."""
     results: dict[str, Any] = {}
     errors: list[BaseException] = []
     for key, f in futures.items():
         try:
-            results[key] = f.result()
+            results[key] = wait_request(f, timeout, repr(key))
         except Exception as e:  # noqa: BLE001 - collected, re-raised below
             errors.append(e)
     return results, errors
@@ -367,6 +417,7 @@ def write_arrays_kv(
     content_addressed: bool = False,
     attributes: Mapping[str, Mapping[str, Any]] | None = None,
     fresh: bool = False,
+    timeout: float | None = None,
 ) -> None:
     """Writes ``{path: array}`` under any tensorstore kvstore, byte for byte as
     :func:`write_arrays_local` does, and waits.
@@ -394,6 +445,7 @@ def write_arrays_kv(
       fresh: the paths are new (under a folder named for this write alone): no array is there
         to replace, so nothing is cleared first (on an object store, one listing per array
         fewer).
+      timeout: seconds each request may take (``None``: as long as it takes).
 
     Raises:
       ValueError, UnsupportedDTypeError: an unsafe path, an unsupported dtype or bad attributes,
@@ -401,6 +453,8 @@ def write_arrays_kv(
       DiskFullError: on ``ENOSPC``/``EFBIG``/``EDQUOT``, after deleting every key this call put
         (``zarr.json`` first; of a :class:`ChunkedArray`, only its own chunks), unless
         ``content_addressed``. Any other error deletes them too, and is raised as it is.
+      UnavailableError: the store did not answer (see :func:`wait_request`); what this call put is
+        deleted as far as the store answers.
     """
     disk: dict[str, np.ndarray | ChunkedArray] = {}
     for p, a in arrays.items():
@@ -412,7 +466,7 @@ def write_arrays_kv(
     attrs = attributes or {}
     ctx = context if context is not None else default_context()
     root = _kv_root(kvstore)
-    kv = ts.KvStore.open(root, context=ctx).result()
+    kv = wait_request(ts.KvStore.open(root, context=ctx), timeout, "opening the kvstore")
     chunks = {f"{p}/{key}": view for p, a in disk.items() for key, view in _disk_chunks(a)}
     metadata = {
         f"{p}/{_METADATA_KEY}": _disk_metadata(a, attrs.get(p))
@@ -423,13 +477,13 @@ def write_arrays_kv(
     put: list[str] = []
     try:
         deleted = {p: kv.delete_range(ts.KvStore.KeyRange(f"{p}/", f"{p}0")) for p in replaced}
-        _raise_first(_wait_all(deleted)[1])
-        _put_all(kv, chunks, put)
-        _put_all(kv, metadata, put)
+        _raise_first(_wait_all(deleted, timeout)[1])
+        _put_all(kv, chunks, put, timeout)
+        _put_all(kv, metadata, put, timeout)
     except BaseException as e:
         if not content_addressed and put:
-            _wait_all({k: kv.write(k, None) for k in put if k in metadata})  # best effort
-            _wait_all({k: kv.write(k, None) for k in put if k in chunks})
+            _wait_all({k: kv.write(k, None) for k in put if k in metadata}, timeout)  # best effort
+            _wait_all({k: kv.write(k, None) for k in put if k in chunks}, timeout)
             for p in disk:
                 _prune_empty_dirs(_file_folder(_array_kvstore(root, p)))
         err = _convert_write_error(e, _describe(list(disk)))
@@ -438,7 +492,9 @@ def write_arrays_kv(
         raise err from e
 
 
-def _put_all(kv: ts.KvStore, items: Mapping[str, bytes | memoryview], started: list[str]) -> None:
+def _put_all(
+    kv: ts.KvStore, items: Mapping[str, bytes | memoryview], started: list[str], timeout: float | None = None
+) -> None:
     """Puts every key of ``items`` at once, appending each to ``started`` as its put starts;
     waits for all that started, then raises the first disk-full error among them, else the first."""
     futures: dict[str, ts.Future] = {}
@@ -447,14 +503,16 @@ def _put_all(kv: ts.KvStore, items: Mapping[str, bytes | memoryview], started: l
             futures[key] = kv.write(key, bytes(value))  # (takes str or bytes only: one copy)
             started.append(key)
     finally:
-        _, errors = _wait_all(futures)
+        _, errors = _wait_all(futures, timeout)
     _raise_first(errors)
 
 
 def _raise_first(errors: Sequence[BaseException]) -> None:
-    """Raises the first disk-full error of ``errors``, else the first, if any."""
+    """Raises the first disk-full error of ``errors``, else the first unavailable one, else the
+    first, if any."""
     if errors:
-        raise next((e for e in errors if _ts_errno(e) in _DISK_FULL_ERRNOS), errors[0])
+        raise next((e for e in errors if _ts_errno(e) in _DISK_FULL_ERRNOS),
+                   next((e for e in errors if is_unavailable(e)), errors[0]))
 
 
 def read_array_async(
@@ -638,6 +696,7 @@ def read_raw(
     chunk_shape: Shape | None = None,
     chunk_index: Sequence[int] | None = None,
     empty: Callable[[Shape, np.dtype], np.ndarray] = aligned_empty,
+    timeout: float | None = None,
 ) -> np.ndarray:
     """Reads one chunk object of the raw layout every writer stores (:mod:`serializers.zarr`)
     straight from the open kvstore ``kv``: the single chunk of the array ``path``, or chunk
@@ -650,6 +709,7 @@ def read_raw(
     Raises:
       CorruptDataError: the object is missing, or not exactly as many bytes as the shape needs.
       ValueError: a chunk shape that does not divide ``shape``, an index outside the grid.
+      UnavailableError: no answer within ``timeout`` seconds, or the store gave up.
     """
     _check_relpath(path)
     shape = tuple(int(d) for d in shape)
@@ -663,7 +723,7 @@ def read_raw(
         piece = check_chunk_shape(shape, chunk_shape)
         key = chunk_index_key(_check_chunk_index(chunk_index, chunk_grid(shape, piece), what))
     try:
-        result = kv.read(f"{path}/{key}").result()
+        result = wait_request(kv.read(f"{path}/{key}"), timeout, what)
     except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and others
         raise _convert_read_error(e, what) from None
     if result.state != "value":
@@ -678,7 +738,13 @@ def read_raw(
 
 
 def check_array_metadata(
-    kv: ts.KvStore, path: str, shape: Shape, dtype: DTypeLike, chunk_shape: Shape | None = None
+    kv: ts.KvStore,
+    path: str,
+    shape: Shape,
+    dtype: DTypeLike,
+    chunk_shape: Shape | None = None,
+    *,
+    timeout: float | None = None,
 ) -> None:
     """Checks that the ``zarr.json`` of the array ``path`` in the open kvstore ``kv`` describes
     ``shape``, ``dtype`` and ``chunk_shape`` (default: one chunk) in the raw layout: what plain
@@ -693,7 +759,7 @@ def check_array_metadata(
     cs = check_chunk_shape(shape, chunk_shape) if chunk_shape is not None else None
     what = f"array {path!r}"
     key = f"{path}/{_METADATA_KEY}"
-    result = kv.read(key).result()
+    result = wait_request(kv.read(key), timeout, what)
     if result.state != "value":
         raise CorruptDataError(f"{what}: metadata object {key} is missing")
     if len(result.value) > _MAX_METADATA_BYTES:

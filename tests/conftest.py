@@ -1,9 +1,11 @@
-"""Shared fixtures: compile counting through jax.monitoring, fresh random inputs."""
+"""Shared fixtures: compile counting through jax.monitoring, fresh random inputs, and the suite's
+own temp folder (checked for leaks at the end, then removed)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -57,9 +59,36 @@ def rng(request: pytest.FixtureRequest) -> jax.Array:
     return jax.random.key(seed)
 
 
-# -- nothing left in the system temp folder -----------------------------------------------------
+# -- the suite's own temp folder, and nothing of ours left in it ---------------------------------
+#
+# Invariant: from this module's import on (before collection), ``tempfile`` in this process and
+# in every subprocess started with the inherited environment (examples, store readers, worker
+# pairs) makes its folders under ``SUITE_TEMP``, a fresh folder of the system temp folder. The
+# leak check looks there only: other jobs on the machine may make ``rs-*`` folders or stores in
+# the system temp folder at any time, and they are none of this suite's business.
 
 _OUR_PREFIXES = ("residual-store-", "rs-", "zero-bubble-", "resume-", "offload-example-", "mp-store-")
+SYSTEM_TEMP = tempfile.gettempdir()
+
+
+def _make_suite_temp(system_temp: str) -> tuple[str, str]:
+    """``(outer, inner)``: a fresh folder in ``system_temp``, and the folder in it that becomes
+    this process's and its subprocesses' temp folder (``TMPDIR``/``TEMP``/``TMP``,
+    ``tempfile.tempdir``). The extra level keeps a store made directly in a ``mkdtemp`` folder
+    two levels below the system temp folder, where an older copy of this check, running in
+    another checkout at the same time, does not look. pytest's ``tmp_path`` folders stay in the
+    system temp folder (``PYTEST_DEBUG_TEMPROOT``), where pytest keeps the last runs'."""
+    outer = tempfile.mkdtemp(prefix="residual_store_suite_", dir=system_temp)
+    inner = os.path.join(outer, "tmp")
+    os.mkdir(inner)
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system_temp)
+    for var in ("TMPDIR", "TEMP", "TMP"):
+        os.environ[var] = inner
+    tempfile.tempdir = inner
+    return outer, inner
+
+
+_SUITE_OUTER, SUITE_TEMP = _make_suite_temp(SYSTEM_TEMP)
 
 
 def _is_ours(path: str, name: str) -> bool:
@@ -75,21 +104,26 @@ def _is_ours(path: str, name: str) -> bool:
         return False
 
 
-def _ours_in_temp() -> set[str]:
-    root = tempfile.gettempdir()
-    found = set()
+def ours_left_in(root: str) -> list[str]:
+    """The names of the folders of ours (:func:`_is_ours`) directly in ``root``, sorted."""
+    found = []
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if not name.startswith("pytest-of-") and os.path.isdir(path) and not os.path.islink(path) and _is_ours(path, name):
-            found.add(name)
-    return found
+        if os.path.isdir(path) and not os.path.islink(path) and _is_ours(path, name):
+            found.append(name)
+    return sorted(found)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_in_the_temp_folder() -> Iterator[None]:
-    """The suite (docs examples, examples, subprocesses) leaves no store or folder of ours in the
-    system temp folder; pytest's own ``tmp_path`` folders are pytest's to keep."""
-    before = _ours_in_temp()
+    """The suite (docs examples, examples, subprocesses) leaves no store or folder of ours in
+    its own temp folder, ``SUITE_TEMP``; what is in the system temp folder is not looked at."""
     yield
-    left = sorted(_ours_in_temp() - before)
-    assert not left, f"the tests left these in {tempfile.gettempdir()}: {left}"
+    left = ours_left_in(SUITE_TEMP)
+    assert not left, f"the tests left these in their temp folder {SUITE_TEMP}: {left}"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Removes the suite's temp folder (after the session fixture's check, and also for a run
+    that started no test)."""
+    shutil.rmtree(_SUITE_OUTER, ignore_errors=True)

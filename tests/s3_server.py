@@ -94,3 +94,73 @@ class S3Server:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+
+class Proxy:
+    """A TCP relay on loopback to ``port`` (a moto server) that the test can cut: ``cut()``
+    closes the listening socket and every relayed connection, so the endpoint then refuses
+    connections, as an object store that went away does. With ``cut_on``, the relay cuts itself
+    as soon as a request line containing those bytes arrives, before forwarding it (a store
+    that goes away at that very request). Threads only; nothing outside loopback."""
+
+    def __init__(self, port: int, cut_on: bytes | None = None) -> None:
+        import threading
+
+        self.target = port
+        self.cut_on = cut_on
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        self.is_cut = False
+        self._lock = threading.Lock()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            with self._lock:
+                if self.is_cut:
+                    client.close()
+                    upstream.close()
+                    return
+                self.sockets += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, watch: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if watch and self.cut_on is not None and self.cut_on in data:
+                    self.cut()
+                    return
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        with self._lock:
+            self.is_cut = True
+            sockets, self.sockets = self.sockets, []
+        self.listener.close()
+        for s in sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()

@@ -42,7 +42,6 @@ def test_demo_small(tmp_path):
 
 
 def test_demo_writes_the_plot(tmp_path):
-    pytest.importorskip("matplotlib")
     png = tmp_path / "demo.png"
     cfg = DemoConfig(vocab=32, d_model=32, n_heads=2, d_ff=64, n_layers=1, seq_len=8, microbatch=2, n_microbatches=3, steps=1,
                      compare_save=False)

@@ -346,3 +346,26 @@ def test_assumption_BIND_EQUATION_inline_calls_and_callers():
     x = jnp.linspace(0.1, 1.0, 3)
     assert jnp.allclose(ji.eval_jaxpr(flat.jaxpr, flat.consts, x)[0], f(x))
     assert [ji.has_inner_jaxprs(e) for e in closed.jaxpr.eqns].count(True) == 3
+
+def test_assumption_DEBUG_INFO():
+    """A custom_vjp applied to a value not differentiated stays a ``custom_vjp_call`` in the
+    forward of jax.vjp, its rules' debug info (with this file and line) in its params; the
+    canonical text writes none of it, nor an equation's source info."""
+    from residual_store.canonical import Canonicalizer
+
+    assert "func_src_info" in ji._lu.DebugInfo._fields, "DEBUG_INFO: DebugInfo has no func_src_info"
+    kernel = _custom(False)
+    forward = lambda w, x: jax.vjp(lambda w: jnp.sum(w * kernel(x)), w)[0]  # noqa: E731 - x: no tangent
+    fwd = jax.jit(forward).trace(jnp.ones(3), jnp.ones(3)).jaxpr
+    eqns = [e for e in fwd.jaxpr.eqns if e.primitive.name == ji.CUSTOM_VJP_PRIMITIVE]
+    assert eqns, "DEBUG_INFO: a custom_vjp on an undifferentiated value is no custom_vjp_call"
+    info = eqns[0].source_info
+    assert isinstance(info, ji._source_info_util.SourceInfo), f"DEBUG_INFO: source_info is {type(info)}"
+    assert isinstance(info.traceback, ji._source_info_util.Traceback), "DEBUG_INFO: no Traceback type"
+
+    def written_whole(v, canon):
+        return None if isinstance(v, ji._DEBUG_TYPES) else ji._canonical_hook(v, canon)
+
+    raw = Canonicalizer(hook=written_whole).value(fwd)
+    assert "test_jax_internals.py:" in raw, "DEBUG_INFO: the rule's source line is not in the params"
+    assert "test_jax_internals" not in ji.jaxpr_text(fwd)

@@ -7,7 +7,7 @@ For each case:
     one shape cost one forward and one backward compile;
   * the contexts put in a store are run by processes that never import the model code: one
     without the libraries either (gradients in their original structure only where it is made
-    of JAX containers, else a ``dict`` from key path to array), one with flax.nnx and equinox
+    of JAX containers, else a mapping from key path to array in the model's leaf order), one with flax.nnx and equinox
     imported (NNX ``State`` and built-in ``eqx.nn`` modules come back as such, ``like=``
     rebuilds on a template);
   * a ``jax.jit`` step that calls the split and its backward gives the same gradients;
@@ -68,11 +68,13 @@ class _Flat(dict):
 
 def assert_close_by_path(got: Any, want: Any, what: str) -> float:
     """``got`` and ``want`` (trees, or :class:`_Flat` dicts) equal leaf by leaf, keyed by
-    ``jax.tree_util.keystr`` (float leaves within ``TOL``, others exactly, typed PRNG keys by
-    their key data); returns the largest relative error of the float leaves."""
+    ``jax.tree_util.keystr`` and in the same leaf order (float leaves within ``TOL``, others
+    exactly, typed PRNG keys by their key data); returns the largest relative error of the float
+    leaves. The order matters: gradients ``jax.tree.unflatten``-ed on the parameters' treedef
+    land on the parameter at the same position, whatever their key paths say."""
     got_flat = got if isinstance(got, _Flat) else lm.flat(got)
     want_flat = want if isinstance(want, _Flat) else lm.flat(want)
-    assert sorted(got_flat) == sorted(want_flat), f"{what}: key paths differ"
+    assert list(got_flat) == list(want_flat), f"{what}: key paths differ, or come in another order"
     assert want_flat, f"{what}: nothing to compare"
     for path, w in want_flat.items():
         g, w = _as_numpy(got_flat[path]), _as_numpy(w)
@@ -407,12 +409,12 @@ def stored(runs, tmp_path_factory):
 
 
 def _expected(case: lm.Case, grads: Any, mode: str) -> tuple[str | None, Any]:
-    """What a process of ``mode`` gets back: ``(type name or None for a dict of key paths,
-    {name under which the runner records it: leaf})``."""
+    """What a process of ``mode`` gets back: ``(type name or None for a mapping of key paths,
+    {name under which the runner records it: leaf})``, in the model's leaf order."""
     typed = case.plain or (mode == "libs" and case.library_type is not None)
     if typed:
         return case.library_type or "builtins.dict", _Flat(lm.flat(grads))
-    # a dict from key path to array: the runner's key path of each entry is that of a dict key
+    # a mapping from key path to array: the runner's key path of each entry is that of a dict key
     return None, _Flat({_keystr((jax.tree_util.DictKey(p),)): v for p, v in lm.flat(grads).items()})
 
 
@@ -431,8 +433,8 @@ def test_a_process_without_the_model_gets_jax_grads_gradients(runs, stored, name
         want = run.expected[i][2]
         type_name, want_flat = _expected(run.case, want, mode)
         got = report["results"][key]
-        if type_name is None:
-            assert got["type"] == "builtins.dict", got
+        if type_name is None:  # the leaves keep the model's order (assert_close_by_path checks it)
+            assert got["type"] == "collections.OrderedDict", got
             _report(name, f"{mode}_structure", "dict-of-keypaths")
         else:
             assert got["type"] == type_name, got

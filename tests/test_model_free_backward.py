@@ -110,11 +110,11 @@ def _rewrite(manifest_path, change) -> None:
 
 
 @pytest.mark.subprocess
-def test_a_custom_pytree_backward_runs_without_its_type_as_a_key_path_dict(stored, tmp_path):
+def test_a_custom_pytree_backward_runs_without_its_type_as_a_key_path_mapping(stored, tmp_path):
     root, _, params, want = stored
     report, got = _read(root, "mb0", tmp_path, seed="11")
     assert not report["test_file_imported"]
-    assert report["type"] == "dict" and report["keys"] == list(want), report
+    assert report["type"] == "OrderedDict" and report["keys"] == list(want), report
     for path, g in want.items():
         np.testing.assert_allclose(got[path], g, rtol=1e-5, atol=1e-6)
     # here the type is registered: the original structure, and like= rebuilds it too
@@ -127,6 +127,75 @@ def test_a_custom_pytree_backward_runs_without_its_type_as_a_key_path_dict(store
     assert isinstance(grads[0], Layer)
     rebuilt = rs.backward(ctx, like=params)
     assert jax.tree.structure(rebuilt) == jax.tree.structure(params)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Mixer:
+    """Fields declared out of alphabetical order, two of one shape: a ``dict`` keyed by key path
+    flattens as ``alpha, zeta`` (sorted) where the model flattens as ``zeta, alpha``, so
+    unflattening such gradients on the parameters swaps the two without a shape error."""
+
+    zeta: jax.Array
+    alpha: jax.Array
+
+
+def _mixer_loss(params, x):
+    h = jnp.tanh(x @ params["mixer"].zeta) @ params["mixer"].alpha
+    return jnp.mean((h @ params["head"]) ** 2)
+
+
+MIXER_FWD = rs.split(_mixer_loss)
+
+LEAVES_READER = textwrap.dedent(
+    """
+    import collections.abc, json, sys
+    import numpy as np, jax, residual_store as rs
+    root, key, out = sys.argv[1:4]
+    with rs.Store(root, read_only=True) as store:
+        grads = rs.backward(store.get(key))
+    leaves = jax.tree.leaves(grads)  # what a process hands back to the trainer, in this order
+    np.savez(out, *[np.asarray(g) for g in leaves])
+    print(json.dumps({
+        "test_file_imported": any(m.startswith("test_model_free_backward") for m in sys.modules),
+        "mapping": isinstance(grads, collections.abc.Mapping),
+        "keys": list(grads) if isinstance(grads, collections.abc.Mapping) else None,
+    }))
+    """
+)
+
+
+@pytest.mark.subprocess
+def test_without_the_type_the_key_path_mapping_keeps_the_models_leaf_order(tmp_path, rng):
+    """``jax.tree.leaves`` of the model-free gradients lists them as ``jax.tree.leaves(params)``
+    would, so a trainer can ``jax.tree.unflatten`` them on its parameters' treedef."""
+    k1, k2, k3, kx = jax.random.split(rng, 4)
+    params = {"mixer": Mixer(jax.random.normal(k1, (4, 4)), jax.random.normal(k2, (4, 4))),
+              "head": jax.random.normal(k3, (4, 2))}
+    x = jax.random.normal(kx, (3, 4))
+    root = tmp_path / "store"
+    with rs.Store(root) as store:
+        store.put(MIXER_FWD(params, x)[1], "mb0")
+    want = jax.grad(_mixer_loss)(params, x)
+    out = tmp_path / "leaves.npz"
+    proc = subprocess.run(  # cwd and sys.path without tests/: Mixer's module cannot be imported
+        [sys.executable, "-c", LEAVES_READER, str(root), "mb0", str(out)], capture_output=True, text=True,
+        timeout=120, env=dict(os.environ, PYTHONHASHSEED="23"), cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not report["test_file_imported"] and report["mapping"], report
+    assert report["keys"] == ["['head']", "['mixer'].zeta", "['mixer'].alpha"], report  # the model's order
+    with np.load(out) as data:
+        got = [data[f"arr_{i}"] for i in range(len(data.files))]
+    want_leaves = jax.tree.leaves(want)
+    assert len(got) == len(want_leaves)
+    for i, (g, w) in enumerate(zip(got, want_leaves)):  # leaf by leaf, in order
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"leaf {i}")
+    rebuilt = jax.tree.unflatten(jax.tree.structure(params), got)  # the trainer's side
+    np.testing.assert_allclose(rebuilt["mixer"].zeta, want["mixer"].zeta, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rebuilt["mixer"].alpha, want["mixer"].alpha, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rebuilt["head"], want["head"], rtol=1e-5, atol=1e-6)
 
 
 def test_like_of_another_structure_names_the_first_differing_path(rng):
@@ -158,7 +227,7 @@ def test_a_damaged_or_foreign_structure_record(stored, tmp_path, damage):
     report, got = _read(root, "mb0", tmp_path)
     assert report["modules"] == []
     if damage == "unknown_module":
-        assert report["type"] == "dict" and list(got) == list(want)
+        assert report["type"] == "OrderedDict" and list(got) == list(want)
     else:
         assert report["error"].startswith("CorruptContextError: the stored backward of signature rs2-"), report
 
@@ -289,7 +358,7 @@ def test_importing_the_types_after_the_backward_was_loaded_still_rebuilds_them(s
     )
     proc = subprocess.run([sys.executable, "-c", program, str(root), TESTS], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[-3:] == ["dict", "list", "Layer"]
+    assert proc.stdout.split()[-3:] == ["OrderedDict", "list", "Layer"]
 
 
 @pytest.mark.subprocess

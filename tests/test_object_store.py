@@ -262,3 +262,87 @@ def test_two_processes_put_and_a_new_pair_resumes_with_fwd_backward(tmp_path, sp
     for i in range(2):
         log = (tmp_path / f"resume_split{i}.log").read_text()
         assert not any(n in log for n in SDK_NOISE), log[-2000:]
+
+
+# -- an object store that goes away -------------------------------------------------------------
+
+
+def test_a_store_whose_object_store_goes_away_raises_store_unavailable_within_the_timeout(spec, server):
+    """Through a relay the test cuts: ``put`` + ``flush`` and ``get`` raise
+    rs.StoreUnavailableError within a few timeouts (tensorstore alone would retry for minutes),
+    the failed put is not in the store, and what was committed before is intact."""
+    import time
+
+    loss, params, xs = _mlp()
+    fwd = rs.split(loss)
+    proxy = s3_server.Proxy(server.port)
+    relayed = {**spec, "endpoint": proxy.endpoint}
+    store = rs.Store(relayed, timeout=1, device_budget=0, host_budget=0)  # gets read the store
+    try:
+        store.put(fwd(params, xs[0])[1], "mb0")
+        store.flush()
+        proxy.cut()
+        store.put(fwd(params, xs[1])[1], "mb1")
+        t0 = time.monotonic()
+        with pytest.raises(rs.StoreUnavailableError, match="did not answer") as info:
+            store.flush()
+        assert isinstance(info.value, OSError) and time.monotonic() - t0 < 30
+        t0 = time.monotonic()
+        with pytest.raises(rs.StoreUnavailableError):
+            store.get("mb0")
+        assert time.monotonic() - t0 < 30
+        assert "mb1" not in store._pending and "mb1" not in store._device and "mb1" not in store._host
+    finally:
+        store.close()
+    with rs.Store(spec, read_only=True) as direct:
+        assert direct.keys() == ["mb0"]
+        g = rs.backward(direct.get("mb0"))
+    want = jax.grad(loss)(params, xs[0])
+    for name in want:
+        np.testing.assert_allclose(np.asarray(g[name]), np.asarray(want[name]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_store_that_goes_away_at_the_commit_leaves_no_half_written_context(spec, server):
+    """The relay cuts as the manifest's PUT (the commit) arrives, after every array of the
+    context went up: the flush raises rs.StoreUnavailableError, the context is not visible to
+    any reader, the store verifies, and gc (older_than=0) removes the orphaned arrays."""
+    loss, params, xs = _mlp()
+    fwd = rs.split(loss)
+    with rs.Store(spec) as direct:  # the signature's backward and weights are there already
+        direct.put(fwd(params, xs[0])[1], "mb0")
+    before = _objects(spec)
+    proxy = s3_server.Proxy(server.port, cut_on=f"PUT /residuals/{spec['path']}contexts/mb1".encode())
+    store = rs.Store({**spec, "endpoint": proxy.endpoint}, timeout=1)
+    try:
+        store.put(fwd(params, xs[1])[1], "mb1")
+        with pytest.raises(rs.StoreUnavailableError):
+            store.flush()
+        assert proxy.is_cut
+    finally:
+        store.close()
+    added = [o for o in _objects(spec) if o not in before]
+    assert added and all(o.startswith("data/mb1.") for o in added), added  # its arrays, no manifest
+    verify = _cli("verify", json.dumps(spec))
+    assert verify.returncode == 0 and "1 of 1 context verified" in verify.stdout, verify.stdout + verify.stderr
+    with rs.Store(spec) as direct:
+        assert direct.keys() == ["mb0"]
+        assert direct.gc(older_than=0)["data"] == 1
+        assert _objects(spec) == before
+
+
+def test_the_command_line_on_a_store_that_does_not_answer(spec, server):
+    """A listener that takes connections and never answers: the command line gives up after
+    --timeout, with one line on stderr and status 2, and no AWS SDK noise."""
+    import socket
+    import time
+
+    _put_two(spec)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts nor answers
+        path = json.dumps({**spec, "endpoint": f"http://127.0.0.1:{silent.getsockname()[1]}"})
+        t0 = time.monotonic()
+        out = _cli("ls", path, "--timeout", "1")
+        assert time.monotonic() - t0 < 60
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "did not answer within the timeout of 1 s" in lines[0], out.stderr
+    assert not any(n in out.stderr for n in SDK_NOISE)

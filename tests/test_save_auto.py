@@ -12,6 +12,7 @@ import pytest
 
 import library_models as lm
 import residual_store as rs
+from residual_store import remat
 from store_helpers import run_python, write_script
 from test_bw_split import block, block_params, mlp_params, mlp_stage
 from test_libraries import assert_close_by_path
@@ -306,3 +307,63 @@ def test_the_bw_split_of_an_auto_context(name):
     dx, later = fwd.backward(ctx, ct, now=1)
     _close(dx, want_x)
     _close(rs.backward(later), want_p)
+
+
+_C = jnp.arange(1.0, 4.0)
+
+
+@jax.custom_jvp
+def _jvp_closing(x):
+    return jnp.sin(x) * _C
+
+
+_jvp_closing.defjvp(lambda p, t: (jnp.sin(p[0]) * _C, jnp.cos(p[0]) * t[0] * _C))
+
+
+@jax.custom_vjp
+def _fwd_closing(x):
+    return jnp.sin(x) * _C
+
+
+_fwd_closing.defvjp(lambda x: (jnp.sin(x) * _C, (jnp.cos(x) * _C, _C)), lambda r, g: (g * r[0] * r[1] / _C,))
+
+
+@jax.custom_vjp
+def _bwd_closing(x):
+    return jnp.sin(x)
+
+
+_bwd_closing.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda r, g: (g * r * _C,))
+
+
+def _in_scan(rule):
+    return lambda x: jax.lax.scan(lambda h, _: (rule(h) * 0.5 + h, None), x, length=2)[0]
+
+
+_CLOSING = {"custom_jvp": _jvp_closing, "custom_vjp fwd": _fwd_closing, "custom_vjp bwd": _bwd_closing,
+            "custom_jvp in a scan": _in_scan(_jvp_closing)}
+
+
+@pytest.mark.parametrize("save", ["auto", jax.checkpoint_policies.dots_saveable], ids=["auto", "dots_saveable"])
+@pytest.mark.parametrize("name", list(_CLOSING))
+def test_custom_rules_closing_over_an_array(name, save, rng):
+    """A custom rule whose jvp, fwd or bwd closes over an array: the array is a constant of the
+    forward (the backward holds it, the context does not), planned as free to keep; the
+    gradients of ``jax.grad``, never more of the context's own bytes than ``"all"``."""
+    loss = lambda x: jnp.sum(_CLOSING[name](x) ** 2)  # noqa: E731
+    x = jax.random.normal(rng, (3,))
+    fwd = rs.split(loss, save=save)
+    _, ctx = fwd(x)
+    _close(fwd.backward(ctx), jax.grad(loss)(x), tol=1e-5)
+    assert _own(ctx) <= _own(rs.split(loss)(x)[1])
+
+
+def test_a_constant_residual_is_neither_kept_nor_recomputed(rng):
+    """A residual that is a constant of the forward's jaxpr: nothing kept, nothing recomputed;
+    the rebuild reads it from the constants."""
+    c = jax.random.normal(rng, (3,))
+    closed = jax.make_jaxpr(lambda x: (x * c, c))(jnp.ones(3))
+    assert len(closed.jaxpr.constvars) == 1  # the test's premise: make_jaxpr hoists ``c``
+    p = remat.plan(closed.jaxpr, [closed.jaxpr.outvars[1]], [True])
+    assert p.kept == () and p.recompute == ()
+    np.testing.assert_array_equal(p.rebuild([], closed.consts)[0], c)

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
+import zarr
 
 import serializers.kv as kv_mod
 import serializers.local as local_mod
@@ -262,7 +263,6 @@ def test_local_root() -> None:
 
 @pytest.mark.parametrize("name", NUMPY_NAMES + list(_ZARR_FLOAT_NAMES))
 def test_plain_zarr_reads_what_both_paths_wrote(tmp_path: Path, name: str) -> None:
-    zarr = pytest.importorskip("zarr")
     register_zarr_dtypes()
     a = _array(name, (3, 4))
     write_array_local(tmp_path, "f", a)
@@ -279,7 +279,6 @@ def test_plain_zarr_reads_what_both_paths_wrote(tmp_path: Path, name: str) -> No
 
 
 def test_fast_reader_reads_plain_zarr_output(tmp_path: Path) -> None:
-    zarr = pytest.importorskip("zarr")
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -533,7 +532,6 @@ def test_chunked_round_trip_both_paths_and_across(
 
 
 def test_plain_zarr_reads_chunked_arrays(tmp_path: Path) -> None:
-    zarr = pytest.importorskip("zarr")
     register_zarr_dtypes()
     for name in ("float32", "bfloat16", "int32"):
         a = _array(name, (8, 6))
@@ -697,7 +695,6 @@ def test_kv_writer_writes_the_local_writers_bytes(tmp_path: Path, name: str) -> 
         _same_bits(read_chunk(_kv(tmp_path / "kv"), "p/m", m.shape, name, (2, 3), idx), block)
         _same_bits(read_chunk_local(tmp_path / "kv", "p/m", m.shape, name, (2, 3), idx), block)
 
-    zarr = pytest.importorskip("zarr")
     if name in NUMPY_NAMES or name in _ZARR_FLOAT_NAMES:
         register_zarr_dtypes()
         with warnings.catch_warnings():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
+from residual_store.canonical import Canonicalizer
 from residual_store.signature import treedef_fingerprint
 from signature_cases import CASES, DISTINCT, SAME, inputs, signature_of
 
@@ -172,3 +173,92 @@ def test_treedef_fingerprint_has_no_addresses():
     assert "Point" in text and "'a'" in text
     assert text == treedef_fingerprint(jax.tree.structure({"b": (None, 5), "a": [6, Point(7, 8)]}))
     assert text != treedef_fingerprint(jax.tree.structure({"a": [1, (2, 3)], "b": (None, 4)}))
+
+
+def test_scrub_takes_addresses_and_source_locations_out_of_reprs():
+    """A value written by its repr (the last resort) loses what moves between processes and
+    edits: memory addresses, decimal ids, file names with lines; a string value stays whole."""
+
+    class Thing:
+        def __init__(self, where):
+            self.where = where
+
+        def __repr__(self):
+            return f"<Thing made at {self.where} id={id(self)} {hex(id(self))}>"
+
+    a = Canonicalizer().value(Thing('/src/model.py:12, File "/src/model.py", line 12'))
+    b = Canonicalizer().value(Thing('other_name.py:40, File "other_name.py", line 40'))
+    assert a == b and ".py" not in a and "line" not in a, (a, b)
+    assert Canonicalizer().value("model.py:12") != Canonicalizer().value("model.py:13")
+
+
+# Two rules that tracing keeps in the forward's jaxpr as Python functions (each applied to a
+# value that is not differentiated, so jax.vjp does not trace it into its rules) and traces into
+# the backward where the other call is differentiated: one with nondiff_argnums, one whose fwd
+# returns a dict residual. JAX holds each rule's source line (its debug info) beside it.
+_RULES_SOURCE = '''
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def clip(b, x):
+    return jnp.sin(x)
+
+
+clip.defvjp(lambda b, x: (jnp.sin(x), jnp.cos(x)), lambda b, c, g: (jnp.clip(g * c, -b, b),))
+
+
+@jax.custom_vjp
+def k(x):
+    return jnp.sin(x)
+
+
+k.defvjp(lambda x: (jnp.sin(x), {"c": jnp.cos(x), "s": x}), lambda r, g: (g * r["c"] + r["s"],))
+
+
+def nondiff(w, x):
+    return jnp.sum(clip(0.5, x @ w)) * jnp.sum(clip(0.5, x))
+
+
+def dict_residual(w, x):
+    return jnp.sum(k(x @ w)) * jnp.sum(k(x))
+'''
+_RULES_RUNNER = '''
+import importlib.util, json, sys
+import jax, residual_store as rs
+spec = importlib.util.spec_from_file_location(sys.argv[1].rsplit("/", 1)[-1][:-3], sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+kw, kx = jax.random.split(jax.random.key(0))
+w, x = jax.random.normal(kw, (4, 2)), jax.random.normal(kx, (3, 4))
+print(json.dumps({n: rs.split(getattr(module, n))(w, x)[1].spec.signature for n in ("nondiff", "dict_residual")}))
+'''
+
+
+@pytest.mark.subprocess
+def test_custom_rules_at_other_lines_and_in_other_files_keep_their_signature(tmp_path):
+    """The same custom_vjp rules at other lines of a file of another name, under two hash seeds:
+    one signature each; a changed bwd changes it."""
+    (tmp_path / "rules.py").write_text(_RULES_SOURCE)
+    (tmp_path / "moved_rules.py").write_text("# a comment\n\n# and another, moving every line\n" + _RULES_SOURCE)
+    changed = _RULES_SOURCE.replace("jnp.clip(g * c, -b, b)", "jnp.clip(2 * g * c, -b, b)")
+    (tmp_path / "changed_rules.py").write_text(changed.replace('r["c"] + r["s"]', 'r["c"] - r["s"]'))
+    runner = tmp_path / "runner.py"
+    runner.write_text(_RULES_RUNNER)
+    runs = [("rules.py", 0), ("rules.py", 1), ("moved_rules.py", 0), ("moved_rules.py", 1), ("changed_rules.py", 0)]
+    procs = [
+        subprocess.Popen([sys.executable, str(runner), str(tmp_path / name)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONHASHSEED": str(seed)})
+        for name, seed in runs
+    ]
+    got = []
+    for (name, seed), proc in zip(runs, procs):
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        got.append(json.loads(out.strip().splitlines()[-1]))
+    *same, other = got
+    assert all(s == same[0] for s in same), dict(zip(runs, got))
+    assert all(other[n] != same[0][n] for n in other), (other, same[0])

@@ -202,3 +202,39 @@ def test_python_scalars_and_numpy_inputs(rng):
     out, ctx = fwd(x, 2.0)
     np.testing.assert_allclose(out, f(x, 2.0), **F32_TOL)
     np.testing.assert_allclose(fwd.backward(ctx), 2 * np.cos(x), **F32_TOL)
+
+
+def _x64(on: bool) -> None:
+    jax.config.update("jax_enable_x64", on)
+
+
+def test_a_float64_context_after_x64_is_turned_off_is_refused_by_name(rng):
+    """A context made under x64, its backward asked for after x64 was turned off in the same
+    process: every way to run it (the split, a fresh split, rs.backward, a B/W split; a context
+    whose only 64-bit aval is the output) raises the error a stored one does, saying to turn
+    x64 on; with x64 on again it gives jax.grad's gradients."""
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)  # noqa: E731
+    linear = lambda w: jnp.sum(w * 3.0)  # noqa: E731 - no 64-bit residual, a 64-bit output
+    assert not jax.config.jax_enable_x64
+    try:
+        _x64(True)
+        kw, kx = jax.random.split(rng)
+        w, x = jax.random.normal(kw, (3, 2), jnp.float64), jax.random.normal(kx, (4, 3), jnp.float64)
+        fwd, fwd_linear = rs.split(loss, argnums=(0, 1)), rs.split(linear)
+        ctx, ctx_linear = fwd(w, x)[1], fwd_linear(w)[1]
+        want = jax.grad(loss, argnums=(0, 1))(w, x)
+        _x64(False)
+        runs = {
+            "split": lambda: fwd.backward(ctx),
+            "fresh split": lambda: rs.split(loss, argnums=(0, 1)).backward(ctx),
+            "rs.backward": lambda: rs.backward(ctx),
+            "B/W": lambda: fwd.backward(ctx, now=1),
+            "output": lambda: rs.backward(ctx_linear),
+        }
+        for name, run in runs.items():
+            with pytest.raises(rs.SignatureMismatchError, match=r"is float64.*jax_enable_x64.*running its backward"):
+                run()
+        _x64(True)
+        assert_trees_close(fwd.backward(ctx), want, rtol=1e-12, atol=1e-12)
+    finally:
+        _x64(False)

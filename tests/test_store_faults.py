@@ -262,6 +262,8 @@ with rs.Store(os.path.join(base, "context")) as store:
         results["context"] = attempt(store, ctx(99, 2048), "big")
         store.put(ctx(3, 4), "after")  # the store still works
         store.flush()
+import shutil
+shutil.copytree(os.path.join(base, "context"), os.path.join(base, "kept_backward"))  # before any gc
 
 # 2. a context that fits, of a new signature whose serialized backward does not: the disk is
 # full (files over 4 KiB fail) only while the backward is written (the bundle of the context's
@@ -324,6 +326,44 @@ def test_disk_full_raises_store_full_and_leaves_nothing(disk_full, split):
             model.check(store, key, split, tag, 4)
         # no bytes of the failed write: only the backward its put saved, which no context needs
         assert _counts(store.gc(older_than=0)) == {"weights": 0, "data": 0, "recycled": 0, "backwards": 1, "temporary": 0}
+
+
+_WITHOUT_MODEL = """
+import sys, jax, numpy as np, residual_store as rs
+root, key, out = sys.argv[1:4]
+with rs.Store(root, read_only=True) as store:
+    grads = rs.backward(store.get(key))  # no split here: the stored backward
+leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+np.savez(out, **{jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves})
+"""
+
+
+@pytest.mark.subprocess
+def test_a_put_that_failed_on_a_full_disk_keeps_its_valid_backward_for_later_contexts(disk_full, split, tmp_path):
+    """The backward a put saved before its context failed to fit stays (docs/format.md says
+    why: it is complete and verified, other writers may rely on it, gc removes it once no
+    context has its signature). It verifies, a later put of the signature uses it as it is (not
+    rewritten), and a process without the model runs it: jax.grad's gradients."""
+    base, results, model = disk_full
+    root = base / "kept_backward"  # the store right after the failed put, before any gc
+    big = model.ctx(split, 99, 2048)
+    sig = big.spec.signature
+    paths = sorted(f for f in tree_files(root) if sig in f)
+    assert paths == [f"backwards/{sig}.export", f"backwards/{sig}.manifest"], paths
+    before = {p: (root / p).read_bytes() for p in paths}
+    with rs.Store(root) as store:
+        assert "big" not in store.keys()
+        assert store._disk.read_backward(sig) is not None  # size and checksum verified
+        store.put(big, "big")
+        store.flush()
+    assert {p: (root / p).read_bytes() for p in paths} == before
+    out = tmp_path / "grads.npz"
+    run_python(write_script(tmp_path, "without_model.py", _WITHOUT_MODEL), str(root), "big", str(out))
+    got = np.load(out)
+    want = jax.tree_util.tree_flatten_with_path(jax.grad(mlp_loss)(model.params, *model.batch(99, 2048)))[0]
+    assert sorted(got.files) == sorted(jax.tree_util.keystr(p) for p, _ in want)
+    for p, v in want:
+        np.testing.assert_allclose(got[jax.tree_util.keystr(p)], np.asarray(v), **F32_TOL)
 
 
 @pytest.mark.subprocess

@@ -166,3 +166,105 @@ def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path):
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
     assert all((tmp_path / f"s{i}" / "residual-store.json").exists() for i in range(30))
+
+
+# -- kvstore specs tensorstore refuses, object stores that do not answer ------------------------
+
+BAD_SPECS = [
+    {"driver": "fil", "path": "/nowhere"},  # a typo of "file"
+    {"driver": "s3", "bucket": "Not_A_Bucket!", "path": "p/"},
+    {"driver": "s3", "bucket": "residuals", "endpoint": "ftp://127.0.0.1:9"},
+]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    from store_helpers import python_env
+
+    env = {**python_env(), "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    return subprocess.run([sys.executable, "-m", "residual_store", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def _one_line(out: subprocess.CompletedProcess, *words: str) -> str:
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr)
+    assert all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("spec", BAD_SPECS, ids=["driver", "bucket", "endpoint"])
+def test_a_spec_tensorstore_refuses_is_invalid_argument(spec):
+    with pytest.raises(rs.InvalidArgumentError, match="tensorstore refuses the kvstore spec"):
+        rs.Store(spec)
+    with pytest.raises(rs.InvalidArgumentError):
+        rs.Store(spec, read_only=True)
+
+
+@pytest.mark.subprocess
+def test_the_command_line_refuses_a_bad_spec_in_one_line():
+    import json
+
+    for spec in BAD_SPECS:
+        for command in (["ls"], ["verify"], ["inspect", "--timeout", "1"], ["gc", "--dry-run"]):
+            args = [command[0], json.dumps(spec), *(["k"] if command[0] == "inspect" else []), *command[1:]]
+            _one_line(_cli(*args), "tensorstore refuses the kvstore spec")
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _s3_spec(port: int) -> dict:
+    return {"driver": "s3", "bucket": "residuals", "path": "run/", "endpoint": f"http://127.0.0.1:{port}",
+            "aws_region": "us-east-1"}
+
+
+@pytest.fixture
+def aws_environment(monkeypatch):
+    """Credentials in the environment (any values), as a user of an S3-compatible store has."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+
+
+@pytest.mark.parametrize("where", ["closed", "silent"])
+def test_an_object_store_that_does_not_answer_is_store_unavailable_within_the_timeout(aws_environment, where):
+    """A closed port (connections refused: tensorstore's retries, fitted into the timeout, run
+    out) and a listener that never answers (the wait runs out): rs.StoreUnavailableError, an
+    OSError, within a generous bound of the 1 s timeout; nothing is created."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1] if where == "silent" else _closed_port()
+        for options in ({}, {"read_only": True}):
+            t0 = time.monotonic()
+            with pytest.raises(rs.StoreUnavailableError, match="did not answer within the timeout of 1 s") as info:
+                rs.Store(_s3_spec(port), timeout=1, **options)
+            assert time.monotonic() - t0 < 30
+            assert isinstance(info.value, OSError) and isinstance(info.value, rs.ResidualStoreError)
+
+
+@pytest.mark.subprocess
+def test_the_command_line_on_an_unreachable_object_store_says_so_in_one_line():
+    import json
+    import time
+
+    spec = json.dumps(_s3_spec(_closed_port()))
+    for command in (["ls", spec], ["verify", spec], ["inspect", spec, "k"], ["du", spec], ["rm", spec, "k"]):
+        t0 = time.monotonic()
+        out = _cli(*command, "--timeout", "1")
+        assert time.monotonic() - t0 < 60
+        line = _one_line(out, "did not answer within the timeout of 1 s", "CURL error")
+        assert not any(n in out.stderr for n in ("Failed to open file", "aws-error", "AuthCredentialsProvider")), line
+    assert "positive number of seconds" in _cli("ls", spec, "--timeout", "0").stderr
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), True, "1"])
+def test_a_bad_timeout_is_refused(tmp_path, timeout):
+    with pytest.raises(rs.InvalidArgumentError, match="timeout"):
+        rs.Store(tmp_path / "s", timeout=timeout)
+    assert not (tmp_path / "s").exists()

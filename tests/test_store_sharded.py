@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zarr
 from store_helpers import python_env, raw, read_manifest, write_script
 
 import residual_store as rs
@@ -313,7 +314,6 @@ def test_four_devices_round_trip_keeps_shardings(written: dict[str, Any]) -> Non
 
 @pytest.mark.subprocess
 def test_chunks_on_disk_one_per_shard_and_plain_zarr_reads_them(written: dict[str, Any]) -> None:
-    zarr = pytest.importorskip("zarr")
     root, summary, expected = written["root"], written["summary"], written["expected"]
     for key, n_chunks in (("k", 4), ("k2", None)):
         manifest = read_manifest(root, key)

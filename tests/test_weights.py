@@ -234,3 +234,83 @@ def test_live_weights_on_another_device_than_the_stores_are_read_onto_its_device
     script = write_script(tmp_path, "weights_elsewhere.py", _WEIGHTS_ELSEWHERE)
     proc = run_python(script, str(tmp_path / "store"))
     assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+# -- weights donated between put and the write ----------------------------------------------
+
+
+def _gated(store):
+    """Holds the store's writer until the returned event is set: the put's write waits behind
+    it, so what the test does next happens before the write, as on a slow disk."""
+    import threading
+
+    gate = threading.Event()
+    store._writer.submit(lambda: gate.wait(60), 0)
+    return gate
+
+
+def _donate(params):
+    """The optimizer's step, with the parameters donated (their buffers taken)."""
+    return jax.jit(lambda p: jax.tree.map(lambda w: w * 0.9, p), donate_argnums=0)(params)
+
+
+@pytest.mark.parametrize("how", ["donate", "delete"])
+def test_weights_donated_after_put_before_the_write_are_stored_right(tmp_path, rng, how):
+    """A put takes its weights' host copies at once: a donation (or ``delete``) after ``put``
+    returns, before the slow writer reached the context, neither fails nor changes what is
+    stored. Read back in a new store: the very residuals, and jax.grad's gradients."""
+    from store_helpers import F32_TOL, assert_contexts_identical, assert_trees_close
+
+    params, h = _stage_inputs(rng)
+    want_grads = jax.grad(stage2, argnums=(0, 1))(params, h)
+    fwd = rs.split(stage2, argnums=(0, 1))
+    _, ctx = fwd(params, h)
+    want = fwd(jax.tree.map(jnp.copy, params), h)[1]  # the same context, on arrays kept alive
+    assert any(k == "weight" for k in ctx.spec.kinds)
+    with rs.Store(tmp_path / "s") as store:
+        gate = _gated(store)
+        store.put(ctx, "mb0")
+        if how == "donate":
+            _donate(params)
+        else:
+            for w in jax.tree.leaves(params):
+                w.delete()
+            assert all(w.is_deleted() for w, k in zip(ctx.residuals, ctx.spec.kinds) if k == "weight")
+        # (donated on a CPU, XLA copies the buffer a host view of the put still holds, instead of
+        # taking it; on an accelerator the buffer goes, and the put's host copy is its own)
+        gate.set()
+        store.flush()
+    with rs.Store(tmp_path / "s", read_only=True) as store:
+        got = store.get("mb0")
+        assert_contexts_identical(got, want)
+        assert_trees_close(rs.backward(got), want_grads, **F32_TOL)
+
+
+def test_a_weight_donated_before_put_is_refused_by_name(tmp_path, rng):
+    params, h = _stage_inputs(rng)
+    fwd = rs.split(stage2, argnums=(0, 1))
+    _, ctx = fwd(params, h)
+    _donate(params)
+    with rs.Store(tmp_path / "s") as store:
+        with pytest.raises(rs.InvalidArgumentError, match=r"params\['w'\].*deleted"):
+            store.put(ctx, "mb0")
+        assert store.keys() == []
+
+
+def test_an_own_residual_donated_before_the_write_is_a_library_error_naming_it(tmp_path, rng):
+    """The stage's input activation is the context's own (written in the background): donated
+    before the write, the flush raises the library's error naming it, and the put is not in the
+    store (never a silently wrong or half-written context)."""
+    params, h = _stage_inputs(rng)
+    fwd = rs.split(stage2, argnums=(0, 1))
+    _, ctx = fwd(params, h)
+    with rs.Store(tmp_path / "s") as store:
+        gate = _gated(store)
+        store.put(ctx, "mb0")
+        jax.jit(lambda x: x * 2, donate_argnums=0)(h)
+        gate.set()
+        with pytest.raises(rs.InvalidArgumentError, match=r"input h.*deleted"):
+            store.flush()
+        assert "mb0" not in store
+    with rs.Store(tmp_path / "s", read_only=True) as store:
+        assert store.keys() == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import shutil
 import stat
@@ -24,7 +25,7 @@ import numpy as np
 import tensorstore as ts
 
 import serializers
-from residual_store.errors import CorruptContextError
+from residual_store.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
 from serializers.local import (
     check_array_metadata_local,
     check_folders_local,
@@ -490,14 +491,90 @@ class _LocalBackend:
         fsync_folder_local(self._safe(prefix, itself=True))
 
 
-class _KvBackend:
-    """Any tensorstore kvstore spec (``memory``, ``file`` with options, ``gcs``, ``s3``)."""
+def _requests(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A :class:`_KvBackend` method whose requests to a store that does not answer, or that
+    refuses them, raise :class:`StoreUnavailableError` (one line, saying what to do)."""
 
-    def __init__(self, spec: Mapping[str, Any]) -> None:
+    @functools.wraps(method)
+    def wrapper(self: _KvBackend, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except StoreUnavailableError:
+            raise
+        except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
+            if not (serializers.is_unavailable(err) or (self.remote and _refused(err))):
+                raise
+            raise self.unavailable(err) from err
+
+    return wrapper
+
+
+def _refused(err: BaseException) -> bool:
+    """A request the store refused (credentials or permissions): an answer, but no data."""
+    return isinstance(err, PermissionError) or str(err).startswith(("PERMISSION_DENIED", "UNAUTHENTICATED"))
+
+
+# tensorstore's context resource for the retries of each networked driver (all three take
+# max_retries, initial_delay and max_delay)
+_RETRY_RESOURCES = {"s3": "s3_request_retries", "gcs": "gcs_request_retries", "http": "http_request_retries"}
+_LOCAL_DRIVERS = ("file", "memory")
+
+
+def _with_timeout(spec: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    """``spec`` whose retries fit in ``timeout`` seconds: tensorstore retries a failed request
+    up to 32 times, waiting up to 32 s between tries (minutes before an unreachable store is
+    reported); with a timeout, 3 tries, 1/10 then 1/5 of it apart, so a refused connection is
+    reported well within it and no request goes on retrying after the store gave up on it. A
+    spec that names its own retries keeps them."""
+    name = _RETRY_RESOURCES.get(spec.get("driver"))  # type: ignore[arg-type]
+    context = spec.get("context")
+    if timeout is None or name is None or name in spec or (isinstance(context, Mapping) and name in context):
+        return spec
+    if context is not None and not isinstance(context, Mapping):
+        return spec  # tensorstore says what is wrong with it
+    retries = {"max_retries": 3, "initial_delay": f"{max(1, round(timeout * 100))}ms",
+               "max_delay": f"{max(1, round(timeout * 250))}ms"}
+    return {**spec, "context": {**(context or {}), name: retries}}
+
+
+class _KvBackend:
+    """Any tensorstore kvstore spec (``memory``, ``file`` with options, ``gcs``, ``s3``).
+
+    With a ``timeout``, every request waits at most that many seconds and tensorstore's
+    retries are fitted into it (:func:`_with_timeout`); a request that outlives it, or that
+    the store refuses or gives up on, raises :class:`StoreUnavailableError`. A spec tensorstore
+    refuses raises :class:`InvalidArgumentError`."""
+
+    def __init__(self, spec: Mapping[str, Any], timeout: float | None = None) -> None:
         self.description = repr(dict(spec))
-        self.spec = _with_quiet_credentials(dict(spec))
+        self.timeout = timeout
+        self.remote = spec.get("driver") not in _LOCAL_DRIVERS
+        self.spec = _with_timeout(_with_quiet_credentials(dict(spec)), timeout)
         self.context = serializers.default_context()
-        self.kv = ts.KvStore.open(self._with_slash(self.spec), context=self.context).result()
+        try:
+            opened = ts.KvStore.open(self._with_slash(self.spec), context=self.context)
+            self.kv = serializers.wait_request(opened, timeout, "opening the kvstore")
+        except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
+            if serializers.is_unavailable(err):
+                raise self.unavailable(err) from err
+            message = str(err).split(" [tensorstore_spec=", 1)[0].strip().splitlines()
+            raise InvalidArgumentError(
+                f"tensorstore refuses the kvstore spec {self.description}: "
+                f"{message[0] if message else type(err).__name__}; see "
+                "https://google.github.io/tensorstore/kvstore/index.html for the drivers and their options"
+            ) from None
+
+    def unavailable(self, err: BaseException) -> StoreUnavailableError:
+        """The :class:`StoreUnavailableError` of a request that met ``err``."""
+        text = err.strerror if isinstance(err, OSError) and isinstance(err.strerror, str) else str(err)
+        why = (text.strip().splitlines() or [type(err).__name__])[0]
+        limit = (f"within the timeout of {self.timeout:g} s" if self.timeout is not None
+                 else "(no timeout: give rs.Store(..., timeout=SECONDS) to bound each request)")
+        return StoreUnavailableError(
+            f"{self.description}: the object store did not answer {limit}, or refused the "
+            f"request: {why}. Check the endpoint, the network and the credentials, or give a "
+            "longer timeout"
+        )
 
     @staticmethod
     def _with_slash(spec: dict[str, Any]) -> dict[str, Any]:
@@ -509,6 +586,7 @@ class _KvBackend:
     can_rename = False
     latency_bound = True
 
+    @_requests
     def write_arrays(
         self,
         arrays: Mapping[str, Any],
@@ -528,7 +606,7 @@ class _KvBackend:
         with ``fresh``, no listing to clear the paths first."""
         serializers.write_arrays_kv(
             self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes,
-            fresh=fresh,
+            fresh=fresh, timeout=self.timeout,
         )
         for key, data in (files or {}).items():  # a bundle's parts go out as one object
             self.put_bytes(key, data if isinstance(data, bytes) else b"".join(data), fsync=fsync)
@@ -536,6 +614,7 @@ class _KvBackend:
     def rename(self, src: str, dst: str) -> bool:
         return False  # kvstores have no atomic rename of a prefix
 
+    @_requests
     def write_shared_arrays(
         self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
     ) -> None:
@@ -544,14 +623,18 @@ class _KvBackend:
         writer cannot tear an array another one completed. ``write_metadata=False``: each of
         several writers puts its chunks, and one puts the ``zarr.json`` after all are done."""
         serializers.write_arrays_kv(
-            self.spec, arrays, context=self.context, write_metadata=write_metadata, content_addressed=True
+            self.spec, arrays, context=self.context, write_metadata=write_metadata, content_addressed=True,
+            timeout=self.timeout,
         )
 
+    @_requests
     def read_array(
         self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None, *, empty: Empty | None = None
     ) -> np.ndarray:
         # one request for the chunk object: zarr.json is for other readers (see check_metadata)
-        x = serializers.read_raw(self.kv, path, shape, dtype, empty=empty or serializers.aligned_empty)
+        x = serializers.read_raw(
+            self.kv, path, shape, dtype, empty=empty or serializers.aligned_empty, timeout=self.timeout
+        )
         if checksum is not None:
             serializers.verify(x, checksum, what=f"array {path!r}")
         return x
@@ -561,17 +644,21 @@ class _KvBackend:
     ) -> list[np.ndarray]:
         return [self.read_array(*a, empty=empty) for a in arrays]
 
+    @_requests
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
     ) -> np.ndarray:
-        return serializers.read_raw(self.kv, path, shape, dtype, chunk_shape=chunk_shape, chunk_index=index)
+        return serializers.read_raw(
+            self.kv, path, shape, dtype, chunk_shape=chunk_shape, chunk_index=index, timeout=self.timeout
+        )
 
+    @_requests
     def read_file(
         self, key: str, nbytes: int, *, checksum: str | None = None, empty: Empty | None = None
     ) -> np.ndarray:
         """The object ``key`` of exactly ``nbytes`` bytes (one request), verified against its
         ``checksum``."""
-        result = self.kv.read(key).result()
+        result = self._wait(self.kv.read(key), f"reading {key}")
         what = f"file {key!r}"
         if result.state != "value":
             raise serializers.CorruptDataError(f"{what} is missing")
@@ -584,24 +671,30 @@ class _KvBackend:
             serializers.verify(out, checksum, what=what)
         return out
 
+    @_requests
     def check_metadata(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...] | None = None
     ) -> None:
         """Checks the array's ``zarr.json`` (which the store's own reads skip, but plain ``zarr``
         needs): :class:`DamagedFileError` if it is missing or wrong."""
         try:
-            serializers.check_array_metadata(self.kv, path, shape, dtype, chunk_shape)
+            serializers.check_array_metadata(self.kv, path, shape, dtype, chunk_shape, timeout=self.timeout)
         except (serializers.CorruptDataError, serializers.UnsupportedDTypeError, ValueError) as err:
             raise _damaged(err) from None
 
     def array_exists(self, path: str) -> bool:
         return self.get_bytes(f"{path}/zarr.json") is not None
 
+    @_requests
     def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None:
-        self.kv.write(key, data).result()
+        self._wait(self.kv.write(key, data), f"writing {key}")
 
+    def _wait(self, future: Any, what: str) -> Any:
+        return serializers.wait_request(future, self.timeout, what)
+
+    @_requests
     def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
-        result = self.kv.read(key).result()
+        result = self._wait(self.kv.read(key), f"reading {key}")
         if result.state != "value":
             return None
         limit = serializers.MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
@@ -611,18 +704,21 @@ class _KvBackend:
             )
         return bytes(result.value)
 
+    @_requests
     def list_dir(self, prefix: str) -> list[str]:
         prefix = prefix.rstrip("/") + "/"
         end = prefix[:-1] + chr(ord("/") + 1)
-        keys = self.kv.list(ts.KvStore.KeyRange(prefix, end)).result()
+        keys = self._wait(self.kv.list(ts.KvStore.KeyRange(prefix, end)), f"listing {prefix}")
         names = {k.decode()[len(prefix) :].split("/", 1)[0] for k in keys}
         return sorted(n for n in names if n and not n.startswith("."))
 
+    @_requests
     def delete(self, key: str) -> None:
-        self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
+        self._wait(self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")), f"deleting {key}")
 
+    @_requests
     def delete_tree(self, prefix: str) -> None:
-        serializers.delete_prefix(self.spec, prefix.rstrip("/"), context=self.context)
+        serializers.delete_prefix(self.spec, prefix.rstrip("/"), context=self.context, timeout=self.timeout)
 
     def age_seconds(self, prefix: str) -> float | None:
         return None  # kvstores have no portable mtime: gc only removes with older_than=0
@@ -639,9 +735,10 @@ class _KvBackend:
     def root_exists(self) -> bool:
         return True  # a kvstore prefix exists as soon as anything is under it
 
+    @_requests
     def is_empty(self) -> bool:
         prefix = ts.KvStore.KeyRange("", "")
-        return not self.kv.list(prefix).result()
+        return not self._wait(self.kv.list(prefix), "listing the store")
 
     def list_temporary(self, prefix: str) -> list[str]:
         return []  # every object is written in one put: nothing temporary is left behind
@@ -686,10 +783,11 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def open_backend(path: str | os.PathLike[str] | Mapping[str, Any]) -> Backend:
-    """A backend for a folder path or a tensorstore kvstore spec."""
+def open_backend(path: str | os.PathLike[str] | Mapping[str, Any], *, timeout: float | None = None) -> Backend:
+    """A backend for a folder path or a tensorstore kvstore spec; ``timeout``: seconds each
+    request to an object store may take (a local folder has no requests to bound)."""
     if isinstance(path, Mapping):
         root = serializers.local_root(path)
-        return _LocalBackend(root) if root is not None else _KvBackend(path)
+        return _LocalBackend(root) if root is not None else _KvBackend(path, timeout)
     return _LocalBackend(os.fspath(path))
 

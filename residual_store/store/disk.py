@@ -53,10 +53,11 @@ from residual_store.errors import (
     ReadOnlyStoreError,
     StoreFullError,
     StoreNotFoundError,
+    StoreUnavailableError,
 )
 from residual_store.logs import event
 from residual_store.placement import rebuild_sharding
-from residual_store.store.backends import open_backend
+from residual_store.store.backends import DamagedFileError, open_backend
 from residual_store.store.buffers import ReadBuffers
 from residual_store.store import layout
 from residual_store.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
@@ -101,8 +102,9 @@ class DiskTier:
         create: bool = True,
         read_only: bool = False,
         read_buffer_bytes: int = 0,
+        timeout: float | None = None,
     ) -> None:
-        self.backend = open_backend(path)
+        self.backend = open_backend(path, timeout=timeout)
         self.read_only = bool(read_only)
         # the host buffers reads fill, reused once their arrays are gone (0: always fresh ones)
         self.buffers = ReadBuffers(read_buffer_bytes) if read_buffer_bytes > 0 else None
@@ -233,21 +235,27 @@ class DiskTier:
         # The manifest is written (and synced) with the arrays under a temporary name, and only
         # renamed into place, its commit, once they and the weights are there.
         staged = self.backend.temporary_for(manifest_path)
+        committing = False  # whether the manifest's put (or rename) has been asked for
         try:
-            self.backend.write_arrays(
-                plan.own, fsync=fsync, reuse=reuse, keep_metadata=reuse, attributes=plan.attributes,
-                files=plan.files,  # the group's zarr.json and the bundle
-                temporaries={staged: plan.manifest} if staged is not None else None,
-                # a recycled folder's new name must survive with the commit
-                sync_folders=(layout.DATA,) if reuse else (),
-                fresh=not reuse,  # else a folder named for this write alone: nothing to replace
-            )
+            try:
+                self._write_own(plan, staged, fsync=fsync, reuse=reuse)
+            except DamagedFileError as err:
+                if not reuse:
+                    raise
+                # The recycled folder was tampered with (a link planted in it): nothing was
+                # written through it. It goes (links unlinked, never followed), and the write
+                # takes a fresh folder: a planted link must not stop the put, nor every later one.
+                event(logging.WARNING, "recycled folder damaged", key=key, data_dir=plan.data_dir, error=str(err))
+                self.backend.delete_tree(plan.data_dir)
+                reuse = False
+                self._write_own(plan, staged, fsync=fsync, reuse=False)
             # Under the shared gc lock from "which weights exist" to the commit: gc (which takes
             # it exclusively) cannot remove a weight between this check and the manifest that
             # references it.
             with self.backend.gc_lock(exclusive=False):
                 created = [p for p in shared if not self.backend.array_exists(p)]
                 self.backend.write_shared_arrays({p: shared[p] for p in created}, fsync=fsync)
+                committing = True
                 if staged is not None:  # its folder is synced by sync_commits, once for a burst
                     self.backend.publish(staged, manifest_path, fsync=False)
                     if fsync:
@@ -255,6 +263,13 @@ class DiskTier:
                             self._unsynced.add(layout.CONTEXTS)
                 else:
                     self.backend.put_bytes(manifest_path, plan.manifest, fsync=fsync)
+        except StoreUnavailableError as err:
+            # The store does not answer: asking it to remove what this write put would only wait
+            # again. What is there is unreferenced (gc removes it), unless the manifest's put was
+            # under way: it may still land, and then finds every array of its context there.
+            event(logging.WARNING, "put failed", key=key, error=f"{type(err).__name__}: {err}",
+                  commit_unknown=committing)
+            raise
         except (serializers.DiskFullError, OSError) as err:
             event(logging.WARNING, "put failed", key=key, error=f"{type(err).__name__}: {err}")
             if staged is not None:
@@ -270,6 +285,19 @@ class DiskTier:
         event(logging.DEBUG, "commit", key=key, data_dir=plan.data_dir, new_weights=len(created),
               bytes=plan.nbytes)
         return previous
+
+    def _write_own(self, plan: layout.WritePlan, staged: str | None, *, fsync: bool, reuse: bool) -> None:
+        """The context's own arrays, its group's ``zarr.json`` and (with ``staged``) its
+        manifest under that temporary name: into the recycled folder now named ``data_dir``
+        (``reuse``), else into a fresh one."""
+        self.backend.write_arrays(
+            plan.own, fsync=fsync, reuse=reuse, keep_metadata=reuse, attributes=plan.attributes,
+            files=plan.files,  # the group's zarr.json and the bundle
+            temporaries={staged: plan.manifest} if staged is not None else None,
+            # a recycled folder's new name must survive with the commit
+            sync_folders=(layout.DATA,) if reuse else (),
+            fresh=not reuse,  # else a folder named for this write alone: nothing to replace
+        )
 
     def sync_commits(self) -> None:
         """Makes the commits since the last call survive a power loss: one sync of the folder
@@ -535,6 +563,8 @@ class DiskTier:
                 [(records[i].path, records[i].shape, records[i].dtype, expected) for i, _, expected in tasks],
                 empty=self._empty,
             )
+        except StoreUnavailableError:
+            raise  # the store did not answer: asking again, array by array, would not help
         except (serializers.CorruptDataError, serializers.UnsupportedDTypeError, OSError, ValueError):
             return [self._read_task(key, stored, task) for task in tasks]
 
@@ -567,6 +597,8 @@ class DiskTier:
         except (serializers.CorruptDataError, serializers.UnsupportedDTypeError) as err:
             # the serializers name only the array: say which context and residual it is
             raise CorruptContextError(f"{what}: {err}") from err
+        except StoreUnavailableError:
+            raise  # no answer is no damage
         except (OSError, ValueError) as err:
             raise CorruptContextError(f"{what}: unreadable ({err})") from err
 

@@ -35,6 +35,7 @@ __all__ = [
     "is_whole_on",
     "place",
     "read_device",
+    "stage_shared",
     "to_device",
     "to_device_sharded",
     "to_host",
@@ -133,23 +134,93 @@ def to_device_sharded(host: ShardedHost) -> jax.Array:
 
 
 
-def host_arrays(ctx: ResidualContext) -> tuple[HostArrays, list[str | None]]:
-    """The residuals on the host (typed keys as their key data) and each key's impl.
+def _deleted(ctx: ResidualContext, i: int, when: str) -> InvalidArgumentError:
+    spec = ctx.spec
+    what = "weight" if spec.kinds[i] in SHARED_KINDS else "residual"
+    where = f" ({spec.input_paths[i]})" if spec.input_paths[i] else ""
+    return InvalidArgumentError(
+        f"the context's {what} {i}{where}, {spec.names[i]!r}, was deleted (donated to a jit with "
+        f"donate_argnums, or .delete()) {when}: the store cannot write it. Put the context "
+        "before donating the arrays it holds (a put takes its weights at once), and call "
+        "store.flush() before donating its other arrays"
+    )
+
+
+def _to_host(x: Any) -> tuple[np.ndarray | ShardedHost, str | None]:
+    """One residual on the host (a typed key as its key data), and its key's impl."""
+    impl = None
+    if _is_key_dtype(x.dtype):
+        impl = str(jax.random.key_impl(x))
+        x = jax.random.key_data(x)
+    record = sharding_record(x)
+    return (_sharded_host(x, record) if record is not None else np.asarray(x)), impl
+
+
+def stage_shared(ctx: ResidualContext) -> dict[int, tuple[np.ndarray | ShardedHost, str | None]]:
+    """The host arrays of ``ctx``'s weights and constants (by residual index), taken by ``put``
+    on the caller's thread, so that donating the weights after the put (the optimizer's jit
+    with ``donate_argnums``) cannot break the write that follows in the background.
+
+    This is the copy the write needs anyway, taken earlier, never an extra one: on a CPU
+    ``np.asarray`` is a view of the device buffer (which then stays valid: XLA copies instead
+    of reusing a buffer a view holds), elsewhere the device-to-host copy that JAX caches on the
+    array (``copy_to_host_async`` first, so that the weights' copies overlap), made once per
+    array however many contexts hold it.
+
+    Raises:
+      InvalidArgumentError: a weight was deleted (donated) before the put; it names it.
+    """
+    shared = [i for i, kind in enumerate(ctx.spec.kinds) if kind in SHARED_KINDS]
+    arrays = [ctx.residuals[i] for i in shared]
+    for i, x in zip(shared, arrays):
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise _deleted(ctx, i, "before it was put")
+    for x in arrays:
+        if isinstance(x, jax.Array) and not _is_key_dtype(x.dtype):
+            try:
+                x.copy_to_host_async()
+            except Exception:  # noqa: BLE001 - a hint: the copy below is what counts
+                pass
+    staged = {}
+    for i, x in zip(shared, arrays):
+        try:
+            staged[i] = _to_host(x)
+        except RuntimeError as err:
+            if isinstance(x, jax.Array) and x.is_deleted():  # donated by another thread just now
+                raise _deleted(ctx, i, "while it was put") from err
+            raise
+    return staged
+
+
+def host_arrays(
+    ctx: ResidualContext, staged: Mapping[int, tuple[np.ndarray | ShardedHost, str | None]] | None = None
+) -> tuple[HostArrays, list[str | None]]:
+    """The residuals on the host (typed keys as their key data) and each key's impl; those in
+    ``staged`` (see :func:`stage_shared`) as they were taken then.
 
     A residual sharded over several devices with a ``NamedSharding`` becomes a
     :class:`ShardedHost` (its shards' blocks, never the gathered array); the others become NumPy
     arrays.
+
+    Raises:
+      InvalidArgumentError: a residual was deleted (donated) since the put; it names it.
     """
     arrays: HostArrays = []
     impls: list[str | None] = []
-    for x in ctx.residuals:
-        if _is_key_dtype(x.dtype):
-            impls.append(str(jax.random.key_impl(x)))
-            x = jax.random.key_data(x)
+    for i, x in enumerate(ctx.residuals):
+        if staged is not None and i in staged:
+            host, impl = staged[i]
         else:
-            impls.append(None)
-        record = sharding_record(x)
-        arrays.append(_sharded_host(x, record) if record is not None else np.asarray(x))
+            if isinstance(x, jax.Array) and x.is_deleted():
+                raise _deleted(ctx, i, "after it was put, before the store wrote it")
+            try:
+                host, impl = _to_host(x)
+            except RuntimeError as err:
+                if isinstance(x, jax.Array) and x.is_deleted():
+                    raise _deleted(ctx, i, "while the store wrote it") from err
+                raise
+        arrays.append(host)
+        impls.append(impl)
     return arrays, impls
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from residual_store import _jax_internals
 from residual_store.backward import find_backward
-from residual_store.context import ResidualContext
+from residual_store.context import ResidualContext, check_representable, describe_residual
 from residual_store.errors import (
     BackwardUnavailableError,
     ContextNotFoundError,
@@ -26,7 +26,6 @@ from residual_store.errors import (
     InvalidArgumentError,
     ReadOnlyStoreError,
     ResidualStoreWarning,
-    SignatureMismatchError,
     StoreFullError,
 )
 from residual_store.store import backwards
@@ -40,6 +39,7 @@ from residual_store.store.host import (
     is_whole_on,
     place,
     read_device,
+    stage_shared,
     to_device,
     to_device_sharded,
     to_host,
@@ -62,17 +62,7 @@ _LOOKAHEAD = 64  # keys of a schedule looked at for loading ahead
 def _check_representable(key: str, spec: Any) -> None:
     """Raises if a stored dtype has no exact counterpart in this process (64-bit types without
     ``jax_enable_x64``, which JAX would silently narrow to 32 bits)."""
-    for i, aval in enumerate(spec.avals):
-        dtype = aval.dtype
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            continue
-        if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-            raise SignatureMismatchError(
-                f"context {key!r}, residual {i} ({spec.names[i]}) is {np.dtype(dtype).name}, which "
-                "this process cannot represent: jax_enable_x64 is off, and JAX would make it "
-                f"{np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name}. Set "
-                "jax.config.update('jax_enable_x64', True) (or JAX_ENABLE_X64=1) before loading it"
-            )
+    check_representable(spec.avals, describe_residual(spec, f"context {key!r}"), "loading it")
 
 
 def _shut_down(writer: Writer | None, loader: Loader, janitor: Loader) -> None:
@@ -128,6 +118,12 @@ class Store:
       device: the ``jax.Device`` that contexts read back from host memory or disk are placed on
         (``None``: JAX's default device): a pipeline stage's store gives its stage's device.
         Sharded residuals go back to their recorded mesh either way.
+      timeout: seconds each request to an object store (a kvstore spec such as ``s3`` or
+        ``gcs``) may take, tensorstore's retries included (``None``: tensorstore's own retries,
+        which take minutes to give up on an unreachable store). A request that outlives it, or
+        that the store refuses, raises :class:`StoreUnavailableError` (from ``Store(...)``,
+        ``get`` and the like, or from ``flush`` for a background write). A local folder has no
+        requests to bound.
 
     Nothing put is lost on a normal exit: pending writes complete at interpreter exit (the end
     of the script, ``sys.exit``, an uncaught exception) and when the store is garbage-collected.
@@ -157,6 +153,7 @@ class Store:
         read_only: bool = False,
         collective_timeout: float = TIMEOUT_S,
         device: jax.Device | None = None,
+        timeout: float | None = None,
     ) -> None:
         self._closed = True  # until every part exists: a failed constructor leaves no threads
         self._read_only = bool(read_only)
@@ -180,8 +177,13 @@ class Store:
             raise InvalidArgumentError(
                 f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}"
             )
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < float(timeout) < float("inf")
+        ):
+            raise InvalidArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self._disk = DiskTier(
-            path, create=create, read_only=read_only, read_buffer_bytes=int(read_buffer_bytes)
+            path, create=create, read_only=read_only, read_buffer_bytes=int(read_buffer_bytes),
+            timeout=None if timeout is None else float(timeout),
         ) if path is not None else None
         # Several processes (jax.process_count() > 1) write each context collectively, in put
         # order: every put is written through (a spill depends on one process's budgets), and
@@ -265,6 +267,8 @@ class Store:
                 "under the same key, and a fresh key would differ between processes"
             )
         key = new_key() if key is None else validate_key(key)
+        # the weights' host copies, now: a donation after put returns cannot break the write
+        staged = stage_shared(ctx) if self._disk is not None and self._write_through else None
         if self._disk is not None:
             self._save_backward(ctx)
         size = own_nbytes(ctx)
@@ -282,7 +286,9 @@ class Store:
                 self._write_through
                 or (key not in self._device and key not in self._host and key not in self._pending)
             ) else []
-        for write in to_write + spills:
+        for write in to_write:
+            self._schedule_write(*write, staged=staged)
+        for write in spills:
             self._schedule_write(*write)
         return key
 
@@ -325,22 +331,23 @@ class Store:
         self._pending[key] = (ctx, token)
         return key, ctx, token
 
-    def _schedule_write(self, key: str, ctx: ResidualContext, token: object) -> None:
+    def _schedule_write(self, key: str, ctx: ResidualContext, token: object, staged: Any = None) -> None:
         assert self._writer is not None
-        self._writer.submit(functools.partial(self._write, key, ctx, token), ctx.nbytes)
+        self._writer.submit(functools.partial(self._write, key, ctx, token, staged), ctx.nbytes)
 
-    def _write(self, key: str, ctx: ResidualContext, token: object) -> None:
+    def _write(self, key: str, ctx: ResidualContext, token: object, staged: Any = None) -> None:
         """On the writer thread: writes the version ``token`` of ``key``, unless a later put (or
         delete) superseded it; a stale version never lands. In a multi-process job every process
-        takes part in every collective write, in order."""
+        takes part in every collective write, in order. ``staged``: the host arrays of the
+        context's weights its put took (:func:`stage_shared`)."""
         assert self._committer is not None
         with self._lock:
             if self._pending.get(key, (None, None))[1] is not token and not self._collective:
                 return
         try:
-            arrays, impls = host_arrays(ctx)
-            known = self._weight_sums.of(ctx, arrays)
             try:
+                arrays, impls = host_arrays(ctx, staged)
+                known = self._weight_sums.of(ctx, arrays)
                 stale = self._committer.write(key, ctx.spec, arrays, impls, fsync=self._durable, known=known)
             except BaseException:
                 with self._lock:  # a put that failed is not in the store (flush raises why)
@@ -412,19 +419,19 @@ class Store:
     def _export_backward(self, sig: str, bwd: Any, avals: Any, mesh: Any) -> None:
         """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
         assert self._disk is not None
-        if self._disk.has_backward(sig):
-            return
         try:
-            data, manifest = backwards.serialize(bwd, avals, mesh)
-        except BackwardUnavailableError as err:
-            with self._lock:
-                self._warnings.append(str(err))
-            self._record_unavailable(sig, str(err))
-            return
-        try:
+            if self._disk.has_backward(sig):
+                return
+            try:
+                data, manifest = backwards.serialize(bwd, avals, mesh)
+            except BackwardUnavailableError as err:
+                with self._lock:
+                    self._warnings.append(str(err))
+                self._record_unavailable(sig, str(err))
+                return
             self._disk.write_backward(sig, data, manifest, fsync=self._durable)
         except BaseException:
-            with self._lock:  # not saved (a full disk): the next put of this signature retries
+            with self._lock:  # not saved (a full disk, no answer): the next put of this signature retries
                 self._backwards_seen.discard(sig)
             raise
 
