@@ -148,7 +148,7 @@ class _Zip:
         encoded = name.encode("ascii")
         start = self.offset + _LOCAL.size + len(encoded)
         pad = -start % align
-        if 0 < pad < 4:  # an extra field is at least its 4-byte header
+        if 0 < pad <= 4:  # an extra field is its 4-byte header and (tensorstore: not empty) data
             pad += align
         extra = struct.pack("<HH", _PAD_ID, pad - 4) + bytes(pad - 4) if pad else b""
         header_at, tail = self.offset, self.parts[-1]

@@ -1056,7 +1056,8 @@ def read_file_exact_local(
         ``checksum``; the message names ``what`` (default: the path) and the file.
     """
     _check_relpath(path)
-    p = check_folders_local(root, path.split("/"))
+    *folders, name = path.split("/")
+    p = os.path.join(check_folders_local(root, folders), name)  # the file: opened O_NOFOLLOW
     label = what or f"file {path!r}"
     verifier = Verifier(checksum, what=label) if checksum is not None else None
     return _read_chunk_file(p, (int(nbytes),), np.dtype(np.uint8), label, verifier, empty)

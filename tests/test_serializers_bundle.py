@@ -87,7 +87,9 @@ def test_a_layout_is_a_pure_function_and_equal_arrays_give_equal_bytes() -> None
 
 
 def test_plain_zarr_and_tensorstore_read_every_array_by_name(tmp_path: Path) -> None:
-    arrays = _mixed(np.random.default_rng())
+    rng = np.random.default_rng()
+    # and byte arrays of every length up to 70: every padding an entry can need, before its data
+    arrays = _mixed(rng) + [rng.integers(0, 255, (n,), dtype=np.uint8) for n in range(1, 71)]
     layout, parts, _ = _bundle(arrays)
     write_file_local(tmp_path, "b.zip", parts)
     assert zipfile.ZipFile(tmp_path / "b.zip").testzip() is None  # every entry's CRC-32 holds
