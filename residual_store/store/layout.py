@@ -274,7 +274,6 @@ class BundleWrite:
 
     ref: BundleRef
     parts: tuple[memoryview | bytes, ...]
-    indices: tuple[int, ...]  # the residuals in it
 
 
 _BUNDLE_CAP = 1 << 31
@@ -486,4 +485,4 @@ def _plan_bundle(
     placed = {
         i: (where.offset, bundles.crc_checksum(crc)) for i, where, crc in zip(indices, layout.arrays, crcs)
     }
-    return BundleWrite(ref, tuple(parts), tuple(indices)), placed
+    return BundleWrite(ref, tuple(parts)), placed
