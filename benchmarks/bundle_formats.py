@@ -76,7 +76,7 @@ def median_time(fn: Callable[[], object], setup: Callable[[], object], repeats: 
 def run(root: Path, arrays: list[np.ndarray], repeats: int) -> dict[str, float]:
     paths = {f"c/{i}": a for i, a in enumerate(arrays)}
     sums = [checksum(a) for a in arrays]
-    layout = bundle_layout([(a.shape, a.dtype) for a in arrays], [{"index": i} for i in range(len(arrays))])
+    layout = bundle_layout([(str(i), a.shape, a.dtype) for i, a in enumerate(arrays)], [{"index": i} for i in range(len(arrays))])
     raw = b"".join(a.tobytes() for a in arrays)
     state: dict[str, object] = {}
 
@@ -124,7 +124,7 @@ def run(root: Path, arrays: list[np.ndarray], repeats: int) -> dict[str, float]:
             data = read_file_exact_local(root, "c/bundle.zip", layout.nbytes, checksum=state["whole"])
             if check:
                 check_bundle(layout, data, state["crcs"], what="bench")
-            return bundle_views(layout, data)
+            return bundle_views(layout.arrays, data)
 
         return read
 

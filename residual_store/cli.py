@@ -279,8 +279,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         try:
             stored, _ = disk.read(key, place=False)
             if check_metadata is not None:
-                for r in {r.path: r for r in stored.records}.values():
+                for r in {r.path: r for r in stored.records if not r.bundled}.values():
                     check_metadata(r.path, r.shape, r.dtype, r.chunk_shape)
+            disk.check_bundle(key, stored)  # every byte, as plain zip readers will check it
             checked += 1
         except (CorruptContextError, ContextNotFoundError) as err:
             damaged.append({"key": key, "error": str(err)})

@@ -5,9 +5,9 @@ A context of hundreds of small residuals written as one folder per array costs a
 (``zarr.storage.ZipStore``) and tensorstore (the ``zip`` kvstore) open as a zarr v3 group, every
 array still reachable by name::
 
-    zarr.json                 the group; its attributes are the caller's (the write's record)
-    <i>/zarr.json             array ``i``'s metadata, with its attributes (name, kind, ...)
-    <i>/c.0.0                 array ``i``'s single chunk: its raw bytes (no chunk when it is empty)
+    zarr.json                 the group; its attributes are the caller's
+    <name>/zarr.json          each array's metadata, with its attributes (name, kind, ...)
+    <name>/c.0.0              each array's single chunk: its raw bytes (none when it is empty)
 
 Entries are stored, never compressed, so each chunk is a byte range of the file: a reader takes
 one read of the whole file and slices the arrays out as views. Every chunk's data starts on a
@@ -34,6 +34,7 @@ own); no zip64.
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -55,6 +56,7 @@ from serializers.zarr import (
 
 __all__ = [
     "BUNDLE_ALIGNMENT",
+    "BUNDLE_FILE",
     "MAX_BUNDLE_BYTES",
     "MAX_BUNDLE_ENTRIES",
     "BundleArray",
@@ -65,6 +67,9 @@ __all__ = [
     "check_bundle",
     "crc_checksum",
 ]
+
+BUNDLE_FILE: Final[str] = "bundle.zip"
+"""The name of a bundle in the folder of the write it belongs to."""
 
 BUNDLE_ALIGNMENT: Final[int] = 64
 """Every chunk's bytes start at a multiple of this offset in the file."""
@@ -84,6 +89,7 @@ _DOS_DATE: Final[int] = 0x21  # 1980-01-01: a fixed time, so equal layouts give 
 _PAD_ID: Final[int] = 0xD935  # the extra field zipalign pads with; readers skip unknown ids
 _CRC_AT_LOCAL: Final[int] = 14  # offset of the CRC-32 in a local header
 _CRC_AT_CENTRAL: Final[int] = 16  # ... and in a central directory header
+_NAME: Final = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +148,7 @@ class _Zip:
         encoded = name.encode("ascii")
         start = self.offset + _LOCAL.size + len(encoded)
         pad = -start % align
-        if 0 < pad < 4:  # an extra field is at least its 4-byte header
+        if 0 < pad <= 4:  # an extra field is its 4-byte header and (tensorstore: not empty) data
             pad += align
         extra = struct.pack("<HH", _PAD_ID, pad - 4) + bytes(pad - 4) if pad else b""
         header_at, tail = self.offset, self.parts[-1]
@@ -183,12 +189,13 @@ class _Zip:
 
 
 def bundle_layout(
-    arrays: Sequence[tuple[Shape, Any]],
+    arrays: Sequence[tuple[str, Shape, Any]],
     attributes: Sequence[Mapping[str, Any] | None] | None = None,
     group_attributes: Mapping[str, Any] | None = None,
 ) -> BundleLayout:
-    """The layout of a bundle of arrays of these ``(shape, dtype)``s, array ``i`` under ``<i>/``
-    with zarr ``attributes[i]`` (JSON-able), and the group's ``group_attributes``.
+    """The layout of a bundle of arrays given as ``(name, shape, dtype)``: array ``i`` at
+    ``<name>/`` in the group (a name of ``[A-Za-z0-9._-]``), with zarr ``attributes[i]``
+    (JSON-able), and the group's ``group_attributes``.
 
     A pure function of its arguments: make it once per layout, reuse it for every write and read.
 
@@ -200,8 +207,11 @@ def bundle_layout(
     attrs = list(attributes) if attributes is not None else [None] * len(arrays)
     if len(attrs) != len(arrays):
         raise ValueError(f"{len(attrs)} attribute maps for {len(arrays)} arrays")
-    shapes = [tuple(int(d) for d in shape) for shape, _ in arrays]
-    names = [zarr_dtype_name(numpy_dtype(dtype)) for _, dtype in arrays]
+    paths = [name for name, _, _ in arrays]
+    if len(set(paths)) != len(paths) or not all(_NAME.fullmatch(p) and p not in (".", "..") for p in paths):
+        raise ValueError(f"bundle array names must be distinct and of [A-Za-z0-9._-]: {paths[:8]}")
+    shapes = [tuple(int(d) for d in shape) for _, shape, _ in arrays]
+    names = [zarr_dtype_name(numpy_dtype(dtype)) for _, _, dtype in arrays]
     sizes = [int(np.prod(s, dtype=np.int64)) * numpy_dtype(n).itemsize for s, n in zip(shapes, names)]
     keys = [chunk_key(s) for s in shapes]
     entries = 1 + len(arrays) + sum(k is not None for k in keys)
@@ -210,8 +220,8 @@ def bundle_layout(
 
     z = _Zip()
     for name, payload in [("zarr.json", encode_group_metadata(group_attributes))] + [
-        (f"{i}/zarr.json", encode_zarr_metadata(shape, dtype, None, a))
-        for i, (shape, dtype, a) in enumerate(zip(shapes, names, attrs))
+        (f"{path}/zarr.json", encode_zarr_metadata(shape, dtype, None, a))
+        for path, shape, dtype, a in zip(paths, shapes, names, attrs)
     ]:
         z.entry(name, len(payload), crc32_bytes(payload))
         z.data(payload)
@@ -221,7 +231,7 @@ def bundle_layout(
     for i, key in enumerate(keys):
         if key is None:
             continue
-        local, central = z.entry(f"{i}/{key}", sizes[i], 0, align=BUNDLE_ALIGNMENT)
+        local, central = z.entry(f"{paths[i]}/{key}", sizes[i], 0, align=BUNDLE_ALIGNMENT)
         crc_spots.append((len(z.parts) - 1, local))
         central_spots.append(central)
         placed[i] = z.offset
@@ -297,14 +307,19 @@ def crc_checksum(crc: int) -> str:
     return f"crc32:{crc:08x}"
 
 
-def bundle_views(layout: BundleLayout, buffer: np.ndarray | memoryview) -> list[np.ndarray]:
-    """Array ``i`` of the bundle whose bytes are ``buffer`` (the whole file), as a view into it
-    (a fresh empty array for an empty one). The caller checks the bytes (:func:`check_bundle`)."""
+def bundle_views(arrays: Sequence[BundleArray], buffer: np.ndarray | memoryview) -> list[np.ndarray]:
+    """Each of ``arrays`` (a layout's ``arrays``, or as a manifest records them) of the bundle
+    whose bytes are ``buffer`` (the whole file), as a view into it (a fresh empty array for an
+    empty one). The caller checks the bytes (a whole-file checksum, or :func:`check_bundle`).
+
+    Raises:
+      CorruptDataError: an array that does not lie inside ``buffer``.
+    """
     raw = np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer.reshape(-1).view(np.uint8)
-    if raw.size != layout.nbytes:
-        raise CorruptDataError(f"a bundle of {raw.size:,} bytes where its layout has {layout.nbytes:,}")
     out = []
-    for where in layout.arrays:
+    for where in arrays:
+        if where.offset < 0 or where.offset + where.nbytes > raw.size:
+            raise CorruptDataError(f"an array at bytes {where.offset:,}+{where.nbytes:,} of a bundle of {raw.size:,}")
         dtype = numpy_dtype(where.dtype)
         if where.nbytes:
             out.append(raw[where.offset : where.offset + where.nbytes].view(dtype).reshape(where.shape))
@@ -314,12 +329,18 @@ def bundle_views(layout: BundleLayout, buffer: np.ndarray | memoryview) -> list[
 
 
 def check_bundle(
-    layout: BundleLayout, buffer: np.ndarray | memoryview, checksums: Sequence[str | None], *, what: str
+    layout: BundleLayout,
+    buffer: np.ndarray | memoryview,
+    checksums: Sequence[str | None],
+    *,
+    what: str,
+    names: Sequence[str] | None = None,
 ) -> None:
     """Checks every byte of a bundle read back: each array's bytes against its checksum
     (``checksums[i]``, from the caller's manifest; ``None`` skips that array), every other byte
     against the layout's headers with the arrays' CRC-32s in place (so plain zip readers, which
-    check those, read what this library reads).
+    check those, read what this library reads). ``names[i]`` names array ``i`` in messages
+    (default ``"array <i>"``).
 
     Raises:
       CorruptDataError: a mismatch, naming ``what`` and the array or the part of the file.
@@ -335,11 +356,12 @@ def check_bundle(
         crc = crc32_bytes(data)
         expected = checksums[i]
         if expected is not None:
-            algorithm, digest = parse_checksum(expected, what=f"{what}: array {i}")
+            label = f"{what}: {names[i] if names is not None else f'array {i}'}"
+            algorithm, digest = parse_checksum(expected, what=label)
             if algorithm != "crc32":
-                verify(data, expected, what=f"{what}: array {i}")
+                verify(data, expected, what=label)
             elif int(digest, 16) != crc:
-                raise CorruptDataError(f"{what}: array {i}: checksum mismatch (stored {expected}, computed {crc_checksum(crc)})")
+                raise CorruptDataError(f"{label}: checksum mismatch (stored {expected}, computed {crc_checksum(crc)})")
         crcs.append(crc)
     text = _patched(layout, crcs)
     at = 0

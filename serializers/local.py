@@ -521,14 +521,17 @@ def _overwrite_in_place(
     return True
 
 
-def _overwrite_file_in_place(chunk: str, view: memoryview, undo: _Undo, *, fsync: bool) -> bool:
-    """Writes ``view`` over the existing file ``chunk`` of exactly that size; ``False`` if there
-    is no such file (then nothing was written).
+def _overwrite_file_in_place(
+    chunk: str, data: memoryview | Sequence[memoryview | bytes], undo: _Undo, *, fsync: bool
+) -> bool:
+    """Writes ``data`` (one buffer, or buffers one after another) over the existing file
+    ``chunk`` of exactly that size; ``False`` if there is no such file (then nothing was written).
 
     Raises:
       CorruptDataError: ``chunk`` is a symbolic link, a folder, a FIFO or anything but a regular
         file (a recycled folder is never written through a link planted in it).
     """
+    parts = [data] if isinstance(data, memoryview) else [memoryview(b) for b in data]
     try:
         fd = os.open(chunk, os.O_WRONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
@@ -539,11 +542,10 @@ def _overwrite_file_in_place(chunk: str, view: memoryview, undo: _Undo, *, fsync
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(chunk, st, "write")
-        if st.st_size != view.nbytes or st.st_nlink > 1:  # a hard link: replaced, not written into
+        if st.st_size != sum(v.nbytes for v in parts) or st.st_nlink > 1:  # a hard link: replaced, not written into
             return False
         undo.add_file(chunk, new_name=False)  # removed if the write fails
-        while view.nbytes:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, parts, chunk)
         if fsync:
             sync_data(fd)
             undo.add_synced(chunk)
@@ -582,12 +584,25 @@ def _call(task: Callable[[], None]) -> None:
     task()
 
 
-def _write_small_file(root: str, path: str, data: bytes, undo: _Undo, *, fsync: bool, temporary: bool) -> None:
-    """Writes ``data`` as the file ``path`` (its folder made by the caller); overwriting one
-    that is there changes no folder's entries, nor does a ``temporary`` one (its caller renames
-    it and syncs the folder then)."""
+def _write_small_file(
+    root: str,
+    path: str,
+    data: bytes | Sequence[memoryview | bytes],
+    undo: _Undo,
+    *,
+    fsync: bool,
+    temporary: bool,
+    reuse: bool = False,
+) -> None:
+    """Writes ``data`` (bytes, or buffers one after another: a bundle) as the file ``path`` (its
+    folder made by the caller); overwriting one that is there changes no folder's entries, nor
+    does a ``temporary`` one (its caller renames it and syncs the folder then). With ``reuse``, a
+    file of exactly this size there (a recycled folder's) is overwritten in place."""
     p = os.path.join(root, *path.split("/"))
-    _write_file(p, memoryview(data), undo, fsync=fsync, new_name=not temporary and not _is_regular(p))
+    view = memoryview(data) if isinstance(data, bytes | bytearray | memoryview) else data
+    if reuse and _overwrite_file_in_place(p, view, undo, fsync=fsync):
+        return
+    _write_file(p, view, undo, fsync=fsync, new_name=not temporary and not _is_regular(p))
 
 
 def _write_one_local(
@@ -628,7 +643,7 @@ def write_arrays_local(
     reuse: bool = False,
     write_metadata: bool = True,
     attributes: Mapping[str, Mapping[str, Any]] | None = None,
-    files: Mapping[str, bytes] | None = None,
+    files: Mapping[str, bytes | Sequence[memoryview | bytes]] | None = None,
     keep_metadata: bool = False,
     sync_folders: Sequence[str] = (),
     temporaries: Mapping[str, bytes] | None = None,
@@ -660,9 +675,11 @@ def write_arrays_local(
         ``fsync``): ones the caller renamed something into.
       temporaries: like ``files``, for files the caller renames into place itself
         (and then syncs that folder): their own folder is not synced here.
-      files: relative file path -> bytes of other small files written with the
-        arrays (a group's ``zarr.json``), created or overwritten where they are (not
-        atomically: for files that commit nothing), fsynced alike.
+      files: relative file path -> bytes of other files written with the arrays (a
+        group's ``zarr.json``), or a sequence of buffers written one after another (a
+        bundle, :mod:`serializers.bundle`), created or overwritten where they are (not
+        atomically: for files that commit nothing; with ``reuse``, a file of the same size
+        is overwritten in place), fsynced alike.
 
     A value may be a :class:`ChunkedArray`: its chunks are written as files
     ``c.i.j`` (in parallel with everything else), then its ``zarr.json``; the
@@ -703,8 +720,10 @@ def write_arrays_local(
             for p, a in chunked
             for key, view in _disk_chunks(a)
         ]
-        tasks += [  # other small files (a group's zarr.json), overwritten where they are
-            functools.partial(_write_small_file, root, p, data, undo, fsync=fsync, temporary=p in (temporaries or {}))
+        tasks += [  # other files (a group's zarr.json, a bundle), overwritten where they are
+            functools.partial(
+                _write_small_file, root, p, data, undo, fsync=fsync, temporary=p in (temporaries or {}), reuse=reuse
+            )
             for p, data in others.items()
         ]
         # Overwriting recycled files without fsync only copies into the page cache: handing that
@@ -1037,7 +1056,8 @@ def read_file_exact_local(
         ``checksum``; the message names ``what`` (default: the path) and the file.
     """
     _check_relpath(path)
-    p = check_folders_local(root, path.split("/"))
+    *folders, name = path.split("/")
+    p = os.path.join(check_folders_local(root, folders), name)  # the file: opened O_NOFOLLOW
     label = what or f"file {path!r}"
     verifier = Verifier(checksum, what=label) if checksum is not None else None
     return _read_chunk_file(p, (int(nbytes),), np.dtype(np.uint8), label, verifier, empty)

@@ -65,8 +65,9 @@ __all__ = [
     "MAX_CHUNKS_PER_ARRAY",
 ]
 
-FORMAT_VERSION: Final[int] = 3
-"""The manifest version this library writes, and the newest it reads."""
+FORMAT_VERSION: Final[int] = 4
+"""The manifest version this library writes, and the newest it reads. Version 4 adds bundles
+(a context's own arrays in one file: the context's ``bundle`` and its records' ``offset``)."""
 
 CONTEXT_FORMAT: Final[str] = "residual-store/context"
 BACKWARD_FORMAT: Final[str] = "residual-store/backward"
@@ -144,8 +145,12 @@ ARRAY_RECORD_FIELDS: Final[tuple[Field, ...]] = (
     Field("shared", "bool"),
     Field("chunk_shape", "shape", required=False),
     Field("chunk_checksums", "chunk_checksums", required=False),
+    Field("offset", "uint", required=False),
 )
 """The fields of one entry of a context manifest's ``"arrays"`` list.
+
+``offset`` (version 4 on) is present only for an array in its context's bundle: where its bytes
+start in the bundle file (see :mod:`serializers.bundle`).
 
 ``chunk_shape`` and ``chunk_checksums`` are present together, only for an array stored on a
 grid of several chunks (see :class:`ArrayRecord`); records without them are single-chunk
@@ -349,6 +354,8 @@ class ArrayRecord:
       chunk_checksums: with ``chunk_shape``: ``(chunk index, checksum)`` for every chunk of
         the grid, in C order of the index; ``checksum`` is then
         :func:`chunked_checksum` of them.
+      offset: for an array in its context's bundle, where its bytes start in the bundle file;
+        ``None`` for an array in a folder of its own.
     """
 
     name: str
@@ -361,6 +368,7 @@ class ArrayRecord:
     shared: bool = False
     chunk_shape: tuple[int, ...] | None = None
     chunk_checksums: tuple[tuple[tuple[int, ...], str], ...] | None = None
+    offset: int | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -391,7 +399,14 @@ class ArrayRecord:
         """Whether the array is stored as a grid of chunks (``chunk_shape`` is set)."""
         return self.chunk_shape is not None
 
+    @property
+    def bundled(self) -> bool:
+        """Whether the array lies in its context's bundle (``offset`` is set)."""
+        return self.offset is not None
+
     def _check_chunks(self) -> None:
+        if self.offset is not None and (self.chunk_shape is not None or self.shared):
+            raise _Invalid("field 'offset' is only for a context's own single-chunk arrays")
         if (self.chunk_shape is None) != (self.chunk_checksums is None):
             raise _Invalid("'chunk_shape' and 'chunk_checksums' must be given together")
         if self.chunk_shape is None or self.chunk_checksums is None:
@@ -427,6 +442,8 @@ class ArrayRecord:
         if self.chunk_shape is not None:  # absent for single-chunk arrays: same bytes as before
             out["chunk_shape"] = list(self.chunk_shape)
             out["chunk_checksums"] = [[list(idx), cs] for idx, cs in self.chunk_checksums or ()]
+        if self.offset is not None:  # absent for an array of its own: same bytes as before
+            out["offset"] = self.offset
         return out
 
     @classmethod

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -167,6 +168,19 @@ def tree_files(root: str | os.PathLike[str]) -> dict[str, int]:
 
 def disk_usage(root: str | os.PathLike[str]) -> int:
     return sum(tree_files(root).values())
+
+
+def open_stored_array(root: str | os.PathLike[str], manifest: Mapping[str, Any], i: int) -> Any:
+    """Residual ``i`` of a context (its manifest decoded with plain msgpack) as a plain
+    ``zarr.Array``: from the context's bundle (a zarr group in one zip) or its own folder."""
+    import zarr
+    from zarr.storage import ZipStore
+
+    record = manifest["arrays"][i]
+    if "offset" in record:
+        group = zarr.open_group(ZipStore(os.path.join(root, manifest["bundle"]["path"]), mode="r"), mode="r")
+        return group[record["path"].rsplit("/", 1)[1]]
+    return zarr.open_array(store=os.path.join(root, record["path"]), mode="r")
 
 
 def read_manifest(root: str | os.PathLike[str], key: str) -> dict[str, Any]:

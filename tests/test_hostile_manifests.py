@@ -49,14 +49,30 @@ def split():
     return rs.split(_loss, argnums=(0, 1), weight_argnums=0)
 
 
-@pytest.fixture
-def stored(tmp_path: Path, split) -> tuple[Path, dict[str, Any]]:
+def _stored(tmp_path: Path, split) -> tuple[Path, dict[str, Any]]:
     """A store holding contexts ``a`` and ``b`` (and a stored backward of their signature)."""
     root = tmp_path / "store"
     ctxs = {k: split(*_inputs(seed))[1] for k, seed in (("a", 1), ("b", 2))}
     with rs.Store(root) as store:
         for k, ctx in ctxs.items():
             store.put(ctx, k)
+    return root, ctxs
+
+
+@pytest.fixture
+def stored(tmp_path: Path, split) -> tuple[Path, dict[str, Any]]:
+    return _stored(tmp_path, split)
+
+
+@pytest.fixture
+def stored_in_folders(tmp_path: Path, split, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any]]:
+    """``stored``, each own residual in a folder of its own (no bundle: what the manifests of
+    versions 1 to 3 describe), so that a manifest relabelled as an older version is one."""
+    from residual_store.store import layout
+
+    monkeypatch.setattr(layout, "_BUNDLE_CAP", -1)  # no residual fits a bundle
+    root, ctxs = _stored(tmp_path, split)
+    assert "bundle" not in read_manifest(root, "a")
     return root, ctxs
 
 
@@ -109,7 +125,7 @@ def test_a_flipped_bit_anywhere_in_a_context_manifest_is_corruption_and_gc_keeps
     path = _path(root, "a")
     good = path.read_bytes()
     m = read_manifest(root, "a")
-    assert m["version"] == 3 and list(m)[-1] == SELF_CHECKSUM_FIELD
+    assert m["version"] == 4 and list(m)[-1] == SELF_CHECKSUM_FIELD
     before = tree_files(root)
     # 200 random offsets, and every byte of the fields whose damage used to be trusted
     rnd = random.Random(11)
@@ -345,8 +361,8 @@ def _unsealed(m: dict[str, Any], version: int) -> bytes:
     return msgpack.packb(m, use_bin_type=True)
 
 
-def test_version_2_manifests_still_read_and_are_cross_checked(stored):
-    root, ctxs = stored
+def test_version_2_manifests_still_read_and_are_cross_checked(stored_in_folders):
+    root, ctxs = stored_in_folders
     a, b = read_manifest(root, "a"), read_manifest(root, "b")
     _replace(_path(root, "a"), _unsealed(a, 2))
     with rs.Store(root, read_only=True) as store:
@@ -377,10 +393,10 @@ def test_version_2_manifests_still_read_and_are_cross_checked(stored):
         assert_contexts_identical(store.get("b"), ctxs["b"])
 
 
-def test_version_1_manifests_still_read(stored):
+def test_version_1_manifests_still_read(stored_in_folders):
     """A residual-store 0.1 manifest: rs1- signature, no call record, every primal input stored
     once and called "input"."""
-    root, ctxs = stored
+    root, ctxs = stored_in_folders
     m = read_manifest(root, "a")
     m["signature"] = "rs1-" + m["signature"][4:]
     m["spec"].pop("call")

@@ -54,7 +54,7 @@ def _attrs(arrays: list[np.ndarray]) -> list[dict]:
 
 
 def _bundle(arrays: list[np.ndarray]):
-    layout = bundle_layout([(a.shape, a.dtype) for a in arrays], _attrs(arrays), {"key": "k", "arrays": len(arrays)})
+    layout = bundle_layout([(str(i), a.shape, a.dtype) for i, a in enumerate(arrays)], _attrs(arrays), {"key": "k", "arrays": len(arrays)})
     parts, crcs = bundle_parts(layout, arrays)
     sums = [crc_checksum(c) if w.nbytes else None for c, w in zip(crcs, layout.arrays)]
     return layout, parts, sums
@@ -68,7 +68,7 @@ def test_round_trip_through_a_folder_is_bitwise_and_aligned(tmp_path: Path) -> N
     assert os.path.getsize(tmp_path / "data/k.0123/bundle.zip") == layout.nbytes
     buf = read_file_exact_local(tmp_path, "data/k.0123/bundle.zip", layout.nbytes, checksum=whole)
     check_bundle(layout, buf, sums, what="k")
-    views = bundle_views(layout, buf)
+    views = bundle_views(layout.arrays, buf)
     for a, v in zip(arrays, views):
         assert v.dtype == a.dtype and v.shape == a.shape
         assert v.tobytes() == a.tobytes()
@@ -87,7 +87,9 @@ def test_a_layout_is_a_pure_function_and_equal_arrays_give_equal_bytes() -> None
 
 
 def test_plain_zarr_and_tensorstore_read_every_array_by_name(tmp_path: Path) -> None:
-    arrays = _mixed(np.random.default_rng())
+    rng = np.random.default_rng()
+    # and byte arrays of every length up to 70: every padding an entry can need, before its data
+    arrays = _mixed(rng) + [rng.integers(0, 255, (n,), dtype=np.uint8) for n in range(1, 71)]
     layout, parts, _ = _bundle(arrays)
     write_file_local(tmp_path, "b.zip", parts)
     assert zipfile.ZipFile(tmp_path / "b.zip").testzip() is None  # every entry's CRC-32 holds
@@ -202,15 +204,15 @@ def test_a_thousand_residuals_and_the_entry_limit() -> None:
     layout, parts, sums = _bundle(arrays)
     buf = np.frombuffer(b"".join(map(bytes, parts)), np.uint8)
     check_bundle(layout, buf, sums, what="k")
-    assert all(v.tobytes() == a.tobytes() for v, a in zip(bundle_views(layout, buf), arrays))
+    assert all(v.tobytes() == a.tobytes() for v, a in zip(bundle_views(layout.arrays, buf), arrays))
     many = (MAX_BUNDLE_ENTRIES // 2) + 1
     with pytest.raises(ValueError, match="zip entries"):
-        bundle_layout([((1,), np.float32)] * many)
+        bundle_layout([(str(i), (1,), np.float32) for i in range(many)])
 
 
 def test_arrays_that_are_not_the_layouts_are_refused() -> None:
     arrays = [np.zeros((2, 3), np.float32)]
-    layout = bundle_layout([((2, 3), np.float32)])
+    layout = bundle_layout([("0", (2, 3), np.float32)])
     with pytest.raises(ValueError, match="bundle layout has float32"):
         bundle_parts(layout, [np.zeros((3, 2), np.float32)])
     with pytest.raises(ValueError, match="bundle layout has float32"):

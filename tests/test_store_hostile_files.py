@@ -45,7 +45,7 @@ MAX_TRACED_BYTES = 200 << 20
 SPARSE_BYTES = 4 << 30
 
 HAZARDS = ["fifo", "folder", "link_loop", "dev_zero", "sparse_4gib"]
-FILE_KINDS = ["manifest", "marker", "chunk", "zarr_json", "weight_chunk", "backward_export", "backward_manifest"]
+FILE_KINDS = ["manifest", "marker", "bundle", "zarr_json", "weight_chunk", "backward_export", "backward_manifest"]
 
 
 @pytest.fixture(scope="module")
@@ -133,15 +133,14 @@ class Stored:
         with rs.Store(root) as store:
             store.put(self.ctx, "k")
         m = read_manifest(root, "k")
-        own = next(r for r in m["arrays"] if not r["shared"] and np.prod(r["shape"]) > 0)
         weight = next(r for r in m["arrays"] if r["shared"] and np.prod(r["shape"]) > 0)
         (self.sig,) = [n[: -len(".manifest")] for n in os.listdir(root / "backwards") if n.endswith(".manifest")]
         self.data_dir = root / m["data_dir"]
         self.files = {
             "manifest": root / "contexts" / "k.manifest",
             "marker": root / "residual-store.json",
-            "chunk": root / own["path"] / ("c" + ".0" * len(own["shape"])),
-            "zarr_json": root / own["path"] / "zarr.json",
+            "bundle": root / m["bundle"]["path"],  # every own residual of the context
+            "zarr_json": root / weight["path"] / "zarr.json",  # for plain zarr; the store's reads skip it
             "weight_chunk": root / weight["path"] / ("c" + ".0" * len(weight["shape"])),
             "backward_export": root / "backwards" / f"{self.sig}.export",
             "backward_manifest": root / "backwards" / f"{self.sig}.manifest",
@@ -173,7 +172,7 @@ def test_a_hostile_file_gives_a_library_error_quickly(stored, kind, hazard, caps
         err = _refused(lambda: rs.Store(root))
         assert "residual-store.json" in str(err)
         _refused(lambda: rs.Store(root, read_only=True))
-    elif kind in ("manifest", "chunk", "weight_chunk"):
+    elif kind in ("manifest", "bundle", "weight_chunk"):
         err = _refused(get)
         assert "'k'" in str(err) or "k.manifest" in str(err), str(err)
     elif kind == "zarr_json":
@@ -394,7 +393,7 @@ def _recycled_folder(root: Path, store: rs.Store, split, params) -> Path:
     return recycled
 
 
-@pytest.mark.parametrize("what", ["chunk", "array_folder", "folder", "hard_link"])
+@pytest.mark.parametrize("what", ["bundle", "group_metadata", "folder", "hard_link"])
 def test_a_link_in_a_recycled_folder_is_never_written_through(tmp_path, split, params, what):
     """A symbolic link is never written through: the put that claims the tampered folder puts
     it aside (the link itself unlinked, never its target) and writes a fresh folder, so its
@@ -403,17 +402,13 @@ def test_a_link_in_a_recycled_folder_is_never_written_through(tmp_path, split, p
     root, outside = tmp_path / "store", Outside(tmp_path / "outside")
     with rs.Store(root) as store:
         recycled = _recycled_folder(root, store, split, params)
-        arrays = sorted(p for p in recycled.iterdir() if (p / "zarr.json").exists())
-        folder = next(p for p in arrays if any(c.name.startswith("c") for c in p.iterdir()))
-        chunk = next(c for c in folder.iterdir() if c.name.startswith("c"))
-        if what in ("chunk", "hard_link"):  # the chunk's size, so an in-place write would take it
-            (outside.path / "victim").write_bytes(b"\0" * chunk.stat().st_size)
-            chunk.unlink()
-            (os.symlink if what == "chunk" else os.link)(outside.path / "victim", chunk)
-        elif what == "array_folder":
-            target = outside.copy_in(folder, "array")
-            shutil.rmtree(folder)
-            os.symlink(target, folder)
+        assert sorted(p.name for p in recycled.iterdir()) == ["bundle.zip", "zarr.json"]
+        if what in ("bundle", "group_metadata", "hard_link"):  # of the file's size, so an
+            # in-place write of the same layout would take it
+            planted = recycled / ("zarr.json" if what == "group_metadata" else "bundle.zip")
+            (outside.path / "victim").write_bytes(b"\0" * planted.stat().st_size)
+            planted.unlink()
+            (os.link if what == "hard_link" else os.symlink)(outside.path / "victim", planted)
         else:
             target = outside.copy_in(recycled, "recycled")
             shutil.rmtree(recycled)

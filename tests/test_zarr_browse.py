@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ _BROWSE = textwrap.dedent(
     """
     import json, sys
     import numpy as np, zarr
+    from zarr.storage import ZipStore
     assert not any(m.split(".")[0] in ("serializers", "residual_store", "jax") for m in sys.modules)
     root = zarr.open_group(sys.argv[1], mode="r")
     out = {"root": dict(root.attrs), "contexts": {}}
@@ -49,7 +51,11 @@ _BROWSE = textwrap.dedent(
         assert name.startswith(info["key"] + ".")
         arrays = []
         for entry in info["arrays"]:
-            a = root[entry["path"]]
+            if "bundle" in entry:  # the context's own arrays: a zarr group in one zip file
+                bundle = zarr.open_group(ZipStore(sys.argv[1] + "/" + entry["bundle"], mode="r"), mode="r")
+                a = bundle[entry["in_bundle"]]
+            else:
+                a = root[entry["path"]]
             arrays.append([entry["path"], entry["name"], entry["kind"], list(a.shape),
                            np.asarray(a[...], dtype=np.float64).ravel().tolist(), dict(a.attrs)])
         out["contexts"][info["key"]] = {"signature": info["signature"], "manifest": info["manifest"],
@@ -112,12 +118,16 @@ def _files(root):
     return sorted((str(p.relative_to(root)), p.read_bytes()) for p in root.rglob("*") if p.is_file())
 
 
-def test_a_version_1_store_is_read_and_upgraded_by_its_first_write(tmp_path, split):
+def test_a_version_1_store_is_read_and_upgraded_by_its_first_write(tmp_path, split, monkeypatch):
+    from residual_store.store import layout
+
     root = tmp_path / "store"
     params, x = _inputs(7)
     _, ctx = split(params, x)
-    with rs.Store(root) as store:
-        store.put(ctx, "old")
+    with monkeypatch.context() as m:  # version 1 had no bundles: a folder per residual
+        m.setattr(layout, "_BUNDLE_CAP", -1)
+        with rs.Store(root) as store:
+            store.put(ctx, "old")
     _make_version_1(root)
     before = _files(root)
     expected = jax.grad(_loss, argnums=(0, 1))(params, x)
@@ -165,10 +175,12 @@ def test_a_recycled_folder_keeps_no_attributes_of_another_function(tmp_path):
         store.put(ctx, "b")
     names = set()
     for dirpath, _, files in os.walk(root / "data"):
-        if "zarr.json" in files and ".free" not in dirpath:
-            meta = json.loads(open(os.path.join(dirpath, "zarr.json"), "rb").read())
-            if meta["node_type"] == "array":
-                names.add(meta["attributes"]["residual_store"]["name"])
+        if "bundle.zip" in files and ".free" not in dirpath:  # the arrays' zarr.json are in it
+            with zipfile.ZipFile(os.path.join(dirpath, "bundle.zip")) as bundle:
+                for entry in bundle.namelist():
+                    meta = json.loads(bundle.read(entry)) if entry.endswith("/zarr.json") else None
+                    if meta is not None and meta["node_type"] == "array":
+                        names.add(meta["attributes"]["residual_store"]["name"])
     _, old = rs.split(first)(w, x)
     assert set(old.spec.names) != set(ctx.spec.names)  # the same layout but for the names
     assert names == set(ctx.spec.names)

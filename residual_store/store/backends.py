@@ -30,6 +30,7 @@ from serializers.local import (
     check_array_metadata_local,
     check_folders_local,
     fsync_folder_local,
+    read_file_exact_local,
     read_file_local,
     sync_data,
 )
@@ -97,6 +98,9 @@ class Backend(Protocol):
     def read_chunk(
         self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
     ) -> np.ndarray: ...
+    def read_file(
+        self, key: str, nbytes: int, *, checksum: str | None = None, empty: Empty | None = None
+    ) -> np.ndarray: ...  # a file of exactly nbytes (a bundle), as aligned uint8
     def array_exists(self, path: str) -> bool: ...
     def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None: ...
     def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes | None: ...
@@ -280,6 +284,15 @@ class _LocalBackend:
         on the way examined once."""
         return serializers.read_arrays_local(
             self.root, arrays, check_metadata=False, empty=empty or serializers.aligned_empty
+        )
+
+    def read_file(
+        self, key: str, nbytes: int, *, checksum: str | None = None, empty: Empty | None = None
+    ) -> np.ndarray:
+        """The file ``key`` of exactly ``nbytes`` bytes, in one read, verified against the
+        whole file's ``checksum`` as it lands."""
+        return read_file_exact_local(
+            self.root, key, nbytes, checksum=checksum, what=f"file {key!r}", empty=empty or serializers.aligned_empty
         )
 
     def read_chunk(
@@ -595,8 +608,8 @@ class _KvBackend:
             self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes,
             fresh=fresh, timeout=self.timeout,
         )
-        for key, data in (files or {}).items():
-            self.put_bytes(key, data, fsync=fsync)
+        for key, data in (files or {}).items():  # a bundle's parts go out as one object
+            self.put_bytes(key, data if isinstance(data, bytes) else b"".join(data), fsync=fsync)
 
     def rename(self, src: str, dst: str) -> bool:
         return False  # kvstores have no atomic rename of a prefix
@@ -638,6 +651,25 @@ class _KvBackend:
         return serializers.read_raw(
             self.kv, path, shape, dtype, chunk_shape=chunk_shape, chunk_index=index, timeout=self.timeout
         )
+
+    @_requests
+    def read_file(
+        self, key: str, nbytes: int, *, checksum: str | None = None, empty: Empty | None = None
+    ) -> np.ndarray:
+        """The object ``key`` of exactly ``nbytes`` bytes (one request), verified against its
+        ``checksum``."""
+        result = self._wait(self.kv.read(key), f"reading {key}")
+        what = f"file {key!r}"
+        if result.state != "value":
+            raise serializers.CorruptDataError(f"{what} is missing")
+        if len(result.value) != nbytes:
+            kind = "truncated" if len(result.value) < nbytes else "too long"
+            raise serializers.CorruptDataError(f"{what} is {kind}: {len(result.value)} bytes, expected {nbytes}")
+        out = (empty or serializers.aligned_empty)((nbytes,), np.dtype(np.uint8))
+        out[:] = np.frombuffer(result.value, dtype=np.uint8)
+        if checksum is not None:
+            serializers.verify(out, checksum, what=what)
+        return out
 
     @_requests
     def check_metadata(

@@ -283,7 +283,9 @@ class CollectiveCommitter:
         full = False
         try:
             self.backend.write_arrays(
-                share.mine, fsync=fsync, write_metadata=False, attributes=_of(plan.attributes, share.mine)
+                share.mine, fsync=fsync, write_metadata=False, attributes=_of(plan.attributes, share.mine),
+                # process 0 writes the bundle of the whole own arrays; the group's zarr.json at the commit
+                files={plan.bundle.ref.path: plan.bundle.parts} if lead and plan.bundle is not None else None,
             )
             self.backend.write_shared_arrays(share.mine_shared, fsync=fsync, write_metadata=False)
         except Exception as err:  # noqa: BLE001 - every process must learn of it

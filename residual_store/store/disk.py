@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import serializers
+from serializers import bundle as bundles
 from residual_store.context import ResidualSpec
 from residual_store.errors import (
     ContextNotFoundError,
@@ -73,6 +74,16 @@ _REQUEST_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-
 _PARALLEL_READ_BYTES = 16 << 20  # a context this large is read two arrays at a time
 _SMALL_READ_BYTES = 64 << 10  # what one more file costs to open and read, counted as bytes
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
+
+
+def _bundle_arrays(stored: StoredContext, indices: Sequence[int]) -> list[bundles.BundleArray]:
+    """Where the manifest says each of these bundled residuals lies in the bundle."""
+    out = []
+    for i in indices:
+        r = stored.records[i]
+        assert r.offset is not None
+        out.append(bundles.BundleArray(r.shape, r.dtype, r.offset, r.nbytes))
+    return out
 
 
 def is_disk_full(err: BaseException) -> bool:
@@ -281,7 +292,7 @@ class DiskTier:
         (``reuse``), else into a fresh one."""
         self.backend.write_arrays(
             plan.own, fsync=fsync, reuse=reuse, keep_metadata=reuse, attributes=plan.attributes,
-            files={layout.group_metadata_path(plan.data_dir): plan.group},
+            files=plan.files,  # the group's zarr.json and the bundle
             temporaries={staged: plan.manifest} if staged is not None else None,
             # a recycled folder's new name must survive with the commit
             sync_folders=(layout.DATA,) if reuse else (),
@@ -465,6 +476,9 @@ class DiskTier:
             sharding = stored.sharding(i)
             placement = self._placement(key, i, record, sharding) if place and sharding else None
             placements.append(placement)
+            if record.bundled:  # read with the whole bundle below
+                by_shard.append(False)
+                continue
             if record.shared and not record.chunked and sharding is None and record.path in skip:
                 by_shard.append(False)
                 continue
@@ -494,6 +508,9 @@ class DiskTier:
         pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
         for (i, idx, _), x in zip(tasks, results):
             pieces.setdefault(i, {})[idx] = x
+        if stored.bundle is not None:
+            for i, x in self._read_bundle(key, stored).items():
+                pieces[i] = {None: x}
         out: HostArrays = []
         for i, record in enumerate(stored.records):
             got, placement, sharding = pieces.get(i, {}), placements[i], stored.sharding(i)
@@ -583,6 +600,53 @@ class DiskTier:
         except StoreUnavailableError:
             raise  # no answer is no damage
         except (OSError, ValueError) as err:
+            raise CorruptContextError(f"{what}: unreadable ({err})") from err
+
+    def _read_bundle(self, key: str, stored: StoredContext) -> dict[int, np.ndarray]:
+        """The bundled residuals of ``key``, as views into one buffer: the bundle read in one
+        call and checked against its whole-file checksum as it lands (no work per residual but
+        its view). On a mismatch the file is checked residual by residual, so that the error
+        names the damaged one."""
+        ref = stored.bundle
+        assert ref is not None
+        what = f"context {key!r}, bundle {ref.path}"
+        try:
+            buffer = self.backend.read_file(ref.path, ref.nbytes, checksum=ref.checksum, empty=self._empty)
+        except serializers.CorruptDataError as err:
+            if "checksum mismatch" not in str(err):
+                raise CorruptContextError(f"{what}: {err}") from err
+            try:  # which part: a residual (named), or the headers
+                self.check_bundle(key, stored, self.backend.read_file(ref.path, ref.nbytes))
+            except CorruptContextError as found:
+                raise CorruptContextError(f"{found} (the whole {err})") from err
+            raise CorruptContextError(f"{what}: {err}") from err
+        except OSError as err:
+            raise CorruptContextError(f"{what}: unreadable ({err})") from err
+        indices = [i for i, r in enumerate(stored.records) if r.bundled]
+        return dict(zip(indices, bundles.bundle_views(_bundle_arrays(stored, indices), buffer)))
+
+    def check_bundle(self, key: str, stored: StoredContext, buffer: np.ndarray | None = None) -> None:
+        """Checks every byte of ``key``'s bundle (read here unless given): each residual's bytes
+        against its checksum, every other byte against the headers its writer wrote (which plain
+        zip readers check): :class:`CorruptContextError` naming the residual or the headers."""
+        ref = stored.bundle
+        if ref is None:
+            return
+        indices = [i for i, r in enumerate(stored.records) if r.bundled]
+        records = [stored.records[i] for i in indices]
+        what = f"context {key!r}, bundle {ref.path}"
+        try:
+            if buffer is None:
+                buffer = self.backend.read_file(ref.path, ref.nbytes)
+            bundle_layout = layout.bundle_layout_of(stored.spec, [(i, r.shape, r.dtype) for i, r in zip(indices, records)])
+            if tuple(a.offset for a in bundle_layout.arrays) != tuple(r.offset for r in records):
+                raise serializers.CorruptDataError("its arrays' offsets are not where this layout puts them")
+            sums = [r.checksum if r.nbytes else None for r in records]
+            names = [f"residual {i} ({r.name})" for i, r in zip(indices, records)]
+            bundles.check_bundle(bundle_layout, buffer, sums, what=what, names=names)
+        except serializers.CorruptDataError as err:
+            raise CorruptContextError(str(err) if str(err).startswith(what) else f"{what}: {err}") from err
+        except OSError as err:
             raise CorruptContextError(f"{what}: unreadable ({err})") from err
 
     def keys(self) -> list[str]:

@@ -8,7 +8,10 @@ Every path of the layout is spelled here and nowhere else::
     data/zarr.json                       zarr v3 group of the contexts' own data
     data/<key>.<write id>/zarr.json      zarr v3 group of one write (attributes: key, signature,
                                          and every array of the context, weights included)
-    data/<key>.<write id>/<i>/           zarr v3 array: residual <i>, the context's own
+    data/<key>.<write id>/bundle.zip     the bundle: a zarr v3 group in one zip holding the
+                                         context's own single-chunk arrays, <i>/ for residual <i>
+    data/<key>.<write id>/<i>/           zarr v3 array: residual <i>, the context's own, when not
+                                         in the bundle (a sharded one, or one past its limits)
     data/.free/<layout>.<id>/            a replaced context's data folder, kept for reuse
     data/.trash/<id>/                    a folder gc took, being removed
     weights/zarr.json                    zarr v3 group of the shared arrays
@@ -38,10 +41,12 @@ import numpy as np
 import xxhash
 
 import serializers
+from serializers import bundle as bundles
+from serializers.checksums import checksum_parts
 from residual_store.context import SHARED_KINDS, ResidualSpec
 from residual_store.errors import ResidualStoreError
 from residual_store.store.host import HostArrays, ShardedHost
-from residual_store.store.records import StoredContext, spec_to_map
+from residual_store.store.records import BundleRef, StoredContext, spec_to_map
 
 __all__ = [
     "BACKWARDS",
@@ -56,10 +61,13 @@ __all__ = [
     "TRASH_DIR",
     "WEIGHTS",
     "ArrayWrite",
+    "BundleWrite",
     "ChunkSums",
     "StaleData",
     "WritePlan",
     "backward_paths",
+    "bundle_layout_of",
+    "bundle_path",
     "chunk_sums",
     "chunked_digest_of",
     "data_dir",
@@ -112,6 +120,16 @@ def data_dir(key: str, write_id: str) -> str:
 
 def own_array_path(folder: str, i: int) -> str:
     return f"{folder}/{i}"
+
+
+def bundle_path(folder: str) -> str:
+    """A write's bundle: its own single-chunk arrays in one file (:mod:`serializers.bundle`)."""
+    return f"{folder}/{bundles.BUNDLE_FILE}"
+
+
+def _in_bundle_name(i: int) -> str:
+    """What the layout digest calls residual ``i`` in the bundle (never a folder's name)."""
+    return f"{bundles.BUNDLE_FILE}/{i}"
 
 
 def weight_path(digest: str) -> str:
@@ -195,7 +213,7 @@ def data_of(stored: StoredContext) -> StaleData:
     """The data folder of a committed context and its layout (see :func:`layout_digest`)."""
     prefix = stored.data_dir + "/"
     return StaleData(stored.data_dir, layout_digest(stored.spec, (
-        (i, r.path[len(prefix):], r.shape, r.dtype, r.chunk_shape)
+        (i, _in_bundle_name(i) if r.bundled else r.path[len(prefix):], r.shape, r.dtype, r.chunk_shape)
         for i, r in enumerate(stored.records)
         if r.path.startswith(prefix)
     )))
@@ -250,6 +268,57 @@ class ArrayWrite:
 
 
 @dataclasses.dataclass(frozen=True)
+class BundleWrite:
+    """A write's bundle: the file at ``ref.path`` written from ``parts`` one after another (its
+    headers and its arrays' own buffers), ``ref`` what the manifest says of it."""
+
+    ref: BundleRef
+    parts: tuple[memoryview | bytes, ...]
+
+
+_BUNDLE_CAP = 1 << 31
+"""Bytes of arrays one bundle takes at most (a classic zip holds 4 GiB): the rest keep folders."""
+
+
+def _bundled(spec: ResidualSpec, arrays: HostArrays) -> list[int]:
+    """The residuals that go into the write's bundle: the context's own whole arrays, in order,
+    as long as the bundle stays within a classic zip's limits."""
+    out: list[int] = []
+    entries, nbytes = 1, 0
+    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+        if kind in SHARED_KINDS or (isinstance(x, ShardedHost) and x.chunk_shape is not None):
+            continue
+        size = int(x.nbytes)
+        if entries + 2 > bundles.MAX_BUNDLE_ENTRIES or nbytes + size > _BUNDLE_CAP:
+            break
+        out.append(i)
+        entries, nbytes = entries + 2, nbytes + size
+    return out
+
+
+def bundle_layout_of(spec: ResidualSpec, arrays: Sequence[tuple[int, tuple[int, ...], str]]) -> bundles.BundleLayout:
+    """The bundle layout of ``spec``'s residuals given as ``(index, shape, zarr dtype)``: each at
+    ``<i>/`` with the attributes its own folder would have, the group's naming the signature.
+    A pure function of its arguments, remembered per spec (every write of one signature has the
+    same layout), so a reader (``verify``) rebuilds exactly what the writer wrote."""
+    own = tuple((int(i), tuple(int(d) for d in shape), str(dtype)) for i, shape, dtype in arrays)
+    try:
+        return _bundle_layout_of(spec, own)
+    except TypeError:  # a spec holding an unhashable value
+        return _bundle_layout_of.__wrapped__(spec, own)
+
+
+@functools.lru_cache(maxsize=32)
+def _bundle_layout_of(spec: ResidualSpec, own: tuple[tuple[int, tuple[int, ...], str], ...]) -> bundles.BundleLayout:
+    return bundles.bundle_layout(
+        [(str(i), shape, dtype) for i, shape, dtype in own],
+        [_array_attributes(spec, i) for i, _, _ in own],
+        {"residual_store": {"signature": spec.signature,
+                            "bundle": "the own arrays of one write of a context, by residual index"}},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class WritePlan:
     """Everything one write of a context puts on disk, in the order it must land: the arrays
     (``arrays``, one per residual in leaf order; a weight held twice is written once), the
@@ -263,11 +332,20 @@ class WritePlan:
     manifest: bytes
     group: bytes  # data_dir's zarr.json
     stored: StoredContext  # what parsing ``manifest`` gives
+    bundle: BundleWrite | None = None  # the own arrays not in ``arrays``
 
     @property
     def own(self) -> dict[str, Any]:
-        """The arrays under ``data_dir``, by path."""
+        """The arrays under ``data_dir`` in folders of their own, by path."""
         return {a.path: a.data for a in self.arrays if not a.shared}
+
+    @property
+    def files(self) -> dict[str, bytes | tuple[memoryview | bytes, ...]]:
+        """The other files under ``data_dir``: its group's ``zarr.json``, and its bundle."""
+        out: dict[str, bytes | tuple[memoryview | bytes, ...]] = {group_metadata_path(self.data_dir): self.group}
+        if self.bundle is not None:
+            out[self.bundle.ref.path] = self.bundle.parts
+        return out
 
     @property
     def shared(self) -> dict[str, Any]:
@@ -281,7 +359,8 @@ class WritePlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(getattr(d, "nbytes", 0)) for d in {**self.own, **self.shared}.values())
+        arrays = sum(int(getattr(d, "nbytes", 0)) for d in {**self.own, **self.shared}.values())
+        return arrays + (self.bundle.ref.nbytes if self.bundle is not None else 0)
 
 
 def _array_attributes(spec: ResidualSpec, i: int) -> dict[str, Any]:
@@ -313,10 +392,19 @@ def plan_write(
     writes: list[ArrayWrite] = []
     records = []
     shardings: list[dict[str, Any] | None] = []
+    bundle, in_bundle = _plan_bundle(spec, arrays, folder)
     for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
         shared = kind in SHARED_KINDS
         shardings.append(x.sharding if isinstance(x, ShardedHost) else None)
         chunk_fields: dict[str, Any] = {}
+        if i in in_bundle:
+            offset, checksum = in_bundle[i]
+            records.append(serializers.ArrayRecord.for_writing(
+                name=spec.names[i], path=own_array_path(folder, i), shape=x.shape,
+                dtype=serializers.zarr_dtype_name(x.dtype), nbytes=int(x.nbytes), checksum=checksum,
+                input_path=spec.input_paths[i], shared=False, offset=offset,
+            ))
+            continue
         if isinstance(x, ShardedHost) and x.chunk_shape is not None:
             table = sorted(sums.get(i, {}).items())
             grid = serializers.chunk_grid(x.shape, x.chunk_shape)
@@ -346,7 +434,7 @@ def plan_write(
             **chunk_fields,
         ))
     created = time.time()
-    manifest = serializers.encode_manifest({
+    fields: dict[str, Any] = {
         "key": key,
         "signature": spec.signature,
         "created": created,
@@ -354,19 +442,47 @@ def plan_write(
         "spec": spec_to_map(spec, impls, shardings),
         "data_dir": folder,
         "arrays": records,
-    })
+    }
+    if bundle is not None:
+        fields["bundle"] = bundle.ref.to_map()
+    manifest = serializers.encode_manifest(fields)
     group = serializers.encode_group_metadata({"residual_store": {
         "key": key,
         "signature": spec.signature,
         "manifest": manifest_path(key),
-        "arrays": [{"path": r.path, "name": r.name, "kind": k} for r, k in zip(records, spec.kinds)],
+        # a bundled array is the group <i> inside the zip file "bundle" names (zarr's ZipStore)
+        "arrays": [
+            {"path": r.path, "name": r.name, "kind": k}
+            | ({"bundle": bundle.ref.path, "in_bundle": str(i)} if bundle is not None and r.bundled else {})
+            for i, (r, k) in enumerate(zip(records, spec.kinds))
+        ],
     }})
-    layout = layout_digest(spec, (
-        (a.index, a.path[len(folder) + 1:], a.data.shape, serializers.zarr_dtype_name(a.data.dtype),
-         getattr(a.data, "chunk_shape", None) if not a.whole else None)
-        for a in writes if not a.shared
-    ))
+    layout = layout_digest(spec, [
+        *((a.index, a.path[len(folder) + 1:], a.data.shape, serializers.zarr_dtype_name(a.data.dtype),
+           getattr(a.data, "chunk_shape", None) if not a.whole else None)
+          for a in writes if not a.shared),
+        *((i, _in_bundle_name(i), records[i].shape, records[i].dtype, None) for i in in_bundle),
+    ])
     stored = StoredContext(
-        key, spec, tuple(records), tuple(impls), created, jax.__version__, folder, tuple(shardings)
+        key, spec, tuple(records), tuple(impls), created, jax.__version__, folder, tuple(shardings),
+        bundle.ref if bundle is not None else None,
     )
-    return WritePlan(key, folder, layout, tuple(writes), tuple(records), manifest, group, stored)
+    return WritePlan(key, folder, layout, tuple(writes), tuple(records), manifest, group, stored, bundle)
+
+
+def _plan_bundle(
+    spec: ResidualSpec, arrays: HostArrays, folder: str
+) -> tuple[BundleWrite | None, dict[int, tuple[int, str]]]:
+    """The write's bundle (``None`` if it has no own whole array), and for each residual in it
+    its offset and checksum (its CRC-32: the zip's own, computed once)."""
+    indices = _bundled(spec, arrays)
+    if not indices:
+        return None, {}
+    data = [x.whole if isinstance(x, ShardedHost) else x for x in (arrays[i] for i in indices)]
+    layout = bundle_layout_of(spec, [(i, d.shape, serializers.zarr_dtype_name(d.dtype)) for i, d in zip(indices, data)])
+    parts, crcs = bundles.bundle_parts(layout, data)
+    ref = BundleRef(bundle_path(folder), layout.nbytes, checksum_parts(parts))
+    placed = {
+        i: (where.offset, bundles.crc_checksum(crc)) for i, where, crc in zip(indices, layout.arrays, crcs)
+    }
+    return BundleWrite(ref, tuple(parts)), placed

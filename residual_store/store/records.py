@@ -21,6 +21,8 @@ from typing import Any
 import jax
 
 import serializers
+from serializers.bundle import BUNDLE_ALIGNMENT, BUNDLE_FILE, MAX_BUNDLE_BYTES
+from serializers.checksums import parse_checksum
 from residual_store import structure
 from residual_store.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualSpec
 from residual_store.errors import CorruptContextError
@@ -30,6 +32,7 @@ from residual_store.store.keys import validate_key
 __all__ = [
     "MAX_ARRAY_BYTES",
     "MAX_CHUNKS",
+    "BundleRef",
     "StoredContext",
     "check_data_dir",
     "check_signature",
@@ -52,6 +55,20 @@ _WEIGHT_PATH = re.compile(r"weights/[0-9a-f]{32}")
 
 
 @dataclasses.dataclass(frozen=True)
+class BundleRef:
+    """A context's bundle (version 4 on): the one file holding its own single-chunk arrays, at
+    ``path``, of exactly ``nbytes`` bytes whose checksum is ``checksum``; each bundled array's
+    record gives its ``offset`` in it."""
+
+    path: str
+    nbytes: int
+    checksum: str
+
+    def to_map(self) -> dict[str, Any]:
+        return {"path": self.path, "nbytes": self.nbytes, "checksum": self.checksum}
+
+
+@dataclasses.dataclass(frozen=True)
 class StoredContext:
     """A validated manifest: the context's spec and where each of its arrays is."""
 
@@ -63,6 +80,7 @@ class StoredContext:
     jax_version: str
     data_dir: str
     shardings: tuple[dict[str, Any] | None, ...] = ()  # per residual: its sharding record, if any
+    bundle: BundleRef | None = None
 
     @property
     def nbytes(self) -> int:
@@ -362,6 +380,45 @@ def _check_record(
             )
 
 
+def _bundle_ref(m: Mapping[str, Any], data_dir: str, what: str) -> BundleRef | None:
+    """The manifest's ``bundle``, checked: exactly ``<data_dir>/bundle.zip``, a size a bundle
+    can have, a well-formed checksum."""
+    if "bundle" not in m:
+        return None
+    if m["version"] < 4:
+        raise CorruptContextError(f"{what}: a version {m['version']} manifest names a bundle (version 4 on)")
+    b = m["bundle"]
+    path = f"{data_dir}/{BUNDLE_FILE}"
+    if not (isinstance(b, dict) and set(b) == {"path", "nbytes", "checksum"}):
+        raise CorruptContextError(f"{what}: invalid bundle in manifest (a map of path, nbytes, checksum)")
+    nbytes = b["nbytes"]
+    if b["path"] != path:
+        raise CorruptContextError(f"{what}: invalid bundle path {str(b['path'])[:80]!r} in manifest (not {path!r})")
+    if not (isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 < nbytes <= MAX_BUNDLE_BYTES):
+        raise CorruptContextError(f"{what}: invalid bundle size {str(nbytes)[:40]} in manifest")
+    try:
+        parse_checksum(b["checksum"], what=f"{what}: bundle")
+    except serializers.CorruptDataError as err:
+        raise CorruptContextError(str(err)) from None
+    return BundleRef(path, nbytes, b["checksum"])
+
+
+def _check_bundled(records: Sequence[serializers.ArrayRecord], bundle: BundleRef | None, what: str) -> None:
+    """The bundled arrays lie inside the bundle, aligned, none over another; without a bundle,
+    none claims to be in one."""
+    spans = sorted((r.offset, r.nbytes, i) for i, r in enumerate(records) if r.offset is not None)
+    if spans and bundle is None:
+        raise CorruptContextError(f"{what}: array {spans[0][2]} has a bundle offset, the manifest no bundle")
+    end = 0
+    for offset, nbytes, i in spans:
+        if nbytes and (offset % BUNDLE_ALIGNMENT or offset < end or offset + nbytes > bundle.nbytes):  # type: ignore[union-attr]
+            raise CorruptContextError(
+                f"{what}: array {i}: its bytes at offset {offset:,} ({nbytes:,} bytes) are not an aligned, "
+                "unshared part of the bundle"
+            )
+        end = max(end, offset + nbytes)
+
+
 class _SpecMemo:
     """The specs of recent manifests, by signature and format version: every context of one
     split called alike has the same spec map, so a process parses it once, not on every get.
@@ -404,7 +461,8 @@ def parse_context_manifest(key: str, data: bytes) -> StoredContext:
     version: the key is a valid key and the one the manifest names; the signature is one this
     library writes; ``data_dir`` is ``data/<key>.<write id>`` (:func:`check_data_dir`); each
     array is at ``<data_dir>/<i>``, or for a shared one (weight, constant) at
-    ``weights/<digest>``; each declared size is that of its shape and dtype, at most 1 TiB; no
+    ``weights/<digest>``; a bundle (version 4 on) is ``<data_dir>/bundle.zip`` and its arrays
+    lie inside it, aligned, none over another; each declared size is that of its shape and dtype, at most 1 TiB; no
     more than :data:`MAX_CHUNKS` chunks in all; a PRNG key implementation only on a key-typed
     residual whose stored key data has that implementation's dtype and trailing shape; the spec
     agrees with the records (see :func:`spec_from_map`).
@@ -443,7 +501,9 @@ def parse_context_manifest(key: str, data: bytes) -> StoredContext:
             _check_record(i, record, data_dir, impl, what)
         except Exception as err:  # noqa: BLE001 - JAX raises several types for an unknown key impl
             raise CorruptContextError(f"{what}: array {i} ({record.name[:80]}): {err}") from None
+    bundle = _bundle_ref(m, data_dir, what)
+    _check_bundled(records, bundle, what)
     spec, impls_out, shardings = _SPECS.parse(signature, spec_map, records, what, m["version"])
     return StoredContext(
-        key, spec, records, impls_out, float(m["created"]), m["jax_version"], data_dir, shardings
+        key, spec, records, impls_out, float(m["created"]), m["jax_version"], data_dir, shardings, bundle
     )
