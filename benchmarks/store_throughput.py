@@ -1,7 +1,7 @@
 """How fast ``rs.Store`` moves residual contexts, against raw file I/O, ``np.save`` and Orbax.
 
 Run: ``python benchmarks/store_throughput.py [--sizes 2,4,64] [--repeats N] [--quick]
-[--no-orbax] [--dir DIR] [--part all|io|schedule|put|split|s3]``. ``--quick`` measures the same
+[--no-orbax] [--dir DIR] [--part all|io|schedule|stacks|put|split|s3]``. ``--quick`` measures the same
 sizes and the same schedule with fewer repeats (a minute or two on 2 cores); the full run takes a
 few minutes. One process; every number is the median of its timed runs, taken round-robin across
 the candidates of one table, each round starting one candidate later (drift and neighbours on a
@@ -50,6 +50,11 @@ intermediates per context), all forwards then all backwards (F1..F16, B16..B1) w
 wall time, the process's user and system CPU seconds per step (``getrusage``, all threads: XLA's,
 and the store's writer and loaders), so the I/O threads' cost shows.
 
+Part 2b, stacks (issue 25; ``benchmarks/stacks.py``). Contexts of a stack of blocks unrolled in
+Python (hundreds of small residuals): put+flush and get of one context against one file written
+and read, files per put, and a pipeline step of the 24-block stack through a store with budgets 0
+against the step in memory.
+
 Part 3, put latency (no goal). The demo transformer's context ``put`` into a store that has not
 seen its signature (a fresh ``Store`` each run: the put that also saves the backward with
 ``jax.export``, on the writer thread), against a later ``put``, and against the export itself.
@@ -73,7 +78,10 @@ ratio from the medians of one table; "x raw" is raw time / store time (higher is
 - schedule through the spilled store <= 1.15x in memory without fsync, <= 1.25x with fsync;
   its gradients bit-identical (``np.array_equal``) to the in-memory ones; with ``save="auto"``
   (issue 15) <= 1.1x the in-memory ``save="all"`` without fsync;
-- split forward + backward <= 1.10x fused ``value_and_grad``.
+- split forward + backward <= 1.10x fused ``value_and_grad``;
+- stacks (issue 25): 16- and 64-block contexts put+flush <= 5x one file+fsync, get <= 10x one
+  file read+device_put, <= 4 files a put; the 24-block pipeline step through a store <= 1.25x
+  the step in memory (``save="all"``), <= 1.15x with ``save="auto"``.
 
 A goal that this run could not measure (a size not in ``--sizes``, no page-cache drop, no Orbax)
 reads ``n/a``.
@@ -103,6 +111,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import stacks
 from split_overhead import measure_model, mlp_case
 
 import residual_store as rs
@@ -950,7 +959,7 @@ def main() -> None:
     )
     parser.add_argument("--no-orbax", action="store_true", help="skip the Orbax baseline")
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temp dir)")
-    parser.add_argument("--part", choices=("all", "io", "schedule", "put", "split", "s3"), default="all")
+    parser.add_argument("--part", choices=("all", "io", "schedule", "stacks", "put", "split", "s3"), default="all")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
@@ -1006,6 +1015,12 @@ def main() -> None:
             s = measure_schedule(base, reps)
             _print_schedule(s, reps)
             _schedule_goals(goals, s)
+        if args.part in ("all", "stacks"):  # contexts of hundreds of small residuals (issue 25)
+            for goal, value, target, op in stacks.report(base, repeats_or(5, 9)):
+                if "files" in goal:
+                    goals.check(goal, value <= target, f"{value}", f"<= {target}")
+                else:
+                    goals.ratio(goal, value, op, target)
         if args.part in ("all", "put"):
             _print_first_put(measure_first_put(base, repeats_or(3, 9)))
         if args.part in ("all", "split"):

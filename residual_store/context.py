@@ -132,6 +132,18 @@ class ResidualSpec:
     kinds: tuple[ResidualKind, ...]
     call: CallSpec | None = None
 
+    @functools.cached_property
+    def leaf_nbytes(self) -> tuple[int, ...]:
+        """Bytes of each residual (a typed key: its key data), worked out once per spec: every
+        put and get of a context of hundreds of residuals asks, and its arrays match ``avals``."""
+        return tuple(_aval_nbytes(a) for a in self.avals)
+
+    @functools.cached_property
+    def own_nbytes(self) -> int:
+        """Bytes of the context's own residuals (intermediates and inputs; not weights nor
+        constants): what offloading a context of this spec frees."""
+        return sum(n for n, k in zip(self.leaf_nbytes, self.kinds) if k in OWN_KINDS)
+
     def __post_init__(self) -> None:
         n = len(self.avals)
         if not (len(self.names) == len(self.input_paths) == len(self.kinds) == n):
@@ -193,12 +205,6 @@ def _aval_nbytes(aval: Any) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def _leaf_nbytes(x: Any) -> int:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return int(jax.random.key_data(x).nbytes)
-    return int(x.nbytes)
-
-
 @jax.tree_util.register_pytree_node_class
 class ResidualContext:
     """The residuals of one forward call, typed and named; feed it to ``rs.backward``.
@@ -244,10 +250,10 @@ class ResidualContext:
         """
         seen: set[int] = set()
         total = 0
-        for x in self._residuals:
+        for x, n in zip(self._residuals, self._spec.leaf_nbytes):
             if id(x) not in seen and hasattr(x, "dtype"):
                 seen.add(id(x))
-                total += _leaf_nbytes(x)
+                total += n
         return total
 
     def describe(self) -> str:

@@ -183,6 +183,30 @@ def open_stored_array(root: str | os.PathLike[str], manifest: Mapping[str, Any],
     return zarr.open_array(store=os.path.join(root, record["path"]), mode="r")
 
 
+def unbundled(root: str | os.PathLike[str], manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` (decoded with plain msgpack) as a writer before bundles would have made it:
+    each bundled residual copied into an array folder of its own, at its record's path, with an
+    xxh3 checksum of its bytes; no ``bundle``, no ``offset``. For turning a context into an
+    older version's."""
+    import serializers
+
+    m = {**manifest, "arrays": [dict(r) for r in manifest["arrays"]]}
+    bundle = m.pop("bundle", None)
+    if bundle is None:
+        return m
+    with open(os.path.join(root, bundle["path"]), "rb") as f:
+        data = f.read()
+    for record in m["arrays"]:
+        offset = record.pop("offset", None)
+        if offset is None:
+            continue
+        a = np.frombuffer(data[offset : offset + record["nbytes"]], serializers.numpy_dtype(record["dtype"]))
+        a = a.reshape(record["shape"])
+        serializers.write_array_local(root, record["path"], a)
+        record["checksum"] = serializers.checksum(a)
+    return m
+
+
 def read_manifest(root: str | os.PathLike[str], key: str) -> dict[str, Any]:
     """The manifest of ``key``, decoded with plain msgpack (not the library's reader)."""
     with open(os.path.join(root, "contexts", f"{key}.manifest"), "rb") as f:

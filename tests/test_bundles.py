@@ -28,7 +28,6 @@ from store_helpers import (
     python_env,
     raw,
     read_manifest,
-    run_python,
     tree_files,
 )
 
@@ -37,18 +36,38 @@ TESTS = Path(__file__).parent
 
 def many_loss(w, x, keys, n, blocks):
     """``mixed_loss``'s residuals (float32, float16, bfloat16, int32, bool, typed PRNG keys), a
-    0-d and a zero-size residual, and ``blocks`` blocks of four small residuals each (float32,
-    bfloat16, float16, bool): a context of about ``4 * blocks + 16`` residuals."""
+    0-d and a zero-size residual, and ``blocks`` smooth blocks of about four small residuals
+    each (float32, bfloat16, float16): a context of about ``4 * blocks + 16`` residuals."""
     total = mixed_loss(w, x, keys, n)
     h = jnp.sum(x.astype(jnp.float32) @ w, axis=0)
     for _ in range(blocks):
         a = jnp.sin(h)
         b = jnp.cos(a.astype(jnp.bfloat16) * 2)
         c = jnp.tanh(b.astype(jnp.float16)).astype(jnp.float32)
-        h = jnp.where(c > 0, c * 1.01, c * 0.99) + h * 0.5
+        h = c * jnp.exp(-(h**2)) + h * 0.5
     s = jnp.sum(h)
     empty = jnp.sin(x[:0].astype(jnp.float32) @ w)
     return total + jnp.sum(h**2) + jnp.sin(s) + jnp.sum(empty)
+
+
+def wide_loss(w, x, keys, n, xs):
+    """``mixed_loss``'s residuals and two more per array of ``xs`` (float32, bfloat16, float16,
+    0-d and zero-size): the array itself and the cosine of its product with a weight."""
+    total = mixed_loss(w, x, keys, n)
+    s = w[0, 0]
+    for a in xs:
+        total = total + jnp.sum(jnp.sin(a * s.astype(a.dtype)).astype(jnp.float32))
+    return total
+
+
+def _wide_context(rng: jax.Array) -> tuple[rs.Split, tuple, rs.ResidualContext]:
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+    keys = jax.random.split(rng, 500)
+    shapes = [(), (0, 3)] + [(3,)] * 498
+    xs = tuple(jax.random.normal(k, shape).astype(dtypes[i % 3]) for i, (k, shape) in enumerate(zip(keys, shapes)))
+    fwd = rs.split(wide_loss)
+    args = (*mixed_inputs(keys[0]), xs)
+    return fwd, args, fwd(*args)[1]
 
 
 def _split(blocks: int) -> rs.Split:
@@ -67,12 +86,17 @@ def _check_kinds(ctx: rs.ResidualContext) -> None:
     assert any(a.shape == () for a in ctx.spec.avals) and any(0 in a.shape for a in ctx.spec.avals)
 
 
-@pytest.mark.parametrize("blocks", [0, 9, pytest.param(246, marks=pytest.mark.slow)])
-def test_contexts_of_many_residuals_round_trip_bitwise_in_one_bundle(tmp_path, blocks, rng):
-    fwd, args, ctx = _context(blocks, rng)
+@pytest.mark.parametrize("residuals", [10, 50, pytest.param(1000, marks=pytest.mark.slow)])
+def test_contexts_of_many_residuals_round_trip_bitwise_in_one_bundle(tmp_path, residuals, rng):
+    if residuals == 1000:
+        fwd, args, ctx = _wide_context(rng)
+        loss = wide_loss
+    else:
+        fwd, args, ctx = _context({10: 0, 50: 9}[residuals], rng)
+        loss = many_loss
     own = sum(k != "weight" for k in ctx.spec.kinds)
     _check_kinds(ctx)
-    assert own >= {0: 10, 9: 50, 246: 1000}[blocks], own
+    assert own >= residuals, own
     root = tmp_path / "store"
     with rs.Store(root) as store:
         before = set(tree_files(root))
@@ -89,7 +113,10 @@ def test_contexts_of_many_residuals_round_trip_bitwise_in_one_bundle(tmp_path, b
     assert_contexts_identical(got, ctx)
     want = fwd.backward(ctx)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(rs.backward(got)), jax.tree.leaves(want)))
-    assert float(jnp.abs(want).max()) > 0
+    ref = np.asarray(jax.grad(loss)(*args))
+    scale = float(np.abs(ref).max())
+    assert scale > 0  # bf16/f16 paths: another fusion rounds otherwise, within 2% of the largest
+    np.testing.assert_allclose(np.asarray(want), ref, rtol=2e-2, atol=2e-2 * scale)
 
 
 def test_a_one_residual_context_is_one_bundle(tmp_path, rng):

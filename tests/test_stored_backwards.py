@@ -21,6 +21,7 @@ import pytest
 import residual_store as rs
 from models import init_mlp, mlp_loss
 from residual_store.store import backwards
+from store_helpers import unbundled
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -130,7 +131,7 @@ def test_contexts_from_residual_store_0_1_are_read_and_their_backward_never_run(
     run for it, and a split refuses it with the reason."""
     root, export, fwd, (params, x, y) = stored
     path = root / "contexts" / "mb0.manifest"
-    m = msgpack.unpackb(path.read_bytes())
+    m = unbundled(root, msgpack.unpackb(path.read_bytes()))  # 0.1 had no bundles
     old_sig = "rs1-" + m["signature"][4:]
     m.update(version=1, signature=old_sig)
     del m["manifest_checksum"]  # 0.1 manifests had no self checksum

@@ -18,26 +18,14 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
-import jax
 import numpy as np
 
-from residual_store.context import OWN_KINDS, ResidualContext
+from residual_store.context import ResidualContext
 from residual_store.errors import InvalidArgumentError
 from residual_store.store.schedule import Schedule
 
 __all__ = ["MemoryTier", "Tiers", "own_nbytes", "spill_order"]
-
-
-def _nbytes(x: Any) -> int:
-    if isinstance(x.dtype, np.dtype):  # a NumPy dtype is never a typed PRNG key's
-        return int(x.nbytes)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return int(np.prod(x.shape, dtype=np.int64)) * int(
-            np.prod(jax.random.key_data(x).shape[x.ndim :], dtype=np.int64)
-        ) * 4
-    return int(x.nbytes)
 
 
 def own_nbytes(ctx: ResidualContext) -> int:
@@ -46,7 +34,7 @@ def own_nbytes(ctx: ResidualContext) -> int:
     Weights and constants are held by reference, belong to the model, and are neither counted
     against budgets nor moved between the memory tiers.
     """
-    return sum(_nbytes(x) for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in OWN_KINDS)
+    return ctx.spec.own_nbytes
 
 
 class MemoryTier:
