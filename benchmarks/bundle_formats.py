@@ -26,17 +26,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from timing import timed  # noqa: E402
 from serializers import checksum, read_arrays_local, write_arrays_local  # noqa: E402
 from serializers.bundle import bundle_layout, bundle_parts, bundle_views, check_bundle, crc_checksum  # noqa: E402
 from serializers.checksums import checksum_parts  # noqa: E402
@@ -59,18 +59,6 @@ def contexts() -> dict[str, list[np.ndarray]]:
         "24 blocks (d=256, batch 128)": stack(24, 256, 128)[:313],
         "4 large (16 MiB each)": [rng.standard_normal((2048, 2048)).astype(np.float32) for _ in range(4)],
     }
-
-
-def median_time(fn: Callable[[], object], setup: Callable[[], object], repeats: int) -> float:
-    setup()
-    fn()
-    times = []
-    for _ in range(repeats):
-        setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def run(root: Path, arrays: list[np.ndarray], repeats: int) -> dict[str, float]:
@@ -104,9 +92,9 @@ def run(root: Path, arrays: list[np.ndarray], repeats: int) -> dict[str, float]:
         fsync_folder_local(str(root / "c"))
 
     out = {
-        "folders put": median_time(folders_write, fresh, repeats),
-        "bundle put": median_time(bundle_write, fresh, repeats),
-        "raw put": median_time(raw_write, fresh, repeats),
+        "folders put": timed(folders_write, fresh, repeats),
+        "bundle put": timed(bundle_write, fresh, repeats),
+        "raw put": timed(raw_write, fresh, repeats),
     }
     fresh()
     folders_write()
@@ -129,10 +117,10 @@ def run(root: Path, arrays: list[np.ndarray], repeats: int) -> dict[str, float]:
         return read
 
     out |= {
-        "folders get": median_time(lambda: read_arrays_local(root, folder_specs), lambda: None, repeats),
-        "bundle get": median_time(bundle_read(False), lambda: None, repeats),
-        "bundle+check get": median_time(bundle_read(True), lambda: None, repeats),
-        "raw get": median_time(raw_read, lambda: None, repeats),
+        "folders get": timed(lambda: read_arrays_local(root, folder_specs), lambda: None, repeats),
+        "bundle get": timed(bundle_read(False), lambda: None, repeats),
+        "bundle+check get": timed(bundle_read(True), lambda: None, repeats),
+        "raw get": timed(raw_read, lambda: None, repeats),
     }
     views = bundle_read(True)()
     assert all(v.tobytes() == a.tobytes() for v, a in zip(views, arrays)), "bundle read back differs"

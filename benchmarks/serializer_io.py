@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,7 +37,9 @@ import numpy as np
 import tensorstore as ts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from timing import timed  # noqa: E402
 from serializers import (  # noqa: E402
     checksum,
     read_array_local,
@@ -64,23 +64,6 @@ def make_arrays(total_bytes: int) -> dict[str, np.ndarray]:
         raw = rng.integers(0, 256 if d != np.bool_ else 2, n * d.itemsize, dtype=np.uint8)
         out[f"arrays/{i}"] = raw.view(d).reshape(-1, 8) if n % 8 == 0 else raw.view(d)
     return out
-
-
-def timed(fn: Callable[[], object], setup: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs, each after ``setup()``.
-
-    One untimed run first, so that every row finds the allocator and page cache in
-    the same warm state (otherwise the first reader pays the page faults).
-    """
-    setup()
-    fn()
-    times = []
-    for _ in range(repeats):
-        setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def raw_write(root: Path, arrays: dict[str, np.ndarray], fsync: bool) -> None:

@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import residual_store as rs  # noqa: E402
+from timing import Case, interleaved_medians, timed  # noqa: E402
 from serializers import aligned_empty  # noqa: E402
 
 
@@ -65,16 +65,6 @@ def stack_loss(params: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
 
 def _own(ctx: rs.ResidualContext) -> list[np.ndarray]:
     return [np.asarray(x) for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in ("intermediate", "input")]
-
-
-def _median(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _files(root: Path) -> set[str]:
@@ -132,10 +122,41 @@ def measure_put_get(base: Path, blocks: int, repeats: int) -> dict[str, Any]:
 
         got = store.get("held")
         identical = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got.residuals, ctx.residuals))
-        t = {"put": _median(put, repeats), "raw put": _median(raw_put, repeats),
-             "get": _median(get, repeats), "raw get": _median(raw_get, repeats)}
+        t = {"put": timed(put, lambda: None, repeats), "raw put": timed(raw_put, lambda: None, repeats),
+             "get": timed(get, lambda: None, repeats), "raw get": timed(raw_get, lambda: None, repeats)}
     return {"blocks": blocks, "residuals": len(own), "bytes": len(raw), "files": created,
             "identical": identical, "t": t}
+
+
+def _add(a: Any, b: Any) -> Any:
+    return b if a is None else jax.tree.map(jnp.add, a, b)
+
+
+def in_memory_step(fwd: rs.Split, calls: list[tuple], ct: Any) -> Any:
+    """A pipeline step with the contexts in a list: every forward (``fwd(*call)``), then every
+    backward in reverse; the gradients summed."""
+    contexts = [fwd(*call)[1] for call in calls]
+    grads = None
+    for ctx in reversed(contexts):
+        grads = _add(grads, fwd.backward(ctx, ct))
+    return jax.block_until_ready(grads)
+
+
+def spilled_step(store: rs.Store, fwd: rs.Split, calls: list[tuple], ct: Any) -> Any:
+    """The same step with every context ``put`` into ``store`` after its forward, prefetched one
+    backward ahead and got for its backward; ends with ``flush``, so the writer's work counts."""
+    keys = [f"mb{i}" for i in range(len(calls))]
+    for key, call in zip(keys, calls):
+        store.put(fwd(*call)[1], key)
+    store.prefetch(keys[-1])
+    grads = None
+    for i in reversed(range(len(calls))):
+        if i > 0:
+            store.prefetch(keys[i - 1])
+        grads = _add(grads, fwd.backward(store.get(keys[i]), ct))
+    grads = jax.block_until_ready(grads)
+    store.flush()
+    return grads
 
 
 def measure_pipeline(base: Path, repeats: int, *, blocks: int = 24, d: int = 256, batch: int = 128, n: int = 8) -> dict[str, Any]:
@@ -144,31 +165,13 @@ def measure_pipeline(base: Path, repeats: int, *, blocks: int = 24, d: int = 256
     splits = {save: rs.split(stack_loss, save=save) for save in ("all", "auto")}
     ct = jnp.float32(1.0 / n)
 
-    def add(a: Any, b: Any) -> Any:
-        return b if a is None else jax.tree.map(jnp.add, a, b)
+    calls = [(params, x) for x in xs]
 
     def in_memory(save: str) -> Any:
-        fwd = splits[save]
-        contexts = [fwd(params, x)[1] for x in xs]
-        grads = None
-        for ctx in reversed(contexts):
-            grads = add(grads, fwd.backward(ctx, ct))
-        return grads
+        return in_memory_step(splits[save], calls, ct)
 
     def via_store(store: rs.Store, save: str) -> Any:
-        fwd = splits[save]
-        keys = [f"mb{i}" for i in range(n)]
-        for i in range(n):
-            store.put(fwd(params, xs[i])[1], keys[i])
-        store.prefetch(keys[-1])
-        grads = None
-        for i in reversed(range(n)):
-            if i > 0:
-                store.prefetch(keys[i - 1])
-            grads = add(grads, fwd.backward(store.get(keys[i]), ct))
-        grads = jax.block_until_ready(grads)
-        store.flush()
-        return grads
+        return spilled_step(store, splits[save], calls, ct)
 
     ctx = splits["all"](params, xs[0])[1]
     own = _own(ctx)
@@ -179,25 +182,17 @@ def measure_pipeline(base: Path, repeats: int, *, blocks: int = 24, d: int = 256
             want = jax.tree.leaves(in_memory(save))
             got = jax.tree.leaves(via_store(store, save))
             identical[save] = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
-        cases: dict[str, Callable[[], Any]] = {
-            "in memory, all": lambda: in_memory("all"),
-            "store, all": lambda: via_store(stores["all"], "all"),
-            "store, auto": lambda: via_store(stores["auto"], "auto"),
+        cases = {
+            "in memory, all": Case(lambda: in_memory("all")),
+            "store, all": Case(lambda: via_store(stores["all"], "all")),
+            "store, auto": Case(lambda: via_store(stores["auto"], "auto")),
         }
-        times: dict[str, list[float]] = {k: [] for k in cases}
-        for fn in cases.values():
-            jax.block_until_ready(fn())
-        names = list(cases)
-        for r in range(repeats):  # round-robin, each round starting one later
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                t0 = time.perf_counter()
-                jax.block_until_ready(cases[name]())
-                times[name].append(time.perf_counter() - t0)
+        t = interleaved_medians(cases, repeats)
     finally:
         for s in stores.values():
             s.close()
     return {"residuals": len(own), "bytes": sum(a.nbytes for a in own), "identical": identical,
-            "t": {k: statistics.median(v) for k, v in times.items()}}
+            "t": t}
 
 
 def report(base: Path, repeats: int) -> list[tuple[str, float, float, str]]:

@@ -93,7 +93,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -112,6 +111,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import stacks
+from timing import Case, interleaved_medians
 from split_overhead import measure_model, mlp_case
 
 import residual_store as rs
@@ -145,55 +145,6 @@ SCHEDULE = DemoConfig(
 
 # ----------------------------------------------------------------------------------------------
 # Timing
-
-
-def _cpu_seconds() -> tuple[float, float]:
-    """User and system CPU seconds of this process so far, all its threads."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime, r.ru_stime
-
-
-@dataclasses.dataclass
-class Case:
-    """One candidate: ``fn`` is timed (until its result is ready); setup/teardown are not.
-    ``cpu`` collects the (user, system) CPU seconds of each timed run."""
-
-    fn: Callable[[], Any]
-    setup: Callable[[], Any] | None = None
-    teardown: Callable[[], Any] | None = None
-    cpu: list[tuple[float, float]] = dataclasses.field(default_factory=list)
-
-    def run(self) -> float:
-        if self.setup is not None:
-            self.setup()
-        user, system = _cpu_seconds()
-        start = time.perf_counter()
-        jax.block_until_ready(self.fn())
-        elapsed = time.perf_counter() - start
-        user_end, system_end = _cpu_seconds()
-        self.cpu.append((user_end - user, system_end - system))
-        if self.teardown is not None:
-            self.teardown()
-        return elapsed
-
-    def median_cpu(self) -> tuple[float, float]:
-        return tuple(statistics.median(c[i] for c in self.cpu) for i in range(2))  # type: ignore[return-value]
-
-
-def _interleaved_medians(cases: dict[str, Case], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per candidate, timing them round-robin so that drift on a shared machine
-    affects every candidate alike; each round starts one candidate later, so that none always
-    runs right after the same neighbour (whose freed memory or deleted files it might pay for)."""
-    for case in cases.values():
-        for _ in range(warmup):
-            case.run()
-        case.cpu.clear()
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    names = list(cases)
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(cases[name].run())
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _try_drop_caches() -> bool:
@@ -434,7 +385,7 @@ def measure_io(
     }
     if orbax is not None:
         writes["orbax save"] = fresh.dir_case("orbax", lambda p: orbax.save(p, list(residuals)))
-    t.update(_interleaved_medians(writes, repeats))
+    t.update(interleaved_medians(writes, repeats))
 
     # -- reads: write each format once, then read it back -------------------------------------
     raw_dir, npy_dir, orbax_dir, store_dir = (
@@ -490,7 +441,7 @@ def measure_io(
         if orbax is not None:
             reads["orbax restore"] = Case(lambda: orbax.restore(orbax_dir, abstract), before())
         t.update(
-            {f"{name} [{mode}]": v for name, v in _interleaved_medians(reads, repeats).items()}
+            {f"{name} [{mode}]": v for name, v in interleaved_medians(reads, repeats).items()}
         )
 
     # the bytes read back are the bytes written
@@ -521,7 +472,7 @@ def measure_io(
             trips[ORBAX_ROUND_TRIP] = fresh.dir_case(
                 "orbax-rt", lambda p: (orbax.save(p, list(residuals)), orbax.restore(p, abstract))
             )
-        t.update(_interleaved_medians(trips, repeats))
+        t.update(interleaved_medians(trips, repeats))
     for s in stores.values():
         s.close()
 
@@ -533,7 +484,7 @@ def measure_io(
         return host_store.get("h")
 
     t.update(
-        _interleaved_medians(
+        interleaved_medians(
             {
                 "host tier put+get": Case(host_round_trip, teardown=lambda: host_store.delete("h")),
                 "device_put to host and back": Case(lambda: device_host_round_trip(residuals)),
@@ -618,29 +569,13 @@ def measure_schedule(base: Path, repeats: int) -> dict[str, Any]:
     drop_keys = list(jax.random.split(drop_key, n))
     ct = jnp.float32(1.0 / n)
 
-    def add(a: Any, b: Any) -> Any:
-        return b if a is None else jax.tree.map(jnp.add, a, b)
+    calls = [(params, batches[i], drop_keys[i]) for i in range(n)]
 
     def in_memory(fwd: rs.Split = splits["all"]) -> Any:
-        contexts = [fwd(params, batches[i], drop_keys[i])[1] for i in range(n)]
-        grads = None
-        for ctx in reversed(contexts):
-            grads = add(grads, fwd.backward(ctx, ct))
-        return jax.block_until_ready(grads)
+        return stacks.in_memory_step(fwd, calls, ct)
 
     def via_store(store: rs.Store, fwd: rs.Split) -> Any:
-        keys = [f"mb{i}" for i in range(n)]
-        for i in range(n):
-            store.put(fwd(params, batches[i], drop_keys[i])[1], keys[i])
-        store.prefetch(keys[-1])
-        grads = None
-        for i in reversed(range(n)):
-            if i > 0:
-                store.prefetch(keys[i - 1])
-            grads = add(grads, fwd.backward(store.get(keys[i]), ct))
-        grads = jax.block_until_ready(grads)
-        store.flush()
-        return grads
+        return stacks.spilled_step(store, fwd, calls, ct)
 
     def own(save: str) -> int:
         ctx = splits[save](params, batches[0], drop_keys[0])[1]
@@ -672,7 +607,7 @@ def measure_schedule(base: Path, repeats: int) -> dict[str, Any]:
             IN_MEMORY: Case(in_memory),
             **{label: Case(lambda k=k: via_store(stores[k], splits[k[1]])) for k, label in labels.items()},
         }
-        t = _interleaved_medians(cases, repeats)
+        t = interleaved_medians(cases, repeats)
     finally:
         for s in stores.values():
             s.close()
@@ -756,7 +691,7 @@ def measure_object_store(base: Path, sizes: list[int], repeats: int) -> list[dic
                             return reader.get("read").residuals
 
                     cases[f"{name} get"] = Case(get)
-                t = _interleaved_medians(cases, repeats)
+                t = interleaved_medians(cases, repeats)
             finally:
                 for store in stores.values():
                     store.close()

@@ -12,6 +12,7 @@ every key), which ``environment()`` gives for the processes that use it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -21,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "residual-store-test", "AWS_SECRET_ACCESS_KEY": "residual-store-test"}
@@ -94,6 +96,25 @@ class S3Server:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+
+@contextlib.contextmanager
+def serving(bucket: str) -> Iterator[S3Server]:
+    """A server with ``bucket`` made, and this process's environment (so its children's) holding
+    the test credentials while it runs; stopped, and the environment restored, at the end."""
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    server = S3Server().start()
+    try:
+        server.make_bucket(bucket)
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class Proxy:

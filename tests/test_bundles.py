@@ -6,7 +6,6 @@ found by ``get`` and ``verify``; a put costs a few files whatever the residual c
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -177,19 +176,8 @@ def server():
     if not s3_server.available():
         yield None
         return
-    saved = {k: os.environ.get(k) for k in s3_server.CREDENTIALS}
-    os.environ.update(s3_server.CREDENTIALS)
-    s = s3_server.S3Server().start()
-    try:
-        s.make_bucket("bundles")
+    with s3_server.serving("bundles") as s:
         yield s
-    finally:
-        s.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.mark.subprocess

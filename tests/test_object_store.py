@@ -12,7 +12,6 @@ SDK prints about missing ``~/.aws`` files reaches the user's terminal.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -39,19 +38,8 @@ SDK_NOISE = ("Failed to open file", "aws-error", "AuthCredentialsProvider")
 def server():
     """One moto server for the module, with the credentials in this process's environment (and
     so in its children's), stopped by its process id at the end."""
-    saved = {k: os.environ.get(k) for k in s3_server.CREDENTIALS}
-    os.environ.update(s3_server.CREDENTIALS)
-    s = s3_server.S3Server().start()
-    try:
-        s.make_bucket("residuals")
+    with s3_server.serving("residuals") as s:
         yield s
-    finally:
-        s.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture
