@@ -16,6 +16,7 @@ from typing import Any
 
 from serializers.checksums import ALGORITHM, Verifier, checksum, content_digest, verify
 from serializers.errors import (
+    ChecksumMismatchError,
     CorruptDataError,
     DiskFullError,
     SerializationError,
@@ -87,6 +88,7 @@ from serializers.zarr import (
 __all__ = [
     # errors
     "SerializationError",
+    "ChecksumMismatchError",
     "CorruptDataError",
     "UnsupportedVersionError",
     "DiskFullError",

@@ -42,7 +42,7 @@ from typing import Any, Final
 import numpy as np
 
 from serializers.checksums import crc32_bytes, parse_checksum, verify
-from serializers.errors import CorruptDataError
+from serializers.errors import ChecksumMismatchError, CorruptDataError
 from serializers.zarr import (
     Shape,
     _byte_view,
@@ -121,10 +121,6 @@ class BundleLayout:
     spans: tuple[tuple[int, int], ...]
     chunked: tuple[int, ...]
     crc_at: np.ndarray  # int64 (chunks, 2)
-
-    @property
-    def entries(self) -> int:
-        return 1 + len(self.arrays) + len(self.chunked)
 
 
 class _Zip:
@@ -307,6 +303,13 @@ def crc_checksum(crc: int) -> str:
     return f"crc32:{crc:08x}"
 
 
+def _file_bytes(buffer: np.ndarray | memoryview) -> np.ndarray:
+    """A bundle's bytes (an array of any dtype, or a buffer) as one flat ``uint8`` array."""
+    if isinstance(buffer, np.ndarray):
+        return buffer.reshape(-1).view(np.uint8)
+    return np.frombuffer(buffer, dtype=np.uint8)
+
+
 def bundle_views(arrays: Sequence[BundleArray], buffer: np.ndarray | memoryview) -> list[np.ndarray]:
     """Each of ``arrays`` (a layout's ``arrays``, or as a manifest records them) of the bundle
     whose bytes are ``buffer`` (the whole file), as a view into it (a fresh empty array for an
@@ -315,7 +318,7 @@ def bundle_views(arrays: Sequence[BundleArray], buffer: np.ndarray | memoryview)
     Raises:
       CorruptDataError: an array that does not lie inside ``buffer``.
     """
-    raw = np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer.reshape(-1).view(np.uint8)
+    raw = _file_bytes(buffer)
     out = []
     for where in arrays:
         if where.offset < 0 or where.offset + where.nbytes > raw.size:
@@ -345,7 +348,7 @@ def check_bundle(
     Raises:
       CorruptDataError: a mismatch, naming ``what`` and the array or the part of the file.
     """
-    raw = np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer.reshape(-1).view(np.uint8)
+    raw = _file_bytes(buffer)
     if raw.size != layout.nbytes:
         raise CorruptDataError(f"{what}: bundle of {raw.size:,} bytes where {layout.nbytes:,} were written")
     file = raw.data
@@ -361,7 +364,7 @@ def check_bundle(
             if algorithm != "crc32":
                 verify(data, expected, what=label)
             elif int(digest, 16) != crc:
-                raise CorruptDataError(f"{label}: checksum mismatch (stored {expected}, computed {crc_checksum(crc)})")
+                raise ChecksumMismatchError(f"{label}: checksum mismatch (stored {expected}, computed {crc_checksum(crc)})")
         crcs.append(crc)
     text = _patched(layout, crcs)
     at = 0

@@ -46,14 +46,14 @@ from typing import Any, Final
 import numpy as np
 import xxhash
 
-from serializers.errors import CorruptDataError
+from serializers.errors import ChecksumMismatchError, CorruptDataError
 
 try:  # the same function as zlib.crc32, ten times faster
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
     _crc32 = zlib.crc32
 
-__all__ = ["ALGORITHM", "Buffer", "Verifier", "checksum", "checksum_parts", "content_digest", "crc32", "crc32_bytes", "parse_checksum", "verify"]
+__all__ = ["ALGORITHM", "Buffer", "Verifier", "checksum", "checksum_parts", "content_digest", "crc32_bytes", "parse_checksum", "verify"]
 
 ALGORITHM: Final[str] = "xxh3_64"
 """The algorithm :func:`checksum` uses, and the prefix of the strings it returns."""
@@ -70,15 +70,10 @@ _ALGORITHMS: Final[dict[str, tuple[Callable[[memoryview], str], int]]] = {
 }
 
 
-def crc32(buf: Buffer) -> int:
-    """The CRC-32 (zip's, zlib's) of ``buf``'s bytes (C order, little endian)."""
-    return _crc32(_as_bytes(buf))
-
-
 crc32_bytes: Final[Callable[..., int]] = _crc32
-"""``crc32_bytes(flat_bytes, start=0)``: :func:`crc32` of a flat C-contiguous byte buffer, with
-nothing checked or converted (for callers that hold byte views already); ``start`` continues a
-running CRC-32."""
+"""``crc32_bytes(flat_bytes, start=0)``: the CRC-32 (zip's, zlib's) of a flat C-contiguous byte
+buffer, with nothing checked or converted (callers hold byte views already); ``start`` continues
+a running CRC-32."""
 
 
 def _as_bytes(buf: Buffer) -> memoryview:
@@ -150,8 +145,8 @@ def _parse(expected: object, what: str) -> tuple[str, str]:
     return algorithm, hex_digest
 
 
-def _mismatch(what: str, expected: str, algorithm: str, actual: str) -> CorruptDataError:
-    return CorruptDataError(f"{what}: checksum mismatch (stored {expected}, computed {algorithm}:{actual})")
+def _mismatch(what: str, expected: str, algorithm: str, actual: str) -> ChecksumMismatchError:
+    return ChecksumMismatchError(f"{what}: checksum mismatch (stored {expected}, computed {algorithm}:{actual})")
 
 
 def verify(buf: Buffer, expected: str, *, what: str) -> None:

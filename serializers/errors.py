@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "SerializationError",
     "CorruptDataError",
+    "ChecksumMismatchError",
     "UnsupportedVersionError",
     "DiskFullError",
     "UnavailableError",
@@ -31,6 +32,10 @@ class CorruptDataError(SerializationError, ValueError):
     A missing chunk is corruption here (zarr itself would silently return the fill
     value), so a reader never hands back made-up data.
     """
+
+
+class ChecksumMismatchError(CorruptDataError):
+    """Bytes read back whole (of the right size) that do not match their stored checksum."""
 
 
 class UnsupportedVersionError(CorruptDataError):

@@ -612,13 +612,13 @@ class DiskTier:
         what = f"context {key!r}, bundle {ref.path}"
         try:
             buffer = self.backend.read_file(ref.path, ref.nbytes, checksum=ref.checksum, empty=self._empty)
-        except serializers.CorruptDataError as err:
-            if "checksum mismatch" not in str(err):
-                raise CorruptContextError(f"{what}: {err}") from err
+        except serializers.ChecksumMismatchError as err:
             try:  # which part: a residual (named), or the headers
                 self.check_bundle(key, stored, self.backend.read_file(ref.path, ref.nbytes))
             except CorruptContextError as found:
                 raise CorruptContextError(f"{found} (the whole {err})") from err
+            raise CorruptContextError(f"{what}: {err}") from err
+        except serializers.CorruptDataError as err:  # missing, truncated, not a regular file
             raise CorruptContextError(f"{what}: {err}") from err
         except OSError as err:
             raise CorruptContextError(f"{what}: unreadable ({err})") from err
