@@ -144,6 +144,16 @@ class ResidualSpec:
         constants): what offloading a context of this spec frees."""
         return sum(n for n, k in zip(self.leaf_nbytes, self.kinds) if k in OWN_KINDS)
 
+    def __hash__(self) -> int:
+        # the fields' hash, worked out once: specs key the caches every put and get consults,
+        # and hashing hundreds of avals costs more than what those caches save
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            h = hash((self.signature, self.avals, self.names, self.input_paths, self.kinds, self.call))
+            self.__dict__["_hash"] = h
+            return h
+
     def __post_init__(self) -> None:
         n = len(self.avals)
         if not (len(self.names) == len(self.input_paths) == len(self.kinds) == n):
@@ -218,7 +228,7 @@ class ResidualContext:
       >>> grads = rs.backward(ctx)
     """
 
-    __slots__ = ("_residuals", "_spec", "_backward")
+    __slots__ = ("_residuals", "_spec", "_backward", "_nbytes")
 
     def __init__(self, residuals: Sequence[Any], spec: ResidualSpec) -> None:
         residuals = tuple(residuals)
@@ -230,6 +240,7 @@ class ResidualContext:
         self._residuals = residuals
         self._spec = spec
         self._backward: Any = None  # the backward that made it, if a split did (kept alive here)
+        self._nbytes: int | None = None  # worked out on first use (the residuals never change)
 
     @property
     def residuals(self) -> tuple[Any, ...]:
@@ -248,13 +259,15 @@ class ResidualContext:
         Weights and constants are held by reference, not copied; :meth:`describe` splits the
         total.
         """
-        seen: set[int] = set()
-        total = 0
-        for x, n in zip(self._residuals, self._spec.leaf_nbytes):
-            if id(x) not in seen and hasattr(x, "dtype"):
-                seen.add(id(x))
-                total += n
-        return total
+        if self._nbytes is None:
+            seen: set[int] = set()
+            total = 0
+            for x, n in zip(self._residuals, self._spec.leaf_nbytes):
+                if id(x) not in seen and hasattr(x, "dtype"):
+                    seen.add(id(x))
+                    total += n
+            self._nbytes = total
+        return self._nbytes
 
     def describe(self) -> str:
         """A readable table: one row per residual with name, shape, dtype, bytes and kind."""
@@ -292,4 +305,5 @@ class ResidualContext:
         obj._residuals = tuple(residuals)
         obj._spec = spec
         obj._backward = None
+        obj._nbytes = None
         return obj

@@ -34,8 +34,10 @@ own); no zip64.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import struct
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -268,6 +270,11 @@ def _patched(layout: BundleLayout, crcs: Sequence[int]) -> memoryview:
     return text.data
 
 
+def _native(dtype: np.dtype) -> bool:
+    """Whether ``dtype``'s bytes in memory are its bytes on disk (little endian)."""
+    return dtype.byteorder == "|" or (dtype.byteorder in "=<" and (sys.byteorder == "little" or dtype.byteorder == "<"))
+
+
 def bundle_parts(layout: BundleLayout, arrays: Sequence[Any]) -> tuple[list[memoryview | bytes], list[int]]:
     """The bytes of the bundle of ``arrays`` (array ``i`` as ``layout.arrays[i]`` says), as a
     list of buffers to write one after another (the arrays' own buffers, not copied, between the
@@ -281,7 +288,8 @@ def bundle_parts(layout: BundleLayout, arrays: Sequence[Any]) -> tuple[list[memo
     views: dict[int, memoryview] = {}
     crcs = [0] * len(arrays)
     for i, (arr, where) in enumerate(zip(arrays, layout.arrays)):
-        a = _disk_array(arr)
+        # a C-contiguous array in native little-endian order is written as it is
+        a = arr if type(arr) is np.ndarray and arr.flags.c_contiguous and _native(arr.dtype) else _disk_array(arr)
         if a.shape != where.shape or zarr_dtype_name(a.dtype) != where.dtype:
             raise ValueError(
                 f"array {i} is {a.dtype}{list(a.shape)}, the bundle layout has {where.dtype}{list(where.shape)}"
@@ -319,15 +327,17 @@ def bundle_views(arrays: Sequence[BundleArray], buffer: np.ndarray | memoryview)
       CorruptDataError: an array that does not lie inside ``buffer``.
     """
     raw = _file_bytes(buffer)
+    size = raw.size
     out = []
     for where in arrays:
-        if where.offset < 0 or where.offset + where.nbytes > raw.size:
-            raise CorruptDataError(f"an array at bytes {where.offset:,}+{where.nbytes:,} of a bundle of {raw.size:,}")
+        offset, nbytes = where.offset, where.nbytes
+        if offset < 0 or offset + nbytes > size:
+            raise CorruptDataError(f"an array at bytes {offset:,}+{nbytes:,} of a bundle of {size:,}")
         dtype = numpy_dtype(where.dtype)
-        if where.nbytes:
-            out.append(raw[where.offset : where.offset + where.nbytes].view(dtype).reshape(where.shape))
-        else:
-            out.append(np.empty(where.shape, dtype))
+        if nbytes != math.prod(where.shape) * dtype.itemsize:
+            raise CorruptDataError(f"an array of {nbytes:,} bytes recorded as {where.dtype}{list(where.shape)}")
+        # one constructor call: a C-ordered view of exactly those bytes, its base the buffer
+        out.append(np.ndarray(where.shape, dtype, raw, offset) if nbytes else np.empty(where.shape, dtype))
     return out
 
 

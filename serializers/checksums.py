@@ -104,7 +104,8 @@ def checksum_parts(parts: Sequence[Buffer]) -> str:
     several buffers), without joining them."""
     h = _STREAMING[ALGORITHM]()
     for part in parts:
-        h.update(_as_bytes(part))
+        # flat byte views (a bundle's parts) go in as they are
+        h.update(part if type(part) is memoryview and part.format == "B" and part.ndim == 1 else _as_bytes(part))
     return f"{ALGORITHM}:{h.hexdigest()}"
 
 

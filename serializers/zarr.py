@@ -421,7 +421,19 @@ def _disk_array(arr: Any) -> np.ndarray:
 
 def _byte_view(a: np.ndarray) -> memoryview:
     """A flat uint8 view of a C-contiguous array (works for bfloat16, bool, 0-d)."""
+    if a.size and _has_buffer_format(a.dtype):
+        return a.data.cast("B")  # a fraction of the cost of the NumPy views below
     return a.reshape(-1).view(np.uint8).data
+
+
+@functools.lru_cache(maxsize=64)
+def _has_buffer_format(dtype: np.dtype) -> bool:
+    """Whether the buffer protocol describes ``dtype`` (not bfloat16 nor the float8s)."""
+    try:
+        memoryview(np.zeros(1, dtype)).cast("B")
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _disk_chunks(arr: np.ndarray | ChunkedArray) -> list[tuple[str, memoryview]]:

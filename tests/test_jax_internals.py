@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from residual_store import _jax_internals as ji
@@ -369,3 +370,30 @@ def test_assumption_DEBUG_INFO():
     raw = Canonicalizer(hook=written_whole).value(fwd)
     assert "test_jax_internals.py:" in raw, "DEBUG_INFO: the rule's source line is not in the params"
     assert "test_jax_internals" not in ji.jaxpr_text(fwd)
+
+
+def test_assumption_HOST_TO_DEVICE():
+    """``device_put_many`` makes what ``jax.device_put`` makes, aliasing an aligned CPU buffer
+    as it does."""
+    import serializers
+
+    device = jax.devices()[0]
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((), np.int32),
+              np.ones((0, 2), jnp.bfloat16), np.array([True, False])]
+    aligned = serializers.aligned_empty((8, 8), np.float32)
+    aligned[...] = 1.5
+    arrays.append(aligned)
+    for committed, target in ((False, None), (True, device)):
+        got = ji.device_put_many(arrays, device, committed)
+        want = jax.device_put(arrays, target)
+        for g, w, a in zip(got, want, arrays):
+            assert isinstance(g, jax.Array) and (g.aval, g.sharding, g.committed) == (w.aval, w.sharding, w.committed), (
+                f"HOST_TO_DEVICE: batched_device_put made {g.aval} {g.sharding} committed={g.committed}, "
+                f"jax.device_put {w.aval} {w.sharding} committed={w.committed}"
+            )
+            np.testing.assert_array_equal(np.asarray(g), a, err_msg="HOST_TO_DEVICE: values differ")
+        assert np.shares_memory(np.asarray(got[-1]), aligned) == np.shares_memory(np.asarray(want[-1]), aligned), (
+            "HOST_TO_DEVICE: batched_device_put and jax.device_put disagree on aliasing a host buffer"
+        )
+    assert ji.any_tracer([jnp.ones(2), 1.0]) is False
+    assert jax.jit(lambda x: jnp.asarray(ji.any_tracer([x, 1.0])))(1.0), "TRACER_KINDS: a jit value is not a Tracer"

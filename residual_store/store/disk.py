@@ -76,16 +76,6 @@ _SMALL_READ_BYTES = 64 << 10  # what one more file costs to open and read, count
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
 
 
-def _bundle_arrays(stored: StoredContext, indices: Sequence[int]) -> list[bundles.BundleArray]:
-    """Where the manifest says each of these bundled residuals lies in the bundle."""
-    out = []
-    for i in indices:
-        r = stored.records[i]
-        assert r.offset is not None
-        out.append(bundles.BundleArray(r.shape, r.dtype, r.offset, r.nbytes))
-    return out
-
-
 def is_disk_full(err: BaseException) -> bool:
     """Whether ``err`` says the disk (or a quota) is full."""
     return isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS
@@ -469,28 +459,28 @@ class DiskTier:
         small context in this thread (handing a few reads to other threads costs more than they
         take), a large one two reads at a time (file reads and checksums release the GIL); from
         an object store, up to 16 requests at a time."""
-        placements: list[NamedSharding | None] = []
-        by_shard: list[bool] = []  # read only the chunks of this process's devices
+        n = len(stored.records)
+        placements: list[NamedSharding | None] = [None] * n
+        by_shard = [False] * n  # read only the chunks of this process's devices
         tasks: list[tuple[int, tuple[int, ...] | None, str]] = []  # (residual, chunk, checksum)
         for i, record in enumerate(stored.records):
-            sharding = stored.sharding(i)
-            placement = self._placement(key, i, record, sharding) if place and sharding else None
-            placements.append(placement)
+            sharding = stored.sharding(i) if stored.sharded else None
+            if place and sharding:
+                placements[i] = placement = self._placement(key, i, record, sharding)
+            else:
+                placement = None
             if record.bundled:  # read with the whole bundle below
-                by_shard.append(False)
                 continue
             if record.shared and not record.chunked and sharding is None and record.path in skip:
-                by_shard.append(False)
                 continue
             if not record.chunked:
-                by_shard.append(False)
                 tasks.append((i, None, record.checksum))
                 continue
             assert record.chunk_shape is not None and record.chunk_checksums is not None
             sums = dict(record.chunk_checksums)
             # The recorded mesh and spec give shards of the chunk shape; anything else is read whole.
             shards = placement is not None and tuple(placement.shard_shape(record.shape)) == record.chunk_shape
-            by_shard.append(shards)
+            by_shard[i] = shards
             if shards:
                 assert placement is not None
                 index_map = placement.addressable_devices_indices_map(record.shape)
@@ -508,12 +498,14 @@ class DiskTier:
         pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
         for (i, idx, _), x in zip(tasks, results):
             pieces.setdefault(i, {})[idx] = x
-        if stored.bundle is not None:
-            for i, x in self._read_bundle(key, stored).items():
-                pieces[i] = {None: x}
+        bundled = self._read_bundle(key, stored) if stored.bundle is not None else {}
         out: HostArrays = []
         for i, record in enumerate(stored.records):
-            got, placement, sharding = pieces.get(i, {}), placements[i], stored.sharding(i)
+            placement = placements[i]
+            if i in bundled and placement is None:  # the common case: a view of the bundle
+                out.append(bundled[i])
+                continue
+            got, sharding = ({None: bundled[i]} if i in bundled else pieces.get(i, {})), stored.sharding(i)
             dtype = serializers.numpy_dtype(record.dtype)
             if by_shard[i]:
                 assert sharding is not None and record.chunk_shape is not None
@@ -622,8 +614,7 @@ class DiskTier:
             raise CorruptContextError(f"{what}: {err}") from err
         except OSError as err:
             raise CorruptContextError(f"{what}: unreadable ({err})") from err
-        indices = [i for i, r in enumerate(stored.records) if r.bundled]
-        return dict(zip(indices, bundles.bundle_views(_bundle_arrays(stored, indices), buffer)))
+        return dict(zip(stored.bundled, bundles.bundle_views(stored.bundle_arrays, buffer)))
 
     def check_bundle(self, key: str, stored: StoredContext, buffer: np.ndarray | None = None) -> None:
         """Checks every byte of ``key``'s bundle (read here unless given): each residual's bytes
@@ -632,7 +623,7 @@ class DiskTier:
         ref = stored.bundle
         if ref is None:
             return
-        indices = [i for i, r in enumerate(stored.records) if r.bundled]
+        indices = stored.bundled
         records = [stored.records[i] for i in indices]
         what = f"context {key!r}, bundle {ref.path}"
         try:

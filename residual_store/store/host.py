@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 import serializers
+from residual_store import _jax_internals
 from residual_store.context import OWN_KINDS, SHARED_KINDS, ResidualContext
 from residual_store.errors import InvalidArgumentError
 from residual_store.placement import sharding_record
@@ -48,7 +49,15 @@ HostArrays = list["np.ndarray | ShardedHost"]
 
 
 def _is_key_dtype(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    try:
+        return _is_key_dtype_cached(dtype)
+    except TypeError:  # an unhashable dtype-like
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+@functools.lru_cache(maxsize=256)
+def _is_key_dtype_cached(dtype: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
 
@@ -152,8 +161,14 @@ def _to_host(x: Any) -> tuple[np.ndarray | ShardedHost, str | None]:
     if _is_key_dtype(x.dtype):
         impl = str(jax.random.key_impl(x))
         x = jax.random.key_data(x)
+    if isinstance(x, jax.Array) and isinstance(x.sharding, SingleDeviceSharding):
+        return np.asarray(x), impl  # (the common case: one device, no sharding to record)
     record = sharding_record(x)
     return (_sharded_host(x, record) if record is not None else np.asarray(x)), impl
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in x.sharding.device_set)
 
 
 def stage_shared(ctx: ResidualContext) -> dict[int, tuple[np.ndarray | ShardedHost, str | None]]:
@@ -176,7 +191,8 @@ def stage_shared(ctx: ResidualContext) -> dict[int, tuple[np.ndarray | ShardedHo
         if isinstance(x, jax.Array) and x.is_deleted():
             raise _deleted(ctx, i, "before it was put")
     for x in arrays:
-        if isinstance(x, jax.Array) and not _is_key_dtype(x.dtype):
+        # (on a CPU the host copy is a view of the buffer: nothing to start)
+        if isinstance(x, jax.Array) and not _on_cpu(x) and not _is_key_dtype(x.dtype):
             try:
                 x.copy_to_host_async()
             except Exception:  # noqa: BLE001 - a hint: the copy below is what counts
@@ -311,6 +327,32 @@ def to_device(ctx: ResidualContext, device: jax.Device | None = None) -> Residua
     return ResidualContext.tree_unflatten(ctx.spec, [move(x) for x in ctx.residuals])
 
 
+def device_put_all(arrays: Sequence[np.ndarray], device: jax.Device | None = None) -> list[jax.Array]:
+    """``jax.device_put(arrays, device)`` for a read's host arrays, hundreds at a time: the
+    C-contiguous ones in a canonical dtype (all a read makes, but for x64 values with x64 off,
+    which the store refuses before placing) without ``jax.device_put``'s per-array work."""
+    if len(arrays) < _MANY:
+        return jax.device_put(list(arrays), device)
+    fast = [i for i, x in enumerate(arrays)
+            if type(x) is np.ndarray and x.flags.c_contiguous and x.dtype == _canonical_dtype(x.dtype)]
+    out: list[Any] = [None] * len(arrays)
+    target = read_device(device)
+    for i, y in zip(fast, _jax_internals.device_put_many([arrays[i] for i in fast], target, device is not None)):
+        out[i] = y
+    rest = [i for i in range(len(arrays)) if out[i] is None]
+    for i, y in zip(rest, jax.device_put([arrays[i] for i in rest], device)):
+        out[i] = y
+    return out
+
+
+_MANY = 8  # below this many arrays, jax.device_put's fixed cost is what there is
+
+
+@functools.lru_cache(maxsize=256)
+def _canonical_dtype(dtype: np.dtype) -> np.dtype:
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
 def place(
     arrays: HostArrays,
     shared: Sequence[bool],
@@ -325,7 +367,7 @@ def place(
     which keeps one device array per stored weight; typed PRNG keys wrapped again."""
     own = [i for i, s in enumerate(shared) if not s]
     plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
-    placed = dict(zip(plain, jax.device_put([arrays[i] for i in plain], device)))
+    placed = dict(zip(plain, device_put_all([arrays[i] for i in plain], device)))
     for i in own:
         host = arrays[i]
         if isinstance(host, ShardedHost):

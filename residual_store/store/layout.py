@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -211,6 +212,8 @@ def _layout_digest(spec: ResidualSpec, own: tuple[tuple[int, str, tuple[int, ...
 
 def data_of(stored: StoredContext) -> StaleData:
     """The data folder of a committed context and its layout (see :func:`layout_digest`)."""
+    if stored.layout is not None:
+        return StaleData(stored.data_dir, stored.layout)
     prefix = stored.data_dir + "/"
     return StaleData(stored.data_dir, layout_digest(stored.spec, (
         (i, _in_bundle_name(i) if r.bundled else r.path[len(prefix):], r.shape, r.dtype, r.chunk_shape)
@@ -387,8 +390,12 @@ def plan_write(
     computed here from ``arrays`` when ``None``); ``whole_sums`` and ``digests`` any checksums
     and content digests of whole arrays already computed (by residual index).
     """
-    sums = chunk_sums(spec, arrays) if sums is None else sums
     folder = data_dir(key, write_id)
+    if sums is None:
+        template = _template_for(spec, arrays, impls)
+        if template is not None:
+            return _plan_from_template(template, key, spec, arrays, impls, folder, whole_sums, digests)
+    sums = chunk_sums(spec, arrays) if sums is None else sums
     writes: list[ArrayWrite] = []
     records = []
     shardings: list[dict[str, Any] | None] = []
@@ -465,9 +472,164 @@ def plan_write(
     ])
     stored = StoredContext(
         key, spec, tuple(records), tuple(impls), created, jax.__version__, folder, tuple(shardings),
-        bundle.ref if bundle is not None else None,
+        bundle.ref if bundle is not None else None, layout,
     )
     return WritePlan(key, folder, layout, tuple(writes), tuple(records), manifest, group, stored, bundle)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Template:
+    """What every write of one signature shares, worked out at its first write: the host
+    arrays' shapes and dtypes it holds for, each residual's record but for its path and checksum
+    (checked once), the spec's map, the bundle's layout, the group's ``zarr.json`` split where
+    the paths go, and the layout digest. For a context whose own arrays all go in its bundle
+    and whose residuals are all NumPy arrays: a write of it then costs a few operations per
+    residual (its checksum, its path), not a record built and checked."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    bundled: tuple[int, ...]
+    bundle: bundles.BundleLayout
+    records: tuple[serializers.ArrayRecord, ...]  # path and checksum placeholders
+    record_maps: tuple[dict[str, Any], ...]  # the records' manifest maps
+    spec_map: dict[str, Any]
+    group_parts: tuple[str, ...]  # the group's JSON around the key, the manifest's path, each path
+    layout: str
+
+    @functools.cached_property
+    def bundled_set(self) -> frozenset[int]:
+        return frozenset(self.bundled)
+
+
+_TEMPLATE_PATH = "\x00"  # never in a real path, key or checksum: where the group's values go
+_TEMPLATES_MAX = 16
+
+
+def _template_for(spec: ResidualSpec, arrays: HostArrays, impls: Sequence[str | None]) -> _Template | None:
+    """The template of writes of ``spec`` with these host arrays, or ``None`` where there is
+    none (a sharded residual, own arrays past the bundle's limits)."""
+    try:
+        cache_key = (spec, tuple(impls), _BUNDLE_CAP)  # (tests change the cap)
+        template = _templates.get(cache_key)
+    except TypeError:  # a spec holding an unhashable value
+        return None
+    if template is None:
+        if any(type(x) is not np.ndarray for x in arrays):
+            return None
+        template = _make_template(spec, arrays, impls)
+        if template is None:
+            return None
+        with _templates_lock:
+            _templates[cache_key] = template
+            while len(_templates) > _TEMPLATES_MAX:
+                del _templates[next(iter(_templates))]
+    shapes, dtypes = template.shapes, template.dtypes
+    for i, x in enumerate(arrays):
+        if type(x) is not np.ndarray or x.shape != shapes[i] or x.dtype != dtypes[i]:
+            return None
+    return template
+
+
+_templates: dict[tuple[ResidualSpec, tuple[str | None, ...], int], _Template] = {}
+_templates_lock = threading.Lock()
+
+
+def _make_template(spec: ResidualSpec, arrays: Sequence[np.ndarray], impls: Sequence[str | None]) -> _Template | None:
+    bundled = _bundled(spec, arrays)
+    if len(bundled) != sum(kind not in SHARED_KINDS for kind in spec.kinds):
+        return None
+    dtype_names = [serializers.zarr_dtype_name(x.dtype) for x in arrays]
+    bundle = bundle_layout_of(spec, [(i, arrays[i].shape, dtype_names[i]) for i in bundled])
+    offsets = {i: where.offset for i, where in zip(bundled, bundle.arrays)}
+    placeholder = serializers.checksum(b"")
+    records = tuple(
+        serializers.ArrayRecord.for_writing(
+            name=spec.names[i], path="p", shape=x.shape, dtype=dtype_names[i], nbytes=int(x.nbytes),
+            checksum=placeholder, input_path=spec.input_paths[i], shared=kind in SHARED_KINDS,
+            offset=offsets.get(i),
+        ).checked()
+        for i, (x, kind) in enumerate(zip(arrays, spec.kinds))
+    )
+    bundle_path_text = bundle_path(_TEMPLATE_PATH)[len(_TEMPLATE_PATH):]  # "/bundle.zip"
+    group = serializers.encode_group_metadata({"residual_store": {
+        "key": _TEMPLATE_PATH, "signature": spec.signature, "manifest": _TEMPLATE_PATH,
+        "arrays": [
+            {"path": _TEMPLATE_PATH, "name": r.name, "kind": k}
+            | ({"bundle": _TEMPLATE_PATH + bundle_path_text, "in_bundle": str(i)} if r.bundled else {})
+            for i, (r, k) in enumerate(zip(records, spec.kinds))
+        ],
+    }}).decode()
+    placeholder_json = json.dumps(_TEMPLATE_PATH)[1:-1]
+    layout = layout_digest(spec, [(i, _in_bundle_name(i), arrays[i].shape, dtype_names[i], None) for i in bundled])
+    return _Template(
+        tuple(x.shape for x in arrays), tuple(x.dtype for x in arrays), tuple(bundled), bundle, records,
+        tuple(r.to_dict() for r in records), spec_to_map(spec, impls), tuple(group.split(placeholder_json)), layout,
+    )
+
+
+def _plan_from_template(
+    template: _Template,
+    key: str,
+    spec: ResidualSpec,
+    arrays: HostArrays,
+    impls: Sequence[str | None],
+    folder: str,
+    whole_sums: Mapping[int, str] | None,
+    digests: Mapping[int, str] | None,
+) -> WritePlan:
+    """:func:`plan_write` of a context that has a :class:`_Template`: the same plan, records
+    and bytes, made from the template."""
+    if not serializers.is_safe_relpath(folder):
+        raise ValueError(f"refusing to write to {folder!r}: not a safe relative path")
+    whole_sums, digests = whole_sums or {}, digests or {}
+    data = [arrays[i] for i in template.bundled]
+    parts, crcs = bundles.bundle_parts(template.bundle, data)
+    ref = BundleRef(bundle_path(folder), template.bundle.nbytes, checksum_parts(parts))
+    bundle = BundleWrite(ref, tuple(parts))
+    paths: list[str] = [""] * len(arrays)
+    checksums: list[str] = [""] * len(arrays)
+    for i, crc in zip(template.bundled, crcs):
+        paths[i], checksums[i] = own_array_path(folder, i), bundles.crc_checksum(crc)
+    writes: list[ArrayWrite] = []
+    for i, x in enumerate(arrays):
+        if paths[i]:
+            continue
+        checksums[i] = whole_sums.get(i) or serializers.checksum(x)
+        paths[i] = weight_path(digests.get(i) or serializers.content_digest(x))
+        if not any(w.path == paths[i] for w in writes):
+            writes.append(ArrayWrite(i, paths[i], x, True, True, None))
+    records = tuple(r.relocated(p, c) for r, p, c in zip(template.records, paths, checksums))
+    maps = []
+    for m, p, c in zip(template.record_maps, paths, checksums):
+        m = dict(m)
+        m["path"], m["checksum"] = p, c
+        maps.append(m)
+    created = time.time()
+    fields: dict[str, Any] = {
+        "key": key, "signature": spec.signature, "created": created, "jax_version": jax.__version__,
+        "spec": template.spec_map, "data_dir": folder, "arrays": maps, "bundle": ref.to_map(),
+    }
+    manifest = serializers.encode_manifest(fields, records_checked=True)
+    # the group's values where the template's JSON has them (keys sorted: each array's bundle
+    # folder, if bundled, and path; then the key and the manifest's path); the paths are safe
+    # relative paths, which JSON writes as they are
+    values: list[str] = []
+    bundled = template.bundled_set
+    for i, p in enumerate(paths):
+        if i in bundled:
+            values.append(folder)
+        values.append(p)
+    values += [json.dumps(key)[1:-1], json.dumps(manifest_path(key))[1:-1]]
+    pieces = template.group_parts
+    text = [pieces[0]]
+    for v, piece in zip(values, pieces[1:]):
+        text += [v, piece]
+    group = "".join(text).encode()
+    stored = StoredContext(
+        key, spec, records, tuple(impls), created, jax.__version__, folder, tuple(None for _ in records), ref,
+        template.layout,
+    )
+    return WritePlan(key, folder, template.layout, tuple(writes), records, manifest, group, stored, bundle)
 
 
 def _plan_bundle(

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 import serializers
-from serializers.bundle import BUNDLE_ALIGNMENT, BUNDLE_FILE, MAX_BUNDLE_BYTES
+from serializers.bundle import BUNDLE_ALIGNMENT, BUNDLE_FILE, MAX_BUNDLE_BYTES, BundleArray
 from serializers.checksums import parse_checksum
 from residual_store import structure
 from residual_store.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualSpec
@@ -81,6 +81,8 @@ class StoredContext:
     data_dir: str
     shardings: tuple[dict[str, Any] | None, ...] = ()  # per residual: its sharding record, if any
     bundle: BundleRef | None = None
+    # the layout digest of its own arrays, where its writer knew it (see layout.data_of)
+    layout: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -89,25 +91,21 @@ class StoredContext:
     def sharding(self, i: int) -> dict[str, Any] | None:
         return self.shardings[i] if i < len(self.shardings) else None
 
+    @functools.cached_property
+    def sharded(self) -> bool:
+        """Whether any residual has a sharding record."""
+        return any(s is not None for s in self.shardings)
 
+    @functools.cached_property
+    def bundled(self) -> tuple[int, ...]:
+        """The residuals in the bundle, in order."""
+        return tuple(i for i, r in enumerate(self.records) if r.bundled)
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+    @functools.cached_property
+    def bundle_arrays(self) -> tuple[serializers.BundleArray, ...]:
+        """Where each of :attr:`bundled` lies in the bundle, as its records say."""
+        return tuple(BundleArray(r.shape, r.dtype, r.offset, r.nbytes)
+                     for r in (self.records[i] for i in self.bundled))
 
 
 def _call_to_map(call: CallSpec) -> dict[str, Any]:

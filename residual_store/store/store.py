@@ -256,7 +256,7 @@ class Store:
         self._emit_warnings()
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"put expects a rs.ResidualContext, got {type(ctx).__name__}")
-        if any(_jax_internals.transformation(x) is not None for x in ctx.residuals):
+        if _jax_internals.any_tracer(ctx.residuals):
             raise InvalidArgumentError(
                 "put cannot store a context inside jax.jit or another transformation (its residuals "
                 "are tracers, not arrays): return the context from the jitted function and put it there"
