@@ -228,6 +228,10 @@ class CollectiveCommitter:
         self._channel: Channel | None = None  # made at the first collective operation
         self._lock = threading.Lock()
         self.recycles = False  # each process would have to claim the same folder
+        self.every_version = True  # every process takes part in every write, in put order
+        self.needs_keys = True  # a fresh key would differ between processes
+        self.writes_through = True  # a spill would depend on one process's budgets
+        self.saves_backwards = jax.process_index() == 0
 
     def _begin(self, what: str, value: Any = None) -> tuple[Collective, list[Any]]:
         """Begins a collective operation on this store's channel; a store only read from (an

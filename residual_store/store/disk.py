@@ -83,7 +83,16 @@ _READ_ATTEMPTS = 8
 
 
 class DiskTier:
-    """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete, gc."""
+    """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete, gc.
+
+    In a single process it is also the store's :class:`~residual_store.store.committer.Committer`.
+    """
+
+    every_version = False  # a superseded put is never written
+    recycles = True
+    needs_keys = False
+    writes_through = False
+    saves_backwards = True
 
     def __init__(
         self,

@@ -1,23 +1,7 @@
 """The store's tree, pure (no I/O): where each thing lives, and what a write puts where.
 
-Every path of the layout is spelled here and nowhere else::
-
-    residual-store.json                  store marker: format and version
-    zarr.json                            zarr v3 root group (attributes: format, version)
-    contexts/<key>.manifest              msgpack manifest; its presence is the commit
-    data/zarr.json                       zarr v3 group of the contexts' own data
-    data/<key>.<write id>/zarr.json      zarr v3 group of one write (attributes: key, signature,
-                                         and every array of the context, weights included)
-    data/<key>.<write id>/bundle.zip     the bundle: a zarr v3 group in one zip holding the
-                                         context's own single-chunk arrays, <i>/ for residual <i>
-    data/<key>.<write id>/<i>/           zarr v3 array: residual <i>, the context's own, when not
-                                         in the bundle (a sharded one, or one past its limits)
-    data/.free/<layout>.<id>/            a replaced context's data folder, kept for reuse
-    data/.trash/<id>/                    a folder gc took, being removed
-    weights/zarr.json                    zarr v3 group of the shared arrays
-    weights/<digest>/                    zarr v3 array: a weight or constant, stored once
-    backwards/<signature>.export         the serialized backward (jax.export)
-    backwards/<signature>.manifest       its manifest (written last)
+The paths come from :mod:`residual_store.store.paths`, which spells every one; they are
+re-exported here.
 
 :func:`plan_write` turns a context's host arrays into a :class:`WritePlan`: every array's path
 and bytes, its manifest record, the manifest itself and the write's group metadata. The plan is
@@ -33,7 +17,6 @@ import hashlib
 import json
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -48,6 +31,32 @@ from residual_store.context import SHARED_KINDS, ResidualSpec
 from residual_store.errors import ResidualStoreError
 from residual_store.store.host import HostArrays, ShardedHost
 from residual_store.store.records import BundleRef, StoredContext, spec_to_map
+from residual_store.store.paths import (  # noqa: F401 - re-exported
+    STORE_MARKER,
+    STORE_VERSION,
+    STORE_FORMAT,
+    CONTEXTS,
+    DATA,
+    WEIGHTS,
+    BACKWARDS,
+    FREE_DIR,
+    TRASH_DIR,
+    MANIFEST_SUFFIX,
+    GROUPS,
+    new_write_id,
+    manifest_path,
+    data_dir,
+    own_array_path,
+    bundle_path,
+    weight_path,
+    staging_path,
+    recycled_path,
+    trash_path,
+    backward_paths,
+    is_node_metadata,
+    group_metadata_path,
+    in_bundle_name as _in_bundle_name,
+)
 
 __all__ = [
     "BACKWARDS",
@@ -85,84 +94,6 @@ __all__ = [
     "trash_path",
     "weight_path",
 ]
-
-STORE_MARKER = "residual-store.json"
-STORE_VERSION = 2
-"""Version 2 adds the zarr v3 groups; version 1 stores are read, and upgraded by a write."""
-STORE_FORMAT = b'{"format": "residual-store", "version": 2}\n'
-
-CONTEXTS = "contexts"
-DATA = "data"
-WEIGHTS = "weights"
-BACKWARDS = "backwards"
-FREE_DIR = f"{DATA}/.free"
-TRASH_DIR = f"{DATA}/.trash"
-MANIFEST_SUFFIX = ".manifest"
-_EXPORT_SUFFIX = ".export"
-_GROUP_METADATA = "zarr.json"  # zarr v3's name for a node's metadata
-
-GROUPS = ("", DATA, WEIGHTS)
-"""The folders that are zarr groups in every store (the root, ``data``, ``weights``)."""
-
-
-def new_write_id() -> str:
-    """A fresh write id: 12 lowercase hex digits (what ``data_dir`` and recycled names take)."""
-    return uuid.uuid4().hex[:12]
-
-
-def manifest_path(key: str) -> str:
-    return f"{CONTEXTS}/{key}{MANIFEST_SUFFIX}"
-
-
-def data_dir(key: str, write_id: str) -> str:
-    """The folder of one write's own arrays; ``write_id`` is 12 lowercase hex digits."""
-    return f"{DATA}/{key}.{write_id}"
-
-
-def own_array_path(folder: str, i: int) -> str:
-    return f"{folder}/{i}"
-
-
-def bundle_path(folder: str) -> str:
-    """A write's bundle: its own single-chunk arrays in one file (:mod:`serializers.bundle`)."""
-    return f"{folder}/{bundles.BUNDLE_FILE}"
-
-
-def _in_bundle_name(i: int) -> str:
-    """What the layout digest calls residual ``i`` in the bundle (never a folder's name)."""
-    return f"{bundles.BUNDLE_FILE}/{i}"
-
-
-def weight_path(digest: str) -> str:
-    return f"{WEIGHTS}/{digest}"
-
-
-def staging_path(path: str, write_id: str) -> str:
-    """Where a collective write assembles a sharded weight before renaming it into place."""
-    return f"{path}.{write_id}.tmp"
-
-
-def recycled_path(layout: str, unique: str) -> str:
-    return f"{FREE_DIR}/{layout}.{unique}"
-
-
-def trash_path(unique: str) -> str:
-    return f"{TRASH_DIR}/{unique}"
-
-
-def backward_paths(signature: str) -> tuple[str, str]:
-    """The stored backward's export and its manifest (the manifest is its commit)."""
-    return f"{BACKWARDS}/{signature}{_EXPORT_SUFFIX}", f"{BACKWARDS}/{signature}{MANIFEST_SUFFIX}"
-
-
-def is_node_metadata(name: str) -> bool:
-    """Whether an entry of a group's folder is the group's own metadata, not a child."""
-    return name == _GROUP_METADATA
-
-
-def group_metadata_path(folder: str) -> str:
-    return f"{folder}/{_GROUP_METADATA}" if folder else _GROUP_METADATA
-
 
 def root_group() -> dict[str, bytes]:
     """The ``zarr.json`` of every group a store has from the start, by path."""

@@ -21,12 +21,13 @@ from typing import Any
 import jax
 
 import serializers
-from serializers.bundle import BUNDLE_ALIGNMENT, BUNDLE_FILE, MAX_BUNDLE_BYTES, BundleArray
+from serializers.bundle import BUNDLE_ALIGNMENT, MAX_BUNDLE_BYTES, BundleArray
 from serializers.checksums import parse_checksum
 from residual_store import structure
 from residual_store.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualSpec
 from residual_store.errors import CorruptContextError
 from residual_store.placement import check_sharding_record, key_dtype
+from residual_store.store import paths
 from residual_store.store.keys import validate_key
 
 __all__ = [
@@ -50,8 +51,6 @@ MAX_CHUNKS = 1 << 20
 :data:`serializers.manifest.MAX_CHUNKS_PER_ARRAY`)."""
 
 _SIGNATURE = re.compile(r"rs[12]-[0-9a-f]{32}")
-_WRITE_ID = re.compile(r"[0-9a-f]{12}")
-_WEIGHT_PATH = re.compile(r"weights/[0-9a-f]{32}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,16 +326,11 @@ def check_data_dir(key: str, data_dir: object, what: str) -> str:
     ``data/<key>.<write id>``, the write id 12 hex digits. Two keys never have one folder (the
     key is all of the name but its last 13 characters), so no manifest can name another
     context's data. :class:`CorruptContextError` otherwise."""
-    prefix = f"data/{key}."
-    if not (
-        isinstance(data_dir, str)
-        and data_dir.startswith(prefix)
-        and _WRITE_ID.fullmatch(data_dir[len(prefix) :])
-    ):
+    if not paths.is_data_dir_of(key, data_dir):
         shown = repr(data_dir)[:80] if isinstance(data_dir, str) else type(data_dir).__name__
         raise CorruptContextError(
             f"{what}: invalid data_dir {shown} in manifest (context {key!r} writes only "
-            f"data/{key}.<12 hex digits>)"
+            f"{paths.data_dir(key, '<12 hex digits>')})"
         )
     return data_dir
 
@@ -354,10 +348,12 @@ def _check_record(
     i: int, record: serializers.ArrayRecord, data_dir: str, impl: str | None, what: str
 ) -> None:
     """One array record against its place in the store and its declared size."""
-    own = f"{data_dir}/{i}"
+    own = paths.own_array_path(data_dir, i)
     if record.shared:
-        if not (_WEIGHT_PATH.fullmatch(record.path) or record.path == own):
-            raise ValueError(f"a shared array must be at weights/<32 hex digits> or {own}, not {record.path!r}")
+        if not (paths.is_weight_path(record.path) or record.path == own):
+            raise ValueError(
+                f"a shared array must be at {paths.weight_path('<32 hex digits>')} or {own}, not {record.path!r}"
+            )
     elif record.path != own:
         raise ValueError(f"its array must be at {own} (the context's own data), not {record.path!r}")
     try:
@@ -386,7 +382,7 @@ def _bundle_ref(m: Mapping[str, Any], data_dir: str, what: str) -> BundleRef | N
     if m["version"] < 4:
         raise CorruptContextError(f"{what}: a version {m['version']} manifest names a bundle (version 4 on)")
     b = m["bundle"]
-    path = f"{data_dir}/{BUNDLE_FILE}"
+    path = paths.bundle_path(data_dir)
     if not (isinstance(b, dict) and set(b) == {"path", "nbytes", "checksum"}):
         raise CorruptContextError(f"{what}: invalid bundle in manifest (a map of path, nbytes, checksum)")
     nbytes = b["nbytes"]

@@ -14,7 +14,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
-import numpy as np
 
 from residual_store import _jax_internals
 from residual_store.backward import find_backward
@@ -29,7 +28,8 @@ from residual_store.errors import (
     StoreFullError,
 )
 from residual_store.store import backwards
-from residual_store.store.collective import TIMEOUT_S, CollectiveCommitter, is_multiprocess
+from residual_store.store.collective import TIMEOUT_S
+from residual_store.store.committer import Committer, open_committer
 from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
 from residual_store.store.host import (
@@ -185,15 +185,12 @@ class Store:
             path, create=create, read_only=read_only, read_buffer_bytes=int(read_buffer_bytes),
             timeout=None if timeout is None else float(timeout),
         ) if path is not None else None
-        # Several processes (jax.process_count() > 1) write each context collectively, in put
-        # order: every put is written through (a spill depends on one process's budgets), and
-        # data folders are removed, never recycled (each process would have to claim the same).
-        self._collective = self._disk is not None and is_multiprocess()
-        self._committer: DiskTier | CollectiveCommitter | None = (
-            CollectiveCommitter(self._disk, float(collective_timeout)) if self._collective else self._disk
+        # how writes and deletes reach the disk (collectively, in a job of several processes)
+        self._committer: Committer | None = (
+            open_committer(self._disk, float(collective_timeout)) if self._disk is not None else None
         )
-        self._saves_backwards = self._disk is not None and (not self._collective or jax.process_index() == 0)
-        self._write_through = bool(write_through) or self._collective
+        self._saves_backwards = self._committer is not None and self._committer.saves_backwards
+        self._write_through = bool(write_through) or (self._committer is not None and self._committer.writes_through)
         self._durable = bool(durable)
         self._lock = threading.RLock()
         self._pending: dict[str, tuple[ResidualContext, object]] = {}
@@ -261,7 +258,7 @@ class Store:
                 "put cannot store a context inside jax.jit or another transformation (its residuals "
                 "are tracers, not arrays): return the context from the jitted function and put it there"
             )
-        if key is None and self._collective:
+        if key is None and self._committer is not None and self._committer.needs_keys:
             raise InvalidArgumentError(
                 "in a multi-process job, put needs a key: every process puts the same context "
                 "under the same key, and a fresh key would differ between processes"
@@ -342,7 +339,7 @@ class Store:
         context's weights its put took (:func:`stage_shared`)."""
         assert self._committer is not None
         with self._lock:
-            if self._pending.get(key, (None, None))[1] is not token and not self._collective:
+            if self._pending.get(key, (None, None))[1] is not token and not self._committer.every_version:
                 return
         try:
             try:
@@ -390,7 +387,8 @@ class Store:
         """Hands data no manifest references any more to the janitor, off the write path."""
         if stale is not None:
             assert self._disk is not None
-            self._janitor.submit(functools.partial(self._disk.drop_data, stale, recycle=not self._collective))
+            assert self._committer is not None
+            self._janitor.submit(functools.partial(self._disk.drop_data, stale, recycle=self._committer.recycles))
 
     def _save_backward(self, ctx: ResidualContext) -> None:
         """Once per signature and store, on the writer thread: save the backward, so other
@@ -719,7 +717,7 @@ class Store:
         try:
             with self._lock:
                 superseded = self._deleting.get(key) is not token  # put again since
-            if self._collective or not superseded:
+            if self._committer.every_version or not superseded:
                 self._drop_later(self._committer.delete(key)[1])
         finally:
             with self._lock:

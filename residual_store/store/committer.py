@@ -1,0 +1,65 @@
+"""How a store's writes and deletes reach its disk: the :class:`Committer` protocol.
+
+A store with a path commits through one :class:`Committer`, chosen once when it opens
+(:func:`open_committer`): the :class:`~residual_store.store.disk.DiskTier` itself in a single
+process, a :class:`~residual_store.store.collective.CollectiveCommitter` in a job of several
+processes (``jax.process_count() > 1``). What the two do differently, the store asks the
+committer (its attributes below) instead of asking which one it has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from residual_store.context import ResidualSpec
+from residual_store.store.disk import DiskTier
+from residual_store.store.host import HostArrays
+from residual_store.store.layout import StaleData
+
+__all__ = ["Committer", "open_committer"]
+
+
+class Committer(Protocol):
+    """Writes and deletes contexts on a store's disk tier.
+
+    Attributes:
+      every_version: every put is written, even one a later put of its key superseded before
+        its turn (the processes of a job take part in each write, in put order).
+      recycles: a replaced context's data folder is kept for a later write of its layout.
+      needs_keys: ``put`` needs a key (a fresh one would differ between processes).
+      writes_through: every put is written at once (a spill depends on one process's budgets).
+      saves_backwards: this process writes the stored backwards.
+    """
+
+    every_version: bool
+    recycles: bool
+    needs_keys: bool
+    writes_through: bool
+    saves_backwards: bool
+
+    def write(
+        self,
+        key: str,
+        spec: ResidualSpec,
+        arrays: HostArrays,
+        impls: Sequence[str | None],
+        *,
+        fsync: bool,
+        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
+    ) -> StaleData | None:
+        """Commits ``key``'s context (its residuals ``arrays`` on the host); returns the data it
+        replaced, unreferenced now, for the store to drop off the write path."""
+        ...
+
+    def delete(self, key: str) -> tuple[bool, StaleData | None]:
+        """Removes ``key``'s manifest (the context vanishes at once); whether it was there, and
+        its data."""
+        ...
+
+
+def open_committer(disk: DiskTier, collective_timeout: float) -> Committer:
+    """The committer of a store on ``disk``: collective in a job of several processes."""
+    from residual_store.store.collective import CollectiveCommitter, is_multiprocess
+
+    return CollectiveCommitter(disk, collective_timeout) if is_multiprocess() else disk

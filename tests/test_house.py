@@ -1,0 +1,74 @@
+"""House rules of the code that a test can check: every path of a store's tree is spelled in
+``residual_store/store/paths.py`` only; the store asks its committer how to write, never which
+kind it has; JAX internals are used in ``_jax_internals`` only."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "residual_store"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+# a string that spells a path of the tree: a top folder followed by a slash, or a file name
+# that only the tree has
+_TREE_PATH = re.compile(r"^(contexts|data|weights|backwards)/|(^|/)(bundle\.zip|residual-store\.json)$|^\.(free|trash)$")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (prose may name paths)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def _path_literals(source: str) -> list[tuple[int, str]]:
+    tree = ast.parse(source)
+    skip = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            # (the literal parts of an f-string, f"data/{key}", are constants too)
+            if _TREE_PATH.search(node.value):
+                found.append((node.lineno, node.value))
+    return found
+
+
+def test_the_check_finds_paths_spelled_by_hand():
+    assert [v for _, v in _path_literals('p = f"data/{key}.{wid}"\nq = "weights/" + d\nr = "x"')] == [
+        "data/", "weights/",
+    ]
+    assert _path_literals('def f():\n    """Reads data/<key>.<id>/bundle.zip."""\n') == []
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m.name != "paths.py"], ids=lambda m: m.name)
+def test_every_path_of_the_tree_is_spelled_in_paths_only(module):
+    found = _path_literals(module.read_text())
+    assert not found, f"{module.relative_to(PACKAGE.parent)} spells store paths itself (use store.paths): {found}"
+
+
+def test_the_store_asks_its_committer_not_which_kind_it_has():
+    source = (PACKAGE / "store" / "store.py").read_text()
+    for name in ("_collective", "CollectiveCommitter", "is_multiprocess", "process_index", "can_rename"):
+        assert name not in source, f"store.py branches on the kind of committer or backend ({name})"
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m.name != "_jax_internals.py"], ids=lambda m: m.name)
+def test_jax_internals_are_used_in_one_module(module):
+    tree = ast.parse(module.read_text())
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        assert not any(n == "jax._src" or n.startswith("jax._src.") for n in names), (
+            f"{module.name}:{node.lineno} imports JAX internals: they belong in residual_store/_jax_internals.py"
+        )
