@@ -31,6 +31,7 @@ from residual_store.context import SHARED_KINDS, ResidualSpec
 from residual_store.errors import ResidualStoreError
 from residual_store.store.host import HostArrays, ShardedHost
 from residual_store.store.records import BundleRef, StoredContext, spec_to_map
+from residual_store.store import paths
 from residual_store.store.paths import (  # noqa: F401 - re-exported
     STORE_MARKER,
     STORE_VERSION,
@@ -55,45 +56,28 @@ from residual_store.store.paths import (  # noqa: F401 - re-exported
     backward_paths,
     is_node_metadata,
     group_metadata_path,
-    in_bundle_name as _in_bundle_name,
+    in_bundle_name,
+    is_data_dir_of,
+    is_weight_path,
 )
 
-__all__ = [
-    "BACKWARDS",
-    "CONTEXTS",
-    "DATA",
-    "FREE_DIR",
-    "GROUPS",
-    "MANIFEST_SUFFIX",
-    "STORE_FORMAT",
-    "STORE_MARKER",
-    "STORE_VERSION",
-    "TRASH_DIR",
-    "WEIGHTS",
+__all__ = [  # and, re-exported, every name of paths.__all__
     "ArrayWrite",
     "BundleWrite",
     "ChunkSums",
     "StaleData",
     "WritePlan",
-    "backward_paths",
     "bundle_layout_of",
-    "bundle_path",
     "chunk_sums",
     "chunked_digest_of",
-    "data_dir",
     "data_of",
-    "group_metadata_path",
-    "is_node_metadata",
     "layout_digest",
-    "manifest_path",
-    "new_write_id",
     "plan_write",
-    "recycled_path",
     "root_group",
-    "staging_path",
-    "trash_path",
-    "weight_path",
+    *paths.__all__,
 ]
+
+
 
 def root_group() -> dict[str, bytes]:
     """The ``zarr.json`` of every group a store has from the start, by path."""
@@ -147,7 +131,7 @@ def data_of(stored: StoredContext) -> StaleData:
         return StaleData(stored.data_dir, stored.layout)
     prefix = stored.data_dir + "/"
     return StaleData(stored.data_dir, layout_digest(stored.spec, (
-        (i, _in_bundle_name(i) if r.bundled else r.path[len(prefix):], r.shape, r.dtype, r.chunk_shape)
+        (i, in_bundle_name(i) if r.bundled else r.path[len(prefix):], r.shape, r.dtype, r.chunk_shape)
         for i, r in enumerate(stored.records)
         if r.path.startswith(prefix)
     )))
@@ -399,7 +383,7 @@ def plan_write(
         *((a.index, a.path[len(folder) + 1:], a.data.shape, serializers.zarr_dtype_name(a.data.dtype),
            getattr(a.data, "chunk_shape", None) if not a.whole else None)
           for a in writes if not a.shared),
-        *((i, _in_bundle_name(i), records[i].shape, records[i].dtype, None) for i in in_bundle),
+        *((i, in_bundle_name(i), records[i].shape, records[i].dtype, None) for i in in_bundle),
     ])
     stored = StoredContext(
         key, spec, tuple(records), tuple(impls), created, jax.__version__, folder, tuple(shardings),
@@ -491,7 +475,7 @@ def _make_template(spec: ResidualSpec, arrays: Sequence[np.ndarray], impls: Sequ
         ],
     }}).decode()
     placeholder_json = json.dumps(_TEMPLATE_PATH)[1:-1]
-    layout = layout_digest(spec, [(i, _in_bundle_name(i), arrays[i].shape, dtype_names[i], None) for i in bundled])
+    layout = layout_digest(spec, [(i, in_bundle_name(i), arrays[i].shape, dtype_names[i], None) for i in bundled])
     return _Template(
         tuple(x.shape for x in arrays), tuple(x.dtype for x in arrays), tuple(bundled), bundle, records,
         tuple(r.to_dict() for r in records), spec_to_map(spec, impls), tuple(group.split(placeholder_json)), layout,
