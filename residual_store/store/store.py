@@ -29,6 +29,7 @@ from residual_store.errors import (
 )
 from residual_store.store import backwards
 from residual_store.store.collective import TIMEOUT_S
+from residual_store.store.budgets import parse_budget, parse_size
 from residual_store.store.committer import Committer, open_committer
 from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
@@ -99,8 +100,11 @@ class Store:
       path: a local folder, a tensorstore kvstore spec (``{"driver": "file", "path": ...}``,
         ``{"driver": "memory"}``, ``gcs``/``s3`` specs pass through), or ``None`` for memory only.
       device_budget, host_budget: bytes of intermediates each memory tier may hold (``None``:
-        unbounded). Over budget, the least recently used context moves down a tier. Weights a
-        context holds by reference are the model's memory and are not counted.
+        unbounded): an ``int``, or a string with a unit (``"512MiB"``, ``"8 GiB"``, ``"2GB"``);
+        ``device_budget`` may also be a share of the device's memory (``"50%"`` of its
+        ``memory_stats()["bytes_limit"]``, fixed when the store opens). Over budget, the least
+        recently used context moves down a tier. Weights a context holds by reference are the
+        model's memory and are not counted.
       write_through: with a path, write every context to disk in the background (the default);
         ``False`` writes only what the budgets push out of host memory (pure offload).
       durable: fsync arrays and manifests before a write counts as done (``flush`` then means
@@ -143,8 +147,8 @@ class Store:
         self,
         path: StorePath = None,
         *,
-        device_budget: int | None = None,
-        host_budget: int | None = None,
+        device_budget: int | str | None = None,
+        host_budget: int | str | None = None,
         write_through: bool = True,
         durable: bool = True,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
@@ -164,6 +168,8 @@ class Store:
         if device is not None and not isinstance(device, jax.Device):
             raise InvalidArgumentError(f"device must be a jax.Device or None, got {type(device).__name__}")
         self._target = device
+        device_budget = parse_budget(device_budget, "device_budget", read_device(device))
+        host_budget = parse_size(host_budget, "host_budget")
         self._tiers = Tiers(device_budget, host_budget, demote=to_host)
         self._device, self._host = self._tiers.device, self._tiers.host
         for name, value in (("max_pending_bytes", max_pending_bytes), ("read_buffer_bytes", read_buffer_bytes)):
@@ -195,6 +201,7 @@ class Store:
         self._lock = threading.RLock()
         self._pending: dict[str, tuple[ResidualContext, object]] = {}
         self._loading: dict[str, Future[ResidualContext]] = {}
+        self._writes: dict[str, Future[Any]] = {}  # key -> its newest scheduled write, until done
         self._disk_io = {"reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0}
         self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
@@ -330,7 +337,15 @@ class Store:
 
     def _schedule_write(self, key: str, ctx: ResidualContext, token: object, staged: Any = None) -> None:
         assert self._writer is not None
-        self._writer.submit(functools.partial(self._write, key, ctx, token, staged), ctx.nbytes)
+        future = self._writer.submit(functools.partial(self._write, key, ctx, token, staged), ctx.nbytes)
+        with self._lock:  # the newest write of the key: what flush(key) waits for
+            self._writes[key] = future
+        future.add_done_callback(functools.partial(self._forget_write, key))
+
+    def _forget_write(self, key: str, future: Future[Any]) -> None:
+        with self._lock:
+            if self._writes.get(key) is future and future.exception() is None:
+                del self._writes[key]
 
     def _write(self, key: str, ctx: ResidualContext, token: object, staged: Any = None) -> None:
         """On the writer thread: writes the version ``token`` of ``key``, unless a later put (or
@@ -788,18 +803,48 @@ class Store:
 
     # -- flush, close -------------------------------------------------------------------------
 
-    def flush(self) -> None:
+    def flush(self, *keys: str) -> None:
         """Returns once every acknowledged write is complete (and durable with ``durable=True``).
 
-        Raises the first error of a background write since the last flush, e.g.
-        :class:`StoreFullError` for a disk that filled up (that context was not committed).
+        ``flush(key, ...)`` waits for the puts of those keys only, as Orbax's
+        ``wait_until_finished`` does for one save: when it returns, every other ``Store`` on the
+        path sees them; the other writes go on in the background.
+
+        Example:
+          >>> import jax.numpy as jnp, residual_store as rs, tempfile
+          >>> _, ctx = rs.split(lambda w: jnp.sum(jnp.sin(w)))(jnp.ones(3))
+          >>> with tempfile.TemporaryDirectory() as path, rs.Store(path) as store:
+          ...     store.put(ctx, "mb0")
+          ...     store.flush("mb0")
+          ...     "mb0" in rs.Store(path, read_only=True)
+          'mb0'
+          True
+
+        Raises:
+          The first error of a background write since the last ``flush()`` (with keys: the error of
+          those keys' writes), e.g. :class:`StoreFullError` for a disk that filled up (that context
+          was not committed). ContextNotFoundError: a key this store was never given.
         """
         self._check_open()
         try:
-            if self._writer is not None:
+            if keys:
+                self._flush_keys([validate_key(k) for k in keys])
+            elif self._writer is not None:
                 self._writer.flush()
         finally:
             self._emit_warnings()
+
+    def _flush_keys(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            futures = [self._writes.get(k) for k in keys]
+        for key, future in zip(keys, futures):
+            if future is None and key not in self:
+                raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+        for future in futures:
+            if future is not None:
+                future.result()  # its write's error, if it failed
+        if any(f is not None for f in futures) and self._disk is not None and self._durable:
+            self._disk.sync_commits()  # (else done once the writer runs out of work)
 
     def gc(self, older_than: float = 3600.0, *, dry_run: bool = False) -> dict[str, int]:
         """Removes what no committed context needs: unreferenced weights and data, recycled
