@@ -281,6 +281,35 @@ def to_host(ctx: ResidualContext) -> ResidualContext:
 
 
 
+def holds_device_memory(ctx: ResidualContext) -> bool:
+    """Whether ``ctx``'s own residuals are in device memory (the first one's place tells: a
+    context is moved whole), so that keeping it keeps device memory."""
+    for x, kind in zip(ctx.residuals, ctx.spec.kinds):
+        if kind in OWN_KINDS and isinstance(x, jax.Array) and not _is_key_dtype(x.dtype):
+            sharding = x.sharding
+            return sharding.memory_kind in (None, next(iter(sharding.device_set)).default_memory().kind)
+    return False
+
+
+def for_writing(ctx: ResidualContext) -> ResidualContext:
+    """A copy of ``ctx`` whose own residuals are in host memory, for a write that has not run
+    yet, so that the device arrays can go now: where device memory is host memory (a CPU), NumPy
+    views of the buffers (no copy); elsewhere :func:`to_host` (an asynchronous copy to
+    ``pinned_host``, which JAX completes before it frees the source)."""
+    copies: dict[int, Any] = {}
+
+    def view(x: Any, kind: str) -> Any:
+        if kind not in OWN_KINDS or not isinstance(x, jax.Array) or _is_key_dtype(x.dtype) or not _on_cpu(x):
+            return x
+        if id(x) not in copies:
+            copies[id(x)] = np.asarray(x)
+        return copies[id(x)]
+
+    if any(isinstance(x, jax.Array) and not _on_cpu(x) for x in ctx.residuals):
+        return to_host(ctx)
+    return ResidualContext.tree_unflatten(ctx.spec, [view(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)])
+
+
 def read_device(device: jax.Device | None) -> jax.Device:
     """Where a read's host arrays go: ``device``, or where ``jax.device_put`` puts a host array
     given no device in this thread (``jax.default_device``, else this process's first device)."""

@@ -36,6 +36,8 @@ from residual_store.store.disk import DiskTier
 from residual_store.store.host import (
     ShardedHost,
     WeightSums,
+    for_writing,
+    holds_device_memory,
     host_arrays,
     is_whole_on,
     place,
@@ -290,6 +292,7 @@ class Store:
                 self._write_through
                 or (key not in self._device and key not in self._host and key not in self._pending)
             ) else []
+            self._release_pending()
         for write in to_write:
             self._schedule_write(*write, staged=staged)
         for write in spills:
@@ -316,7 +319,23 @@ class Store:
         pending (under the lock, so no ``get`` finds them in no tier at all), for
         :meth:`_schedule_write`.
         """
-        return [self._mark_pending(k, ctx) for k, ctx in self._tiers.rebalance(protect) if self._needs_write(k)]
+        spills = [self._mark_pending(k, ctx) for k, ctx in self._tiers.rebalance(protect) if self._needs_write(k)]
+        self._release_pending()
+        return spills
+
+    def _release_pending(self) -> None:
+        """Under the lock: a context waiting for its write that the device tier does not hold
+        keeps host copies only (the host tier's, else :func:`for_writing`'s), so its device
+        arrays go now: a budget bounds the device memory of the store's contexts, pending writes
+        included."""
+        for key, (ctx, token) in list(self._pending.items()):
+            if key in self._device:
+                continue  # the device tier holds this very context: no memory beyond its budget
+            host = self._host.peek(key)
+            if host is None and holds_device_memory(ctx):
+                host = for_writing(ctx)
+            if host is not None and host is not ctx:
+                self._pending[key] = (host, token)
 
     def _needs_write(self, key: str) -> bool:
         return (
@@ -337,7 +356,12 @@ class Store:
 
     def _schedule_write(self, key: str, ctx: ResidualContext, token: object, staged: Any = None) -> None:
         assert self._writer is not None
-        future = self._writer.submit(functools.partial(self._write, key, ctx, token, staged), ctx.nbytes)
+        assert self._committer is not None
+        # The job holds the context only where every version is written (collectively); else it
+        # takes the pending one when it runs, which by then may be a host copy (the device
+        # arrays released when the context left the device tier: _release_pending).
+        held = ctx if self._committer.every_version else None
+        future = self._writer.submit(functools.partial(self._write, key, held, token, staged), ctx.nbytes)
         with self._lock:  # the newest write of the key: what flush(key) waits for
             self._writes[key] = future
         future.add_done_callback(functools.partial(self._forget_write, key))
@@ -347,15 +371,20 @@ class Store:
             if self._writes.get(key) is future and future.exception() is None:
                 del self._writes[key]
 
-    def _write(self, key: str, ctx: ResidualContext, token: object, staged: Any = None) -> None:
-        """On the writer thread: writes the version ``token`` of ``key``, unless a later put (or
-        delete) superseded it; a stale version never lands. In a multi-process job every process
-        takes part in every collective write, in order. ``staged``: the host arrays of the
-        context's weights its put took (:func:`stage_shared`)."""
+    def _write(self, key: str, ctx: ResidualContext | None, token: object, staged: Any = None) -> None:
+        """On the writer thread: writes the version ``token`` of ``key`` (``ctx``, or with
+        ``None`` the pending context of that version), unless a later put (or delete) superseded
+        it; a stale version never lands. In a multi-process job every process takes part in every
+        collective write, in order. ``staged``: the host arrays of the context's weights its put
+        took (:func:`stage_shared`)."""
         assert self._committer is not None
         with self._lock:
-            if self._pending.get(key, (None, None))[1] is not token and not self._committer.every_version:
+            pending, current = self._pending.get(key, (None, None))
+            if current is not token and not self._committer.every_version:
                 return
+            if ctx is None:
+                assert pending is not None
+                ctx = pending
         try:
             try:
                 arrays, impls = host_arrays(ctx, staged)
@@ -776,6 +805,8 @@ class Store:
         into it) and ``bytes_out`` (moved to another tier); on disk ``reads`` and ``bytes_read``
         (contexts read back, and the bytes of their arrays; weights already on the device are
         not read), ``writes`` and ``bytes_written`` (contexts committed, and their own bytes).
+        ``pending``: the contexts waiting for their disk write that no memory tier holds, kept
+        as host copies until written (``bytes``, ``contexts``; bounded by ``max_pending_bytes``).
         Bytes in memory are the contexts' own (intermediates and inputs), as the budgets count.
         """
         self._check_open()
@@ -785,6 +816,9 @@ class Store:
                 for name, tier in (("device", self._device), ("host", self._host))
             }
             io = dict(self._disk_io)
+            # waiting for their writes in no tier: host copies (see _release_pending)
+            waiting = [c for k, (c, _) in self._pending.items() if k not in self._device and k not in self._host]
+            result["pending"] = {"bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting)}
         disk = {"bytes": 0, "contexts": 0, "own_bytes": 0, **io}
         if self._disk is not None:
             seen: set[str] = set()

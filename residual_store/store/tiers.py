@@ -82,6 +82,11 @@ class MemoryTier:
         self.nbytes += size
         self.bytes_in += size
 
+    def peek(self, key: str) -> ResidualContext | None:
+        """The context under ``key``, its recency unchanged."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[0]
+
     def get(self, key: str) -> ResidualContext | None:
         entry = self._entries.get(key)
         if entry is None:

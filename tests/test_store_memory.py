@@ -1,0 +1,130 @@
+"""A budget bounds the device memory of the store's contexts, pending writes included: a context
+that leaves the device tier before its disk write is done leaves the device at once, as a host
+copy counted in ``stats()["pending"]``, measured with ``jax.live_arrays()`` while writes are held
+at a gate (a slow disk), not after ``flush``."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import residual_store as rs
+from residual_store.store import disk, host
+
+_D = 64
+
+
+def _loss(w, x):
+    h = x
+    for _ in range(3):
+        h = jnp.tanh(h @ w)
+    return jnp.sum(h**2)
+
+
+_FWD = rs.split(_loss)
+
+
+def _device_bytes() -> int:
+    """Bytes of live arrays in device memory (not pinned or unpinned host memory)."""
+    gc.collect()
+    return sum(a.nbytes for a in jax.live_arrays()
+               if a.sharding.memory_kind in (None, next(iter(a.sharding.device_set)).default_memory().kind))
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Holds every disk commit until set: the writer stays busy, puts stay pending."""
+    event = threading.Event()
+    commit = disk.DiskTier.commit
+
+    def held(self, plan, **kw):
+        assert event.wait(120)
+        return commit(self, plan, **kw)
+
+    monkeypatch.setattr(disk.DiskTier, "commit", held)
+    yield event
+    event.set()
+
+
+def _put_one(store, w, key, seed):
+    """Puts a fresh context under ``key`` and keeps nothing of it on the device: the host
+    values of its residuals come back, for comparing what is read later."""
+    x = jax.random.normal(jax.random.key(seed), (32, _D))
+    _, ctx = _FWD(w, x)
+    values = [np.array(r) for r in ctx.residuals]
+    size = ctx.spec.own_nbytes
+    store.put(ctx, key)
+    return values, size
+
+
+def _check_puts(store, w, gate, values, budget, budget_contexts, one, pinned, base):
+    """12 puts while the writer is held; the gate opens at the end, or at a failure (so that
+    the store can close)."""
+    try:
+        for i in range(12):
+            values[f"k{i}"], size = _put_one(store, w, f"k{i}", i + 1)
+            assert size == one
+            held = _device_bytes() - base
+            stats = store.stats()
+            allowed = budget + one + (0 if pinned else stats["pending"]["bytes"])  # CPU: views of its buffers
+            assert held <= allowed, f"after put {i}: {held:,} device bytes for a budget of {budget:,}"
+            assert stats["device"]["bytes"] <= budget
+            if i >= budget_contexts:
+                assert stats["pending"]["contexts"] >= 1 and stats["pending"]["bytes"] >= one
+    finally:
+        gate.set()
+
+
+@pytest.mark.parametrize("budget_contexts", [0, 2])
+@pytest.mark.parametrize("write_through", [True, False])
+@pytest.mark.parametrize("pinned", [True, False], ids=["copy-to-pinned-host", "cpu-views"])
+def test_device_memory_stays_within_the_budget_while_writes_are_pending(
+    tmp_path, gate, monkeypatch, budget_contexts, write_through, pinned
+):
+    if pinned:  # what a GPU does: pending contexts become pinned_host copies
+        monkeypatch.setattr(host, "_on_cpu", lambda x: False)
+    w = jax.random.normal(jax.random.key(0), (_D, _D)) / np.sqrt(_D)
+    _, probe = _FWD(w, jnp.ones((32, _D)))
+    one = probe.spec.own_nbytes
+    del probe
+    budget = budget_contexts * one
+    base = _device_bytes()  # the weights, and whatever else the process holds
+    values = {}
+    with rs.Store(tmp_path / "s", device_budget=budget, host_budget=0, write_through=write_through) as store:
+        _check_puts(store, w, gate, values, budget, budget_contexts, one, pinned, base)
+        store.flush()
+        assert store.stats()["pending"] == {"bytes": 0, "contexts": 0}
+        assert _device_bytes() - base <= budget + one
+        for key, want in values.items():
+            got = store.get(key)
+            for a, b in zip(got.residuals, want):
+                np.testing.assert_array_equal(np.asarray(a), b)
+        # and another store on the path reads them from disk
+    with rs.Store(tmp_path / "s", read_only=True, device_budget=0, host_budget=0) as again:
+        for key, want in values.items():
+            for a, b in zip(again.get(key).residuals, want):
+                np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_a_pending_context_is_served_from_its_host_copy(tmp_path, gate, rng):
+    """A get of a context whose write is held returns it on the device, bitwise, from the host
+    copy (nothing read from disk), and its gradient is the in-memory one."""
+    w = jax.random.normal(rng, (_D, _D)) / np.sqrt(_D)
+    x = jax.random.normal(jax.random.fold_in(rng, 1), (32, _D))
+    _, ctx = _FWD(w, x)
+    want = _FWD.backward(ctx)
+    with rs.Store(tmp_path / "s", device_budget=0, host_budget=0) as store:
+        try:
+            store.put(ctx, "a")
+            assert store.stats()["pending"]["contexts"] == 1
+            got = store.get("a")
+            assert store.stats()["disk"]["reads"] == 0
+            for g, v in zip(jax.tree.leaves(_FWD.backward(got)), jax.tree.leaves(want)):
+                assert np.array_equal(np.asarray(g), np.asarray(v)) and np.any(np.asarray(v) != 0)
+        finally:
+            gate.set()
