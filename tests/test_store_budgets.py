@@ -152,3 +152,36 @@ def test_flush_of_a_key_raises_its_writes_error(tmp_path, rng, monkeypatch):
         with pytest.raises(rs.StoreFullError, match="bad"):
             store.flush()
         assert "bad" not in store and "good" in store
+
+
+def test_device_headroom_spills_when_the_devices_free_memory_runs_low(tmp_path, rng, monkeypatch):
+    """A device whose memory statistics the test controls: while its free memory is above the
+    headroom, contexts stay on the device (no budget); when the model's own memory grows into
+    the headroom, the next put moves the store's contexts off until the shortfall is given back."""
+    limit = 64 << 20
+    in_use = {"bytes": 1 << 20}
+    monkeypatch.setattr(budgets, "memory_stats", lambda device: {"bytes_limit": limit, "bytes_in_use": in_use["bytes"]})
+    ctxs = [_context(k, 1.0 + i) for i, k in enumerate(jax.random.split(rng, 6))]
+    one = ctxs[0].spec.own_nbytes
+    with rs.Store(tmp_path / "s", device_headroom="8MiB", host_budget=0) as store:
+        for i in range(3):
+            store.put(ctxs[i], f"k{i}")
+        assert store.stats()["device"]["contexts"] == 3
+        # the model takes memory: free is 2.5 contexts short of the headroom
+        in_use["bytes"] = limit - (8 << 20) + int(2.5 * one)
+        store.put(ctxs[3], "k3")
+        stats = store.stats()
+        assert stats["device"]["bytes"] <= 4 * one - int(2.5 * one), stats["device"]
+        assert stats["device"]["contexts"] == 1  # the newest stays: the shortfall left room for one
+        in_use["bytes"] = 1 << 20  # and gives it back: nothing moves back by itself, new puts stay
+        store.put(ctxs[4], "k4")
+        assert store.stats()["device"]["contexts"] == 2
+        store.flush()
+        for i, ctx in enumerate(ctxs[:5]):
+            assert_contexts_identical(store.get(f"k{i}"), ctx)
+    with pytest.raises(rs.InvalidArgumentError, match="device_headroom"):
+        rs.Store(None, device_headroom="lots")
+    monkeypatch.setattr(budgets, "memory_stats", lambda device: {})
+    with pytest.raises(rs.InvalidArgumentError, match="memory"):
+        rs.Store(tmp_path / "t", device_headroom="1GiB")
+    assert not (tmp_path / "t").exists()

@@ -87,7 +87,7 @@ def test_device_memory_stays_within_the_budget_while_writes_are_pending(
     tmp_path, gate, monkeypatch, budget_contexts, write_through, pinned
 ):
     if pinned:  # what a GPU does: pending contexts become pinned_host copies
-        monkeypatch.setattr(host, "_on_cpu", lambda x: False)
+        monkeypatch.setattr(host, "_is_host_memory", lambda device: False)
     w = jax.random.normal(jax.random.key(0), (_D, _D)) / np.sqrt(_D)
     _, probe = _FWD(w, jnp.ones((32, _D)))
     one = probe.spec.own_nbytes

@@ -8,6 +8,7 @@ when the store opens.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import re
 from typing import Any
@@ -16,7 +17,7 @@ import numpy as np
 
 from residual_store.errors import InvalidArgumentError
 
-__all__ = ["parse_budget", "parse_size"]
+__all__ = ["Headroom", "memory_stats", "parse_budget", "parse_size"]
 
 _UNITS = {
     "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,  # (a bare "8G" is ambiguous: refused)
@@ -72,14 +73,18 @@ def parse_budget(value: Any, name: str, device: Any = None) -> int | None:
     return int(device_memory_limit(device, name) * share / 100)
 
 
+def memory_stats(device: Any) -> dict[str, Any]:
+    """``device.memory_stats()``, ``{}`` where the backend reports none."""
+    try:
+        return dict(device.memory_stats() or {})
+    except Exception:  # noqa: BLE001 - backends without memory stats raise several types
+        return {}
+
+
 def device_memory_limit(device: Any, name: str) -> int:
     """``device.memory_stats()["bytes_limit"]``; :class:`InvalidArgumentError` naming memory where
     the backend reports none."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory stats raise several types
-        stats = None
-    limit = (stats or {}).get("bytes_limit")
+    limit = memory_stats(device).get("bytes_limit")
     if not limit:
         raise InvalidArgumentError(
             f"{name}: a share of the device's memory needs its memory limit, and {device.platform} device "
@@ -87,3 +92,40 @@ def device_memory_limit(device: Any, name: str) -> int:
             '(e.g. "8GiB")'
         )
     return int(limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Headroom:
+    """Device memory to leave free for what is not the store's (the model's activations grow and
+    shrink around it): where the device's free memory (``bytes_limit - bytes_in_use``) falls
+    under ``nbytes``, the store's device tier gives back the difference."""
+
+    device: Any
+    nbytes: int
+
+    @classmethod
+    def of(cls, value: Any, device: Any) -> Headroom | None:
+        """``device_headroom`` (a size, or ``None``) for ``device``.
+
+        Raises:
+          InvalidArgumentError: not a size, or a device that reports no ``bytes_limit`` and
+            ``bytes_in_use`` (CPU).
+        """
+        nbytes = parse_size(value, "device_headroom")
+        if nbytes is None:
+            return None
+        stats = memory_stats(device)
+        if not stats.get("bytes_limit") or "bytes_in_use" not in stats:
+            raise InvalidArgumentError(
+                f"device_headroom needs the device's memory in use, and {device.platform} device {device.id} "
+                "reports none (memory_stats() gives no bytes_limit and bytes_in_use)"
+            )
+        return cls(device, nbytes)
+
+    def device_limit(self, held: int) -> int | None:
+        """What the device tier may hold now that it holds ``held`` bytes: ``None`` while the
+        device's free memory is at least the headroom."""
+        stats = memory_stats(self.device)
+        free = int(stats.get("bytes_limit", 0)) - int(stats.get("bytes_in_use", 0))
+        short = self.nbytes - free
+        return None if short <= 0 else max(0, held - short)

@@ -259,26 +259,26 @@ def to_host(ctx: ResidualContext) -> ResidualContext:
     def move(x: Any, kind: str) -> Any:
         if kind not in OWN_KINDS:
             return x
-        if id(x) in copies:
-            return copies[id(x)]
-        if isinstance(x, jax.Array) and not _is_key_dtype(x.dtype):
-            sharding = x.sharding
-            kind = host_memory_kind(next(iter(sharding.device_set)))
-            if kind is not None and sharding.memory_kind != kind:
-                moved = jax.device_put(x, sharding.with_memory_kind(kind))
-            elif kind is None:
-                moved = np.asarray(jax.device_get(x))
-            else:
-                moved = x
-        else:
-            moved = x  # numpy arrays are host memory; keys stay on device (a few bytes each)
-        copies[id(x)] = moved
-        return moved
+        if id(x) not in copies:
+            copies[id(x)] = _host_copy(x)
+        return copies[id(x)]
 
     return ResidualContext.tree_unflatten(
         ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)]
     )
 
+
+def _host_copy(x: Any) -> Any:
+    """One residual in host memory, with its sharding (``pinned_host`` where the devices have
+    it); a typed key stays where it is (a few bytes), a NumPy array is host memory."""
+    if isinstance(x, jax.Array) and not _is_key_dtype(x.dtype):
+        sharding = x.sharding
+        kind = host_memory_kind(next(iter(sharding.device_set)))
+        if kind is not None and sharding.memory_kind != kind:
+            return jax.device_put(x, sharding.with_memory_kind(kind))
+        if kind is None:
+            return np.asarray(jax.device_get(x))
+    return x
 
 
 def holds_device_memory(ctx: ResidualContext) -> bool:
@@ -291,23 +291,30 @@ def holds_device_memory(ctx: ResidualContext) -> bool:
     return False
 
 
-def for_writing(ctx: ResidualContext) -> ResidualContext:
+def _is_host_memory(device: jax.Device) -> bool:
+    """Whether ``device``'s memory is the host's (a CPU)."""
+    return device.platform == "cpu"
+
+
+def for_writing(ctx: ResidualContext, device: jax.Device | None = None) -> ResidualContext:
     """A copy of ``ctx`` whose own residuals are in host memory, for a write that has not run
-    yet, so that the device arrays can go now: where device memory is host memory (a CPU), NumPy
-    views of the buffers (no copy); elsewhere :func:`to_host` (an asynchronous copy to
-    ``pinned_host``, which JAX completes before it frees the source)."""
+    yet, so that the device arrays can go now: an array on a CPU, where device memory is host
+    memory, whole on the device a read would place it on (``device``, see :func:`read_device`)
+    as a NumPy view of its buffer (no copy, and :func:`to_device` puts it back there); any other
+    as :func:`to_host` copies it (asynchronously to ``pinned_host``, with its sharding; JAX
+    completes the copy before it frees the source)."""
+    target = read_device(device)
     copies: dict[int, Any] = {}
 
-    def view(x: Any, kind: str) -> Any:
-        if kind not in OWN_KINDS or not isinstance(x, jax.Array) or _is_key_dtype(x.dtype) or not _on_cpu(x):
+    def move(x: Any, kind: str) -> Any:
+        if kind not in OWN_KINDS:
             return x
         if id(x) not in copies:
-            copies[id(x)] = np.asarray(x)
+            view = isinstance(x, jax.Array) and _is_host_memory(target) and is_whole_on(x, target)
+            copies[id(x)] = np.asarray(x) if view and not _is_key_dtype(x.dtype) else _host_copy(x)
         return copies[id(x)]
 
-    if any(isinstance(x, jax.Array) and not _on_cpu(x) for x in ctx.residuals):
-        return to_host(ctx)
-    return ResidualContext.tree_unflatten(ctx.spec, [view(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)])
+    return ResidualContext.tree_unflatten(ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)])
 
 
 def read_device(device: jax.Device | None) -> jax.Device:

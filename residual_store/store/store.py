@@ -29,7 +29,7 @@ from residual_store.errors import (
 )
 from residual_store.store import backwards
 from residual_store.store.collective import TIMEOUT_S
-from residual_store.store.budgets import parse_budget, parse_size
+from residual_store.store.budgets import Headroom, parse_budget, parse_size
 from residual_store.store.committer import Committer, open_committer
 from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
@@ -112,6 +112,10 @@ class Store:
       durable: fsync arrays and manifests before a write counts as done (``flush`` then means
         "survives a power loss"); ``False`` leaves that to the OS.
       max_pending_bytes: bytes of queued background writes before ``put`` waits (backpressure).
+      device_headroom: device memory to leave free (a size, as the budgets), where the backend
+        reports the memory in use: when the device's free memory falls under it, the store moves
+        contexts off the device (at the next ``put`` or ``get``) until it is back, whatever the
+        budget. ``None``: the budget alone.
       read_buffer_bytes: host memory the store keeps for the buffers its disk reads fill, each
         reused once no array refers to it any more (fresh pages cost the kernel a fault and a
         zeroing each); ``0``: a fresh buffer for every read. Given back at ``close``.
@@ -160,6 +164,7 @@ class Store:
         collective_timeout: float = TIMEOUT_S,
         device: jax.Device | None = None,
         timeout: float | None = None,
+        device_headroom: int | str | None = None,
     ) -> None:
         self._closed = True  # until every part exists: a failed constructor leaves no threads
         self._read_only = bool(read_only)
@@ -171,6 +176,7 @@ class Store:
             raise InvalidArgumentError(f"device must be a jax.Device or None, got {type(device).__name__}")
         self._target = device
         device_budget = parse_budget(device_budget, "device_budget", read_device(device))
+        self._headroom = Headroom.of(device_headroom, read_device(device))
         host_budget = parse_size(host_budget, "host_budget")
         self._tiers = Tiers(device_budget, host_budget, demote=to_host)
         self._device, self._host = self._tiers.device, self._tiers.host
@@ -319,7 +325,10 @@ class Store:
         pending (under the lock, so no ``get`` finds them in no tier at all), for
         :meth:`_schedule_write`.
         """
-        spills = [self._mark_pending(k, ctx) for k, ctx in self._tiers.rebalance(protect) if self._needs_write(k)]
+        limit = self._headroom.device_limit(self._device.nbytes) if self._headroom is not None else None
+        spills = [
+            self._mark_pending(k, ctx) for k, ctx in self._tiers.rebalance(protect, limit) if self._needs_write(k)
+        ]
         self._release_pending()
         return spills
 
@@ -333,7 +342,7 @@ class Store:
                 continue  # the device tier holds this very context: no memory beyond its budget
             host = self._host.peek(key)
             if host is None and holds_device_memory(ctx):
-                host = for_writing(ctx)
+                host = for_writing(ctx, self._target)
             if host is not None and host is not ctx:
                 self._pending[key] = (host, token)
 

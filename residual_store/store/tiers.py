@@ -68,8 +68,10 @@ class MemoryTier:
         """Whether ``nbytes`` more would stay within budget once the tier were emptied."""
         return self.budget is None or nbytes <= self.budget
 
-    def over_budget(self) -> bool:
-        return self.budget is not None and self.nbytes > self.budget
+    def over_budget(self, limit: int | None = None) -> bool:
+        """Over the budget, or over ``limit`` (a tighter bound for now) where given."""
+        bound = self.budget if limit is None else limit if self.budget is None else min(limit, self.budget)
+        return bound is not None and self.nbytes > bound
 
     def size_of(self, key: str) -> int | None:
         entry = self._entries.get(key)
@@ -166,12 +168,12 @@ class Tiers:
             return False
         return True
 
-    def rebalance(self, protect: str | None = None) -> list[tuple[str, ResidualContext]]:
+    def rebalance(self, protect: str | None = None, device_limit: int | None = None) -> list[tuple[str, ResidualContext]]:
         """Moves contexts down (see :meth:`MemoryTier.eviction_order`; ``protect`` last) until each tier
-        is within budget; returns the contexts pushed out of host memory (or past it), for the
-        store to write or drop."""
+        is within budget (the device tier also within ``device_limit``, where given); returns the
+        contexts pushed out of host memory (or past it), for the store to write or drop."""
         evicted = []
-        while self.device.over_budget():
+        while self.device.over_budget(device_limit):
             victim = self.device.eviction_order(self.schedule, protect)[0]
             assert victim is not None
             ctx = self.device.remove(victim, moved=True)
