@@ -37,7 +37,6 @@ import dataclasses
 import math
 import re
 import struct
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -270,11 +269,6 @@ def _patched(layout: BundleLayout, crcs: Sequence[int]) -> memoryview:
     return text.data
 
 
-def _native(dtype: np.dtype) -> bool:
-    """Whether ``dtype``'s bytes in memory are its bytes on disk (little endian)."""
-    return dtype.byteorder == "|" or (dtype.byteorder in "=<" and (sys.byteorder == "little" or dtype.byteorder == "<"))
-
-
 def bundle_parts(layout: BundleLayout, arrays: Sequence[Any]) -> tuple[list[memoryview | bytes], list[int]]:
     """The bytes of the bundle of ``arrays`` (array ``i`` as ``layout.arrays[i]`` says), as a
     list of buffers to write one after another (the arrays' own buffers, not copied, between the
@@ -288,8 +282,7 @@ def bundle_parts(layout: BundleLayout, arrays: Sequence[Any]) -> tuple[list[memo
     views: dict[int, memoryview] = {}
     crcs = [0] * len(arrays)
     for i, (arr, where) in enumerate(zip(arrays, layout.arrays)):
-        # a C-contiguous array in native little-endian order is written as it is
-        a = arr if type(arr) is np.ndarray and arr.flags.c_contiguous and _native(arr.dtype) else _disk_array(arr)
+        a = _disk_array(arr)
         if a.shape != where.shape or zarr_dtype_name(a.dtype) != where.dtype:
             raise ValueError(
                 f"array {i} is {a.dtype}{list(a.shape)}, the bundle layout has {where.dtype}{list(where.shape)}"

@@ -409,7 +409,7 @@ def _check_zarr_metadata(
 
 def _disk_array(arr: Any) -> np.ndarray:
     """``arr`` as a C-contiguous little-endian numpy array, copying only if needed."""
-    a = np.asarray(arr)
+    a = arr if type(arr) is np.ndarray else np.asarray(arr)
     zarr_dtype_name(a.dtype)  # raises for unsupported dtypes
     if a.dtype.byteorder == ">" or (
         a.dtype.byteorder == "=" and sys.byteorder == "big" and a.dtype.itemsize > 1

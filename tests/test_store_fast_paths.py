@@ -164,3 +164,19 @@ def test_the_layout_a_writer_knows_is_the_one_its_manifest_gives(context, monkey
     parsed = parse_context_manifest("a", plan.manifest)
     assert parsed.layout is None
     assert layout.data_of(parsed) == layout.data_of(plan.stored) == (plan.data_dir, plan.layout)
+
+
+def test_a_name_holding_the_templates_placeholder_is_planned_in_full(context):
+    """The template's group metadata is split where a placeholder stands; a residual named with
+    that character (free text) gets no template, and its group metadata is still right."""
+    import dataclasses
+    import json
+
+    spec = context.spec
+    spec = dataclasses.replace(spec, names=(spec.names[0] + layout._TEMPLATE_PATH, *spec.names[1:]))
+    arrays, impls = host.host_arrays(context)
+    assert layout._make_template(spec, arrays, impls) is None
+    plan = layout.plan_write("a", spec, arrays, impls, write_id="0" * 12)
+    entries = json.loads(plan.group)["attributes"]["residual_store"]["arrays"]
+    assert [e["name"] for e in entries] == list(spec.names)
+    assert [e["path"] for e in entries] == [r.path for r in plan.records]

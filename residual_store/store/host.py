@@ -168,7 +168,7 @@ def _to_host(x: Any) -> tuple[np.ndarray | ShardedHost, str | None]:
 
 
 def _on_cpu(x: jax.Array) -> bool:
-    return all(d.platform == "cpu" for d in x.sharding.device_set)
+    return all(_is_host_memory(d) for d in x.sharding.device_set)
 
 
 def stage_shared(ctx: ResidualContext) -> dict[int, tuple[np.ndarray | ShardedHost, str | None]]:
@@ -285,9 +285,12 @@ def holds_device_memory(ctx: ResidualContext) -> bool:
     """Whether ``ctx``'s own residuals are in device memory (the first one's place tells: a
     context is moved whole), so that keeping it keeps device memory."""
     for x, kind in zip(ctx.residuals, ctx.spec.kinds):
-        if kind in OWN_KINDS and isinstance(x, jax.Array) and not _is_key_dtype(x.dtype):
-            sharding = x.sharding
-            return sharding.memory_kind in (None, next(iter(sharding.device_set)).default_memory().kind)
+        if kind not in OWN_KINDS or (isinstance(x, jax.Array) and _is_key_dtype(x.dtype)):
+            continue  # (a typed key stays on the device: a few bytes)
+        if not isinstance(x, jax.Array):
+            return False  # a host copy already
+        sharding = x.sharding
+        return sharding.memory_kind in (None, next(iter(sharding.device_set)).default_memory().kind)
     return False
 
 

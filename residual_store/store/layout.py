@@ -312,6 +312,7 @@ def plan_write(
             return _plan_from_template(template, key, spec, arrays, impls, folder, whole_sums, digests)
     sums = chunk_sums(spec, arrays) if sums is None else sums
     writes: list[ArrayWrite] = []
+    weights: set[str] = set()  # the paths of the weights in writes (a weight held twice is written once)
     records = []
     shardings: list[dict[str, Any] | None] = []
     bundle, in_bundle = _plan_bundle(spec, arrays, folder)
@@ -348,8 +349,10 @@ def plan_write(
             digest = ((digests or {}).get(i) or serializers.content_digest(data)) if shared else None
             whole = True
         path = weight_path(digest) if shared else own_array_path(folder, i)
-        if not (shared and any(w.path == path for w in writes)):
+        if not (shared and path in weights):
             writes.append(ArrayWrite(i, path, data, shared, whole, None if shared else _array_attributes(spec, i)))
+            if shared:
+                weights.add(path)
         records.append(serializers.ArrayRecord.for_writing(
             name=spec.names[i], path=path, shape=x.shape, dtype=serializers.zarr_dtype_name(x.dtype),
             nbytes=int(x.nbytes), checksum=checksum, input_path=spec.input_paths[i], shared=shared,
@@ -475,10 +478,13 @@ def _make_template(spec: ResidualSpec, arrays: Sequence[np.ndarray], impls: Sequ
         ],
     }}).decode()
     placeholder_json = json.dumps(_TEMPLATE_PATH)[1:-1]
+    pieces = group.split(placeholder_json)
+    if len(pieces) != len(records) + len(bundled) + 3:  # a name holding the placeholder: no template
+        return None
     layout = layout_digest(spec, [(i, in_bundle_name(i), arrays[i].shape, dtype_names[i], None) for i in bundled])
     return _Template(
         tuple(x.shape for x in arrays), tuple(x.dtype for x in arrays), tuple(bundled), bundle, records,
-        tuple(r.to_dict() for r in records), spec_to_map(spec, impls), tuple(group.split(placeholder_json)), layout,
+        tuple(r.to_dict() for r in records), spec_to_map(spec, impls), tuple(pieces), layout,
     )
 
 
@@ -501,21 +507,23 @@ def _plan_from_template(
     parts, crcs = bundles.bundle_parts(template.bundle, data)
     ref = BundleRef(bundle_path(folder), template.bundle.nbytes, checksum_parts(parts))
     bundle = BundleWrite(ref, tuple(parts))
-    paths: list[str] = [""] * len(arrays)
+    where: list[str] = [""] * len(arrays)  # each residual's path
     checksums: list[str] = [""] * len(arrays)
     for i, crc in zip(template.bundled, crcs):
-        paths[i], checksums[i] = own_array_path(folder, i), bundles.crc_checksum(crc)
+        where[i], checksums[i] = own_array_path(folder, i), bundles.crc_checksum(crc)
     writes: list[ArrayWrite] = []
+    weights: set[str] = set()
     for i, x in enumerate(arrays):
-        if paths[i]:
+        if where[i]:
             continue
         checksums[i] = whole_sums.get(i) or serializers.checksum(x)
-        paths[i] = weight_path(digests.get(i) or serializers.content_digest(x))
-        if not any(w.path == paths[i] for w in writes):
-            writes.append(ArrayWrite(i, paths[i], x, True, True, None))
-    records = tuple(r.relocated(p, c) for r, p, c in zip(template.records, paths, checksums))
+        where[i] = weight_path(digests.get(i) or serializers.content_digest(x))
+        if where[i] not in weights:
+            writes.append(ArrayWrite(i, where[i], x, True, True, None))
+            weights.add(where[i])
+    records = tuple(r.relocated(p, c) for r, p, c in zip(template.records, where, checksums))
     maps = []
-    for m, p, c in zip(template.record_maps, paths, checksums):
+    for m, p, c in zip(template.record_maps, where, checksums):
         m = dict(m)
         m["path"], m["checksum"] = p, c
         maps.append(m)
@@ -530,7 +538,7 @@ def _plan_from_template(
     # relative paths, which JSON writes as they are
     values: list[str] = []
     bundled = template.bundled_set
-    for i, p in enumerate(paths):
+    for i, p in enumerate(where):
         if i in bundled:
             values.append(folder)
         values.append(p)
