@@ -211,6 +211,7 @@ class Store:
         self._loading: dict[str, Future[ResidualContext]] = {}
         self._writes: dict[str, Future[Any]] = {}  # key -> its newest scheduled write, until done
         self._disk_io = {"reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0}
+        self._pending_reads = 0  # gets served from a pending write's host copy (no disk read)
         self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
         self._backwards_seen: set[str] = set()  # signatures whose backward this store saved
@@ -553,6 +554,8 @@ class Store:
             source = self._host.get(key) if in_host else self._pending.get(key, (None, None))[0]
             if source is None:
                 return None, []
+            if not in_host:
+                self._pending_reads += 1
             size = own_nbytes(source)
             stays = not self._device.fits(size)
             if not stays and self._disk is None and in_host:
@@ -815,7 +818,10 @@ class Store:
         (contexts read back, and the bytes of their arrays; weights already on the device are
         not read), ``writes`` and ``bytes_written`` (contexts committed, and their own bytes).
         ``pending``: the contexts waiting for their disk write that no memory tier holds, kept
-        as host copies until written (``bytes``, ``contexts``; bounded by ``max_pending_bytes``).
+        as host copies until written (``bytes``, ``contexts``; bounded by ``max_pending_bytes``),
+        and ``reads``: the gets (and loads ahead) served from such a copy, as a disk read would
+        have been had the write been done (``disk["reads"] + pending["reads"]`` counts the
+        contexts brought back from below the memory tiers, however fast the disk is).
         Bytes in memory are the contexts' own (intermediates and inputs), as the budgets count.
         """
         self._check_open()
@@ -827,7 +833,9 @@ class Store:
             io = dict(self._disk_io)
             # waiting for their writes in no tier: host copies (see _release_pending)
             waiting = [c for k, (c, _) in self._pending.items() if k not in self._device and k not in self._host]
-            result["pending"] = {"bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting)}
+            result["pending"] = {
+                "bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting), "reads": self._pending_reads,
+            }
         disk = {"bytes": 0, "contexts": 0, "own_bytes": 0, **io}
         if self._disk is not None:
             seen: set[str] = set()
