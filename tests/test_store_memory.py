@@ -86,8 +86,16 @@ def _check_puts(store, w, gate, values, budget, budget_contexts, one, pinned, ba
 def test_device_memory_stays_within_the_budget_while_writes_are_pending(
     tmp_path, gate, monkeypatch, budget_contexts, write_through, pinned
 ):
-    if pinned:  # what a GPU does: pending contexts become pinned_host copies
+    if pinned:  # what a GPU does: pending contexts become pinned_host copies, and a write's
+        # host arrays are copies (on a CPU np.asarray is a view that keeps the device buffer)
         monkeypatch.setattr(host, "_is_host_memory", lambda device: False)
+        to_host = host._to_host
+
+        def copied(x):
+            a, impl = to_host(x)
+            return (np.array(a) if isinstance(a, np.ndarray) else a), impl
+
+        monkeypatch.setattr(host, "_to_host", copied)
     w = jax.random.normal(jax.random.key(0), (_D, _D)) / np.sqrt(_D)
     _, probe = _FWD(w, jnp.ones((32, _D)))
     one = probe.spec.own_nbytes

@@ -17,7 +17,7 @@ import jax
 
 from residual_store import _jax_internals
 from residual_store.backward import find_backward
-from residual_store.context import ResidualContext, check_representable, describe_residual
+from residual_store.context import OWN_KINDS, ResidualContext, check_representable, describe_residual
 from residual_store.errors import (
     BackwardUnavailableError,
     ContextNotFoundError,
@@ -399,17 +399,22 @@ class Store:
             try:
                 arrays, impls = host_arrays(ctx, staged)
                 known = self._weight_sums.of(ctx, arrays)
-                stale = self._committer.write(key, ctx.spec, arrays, impls, fsync=self._durable, known=known)
+                spec, nbytes, residuals = ctx.spec, own_nbytes(ctx), ctx.residuals
+                # Only the host arrays from here on: the context's device arrays can go while the
+                # commit runs (a slow, durable one most of all) once nothing else holds them.
+                residuals = tuple(x if k not in OWN_KINDS else None for x, k in zip(residuals, spec.kinds))
+                del ctx, pending
+                stale = self._committer.write(key, spec, arrays, impls, fsync=self._durable, known=known)
             except BaseException:
                 with self._lock:  # a put that failed is not in the store (flush raises why)
                     if self._pending.get(key, (None, None))[1] is token:
                         self._forget_memory(key)
                 raise
             self._drop_later(stale)
-            self._hold_weights(ctx, impls, known[1])
+            self._hold_weights(residuals, impls, known[1])
             with self._lock:
                 self._disk_io["writes"] += 1
-                self._disk_io["bytes_written"] += own_nbytes(ctx)
+                self._disk_io["bytes_written"] += nbytes
                 if self._pending.get(key, (None, None))[1] is token:
                     self._on_disk.add(key)
         finally:
@@ -417,12 +422,12 @@ class Store:
                 if self._pending.get(key, (None, None))[1] is token:
                     del self._pending[key]
 
-    def _hold_weights(self, ctx: ResidualContext, impls: Sequence[str | None], digests: Mapping[int, str]) -> None:
+    def _hold_weights(self, residuals: Sequence[Any], impls: Sequence[str | None], digests: Mapping[int, str]) -> None:
         """Remembers the live weights a write stored, by path: while the caller holds them, a
         context read back takes these very arrays (read from nowhere, copied nowhere) as the one
         put did, where a read would place them (see :meth:`_live_weights`)."""
         for i, digest in digests.items():
-            x = ctx.residuals[i]
+            x = residuals[i]
             if impls[i] is None and isinstance(x, jax.Array) and not x.is_deleted():
                 path = weight_path(digest)
                 with self._lock:
