@@ -22,6 +22,7 @@ from residual_store.errors import (
 from residual_store.filters import is_inexact
 from residual_store.split import Split, split
 from residual_store.store import Store
+from residual_store.store.preemption import flush_on_sigterm
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "backward",
     "is_inexact",
     "Store",
+    "flush_on_sigterm",
     "enable_compilation_cache",
     "ResidualContext",
     "ResidualSpec",

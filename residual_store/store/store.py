@@ -138,7 +138,7 @@ class Store:
     Nothing put is lost on a normal exit: pending writes complete at interpreter exit (the end
     of the script, ``sys.exit``, an uncaught exception) and when the store is garbage-collected.
     Only a killed process (``kill -9``, an unhandled ``SIGTERM``) loses what was put after the
-    last ``flush``; see ``docs/store.md`` for flushing on ``SIGTERM``.
+    last ``flush``; :func:`residual_store.flush_on_sigterm` makes ``SIGTERM`` complete the writes.
 
     Example:
       >>> import jax.numpy as jnp, residual_store as rs, tempfile
