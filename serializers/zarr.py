@@ -35,8 +35,8 @@ Data types: ``bool``, ``int8``-``int64``, ``uint8``-``uint64``, ``float16``,
 ``bfloat16``, the ``float8_*`` types tensorstore knows, ``float4_e2m1fn``,
 ``int2`` and ``int4`` (stored one element per byte, as in memory). Plain ``zarr``
 reads the numpy types as they are, and the floating ``ml_dtypes`` ones once
-:mod:`serializers.zarr_compat` has taught it them (``int2``/``int4`` stay
-tensorstore-only). The host is assumed little endian (x86, ARM).
+:mod:`serializers.zarr_compat` has taught it them, which :mod:`serializers.zarr_plugin`
+does when zarr loads its plugins (``int2``/``int4`` stay tensorstore-only). The host is assumed little endian (x86, ARM).
 """
 
 from __future__ import annotations
