@@ -91,6 +91,18 @@ def test_custom_kernel():
     assert "OK: kernel call counts as documented" in out
 
 
+@pytest.mark.subprocess
+def test_preemptible_pipeline():
+    """SIGTERM mid-backwards, Orbax step with the state and the contexts not yet used, restart
+    with no forward of that step run again, final parameters bitwise equal to a straight run."""
+    out = example_output("preemptible_pipeline.py", "--small")
+    assert "preempted in step 1 after 2 of 4 backwards: saved Orbax step 1 with the train state and " \
+        "contexts ['mb0', 'mb1']" in out
+    assert "restored Orbax step 1: training step 1, 2 of 4 backwards done, contexts ['mb0', 'mb1']" in out
+    assert "step 1: finished from the checkpoint's contexts, 0 forwards run again" in out
+    assert "OK: final parameters bitwise equal to an uninterrupted run" in out
+
+
 LIBRARY_EXAMPLES = {  # script: what its PASS line starts with (the libraries are test dependencies)
     "flax_nnx.py": "PASS: Flax NNX gradients match jax.grad",
     "flax_linen.py": "PASS: Flax linen gradients match jax.grad",
