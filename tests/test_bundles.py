@@ -187,7 +187,9 @@ def test_new_processes_resume_a_bundled_context_with_and_without_the_model(tmp_p
         pytest.skip("moto[s3] and flask are in the test extra")
     spec = str(tmp_path / "folder") if where == "folder" else server.spec("bundles", f"run-{uuid.uuid4().hex[:8]}/")
     fwd, args, ctx = _context(9, rng)
-    want = np.asarray(jax.grad(many_loss)(*args))
+    # compiled, as the split's backward is: eager jax.grad rounds the bfloat16 and float16 chain
+    # of nine blocks otherwise, and for about 1 draw in 75 that moves a gradient past 2e-2
+    want = np.asarray(jax.jit(jax.grad(many_loss), static_argnums=4)(*args))
     with rs.Store(spec) as store:
         store.put(ctx, "k")
     for with_model, seed in ((False, 3), (True, 11)):
