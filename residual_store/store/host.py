@@ -31,6 +31,7 @@ __all__ = [
     "ShardedHost",
     "WeightSums",
     "chunk_index",
+    "detached",
     "host_arrays",
     "host_memory_kind",
     "is_whole_on",
@@ -279,6 +280,31 @@ def _host_copy(x: Any) -> Any:
         if kind is None:
             return np.asarray(jax.device_get(x))
     return x
+
+
+def detached(ctx: ResidualContext, copies: dict[int, Any]) -> ResidualContext:
+    """A copy of ``ctx`` that shares no buffer with it: every array, weights included, copied
+    to host memory as :func:`to_host` copies one (``pinned_host`` with its sharding where the
+    devices have it), a typed key copied where it is. For a checkpoint that writes after its
+    ``save`` returned: deleting or donating ``ctx``'s arrays then cannot touch the copy.
+
+    ``copies`` (id of an array -> its copy) is shared by the contexts of one save, so a weight
+    they all hold is copied once and stays one array (the store writes it once).
+
+    Raises:
+      InvalidArgumentError: an array of ``ctx`` was deleted (donated) already; it names it.
+    """
+
+    def copy(i: int, x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise _deleted(ctx, i, "before it was saved")
+        if id(x) not in copies:
+            y = x if isinstance(x, jax.Array) and _is_key_dtype(x.dtype) else _host_copy(x)
+            # (a typed key, and an array in host memory already, are copied where they are)
+            copies[id(x)] = jax.device_put(x, x.sharding, may_alias=False) if y is x and isinstance(x, jax.Array) else y
+        return copies[id(x)]
+
+    return ResidualContext.tree_unflatten(ctx.spec, [copy(i, x) for i, x in enumerate(ctx.residuals)])
 
 
 def holds_device_memory(ctx: ResidualContext) -> bool:
