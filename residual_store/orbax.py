@@ -107,10 +107,9 @@ class _Snapshot:
 
 def _snapshot(contexts: Contexts) -> _Snapshot:
     """Host copies of ``contexts`` (one copy per distinct array), taken on the caller's thread."""
-    copies: dict[int, Any] = {}
     gathered = _gather(contexts)
     held = {ctx.spec.signature: find_backward(ctx.spec.signature) for ctx in gathered.values()}
-    return _Snapshot({key: detached(ctx, copies) for key, ctx in gathered.items()}, tuple(held.values()))
+    return _Snapshot(detached(gathered), tuple(held.values()))
 
 
 def store_path(directory: epath.Path | str | os.PathLike[str]) -> str | dict[str, str]:

@@ -282,29 +282,39 @@ def _host_copy(x: Any) -> Any:
     return x
 
 
-def detached(ctx: ResidualContext, copies: dict[int, Any]) -> ResidualContext:
-    """A copy of ``ctx`` that shares no buffer with it: every array, weights included, copied
-    to host memory as :func:`to_host` copies one (``pinned_host`` with its sharding where the
-    devices have it), a typed key copied where it is. For a checkpoint that writes after its
-    ``save`` returned: deleting or donating ``ctx``'s arrays then cannot touch the copy.
+def detached(contexts: Mapping[str, ResidualContext]) -> dict[str, ResidualContext]:
+    """Copies of ``contexts`` that share no buffer with them, for a checkpoint that writes after
+    its ``save`` returned: deleting or donating the originals' arrays then cannot touch them.
 
-    ``copies`` (id of an array -> its copy) is shared by the contexts of one save, so a weight
-    they all hold is copied once and stays one array (the store writes it once).
+    Every array, weights included, is copied once however many contexts hold it (a weight they
+    all hold stays one array, which a store writes once), all in one ``jax.device_put``: to
+    ``pinned_host`` memory with its sharding where the devices have it (asynchronously: JAX
+    completes a copy before it frees its source), else on its devices; a typed key is copied
+    where it is. NumPy residuals are kept as they are.
 
     Raises:
-      InvalidArgumentError: an array of ``ctx`` was deleted (donated) already; it names it.
+      InvalidArgumentError: an array was deleted (donated) already; it names it.
     """
+    arrays: dict[int, jax.Array] = {}
+    for ctx in contexts.values():
+        for i, x in enumerate(ctx.residuals):
+            if isinstance(x, jax.Array):
+                if x.is_deleted():
+                    raise _deleted(ctx, i, "before it was saved")
+                arrays.setdefault(id(x), x)
+    sources = list(arrays.values())
+    copies = jax.device_put(sources, [_host_sharding(x) for x in sources], may_alias=False)
+    by_id = dict(zip(arrays, copies))
+    return {
+        key: ResidualContext.tree_unflatten(ctx.spec, [by_id.get(id(x), x) for x in ctx.residuals])
+        for key, ctx in contexts.items()
+    }
 
-    def copy(i: int, x: Any) -> Any:
-        if isinstance(x, jax.Array) and x.is_deleted():
-            raise _deleted(ctx, i, "before it was saved")
-        if id(x) not in copies:
-            y = x if isinstance(x, jax.Array) and _is_key_dtype(x.dtype) else _host_copy(x)
-            # (a typed key, and an array in host memory already, are copied where they are)
-            copies[id(x)] = jax.device_put(x, x.sharding, may_alias=False) if y is x and isinstance(x, jax.Array) else y
-        return copies[id(x)]
 
-    return ResidualContext.tree_unflatten(ctx.spec, [copy(i, x) for i, x in enumerate(ctx.residuals)])
+def _host_sharding(x: jax.Array) -> Any:
+    """Where :func:`detached` copies ``x``: its sharding in host memory, where it has one."""
+    kind = None if _is_key_dtype(x.dtype) else host_memory_kind(next(iter(x.sharding.device_set)))
+    return x.sharding.with_memory_kind(kind) if kind is not None else x.sharding
 
 
 def holds_device_memory(ctx: ResidualContext) -> bool:
