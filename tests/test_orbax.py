@@ -60,10 +60,14 @@ def _bitwise(a, b) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def _pythonpath() -> str:
+    """A ``PYTHONPATH`` under which subprocesses import this checkout's package."""
+    return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
 def _env(seed: str) -> dict[str, str]:
     """A subprocess environment that imports this checkout's package, under another hash seed."""
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu")
+    return dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu")
 
 
 def _python(source: str, *args: str, seed: str = "0") -> subprocess.CompletedProcess[str]:
@@ -322,3 +326,79 @@ def test_residual_store_never_imports_orbax_and_without_orbax_names_the_extra():
             raise AssertionError("residual_store.orbax imported without orbax")
     """
     assert "pip install 'residual-store[orbax]'" in _python(source).stdout
+
+
+# -- a job of several processes ---------------------------------------------------------------
+
+JOB_WORKER = """
+    import faulthandler, sys
+    faulthandler.dump_traceback_later(80)  # still running then: every thread's stack in the log
+    pid, port, directory, tests = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    import jax
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=30,
+    )
+    import numpy as np, orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import residual_store as rs
+    from residual_store import orbax as rso
+    sys.path.insert(0, tests)
+    from test_multiprocess import batches, init_params, loss
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    data = NamedSharding(mesh, P("data"))
+
+    def global_array(a, sharding):
+        return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+    # w2 sharded over both processes' devices, w1 replicated; the batch split over all four
+    p = init_params()
+    params = {"w1": global_array(p["w1"], NamedSharding(mesh, P())),
+              "w2": global_array(p["w2"], NamedSharding(mesh, P("data", None)))}
+    fwd = rs.split(loss)
+    contexts = {f"mb{i}": fwd(params, global_array(x, data), global_array(y, data))[1]
+                for i, (x, y) in enumerate(batches())}
+    with ocp.CheckpointManager(directory) as mngr:
+        mngr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(params),
+                                             contexts=rso.ContextsSave(contexts)))
+        mngr.wait_until_finished()
+    print("saved", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.multiprocess
+def test_two_processes_save_sharded_contexts_in_one_step(tmp_path):
+    """Every process of a ``jax.distributed`` job saves the same contexts (its shards); the step's
+    item is one store that a single process reads whole and runs backward from."""
+    from test_multiprocess import TIMEOUT_S, _free_port, _worker_env, batches, init_params, loss
+
+    script, port = tmp_path / "worker.py", _free_port()
+    script.write_text(textwrap.dedent(JOB_WORKER))
+    logs = [tmp_path / f"worker{i}.log" for i in range(2)]
+    procs = []
+    try:
+        for i, log in enumerate(logs):
+            with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+                args = [sys.executable, str(script), str(i), str(port), str(tmp_path / "ckpt"), os.path.dirname(__file__)]
+                procs.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=_worker_env(PYTHONPATH=_pythonpath())))
+        codes = [p.wait(timeout=2 * TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:  # only the processes this test started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0], "\n".join(f"--- process {i} ---\n{log.read_text()[-6000:]}" for i, log in enumerate(logs))
+
+    chunked = [r for r in read_manifest(tmp_path / "ckpt" / "5" / "contexts", "mb0")["arrays"] if r.get("chunk_shape")]
+    assert chunked and all(len(r["chunk_checksums"]) == 4 for r in chunked)  # both processes' shards
+    params = init_params()
+    with _manager(tmp_path / "ckpt", read_only=True) as mngr, _restore(mngr, 5) as store:
+        assert store.keys() == ["mb0", "mb1"]
+        for key, (x, y) in zip(store.keys(), batches()):
+            grads, want = rs.backward(store.get(key)), jax.grad(loss)(params, x, y)
+            for name in ("w1", "w2"):
+                np.testing.assert_allclose(np.asarray(grads[name]), want[name], rtol=1e-5, atol=1e-6)
