@@ -88,14 +88,6 @@ def _check_contexts(contexts: Any) -> None:
             )
 
 
-def _gather(contexts: Contexts) -> dict[str, ResidualContext]:
-    """The contexts to save, by key: a mapping's items, or every context of a store (got now,
-    so the store may change once the save returned)."""
-    if isinstance(contexts, Store):
-        return {key: contexts.get(key) for key in contexts.keys()}
-    return dict(contexts)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Snapshot:
     """What a save writes after it returned: host copies of the contexts, and the backwards of
@@ -106,33 +98,47 @@ class _Snapshot:
 
 
 def _snapshot(contexts: Contexts) -> _Snapshot:
-    """Host copies of ``contexts`` (one copy per distinct array), taken on the caller's thread."""
-    gathered = _gather(contexts)
-    held = {ctx.spec.signature: find_backward(ctx.spec.signature) for ctx in gathered.values()}
-    return _Snapshot(detached(gathered), tuple(held.values()))
+    """Host copies of ``contexts`` (one copy per distinct array), taken on the caller's thread: a
+    mapping's in one transfer; a store's every context, one at a time (read from its tiers, so
+    that only one of them is on the device at once for the copy), as the store holds them now."""
+    if isinstance(contexts, Store):
+        weights: dict[int, Any] = {}
+        copies = {key: detached({key: contexts.get(key)}, weights)[key] for key in contexts.keys()}
+    else:
+        copies = detached(contexts)
+    held = {ctx.spec.signature: find_backward(ctx.spec.signature) for ctx in copies.values()}
+    return _Snapshot(copies, tuple(held.values()))
 
 
-def store_path(directory: epath.Path | str | os.PathLike[str]) -> str | dict[str, str]:
+def _store_path(directory: epath.Path | str | os.PathLike[str]) -> str | dict[str, str]:
     """The ``rs.Store`` path of an Orbax item folder: a local folder as is, a ``gs://`` or
     ``s3://`` folder as the tensorstore kvstore spec of that bucket and prefix.
 
     Example:
-      >>> store_path("gs://bucket/run/3/contexts")
+      >>> _store_path("gs://bucket/run/3/contexts")
       {'driver': 'gcs', 'bucket': 'bucket', 'path': 'run/3/contexts/'}
+
+    Raises:
+      InvalidArgumentError: a folder of another file system (``scheme://``), which a store
+        cannot open.
     """
     text = os.fspath(directory)
     for scheme, driver in (("gs://", "gcs"), ("s3://", "s3")):
         if text.startswith(scheme):
             bucket, _, prefix = text[len(scheme):].partition("/")
             return {"driver": driver, "bucket": bucket, "path": prefix.rstrip("/") + "/"}
+    if "://" in text:
+        raise InvalidArgumentError(
+            f"cannot save contexts in {text}: a residual store opens local folders, gs:// and s3:// only"
+        )
     return text
 
 
-def _write(directory: epath.Path, snapshot: _Snapshot) -> None:
-    """Writes the item: a residual store holding the snapshot's contexts, complete and durable
-    when this returns (every process of a multi-host job runs it; the store's collective
-    writes make one store of their puts)."""
-    with Store(store_path(directory)) as store:
+def _write(path: str | dict[str, str], snapshot: _Snapshot) -> None:
+    """Writes the item: a residual store at ``path`` holding the snapshot's contexts, complete
+    and durable when this returns (every process of a multi-host job runs it; the store's
+    collective writes make one store of their puts)."""
+    with Store(path) as store:
         for key, ctx in snapshot.contexts.items():
             store.put(ctx, key)
         store.flush()
@@ -148,21 +154,23 @@ class ContextsHandler(ocp.AsyncCheckpointHandler):
     """
 
     async def async_save(self, directory: epath.Path, args: ContextsSave) -> list[ocp.future.Future]:
-        snapshot = _snapshot(args.contexts)
+        """Copies the contexts, then returns the future of their write (run once Orbax has
+        created ``directory``, which may not exist yet)."""
+        path, snapshot = _store_path(directory), _snapshot(args.contexts)
 
         async def commit() -> None:
-            _write(directory, snapshot)
+            _write(path, snapshot)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name="residual_store_contexts_save")]
 
     def save(self, directory: epath.Path, args: ContextsSave) -> None:
         """Saves and waits for the write (Orbax's synchronous checkpointers)."""
-        _write(directory, _snapshot(args.contexts))
+        _write(_store_path(directory), _snapshot(args.contexts))
 
     def restore(self, directory: epath.Path, args: ContextsRestore | None = None) -> Store:
         """A read-only ``rs.Store`` on the item (close it, or use it as a context manager)."""
         del args
-        return Store(store_path(directory), read_only=True)
+        return Store(_store_path(directory), read_only=True)
 
 
 @ocp.args.register_with_handler(ContextsHandler, for_save=True)

@@ -282,7 +282,9 @@ def _host_copy(x: Any) -> Any:
     return x
 
 
-def detached(contexts: Mapping[str, ResidualContext]) -> dict[str, ResidualContext]:
+def detached(
+    contexts: Mapping[str, ResidualContext], weights: dict[int, tuple[jax.Array, jax.Array]] | None = None
+) -> dict[str, ResidualContext]:
     """Copies of ``contexts`` that share no buffer with them, for a checkpoint that writes after
     its ``save`` returned: deleting or donating the originals' arrays then cannot touch them.
 
@@ -292,21 +294,35 @@ def detached(contexts: Mapping[str, ResidualContext]) -> dict[str, ResidualConte
     completes a copy before it frees its source), else on its devices; a typed key is copied
     where it is. NumPy residuals are kept as they are.
 
+    ``weights``: the weights copied by earlier calls (id -> (array, copy)), reused and added to,
+    so that contexts copied a few at a time (to bound the memory of the originals) still share
+    one copy of each weight.
+
     Raises:
       InvalidArgumentError: an array was deleted (donated) already; it names it.
     """
+    weights = {} if weights is None else weights
+    copies: dict[int, jax.Array] = {}
     arrays: dict[int, jax.Array] = {}
     for ctx in contexts.values():
-        for i, x in enumerate(ctx.residuals):
-            if isinstance(x, jax.Array):
-                if x.is_deleted():
-                    raise _deleted(ctx, i, "before it was saved")
-                arrays.setdefault(id(x), x)
+        for i, (x, kind) in enumerate(zip(ctx.residuals, ctx.spec.kinds)):
+            if not isinstance(x, jax.Array) or id(x) in copies or id(x) in arrays:
+                continue
+            if x.is_deleted():
+                raise _deleted(ctx, i, "before it was saved")
+            known = weights.get(id(x)) if kind in SHARED_KINDS else None
+            if known is not None and known[0] is x:
+                copies[id(x)] = known[1]
+            else:
+                arrays[id(x)] = x
     sources = list(arrays.values())
-    copies = jax.device_put(sources, [_host_sharding(x) for x in sources], may_alias=False)
-    by_id = dict(zip(arrays, copies))
+    copies.update(zip(arrays, jax.device_put(sources, [_host_sharding(x) for x in sources], may_alias=False)))
+    for ctx in contexts.values():
+        for x, kind in zip(ctx.residuals, ctx.spec.kinds):
+            if kind in SHARED_KINDS and id(x) in arrays:
+                weights[id(x)] = (x, copies[id(x)])  # (the array kept: its id stays its own)
     return {
-        key: ResidualContext.tree_unflatten(ctx.spec, [by_id.get(id(x), x) for x in ctx.residuals])
+        key: ResidualContext.tree_unflatten(ctx.spec, [copies.get(id(x), x) for x in ctx.residuals])
         for key, ctx in contexts.items()
     }
 
