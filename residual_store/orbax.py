@@ -36,11 +36,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import orbax.checkpoint as ocp
-    from etils import epath
 except ImportError as err:  # pragma: no cover - exercised in a process without orbax
     raise ImportError(
         "residual_store.orbax needs orbax-checkpoint, which residual-store does not install by "
@@ -54,6 +53,9 @@ from residual_store.errors import InvalidArgumentError
 from residual_store.store import Store
 from residual_store.store.host import detached
 from residual_store.store.keys import validate_key
+
+if TYPE_CHECKING:
+    from etils import epath
 
 __all__ = ["ContextsHandler", "ContextsRestore", "ContextsSave"]
 

@@ -5,7 +5,6 @@ removed with their step by ``max_to_keep``; damage found as in any store."""
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import subprocess
