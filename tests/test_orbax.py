@@ -189,9 +189,12 @@ def test_a_damaged_context_in_a_checkpoint_is_refused_and_the_others_load(tmp_pa
 # -- the asynchronous save --------------------------------------------------------------------
 
 
-def test_the_save_returns_before_the_write_and_deleted_arrays_do_not_break_it(tmp_path, rng, monkeypatch):
+@pytest.mark.parametrize("dtypes", ["float32", pytest.param("mixed", marks=pytest.mark.slow)])
+def test_the_save_returns_before_the_write_and_deleted_arrays_do_not_break_it(tmp_path, rng, monkeypatch, dtypes):
     params = jax.tree.map(lambda p: p + 0, PARAMS)  # arrays of this test's own, deleted below
-    contexts = {**_contexts(rng, 2, params=params), "mixed": MIXED(*mixed_inputs(rng))[1]}
+    contexts = _contexts(rng, 2, params=params)
+    if dtypes == "mixed":  # bfloat16, float16, int32, bool, typed keys (copied where they are)
+        contexts["mixed"] = MIXED(*mixed_inputs(rng))[1]
     want = {key: rs.backward(ctx) for key, ctx in contexts.items()}
     gate, written = threading.Event(), threading.Event()
     write = rso._write
@@ -218,6 +221,22 @@ def test_the_save_returns_before_the_write_and_deleted_arrays_do_not_break_it(tm
         with _restore(mngr, 0) as store:
             for key, grads in want.items():
                 _bitwise(rs.backward(store.get(key)), grads)
+
+
+def test_a_failed_write_commits_no_step(tmp_path, rng, monkeypatch):
+    contexts = _contexts(rng, 1)
+    with _manager(tmp_path) as mngr:
+        _save(mngr, 0, contexts)
+        mngr.wait_until_finished()
+
+        def full(path, snapshot):
+            raise rs.StoreFullError("no space left on the device")
+
+        monkeypatch.setattr(rso, "_write", full)
+        _save(mngr, 1, contexts)
+        with pytest.raises(rs.StoreFullError):
+            mngr.wait_until_finished()
+        assert mngr.all_steps() == [0] and "1" not in os.listdir(tmp_path)
 
 
 def test_a_context_whose_arrays_were_deleted_is_refused_by_save(tmp_path, rng):
@@ -419,3 +438,11 @@ def test_item_folders_on_object_stores_open_as_kvstore_specs():
     assert rso._store_path(epath.Path("/ckpt/3/contexts")) == "/ckpt/3/contexts"
     with pytest.raises(rs.InvalidArgumentError, match="hdfs://"):
         rso._store_path("hdfs://cluster/ckpt/3/contexts")
+
+
+def test_a_process_that_imported_the_module_restores_the_item_without_arguments(tmp_path, rng):
+    contexts = _contexts(rng, 1)
+    with _manager(tmp_path) as mngr:
+        _save(mngr, 0, contexts)
+    with _manager(tmp_path, read_only=True) as mngr, mngr.restore(0).contexts as store:
+        _bitwise(rs.backward(store.get("mb0")), FWD.backward(contexts["mb0"]))
