@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 
 import jax
@@ -20,7 +19,7 @@ import pytest
 import residual_store as rs
 from libraries import BATCH, IN, OUT, flat, make_nnx, make_plain
 from residual_store import orbax as rso
-from store_helpers import SUBPROCESS_TIMEOUT, mixed_inputs, mixed_loss, read_manifest
+from store_helpers import mixed_inputs, mixed_loss, read_manifest, run_python, write_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,18 +69,11 @@ def _weight_bytes(contexts: dict[str, rs.ResidualContext]) -> int:
     return sum(x.nbytes for x in weights.values())
 
 
-def _env(seed: str) -> dict[str, str]:
-    """A subprocess environment that imports this checkout's package, under another hash seed."""
-    return dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu")
-
-
-def _python(source: str, *args: str, seed: str = "0") -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(source), *args],
-        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, env=_env(seed), cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc
+def _python(folder, source: str, *args: str, seed: str = "0") -> subprocess.CompletedProcess[str]:
+    """Runs ``source`` in a new process that imports this checkout's package, under the hash
+    seed ``seed``; fails the test on error."""
+    script = write_script(folder, "script.py", source)
+    return run_python(script, *args, env={"PYTHONPATH": _pythonpath(), "PYTHONHASHSEED": seed})
 
 
 # -- a new process without the model ----------------------------------------------------------
@@ -126,7 +118,7 @@ def test_contexts_saved_with_the_state_run_backward_in_a_process_without_the_mod
     _bitwise(restored.state, params)
 
     out = tmp_path / "grads.npz"
-    proc = _python(READER, str(tmp_path / "ckpt"), "3", str(out), seed="23")
+    proc = _python(tmp_path, READER, str(tmp_path / "ckpt"), "3", str(out), seed="23")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["keys"] == sorted(contexts) and report["modules"] == [], report
     got = dict(zip(report["paths"], (v for _, v in sorted(np.load(out).items(), key=lambda kv: int(kv[0])))))
@@ -331,7 +323,7 @@ def test_what_cannot_be_saved_is_refused_before_anything_is_written(tmp_path, rn
 
 
 @pytest.mark.subprocess
-def test_residual_store_never_imports_orbax_and_without_orbax_names_the_extra():
+def test_residual_store_never_imports_orbax_and_without_orbax_names_the_extra(tmp_path):
     source = """
         import sys
         import residual_store
@@ -350,7 +342,7 @@ def test_residual_store_never_imports_orbax_and_without_orbax_names_the_extra():
         else:
             raise AssertionError("residual_store.orbax imported without orbax")
     """
-    assert "pip install 'residual-store[orbax]'" in _python(source).stdout
+    assert "pip install 'residual-store[orbax]'" in _python(tmp_path, source).stdout
 
 
 # -- a job of several processes ---------------------------------------------------------------
@@ -401,14 +393,13 @@ def test_two_processes_save_sharded_contexts_in_one_step(tmp_path):
     item is one store that a single process reads whole and runs backward from."""
     from test_multiprocess import TIMEOUT_S, _free_port, _worker_env, batches, init_params, loss
 
-    script, port = tmp_path / "worker.py", _free_port()
-    script.write_text(textwrap.dedent(JOB_WORKER))
+    script, port = write_script(tmp_path, "worker.py", JOB_WORKER), _free_port()
     logs = [tmp_path / f"worker{i}.log" for i in range(2)]
     procs = []
     try:
         for i, log in enumerate(logs):
             with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-                args = [sys.executable, str(script), str(i), str(port), str(tmp_path / "ckpt"), os.path.dirname(__file__)]
+                args = [sys.executable, script, str(i), str(port), str(tmp_path / "ckpt"), os.path.dirname(__file__)]
                 procs.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=_worker_env(PYTHONPATH=_pythonpath())))
         codes = [p.wait(timeout=2 * TIMEOUT_S) for p in procs]
     finally:
