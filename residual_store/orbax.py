@@ -51,7 +51,7 @@ from residual_store.backward import Backward, find_backward
 from residual_store.context import ResidualContext
 from residual_store.errors import InvalidArgumentError
 from residual_store.store import Store
-from residual_store.store.host import detached
+from residual_store.store.host import check_live, detached
 from residual_store.store.keys import validate_key
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ def _check_contexts(contexts: Any) -> None:
                 f"ContextsSave: context {key!r} holds tracers (it was made inside jax.jit or another "
                 "transformation): return it from the transformed function and save it there"
             )
+        check_live(ctx, "before it was saved")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,10 +158,23 @@ class ContextsHandler(ocp.AsyncCheckpointHandler):
 
     async def async_save(self, directory: epath.Path, args: ContextsSave) -> list[ocp.future.Future]:
         """Copies the contexts, then returns the future of their write (run once Orbax has
-        created ``directory``, which may not exist yet)."""
-        path, snapshot = _store_path(directory), _snapshot(args.contexts)
+        created ``directory``, which may not exist yet).
+
+        A copy that fails (an array deleted since ``ContextsSave`` checked it, a damaged context
+        in a store saved) fails the future, not this call: Orbax has begun the step (its folders
+        are being made, other items saved), and an error here would leave that work waiting for
+        signals that never come; the future's error fails the step cleanly, from
+        ``wait_until_finished`` or the next ``save``.
+        """
+        path = _store_path(directory)
+        try:
+            snapshot: _Snapshot | BaseException = _snapshot(args.contexts)
+        except Exception as err:  # noqa: BLE001 - raised by the future, below
+            snapshot = err
 
         async def commit() -> None:
+            if isinstance(snapshot, BaseException):
+                raise snapshot
             _write(path, snapshot)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name="residual_store_contexts_save")]
@@ -182,8 +196,9 @@ class ContextsSave(ocp.args.CheckpointArgs):
 
     Args:
       contexts: a mapping from key to ``rs.ResidualContext``, or an ``rs.Store`` (all its keys).
-        Checked here: a value that is not a context raises :class:`rs.InvalidArgumentError`, a
-        key outside the store's rules :class:`rs.InvalidKeyError`, before anything is written.
+        Checked here: a value that is not a context, or one whose arrays were deleted, raises
+        :class:`rs.InvalidArgumentError`, a key outside the store's rules
+        :class:`rs.InvalidKeyError`, before anything is written.
 
     ``CheckpointManager.save`` copies the contexts to host memory before it returns; the item is
     written in the background and committed with the step.

@@ -231,15 +231,19 @@ def test_a_failed_write_commits_no_step(tmp_path, rng, monkeypatch):
         assert mngr.all_steps() == [0] and "1" not in os.listdir(tmp_path)
 
 
-def test_a_context_whose_arrays_were_deleted_is_refused_by_save(tmp_path, rng):
+def test_a_context_whose_arrays_were_deleted_is_refused(tmp_path, rng):
     contexts = _contexts(rng, 2)
     contexts["mb1"].residuals[-1].delete()
+    with pytest.raises(rs.InvalidArgumentError, match="was deleted"):
+        rso.ContextsSave(contexts)
+    args = rso.ContextsSave({"mb0": contexts["mb0"]})
+    contexts["mb0"].residuals[-1].delete()  # after the check, before the save: the step fails
     with _manager(tmp_path) as mngr:
+        mngr.save(0, args=ocp.args.Composite(contexts=args))
         with pytest.raises(rs.InvalidArgumentError, match="was deleted"):
-            _save(mngr, 0, contexts)
-        mngr.wait_until_finished()
+            mngr.wait_until_finished()
         assert mngr.all_steps() == []
-        _save(mngr, 1, {"mb0": contexts["mb0"]})  # the manager saves on
+        _save(mngr, 1, _contexts(rng, 1))  # the manager saves on
         mngr.wait_until_finished()
         assert mngr.all_steps() == [1]
 

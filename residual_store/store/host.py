@@ -30,6 +30,7 @@ __all__ = [
     "HostArrays",
     "ShardedHost",
     "WeightSums",
+    "check_live",
     "chunk_index",
     "detached",
     "host_arrays",
@@ -282,6 +283,14 @@ def _host_copy(x: Any) -> Any:
     return x
 
 
+def check_live(ctx: ResidualContext, when: str) -> None:
+    """Raises :class:`InvalidArgumentError` naming the first array of ``ctx`` that was deleted
+    (donated), ``when`` saying when (``"before it was saved"``)."""
+    for i, x in enumerate(ctx.residuals):
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise _deleted(ctx, i, when)
+
+
 def detached(
     contexts: Mapping[str, ResidualContext], weights: dict[int, tuple[jax.Array, jax.Array]] | None = None
 ) -> dict[str, ResidualContext]:
@@ -305,11 +314,10 @@ def detached(
     copies: dict[int, jax.Array] = {}
     arrays: dict[int, jax.Array] = {}
     for ctx in contexts.values():
-        for i, (x, kind) in enumerate(zip(ctx.residuals, ctx.spec.kinds)):
+        check_live(ctx, "before it was saved")
+        for x, kind in zip(ctx.residuals, ctx.spec.kinds):
             if not isinstance(x, jax.Array) or id(x) in copies or id(x) in arrays:
                 continue
-            if x.is_deleted():
-                raise _deleted(ctx, i, "before it was saved")
             known = weights.get(id(x)) if kind in SHARED_KINDS else None
             if known is not None and known[0] is x:
                 copies[id(x)] = known[1]
