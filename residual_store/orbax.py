@@ -161,21 +161,22 @@ class ContextsHandler(ocp.AsyncCheckpointHandler):
         created ``directory``, which may not exist yet).
 
         A copy that fails (an array deleted since ``ContextsSave`` checked it, a damaged context
-        in a store saved) fails the future, not this call: Orbax has begun the step (its folders
-        are being made, other items saved), and an error here would leave that work waiting for
-        signals that never come; the future's error fails the step cleanly, from
-        ``wait_until_finished`` or the next ``save``.
+        in a store saved, a folder no store opens) fails the future, not this call: Orbax has
+        begun the step (its folders are being made, other items saved), and an error here would
+        leave that work waiting for signals that never come; the future's error fails the step
+        cleanly, from ``wait_until_finished`` or the next ``save``.
         """
-        path = _store_path(directory)
         try:
-            snapshot: _Snapshot | BaseException = _snapshot(args.contexts)
+            prepared: tuple[str | dict[str, str], _Snapshot] | Exception = (
+                _store_path(directory), _snapshot(args.contexts)
+            )
         except Exception as err:  # noqa: BLE001 - raised by the future, below
-            snapshot = err
+            prepared = err
 
         async def commit() -> None:
-            if isinstance(snapshot, BaseException):
-                raise snapshot
-            _write(path, snapshot)
+            if isinstance(prepared, Exception):
+                raise prepared
+            _write(*prepared)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name="residual_store_contexts_save")]
 
