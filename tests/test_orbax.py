@@ -104,6 +104,17 @@ READER = """
 """
 
 
+def _backwards_in_a_new_process(tmp_path, step: int, seed: str) -> tuple[list[str], dict[str, np.ndarray]]:
+    """The keys of the contexts item of ``step`` of the checkpoint ``tmp_path/ckpt`` and their
+    gradients (``key + key path`` -> array), as a new process without the model gets them."""
+    out = tmp_path / "grads.npz"
+    proc = _python(tmp_path, READER, str(tmp_path / "ckpt"), str(step), str(out), seed=seed)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["modules"] == [], report  # neither the model's library nor these tests
+    arrays = np.load(out)
+    return report["keys"], {path: arrays[str(i)] for i, path in enumerate(report["paths"])}
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("model", list(MODELS))
@@ -117,15 +128,12 @@ def test_contexts_saved_with_the_state_run_backward_in_a_process_without_the_mod
         restored = mngr.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(params)))
     _bitwise(restored.state, params)
 
-    out = tmp_path / "grads.npz"
-    proc = _python(tmp_path, READER, str(tmp_path / "ckpt"), "3", str(out), seed="23")
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["keys"] == sorted(contexts) and report["modules"] == [], report
-    got = dict(zip(report["paths"], (v for _, v in sorted(np.load(out).items(), key=lambda kv: int(kv[0])))))
+    keys, got = _backwards_in_a_new_process(tmp_path, 3, seed="23")
+    assert keys == sorted(contexts)
     for key, (x, y) in zip(contexts, batches):
         live = flat(fwd.backward(contexts[key]))  # the same program: bitwise
         want = flat(jax.grad(loss)(params, x, y))
-        assert [p[len(key):] for p in report["paths"] if p.startswith(key)] == list(want)
+        assert [p[len(key):] for p in got if p.startswith(key)] == list(want)
         for path, g in want.items():
             np.testing.assert_array_equal(got[key + path], np.asarray(live[path]))
             np.testing.assert_allclose(got[key + path], g, rtol=1e-5, atol=1e-5)
@@ -289,6 +297,31 @@ def test_a_store_is_saved_with_every_key_as_it_was_at_save(tmp_path, rng, path):
                     _bitwise(rs.backward(store.get(key)), grads)
                 disk = store.stats()["disk"]
     assert disk["bytes"] - disk["own_bytes"] == _weight_bytes(contexts)  # once in the item
+
+
+CHECKPOINTER = """
+    import sys
+    import orbax.checkpoint as ocp, residual_store as rs
+    from residual_store import orbax as rso
+    with rs.Store(sys.argv[1], read_only=True) as store, ocp.CheckpointManager(sys.argv[2]) as mngr:
+        mngr.save(0, args=ocp.args.Composite(contexts=rso.ContextsSave(store)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_process_without_the_model_checkpoints_a_store_that_another_runs_backward_from(tmp_path, rng):
+    """The item's backward is exported again from the one the source store keeps."""
+    contexts = _contexts(rng, 2)
+    with rs.Store(tmp_path / "source") as source:
+        for key, ctx in contexts.items():
+            source.put(ctx, key)
+    _python(tmp_path, CHECKPOINTER, str(tmp_path / "source"), str(tmp_path / "ckpt"), seed="5")
+    keys, got = _backwards_in_a_new_process(tmp_path, 0, seed="7")
+    assert keys == sorted(contexts)
+    for key, ctx in contexts.items():
+        for path, g in flat(FWD.backward(ctx)).items():
+            np.testing.assert_array_equal(got[key + path], np.asarray(g))
 
 
 def test_weights_the_contexts_share_are_stored_once_in_the_item(tmp_path, rng):
