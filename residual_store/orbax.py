@@ -211,6 +211,7 @@ class ContextsSave(ocp.args.CheckpointArgs):
       >>> args = ocp.args.Composite(contexts=rso.ContextsSave({"mb0": ctx}))
     """
 
+    # (not frozen: a frozen dataclass cannot extend Orbax's CheckpointArgs, which is not)
     contexts: Contexts
 
     def __post_init__(self) -> None:
