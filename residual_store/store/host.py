@@ -30,7 +30,9 @@ __all__ = [
     "HostArrays",
     "ShardedHost",
     "WeightSums",
+    "check_live",
     "chunk_index",
+    "detached",
     "host_arrays",
     "host_memory_kind",
     "is_whole_on",
@@ -279,6 +281,64 @@ def _host_copy(x: Any) -> Any:
         if kind is None:
             return np.asarray(jax.device_get(x))
     return x
+
+
+def check_live(ctx: ResidualContext, when: str) -> None:
+    """Raises :class:`InvalidArgumentError` naming the first array of ``ctx`` that was deleted
+    (donated), ``when`` saying when (``"before it was saved"``)."""
+    for i, x in enumerate(ctx.residuals):
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise _deleted(ctx, i, when)
+
+
+def detached(
+    contexts: Mapping[str, ResidualContext], weights: dict[int, tuple[jax.Array, jax.Array]] | None = None
+) -> dict[str, ResidualContext]:
+    """Copies of ``contexts`` that share no buffer with them, for a checkpoint that writes after
+    its ``save`` returned: deleting or donating the originals' arrays then cannot touch them.
+
+    Every array, weights included, is copied once however many contexts hold it (a weight they
+    all hold stays one array, which a store writes once), all in one ``jax.device_put``: to
+    ``pinned_host`` memory with its sharding where the devices have it (asynchronously: JAX
+    completes a copy before it frees its source), else on its devices; a typed key is copied
+    where it is. NumPy residuals are kept as they are.
+
+    ``weights``: the weights copied by earlier calls (id -> (array, copy)), reused and added to,
+    so that contexts copied a few at a time (to bound the memory of the originals) still share
+    one copy of each weight.
+
+    Raises:
+      InvalidArgumentError: an array was deleted (donated) already; it names it.
+    """
+    weights = {} if weights is None else weights
+    copies: dict[int, jax.Array] = {}
+    arrays: dict[int, jax.Array] = {}
+    for ctx in contexts.values():
+        check_live(ctx, "before it was saved")
+        for x, kind in zip(ctx.residuals, ctx.spec.kinds):
+            if not isinstance(x, jax.Array) or id(x) in copies or id(x) in arrays:
+                continue
+            known = weights.get(id(x)) if kind in SHARED_KINDS else None
+            if known is not None and known[0] is x:
+                copies[id(x)] = known[1]
+            else:
+                arrays[id(x)] = x
+    sources = list(arrays.values())
+    copies.update(zip(arrays, jax.device_put(sources, [_host_sharding(x) for x in sources], may_alias=False)))
+    for ctx in contexts.values():
+        for x, kind in zip(ctx.residuals, ctx.spec.kinds):
+            if kind in SHARED_KINDS and id(x) in arrays:
+                weights[id(x)] = (x, copies[id(x)])  # (the array kept: its id stays its own)
+    return {
+        key: ResidualContext.tree_unflatten(ctx.spec, [copies.get(id(x), x) for x in ctx.residuals])
+        for key, ctx in contexts.items()
+    }
+
+
+def _host_sharding(x: jax.Array) -> Any:
+    """Where :func:`detached` copies ``x``: its sharding in host memory, where it has one."""
+    kind = None if _is_key_dtype(x.dtype) else host_memory_kind(next(iter(x.sharding.device_set)))
+    return x.sharding.with_memory_kind(kind) if kind is not None else x.sharding
 
 
 def holds_device_memory(ctx: ResidualContext) -> bool:
