@@ -22,6 +22,14 @@ from residual_store.errors import (
 from residual_store.filters import is_inexact
 from residual_store.split import Split, split
 from residual_store.store import Store
+from residual_store.store.inspection import (
+    BackwardInfo,
+    ContextInfo,
+    ResidualInfo,
+    SignatureUsage,
+    StoreUsage,
+    VerifyReport,
+)
 
 __version__ = "0.1.0"
 
@@ -31,6 +39,12 @@ __all__ = [
     "backward",
     "is_inexact",
     "Store",
+    "VerifyReport",
+    "ContextInfo",
+    "ResidualInfo",
+    "BackwardInfo",
+    "StoreUsage",
+    "SignatureUsage",
     "enable_compilation_cache",
     "ResidualContext",
     "ResidualSpec",
