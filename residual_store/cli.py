@@ -70,10 +70,11 @@ def _unavailable(args: argparse.Namespace, err: BaseException) -> str:
     """An object store that did not answer, with command-line advice."""
     cause = str(err.__cause__ or "").strip().splitlines()
     why = f" ({cause[0]})" if cause else ""
-    within = f" within --timeout {args.timeout:g} s" if getattr(args, "timeout", None) else ""
+    timeout = getattr(args, "timeout", None)
+    within, advice = (f" within --timeout {timeout:g} s", "a longer --timeout") if timeout else ("", "--timeout SECONDS")
     return (
         f"{args.path}: the object store did not answer{within} or refused the request{why}; check the "
-        "endpoint, the network and the credentials, or give --timeout SECONDS"
+        f"endpoint, the network and the credentials, or give {advice}"
     )
 
 

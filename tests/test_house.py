@@ -123,3 +123,38 @@ def test_the_command_line_uses_the_public_api_only():
         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "rs" and n.attr.startswith("_")
     ]
     assert not private, f"cli.py uses private names of the package: {private}"
+
+
+def test_the_static_face_lists_what_the_package_imports_on_first_use():
+    """``residual_store/__init__.py`` imports its public names on first use; the imports it
+    shows type checkers (under ``TYPE_CHECKING``) name the same modules and names."""
+    import residual_store
+
+    static = {}
+    for node in ast.walk(ast.parse((PACKAGE / "__init__.py").read_text())):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom):
+                    static.update({a.asname or a.name: sub.module for a in sub.names})
+    assert static == residual_store._EXPORTS and list(residual_store._EXPORTS) == residual_store.__all__
+
+
+def test_public_functions_keep_their_names_whatever_is_imported_first():
+    """``rs.split`` and ``rs.backward`` share their names with the modules that define them:
+    importing those modules first (before any public name is used) leaves the functions."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, types, residual_store.split, residual_store.backward, residual_store as rs\n"
+        "assert 'jax' in sys.modules\n"
+        "assert rs.split is sys.modules['residual_store.split'].split and callable(rs.backward)\n"
+        "assert not isinstance(rs.backward, types.ModuleType) and 'split' in dir(rs)\n"
+        "from residual_store import backward, Store\n"
+        "assert backward is sys.modules['residual_store.backward'].backward and Store is rs.Store\n"
+        "import residual_store.store.store\n"
+        "try:\n    rs.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.returncode == 0, out.stderr
