@@ -28,7 +28,7 @@ def test_markdown_python_blocks_run(code):
 
 
 @pytest.mark.parametrize(
-    "name", ["split", "backward", "context", "keypaths", "filters", "names", "logs", "partition", "pipeline", "store.schedule", "store.store", "store.budgets"]
+    "name", ["split", "backward", "context", "keypaths", "filters", "names", "logs", "partition", "pipeline", "store.schedule", "store.store", "store.budgets", "store.inspection"]
 )
 def test_docstring_examples(name):
     module = importlib.import_module(f"residual_store.{name}")
