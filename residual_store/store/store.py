@@ -1047,9 +1047,11 @@ class Store:
         Example:
           >>> import jax.numpy as jnp, residual_store as rs, tempfile
           >>> _, ctx = rs.split(lambda w: jnp.sum(jnp.sin(w)))(jnp.ones(3))
-          >>> with tempfile.TemporaryDirectory() as path, rs.Store(path) as store:
-          ...     _ = store.put(ctx, "mb0")
-          ...     report = store.verify()
+          >>> with tempfile.TemporaryDirectory() as path:
+          ...     with rs.Store(path) as store:
+          ...         _ = store.put(ctx, "mb0")
+          ...     with rs.Store(path, read_only=True) as reader:   # as another process would
+          ...         report = reader.verify(["mb0"])
           >>> report.ok, report.verified, report.damaged
           (True, 1, {})
 
