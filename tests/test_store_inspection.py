@@ -136,6 +136,11 @@ def test_verify_refuses_unknown_and_invalid_keys(tmp_path):
             store.info("nope")
         with pytest.raises(rs.ContextNotFoundError):
             store.arrays("nope")
+        for bad in ("../../escape", 3, "rs2-xyz"):
+            with pytest.raises(rs.InvalidArgumentError, match="expects a context's signature"):
+                store.backward_info(bad)
+        with pytest.raises(rs.InvalidKeyError):
+            store.info(3)
 
 
 def test_verify_progress_counts_bytes(tmp_path):

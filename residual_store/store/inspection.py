@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from residual_store.context import SHARED_KINDS, ResidualSpec
-from residual_store.errors import ContextNotFoundError, CorruptContextError
+from residual_store.errors import ContextNotFoundError, CorruptContextError, InvalidArgumentError
 from residual_store.store import backwards, layout
 from residual_store.store.disk import DiskTier
-from residual_store.store.records import StoredContext
+from residual_store.store.records import StoredContext, check_signature
 
 __all__ = [
     "BackwardInfo",
@@ -233,7 +233,18 @@ def memory_info(key: str, spec: ResidualSpec) -> ContextInfo:
 
 
 def backward_info(disk: DiskTier | None, signature: str) -> BackwardInfo:
-    """The stored backward of ``signature`` (its manifest only; the export is not read)."""
+    """The stored backward of ``signature`` (its manifest only; the export is not read).
+
+    Raises:
+      InvalidArgumentError: ``signature`` is not one this library writes.
+    """
+    try:
+        check_signature(signature, "backward_info")
+    except CorruptContextError:
+        raise InvalidArgumentError(
+            f"backward_info expects a context's signature (rs2- and 32 hex digits, as info(key).signature "
+            f"gives), got {signature!r:.80}"
+        ) from None
     if disk is None:
         return BackwardInfo(signature, False, reason="a memory-only store stores no backwards")
     try:

@@ -1012,7 +1012,11 @@ class Store:
 
     def backward_info(self, signature: str) -> BackwardInfo:
         """Whether a backward of ``signature`` is stored (processes without the model can run
-        it), for which platforms and JAX version, or why not; reads its manifest only."""
+        it), for which platforms and JAX version, or why not; reads its manifest only.
+
+        Raises:
+          InvalidArgumentError: ``signature`` is not a signature (``info(key).signature`` is one).
+        """
         self._check_open()
         return inspection.backward_info(self._disk, signature)
 
