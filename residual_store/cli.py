@@ -142,8 +142,9 @@ def _info(args: argparse.Namespace, store: Store, key: str) -> ContextInfo:
 
 
 class _Progress:
-    """A line on stderr, redrawn as bytes go by, only where stderr is a terminal (a callable
-    for the ``progress`` argument of :class:`~residual_store.Store` methods)."""
+    """A line on stderr, redrawn as bytes go by (at most ten times a second) and erased at the
+    end, only where stderr is a terminal: a callable for the ``progress`` argument of
+    :class:`~residual_store.Store` methods."""
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -166,8 +167,8 @@ class _Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.drawn:
-            sys.stderr.write("\n")
+        if self.drawn:  # the result follows on stdout, on a clean line
+            sys.stderr.write("\r\x1b[K")
             sys.stderr.flush()
 
 
