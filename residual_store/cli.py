@@ -598,6 +598,10 @@ def _quiet_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     args = _parser().parse_args(argv)
+    if args.command != "demo":
+        # a store command reads into host memory: it starts no accelerator, nor takes its memory
+        # from a job running on it (unless JAX_PLATFORMS says otherwise, or JAX runs already)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import residual_store as rs  # (only now: --help and usage errors never import JAX)
 
     try:

@@ -17,7 +17,7 @@ import numpy as np
 
 from residual_store.errors import InvalidArgumentError
 
-__all__ = ["Headroom", "memory_stats", "needs_device", "parse_budget", "parse_size"]
+__all__ = ["Headroom", "memory_stats", "parse_budget", "parse_size"]
 
 _UNITS = {
     "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,  # (a bare "8G" is ambiguous: refused)
@@ -71,11 +71,6 @@ def parse_budget(value: Any, name: str, device: Any = None) -> int | None:
     if device is None:
         raise InvalidArgumentError(f"{name} {value!r}: only a device budget can be a share of memory")
     return int(device_memory_limit(device, name) * share / 100)
-
-
-def needs_device(device_budget: Any, device_headroom: Any) -> bool:
-    """Whether these options need the device's memory: a share (``"50%"``) or a headroom."""
-    return device_headroom is not None or (isinstance(device_budget, str) and _SHARE.fullmatch(device_budget) is not None)
 
 
 def memory_stats(device: Any) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from residual_store.errors import (
 )
 from residual_store.store import backwards
 from residual_store.store.collective import TIMEOUT_S
-from residual_store.store.budgets import Headroom, needs_device, parse_budget, parse_size
+from residual_store.store.budgets import Headroom, parse_budget, parse_size
 from residual_store.store.committer import Committer, open_committer
 from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
@@ -180,11 +180,8 @@ class Store:
         if device is not None and not isinstance(device, jax.Device):
             raise InvalidArgumentError(f"device must be a jax.Device or None, got {type(device).__name__}")
         self._target = device
-        # the device's memory, looked up only where an option needs it (a store that only reads
-        # to the host, as the command line's, never starts a backend)
-        memory = read_device(device) if needs_device(device_budget, device_headroom) else None
-        device_budget = parse_budget(device_budget, "device_budget", memory)
-        self._headroom = Headroom.of(device_headroom, memory)
+        device_budget = parse_budget(device_budget, "device_budget", read_device(device))
+        self._headroom = Headroom.of(device_headroom, read_device(device))
         host_budget = parse_size(host_budget, "host_budget")
         self._tiers = Tiers(device_budget, host_budget, demote=to_host)
         self._device, self._host = self._tiers.device, self._tiers.host
