@@ -128,7 +128,7 @@ def measure_put_get(base: Path, blocks: int, repeats: int) -> dict[str, Any]:
             "identical": identical, "t": t}
 
 
-def _add(a: Any, b: Any) -> Any:
+def add_trees(a: Any, b: Any) -> Any:
     return b if a is None else jax.tree.map(jnp.add, a, b)
 
 
@@ -138,7 +138,7 @@ def in_memory_step(fwd: rs.Split, calls: list[tuple], ct: Any) -> Any:
     contexts = [fwd(*call)[1] for call in calls]
     grads = None
     for ctx in reversed(contexts):
-        grads = _add(grads, fwd.backward(ctx, ct))
+        grads = add_trees(grads, fwd.backward(ctx, ct))
     return jax.block_until_ready(grads)
 
 
@@ -153,7 +153,7 @@ def spilled_step(store: rs.Store, fwd: rs.Split, calls: list[tuple], ct: Any) ->
     for i in reversed(range(len(calls))):
         if i > 0:
             store.prefetch(keys[i - 1])
-        grads = _add(grads, fwd.backward(store.get(keys[i]), ct))
+        grads = add_trees(grads, fwd.backward(store.get(keys[i]), ct))
     grads = jax.block_until_ready(grads)
     store.flush()
     return grads

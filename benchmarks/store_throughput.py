@@ -1,7 +1,7 @@
 """How fast ``rs.Store`` moves residual contexts, against raw file I/O, ``np.save`` and Orbax.
 
 Run: ``python benchmarks/store_throughput.py [--sizes 2,4,64] [--repeats N] [--quick]
-[--no-orbax] [--dir DIR] [--part all|io|schedule|stacks|put|split|s3]``. ``--quick`` measures the same
+[--no-orbax] [--dir DIR] [--part all|io|schedule|budget|stacks|put|split|s3]``. ``--quick`` measures the same
 sizes and the same schedule with fewer repeats (a minute or two on 2 cores); the full run takes a
 few minutes. One process; every number is the median of its timed runs, taken round-robin across
 the candidates of one table, each round starting one candidate later (drift and neighbours on a
@@ -50,6 +50,15 @@ intermediates per context), all forwards then all backwards (F1..F16, B16..B1) w
 wall time, the process's user and system CPU seconds per step (``getrusage``, all threads: XLA's,
 and the store's writer and loaders), so the I/O threads' cost shows.
 
+Part 2c, budget (issue 26). The same transformer's 16 microbatches, F1..F16 then B16..B1
+declared with ``store.schedule``, through ``Store(path, device_budget=2 contexts, host_budget=0)``
+with no ``flush`` in the step (writes in flight): at its peak, the device memory the live
+contexts hold as their own (every ``rs.ResidualContext`` alive, found through ``gc``: the
+store's tiers, loads ahead, the context the step got; each array once), after every put and get
+once the backward in flight is done, against the budget plus one context (the one being put or
+got); with the pending host copies (``stats()["pending"]``) at that moment. And the step time
+against the step in memory; gradients bit-identical.
+
 Part 2b, stacks (issue 25; ``benchmarks/stacks.py``). Contexts of a stack of blocks unrolled in
 Python (hundreds of small residuals): put+flush and get of one context against one file written
 and read, files per put, and a pipeline step of the 24-block stack through a store with budgets 0
@@ -78,6 +87,8 @@ ratio from the medians of one table; "x raw" is raw time / store time (higher is
 - schedule through the spilled store <= 1.15x in memory without fsync, <= 1.25x with fsync;
   its gradients bit-identical (``np.array_equal``) to the in-memory ones; with ``save="auto"``
   (issue 15) <= 1.1x the in-memory ``save="all"`` without fsync;
+- budget (issue 26): the store's peak live device bytes over the spilled schedule <= budget +
+  one context; that step <= 1.1x in memory (durable=False); gradients bit-identical;
 - split forward + backward <= 1.10x fused ``value_and_grad``;
 - stacks (issue 25): 16- and 64-block contexts put+flush <= 5x one file+fsync, get <= 10x one
   file read+device_put, <= 4 files a put; the 24-block pipeline step through a store <= 1.25x
@@ -91,6 +102,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import shutil
@@ -657,6 +669,140 @@ def _print_schedule(s: dict[str, Any], reps: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Part 2c: a budget bounds the device memory of the store's contexts (issue 26)
+
+BUDGET_CONTEXTS = 2
+IN_MEMORY_BUDGET = "in memory, all"
+BUDGETED = "store, budget {} contexts, durable={}"
+
+
+def _context_device_bytes() -> int:
+    """Bytes of the device-memory arrays that live contexts hold as their own (intermediates and
+    inputs, each array once), found by walking every live ``rs.ResidualContext``: the store's,
+    the one the step holds, loads ahead. Not the step's gradients or temporaries, and not a
+    pending write's host copy (a NumPy view on a CPU, pinned host memory on a GPU)."""
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, rs.ResidualContext):
+            for x, kind in zip(obj.residuals, obj.spec.kinds):
+                if kind in ("intermediate", "input") and isinstance(x, jax.Array) and not jax.dtypes.issubdtype(
+                    x.dtype, jax.dtypes.prng_key
+                ) and (
+                    x.sharding.memory_kind in (None, next(iter(x.sharding.device_set)).default_memory().kind)
+                ):
+                    seen[id(x)] = x.nbytes
+    return sum(seen.values())
+
+
+def budgeted_step(store: rs.Store, fwd: rs.Split, calls: list[tuple], ct: Any, sample: Callable[[Any], None] | None = None) -> Any:
+    """F1..Fn then Bn..B1 with the order declared (``store.schedule``) and no ``flush``, each
+    context popped for its backward: the store loads ahead and spills what is needed last on its
+    own. ``sample(grads)`` runs after
+    every put and get (the memory pass; ``None`` when timed)."""
+    keys = [f"mb{i}" for i in range(len(calls))]
+    store.schedule(keys[::-1])
+    grads = None
+    for key, call in zip(keys, calls):
+        store.put(fwd(*call)[1], key)
+        if sample is not None:
+            sample(grads)
+    for key in keys[::-1]:
+        ctx = store.pop(key)  # used once: the store keeps nothing of it
+        if sample is not None:
+            sample(grads)
+        grads = stacks.add_trees(grads, fwd.backward(ctx, ct))
+        del ctx
+    return jax.block_until_ready(grads)
+
+
+def measure_budget(base: Path, repeats: int) -> dict[str, Any]:
+    """The peak of the store's live device bytes over a spilled schedule (``jax.live_arrays()``
+    after every put and get, writes in flight: no ``flush``), against the budget; and the step
+    time against the step in memory."""
+    cfg = SCHEDULE
+    n = cfg.n_microbatches
+    params = init_transformer(jax.random.key(cfg.seed), cfg)
+    fwd = rs.split(lambda p, tokens, k: transformer_loss(p, tokens, k, cfg), argnums=0, has_aux=True)
+    data_key, drop_key = jax.random.split(jax.random.key(3))
+    tokens = jax.random.randint(data_key, (n, cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
+    calls = [(params, tokens[i], k) for i, k in enumerate(jax.random.split(drop_key, n))]
+    ct = jnp.float32(1.0 / n)
+    one = fwd(*calls[0])[1].spec.own_nbytes
+    budget = BUDGET_CONTEXTS * one
+    labels = {d: BUDGETED.format(BUDGET_CONTEXTS, d) for d in (False, True)}
+    stores = {d: rs.Store(base / f"budget-{int(d)}", device_budget=budget, host_budget=0, durable=d) for d in labels}
+    try:
+        reference = jax.tree.leaves(stacks.in_memory_step(fwd, calls, ct))
+        peaks: dict[bool, dict[str, int]] = {}
+        identical: dict[bool, bool] = {}
+        for d, store in stores.items():
+            store.flush()
+            peak = {"held": 0, "pending": 0}
+
+            def sample(grads: Any, store: rs.Store = store, peak: dict[str, int] = peak) -> None:
+                jax.block_until_ready(grads)  # the backward in flight still holds the context it got
+                held = _context_device_bytes()
+                if held >= peak["held"]:
+                    peak.update(held=held, pending=store.stats()["pending"]["bytes"])
+
+            got = jax.tree.leaves(budgeted_step(store, fwd, calls, ct, sample))
+            identical[d] = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, reference))
+            store.flush()
+            peaks[d] = peak
+        cases = {
+            IN_MEMORY_BUDGET: Case(lambda: stacks.in_memory_step(fwd, calls, ct)),
+            **{label: Case(lambda d=d: budgeted_step(stores[d], fwd, calls, ct), teardown=stores[d].flush) for d, label in labels.items()},
+        }
+        t = interleaved_medians(cases, repeats)
+    finally:
+        for s in stores.values():
+            s.close()
+    return {"one": one, "budget": budget, "peaks": peaks, "identical": identical, "t": t, "n": n}
+
+
+def _print_budget(b: dict[str, Any], reps: int) -> None:
+    mib = 2**20
+    print(
+        f"\nbudget: {b['n']} microbatches of the schedule's transformer, F1..F{b['n']} then B{b['n']}..B1 declared "
+        f"with store.schedule, no flush in the step; Store(path, device_budget={BUDGET_CONTEXTS} contexts = "
+        f"{b['budget'] / mib:.2f} MiB, host_budget=0); one context {b['one'] / mib:.2f} MiB; peak: the device "
+        f"arrays every live context holds as its own (the store's, loads ahead, the one the step got), after "
+        f"every put and get once the backward in flight is done; pending: stats()['pending']['bytes'] then "
+        f"(host copies); medians of {reps} steps, round-robin"
+    )
+    header = (f"{'durable':>7} | {'peak MiB':>8} | {'peak / (budget + one)':>21} | {'pending MiB then':>16} | "
+              f"{'ms/step':>8} | {'/ in memory':>11} | grads identical")
+    print(header)
+    print("-" * len(header))
+    t, bound = b["t"], b["budget"] + b["one"]
+    for d, peak in b["peaks"].items():
+        label = BUDGETED.format(BUDGET_CONTEXTS, d)
+        print(
+            f"{d!s:>7} | {peak['held'] / mib:>8.2f} | {peak['held'] / bound:>21.2f} | {peak['pending'] / mib:>16.2f} | "
+            f"{t[label] * 1e3:>8.1f} | {t[label] / t[IN_MEMORY_BUDGET]:>11.2f} | {b['identical'][d]}"
+        )
+
+
+def _budget_goals(goals: Goals, b: dict[str, Any]) -> None:
+    bound = b["budget"] + b["one"]
+    for d, peak in b["peaks"].items():
+        goals.check(
+            f"contexts' peak live device bytes, spilled schedule (durable={d}) <= budget + one context",
+            peak["held"] <= bound, f"{peak['held'] / 2**20:.2f} MiB", f"<= {bound / 2**20:.2f} MiB",
+        )
+    goals.ratio(
+        f"budgeted schedule ({BUDGET_CONTEXTS} contexts on device, durable=False) / in memory",
+        b["t"][BUDGETED.format(BUDGET_CONTEXTS, False)] / b["t"][IN_MEMORY_BUDGET], "<=", 1.10,
+    )
+    goals.check(
+        "budgeted schedule gradients bit-identical to in memory", all(b["identical"].values()),
+        ", ".join(f"durable={d}: {'identical' if ok else 'DIFFER'}" for d, ok in b["identical"].items()),
+        "np.array_equal",
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # Part 5: an S3-compatible object store on loopback
 
 
@@ -894,7 +1040,7 @@ def main() -> None:
     )
     parser.add_argument("--no-orbax", action="store_true", help="skip the Orbax baseline")
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temp dir)")
-    parser.add_argument("--part", choices=("all", "io", "schedule", "stacks", "put", "split", "s3"), default="all")
+    parser.add_argument("--part", choices=("all", "io", "schedule", "budget", "stacks", "put", "split", "s3"), default="all")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
 
@@ -950,6 +1096,11 @@ def main() -> None:
             s = measure_schedule(base, reps)
             _print_schedule(s, reps)
             _schedule_goals(goals, s)
+        if args.part in ("all", "budget"):  # a budget bounds device memory, writes in flight (issue 26)
+            reps = repeats_or(3, 7)
+            b = measure_budget(base, reps)
+            _print_budget(b, reps)
+            _budget_goals(goals, b)
         if args.part in ("all", "stacks"):  # contexts of hundreds of small residuals (issue 25)
             for goal, value, target, op in stacks.report(base, repeats_or(5, 9)):
                 if "files" in goal:

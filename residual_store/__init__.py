@@ -21,6 +21,7 @@ _EXPORTS = {
     "backward": "residual_store.backward",
     "is_inexact": "residual_store.filters",
     "Store": "residual_store.store",
+    "flush_on_sigterm": "residual_store.store.preemption",
     "VerifyReport": "residual_store.store.inspection",
     "ContextInfo": "residual_store.store.inspection",
     "ResidualInfo": "residual_store.store.inspection",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from residual_store.filters import is_inexact
     from residual_store.split import Split, split
     from residual_store.store import Store
+    from residual_store.store.preemption import flush_on_sigterm
     from residual_store.store.inspection import (
         BackwardInfo,
         ContextInfo,

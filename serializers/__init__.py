@@ -8,7 +8,8 @@ One module a job: :mod:`serializers.zarr` (the zarr v3 format: dtypes, chunk gri
 metadata), :mod:`serializers.bundle` (many arrays as one zip that zarr and tensorstore read),
 :mod:`serializers.local` (the local-file fast path), :mod:`serializers.kv`
 (tensorstore, any kvstore), :mod:`serializers.zarr_compat` (plain zarr-python and the
-``ml_dtypes`` floats), :mod:`serializers.checksums`, :mod:`serializers.manifest`,
+``ml_dtypes`` floats), :mod:`serializers.zarr_plugin` (the plugin zarr loads that registers
+them), :mod:`serializers.checksums`, :mod:`serializers.manifest`,
 :mod:`serializers.errors`.
 """
 

@@ -35,8 +35,8 @@ Data types: ``bool``, ``int8``-``int64``, ``uint8``-``uint64``, ``float16``,
 ``bfloat16``, the ``float8_*`` types tensorstore knows, ``float4_e2m1fn``,
 ``int2`` and ``int4`` (stored one element per byte, as in memory). Plain ``zarr``
 reads the numpy types as they are, and the floating ``ml_dtypes`` ones once
-:mod:`serializers.zarr_compat` has taught it them (``int2``/``int4`` stay
-tensorstore-only). The host is assumed little endian (x86, ARM).
+:mod:`serializers.zarr_compat` has taught it them, which :mod:`serializers.zarr_plugin`
+does when zarr loads its plugins (``int2``/``int4`` stay tensorstore-only). The host is assumed little endian (x86, ARM).
 """
 
 from __future__ import annotations
@@ -329,16 +329,31 @@ def encode_zarr_metadata(
     return _encode_json(zarr_metadata(shape, dtype, chunk_shape, attributes))
 
 
-def group_metadata(attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+# zarr-python's inline consolidated metadata of a group with no member: an extension field that
+# other readers may ignore ("must_understand": false), which zarr-python trusts in place of
+# listing the group's folder.
+_NO_MEMBERS: Final = {"kind": "inline", "metadata": {}, "must_understand": False}
+
+
+def group_metadata(attributes: Mapping[str, Any] | None = None, *, no_members: bool = False) -> dict[str, Any]:
     """The ``zarr.json`` contents of a zarr v3 group holding ``attributes`` (a JSON-able
     mapping; ``{}`` when ``None``), e.g. a folder of arrays that plain ``zarr.open_group``
-    opens."""
-    return {"attributes": _attributes(attributes or {}), "node_type": "group", "zarr_format": 3}
+    opens.
+
+    ``no_members=True`` says the group has no zarr member whatever files its folder holds (a
+    folder of manifests, or one whose arrays are all in a zip): its consolidated metadata lists
+    none, so zarr-python neither lists the folder nor warns that each file there "is not
+    recognized as a component of a Zarr hierarchy".
+    """
+    metadata: dict[str, Any] = {"attributes": _attributes(attributes or {}), "node_type": "group", "zarr_format": 3}
+    if no_members:
+        metadata["consolidated_metadata"] = dict(_NO_MEMBERS)
+    return metadata
 
 
-def encode_group_metadata(attributes: Mapping[str, Any] | None = None) -> bytes:
+def encode_group_metadata(attributes: Mapping[str, Any] | None = None, *, no_members: bool = False) -> bytes:
     """:func:`group_metadata` as compact, key-sorted JSON bytes: equal attributes, equal bytes."""
-    return _encode_json(group_metadata(attributes))
+    return _encode_json(group_metadata(attributes, no_members=no_members))
 
 
 def _attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,11 +8,19 @@ per such name that zarr does not already know (where zarr knows one, the name he
 zarr's own class, so nothing of zarr's is ever replaced), and :func:`register_zarr_dtypes`
 puts them in zarr's registry. ``int2``/``int4`` stay tensorstore-only.
 
-The classes are also declared as entry points of the group ``zarr.data_type`` (see
-``pyproject.toml``), the group zarr-python collects data type plugins from. Up to at least
-zarr 3.3 it never loads that group by itself (only
-``zarr.core.dtype.data_type_registry._lazy_load()`` does), so call
-:func:`register_zarr_dtypes` before ``zarr.open_array`` reads such an array.
+The classes are declared as entry points of the group ``zarr.data_type`` (see
+``pyproject.toml``), the group zarr-python collects data type plugins from. zarr-python (3.1.0
+to at least 3.3.0) collects that group but never loads it, so :mod:`serializers.zarr_plugin`
+registers them through a group zarr does load: wherever residual-store is installed, a process
+that only imports zarr reads these arrays with no call once it has opened a group.
+:func:`register_zarr_dtypes` does the same by hand, for a process whose first zarr call is
+``zarr.open_array`` on such an array (zarr's documented way:
+``zarr.dtype.data_type_registry.register``).
+
+Only zarr's public modules are used: ``zarr.dtype`` and ``zarr.errors``. The classes derive from
+``zarr.dtype.Float16``, zarr's public float class, for its JSON and fill value handling (the
+generic base class of zarr's floats lives in the private ``zarr.core``); each overrides every
+name and native type ``Float16`` has.
 
 Importing this module imports zarr; ``import serializers`` does not.
 """
@@ -23,9 +31,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 import numpy as np
-from zarr.core.dtype import data_type_registry
-from zarr.core.dtype.common import DataTypeValidationError
-from zarr.core.dtype.npy.float import BaseFloat
+from zarr.dtype import Float16, data_type_registry
+
+try:  # zarr >= 3.2 moved it here (and deprecates importing it from zarr.dtype)
+    from zarr.errors import DataTypeValidationError
+except ImportError:  # zarr 3.1
+    from zarr.dtype import DataTypeValidationError  # type: ignore[attr-defined,no-redef]
 
 from serializers.zarr import SUPPORTED_DTYPES
 
@@ -44,7 +55,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class _MlDtypesFloat(BaseFloat):  # type: ignore[type-arg]
+class _MlDtypesFloat(Float16):
     """A zarr data type for one ``ml_dtypes`` float: zarr v3 name ``_zarr_v3_name``, numpy
     dtype ``_native``, stored little endian (zarr v2 has no name for it)."""
 
@@ -65,7 +76,7 @@ class _MlDtypesFloat(BaseFloat):  # type: ignore[type-arg]
         return self._native.itemsize
 
 
-def _zarr_float(name: str) -> type[BaseFloat]:  # type: ignore[type-arg]
+def _zarr_float(name: str) -> type[Float16]:
     """The zarr data type class of the ``ml_dtypes`` float ``name``: zarr's own if it has one,
     else a :class:`_MlDtypesFloat` named after it (``float8_e4m3fn`` -> ``Float8E4M3FN``)."""
     known = data_type_registry.contents.get(name)
@@ -96,7 +107,7 @@ Float8E5M2FNUZ: Final = _zarr_float("float8_e5m2fnuz")
 Float8E8M0FNU: Final = _zarr_float("float8_e8m0fnu")
 Float4E2M1FN: Final = _zarr_float("float4_e2m1fn")
 
-_ZARR_FLOATS: Final[tuple[type[BaseFloat], ...]] = (  # type: ignore[type-arg]
+_ZARR_FLOATS: Final[tuple[type[Float16], ...]] = (
     Bfloat16, Float8E3M4, Float8E4M3FN, Float8E4M3FNUZ, Float8E4M3B11FNUZ,
     Float8E5M2, Float8E5M2FNUZ, Float8E8M0FNU, Float4E2M1FN,
 )  # fmt: skip

@@ -36,6 +36,16 @@ WRITER = textwrap.dedent(
     import jax, residual_store as rs
     from models import init_mlp, mlp_loss
     root, how, prefix = sys.argv[1], sys.argv[2], sys.argv[3]
+    if how == "previous_handler":  # the program's own handler, which ends the process at once
+        import os, signal
+        def previous(signum, frame):
+            with rs.Store(root, read_only=True) as reader:  # what another process sees now
+                print(f"visible to the previous handler: {{len(reader.keys())}}", flush=True)
+            os._exit(7)  # no exit drain: only what flush_on_sigterm completed is there
+        signal.signal(signal.SIGTERM, previous)
+    if how in ("flush_on_sigterm", "previous_handler"):
+        rs.flush_on_sigterm()
+        rs.flush_on_sigterm()  # twice changes nothing
     params = init_mlp(jax.random.key(0))
     fwd = rs.split(mlp_loss)
     store = rs.Store(root)
@@ -54,7 +64,7 @@ WRITER = textwrap.dedent(
     if how in ("del", "del_and_wait"):
         del store
         gc.collect()
-    if how == "sigterm":  # the test sends SIGTERM now; the handler above makes it a normal exit
+    if how in ("sigterm", "flush_on_sigterm", "previous_handler"):  # the test sends SIGTERM now
         time.sleep(120)
     if how == "del_and_wait":  # the process goes on: the collected store's writes still land
         deadline = time.monotonic() + 60
@@ -90,13 +100,16 @@ def ended(tmp_path_factory):
     for how in ("end", "exit", "raise", "del", "del_and_wait"):
         root = str(base / how)
         runs[how] = (root, [_writer(root, how, "mb")])
-    root = str(base / "sigterm")
-    runs["sigterm"] = (root, [_writer(root, "sigterm", "mb")])
+    signalled = ("sigterm", "flush_on_sigterm", "previous_handler")
+    for how in signalled:
+        root = str(base / how)
+        runs[how] = (root, [_writer(root, how, "mb")])
     shared = str(base / "two")
     runs["two_writers"] = (shared, [_writer(shared, "end", "a"), _writer(shared, "end", "b")])
-    term = runs["sigterm"][1][0]
-    assert term.stdout.readline().strip() == "put all"
-    term.send_signal(signal.SIGTERM)
+    for how in signalled:
+        term = runs[how][1][0]
+        assert term.stdout.readline().strip() == "put all"
+        term.send_signal(signal.SIGTERM)
     results = {}
     for how, (root, procs) in runs.items():
         outs = []
@@ -134,10 +147,51 @@ def test_every_context_put_before_a_normal_exit_is_on_disk(ended, how):
 
 
 def test_sigterm_turned_into_a_normal_exit_keeps_every_context(ended):
-    """docs/store.md's two lines for preemptible jobs: SIGTERM becomes sys.exit, writes drain."""
+    """A handler of the program's own that turns SIGTERM into ``sys.exit``: the writes drain."""
     root, [(code, out, err)] = ended["sigterm"]
     assert code == 128 + signal.SIGTERM, err
     _check_store(root, [f"mb{i}" for i in range(N)])
+
+
+def test_flush_on_sigterm_completes_the_writes_then_exits_143(ended):
+    """``rs.flush_on_sigterm()`` with no handler before it: the writes of six contexts that
+    outlast the script complete, then the process ends with status 143."""
+    root, [(code, out, err)] = ended["flush_on_sigterm"]
+    assert code == 128 + signal.SIGTERM, err
+    assert "background write failed" not in err
+    _check_store(root, [f"mb{i}" for i in range(N)])
+
+
+def test_flush_on_sigterm_completes_the_writes_before_the_previous_handler_runs(ended):
+    """The program's own handler runs after the writes completed: another store on the path
+    already sees all six contexts from inside it, and it ends the process with ``os._exit``
+    (no exit drain), so every context there was written by the SIGTERM handler."""
+    root, [(code, out, err)] = ended["previous_handler"]
+    assert code == 7, err
+    assert f"visible to the previous handler: {N}" in out, (out, err)
+    _check_store(root, [f"mb{i}" for i in range(N)])
+
+
+def test_flush_on_sigterm_is_installed_from_the_main_thread_only():
+    import signal as signals
+
+    before = signals.getsignal(signals.SIGTERM)
+    errors = []
+    worker = threading.Thread(target=lambda: errors.append(_raises(rs.flush_on_sigterm)))
+    worker.start()
+    worker.join()
+    assert isinstance(errors[0], rs.InvalidArgumentError) and "main thread" in str(errors[0])
+    for bad in (0, -1.0, float("inf"), True, "30"):
+        assert isinstance(_raises(lambda: rs.flush_on_sigterm(timeout=bad)), rs.InvalidArgumentError)
+    assert signals.getsignal(signals.SIGTERM) is before  # nothing installed by a refused call
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the test inspects it
+        return err
+    return None
 
 
 def test_two_writer_processes_that_just_end_keep_all_of_their_contexts(ended):

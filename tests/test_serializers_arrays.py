@@ -819,6 +819,10 @@ def test_metadata_without_attributes_is_unchanged_and_with_them_deterministic() 
     assert encode_zarr_metadata((2, 3), "float32", attributes={}) != plain  # an empty object is written
     assert group_metadata() == {"zarr_format": 3, "node_type": "group", "attributes": {}}
     assert encode_group_metadata({"k": "v", "a": 1}) == b'{"attributes":{"a":1,"k":"v"},"node_type":"group","zarr_format":3}'
+    assert encode_group_metadata({}, no_members=True) == (
+        b'{"attributes":{},"consolidated_metadata":{"kind":"inline","metadata":{},"must_understand":false},'
+        b'"node_type":"group","zarr_format":3}'
+    )
     for bad, err in [({"x": float("nan")}, ValueError), ({"x": object()}, ValueError), ({1: "x"}, TypeError)]:
         with pytest.raises(err):
             zarr_metadata((2,), "int8", attributes=bad)

@@ -84,6 +84,49 @@ def test_fifo_order_reads_only_what_cannot_fit_and_lru_reads_more(tmp_path, cont
     assert reads == {"schedule": 2, "lru": 4}
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["writes-held", "writes-done"])
+def test_contexts_brought_back_count_the_same_with_writes_held_or_done(tmp_path, contexts, monkeypatch, held):
+    """docs/store.md's count without ``flush``: F0..F7 then B0..B7 under a device budget of two
+    contexts brings back the six that could not fit (LRU: all eight), from the host copies of
+    writes still held at a gate (a slow disk: no disk read at all) or from disk once written."""
+    import threading
+
+    from residual_store.store import disk
+
+    gates: list[threading.Event] = []
+    commit = disk.DiskTier.commit
+
+    def gated(self, plan, **kw):
+        assert gates[-1].wait(120)
+        return commit(self, plan, **kw)
+
+    monkeypatch.setattr(disk.DiskTier, "commit", gated)
+    fwd, ctxs, size = contexts
+    order = [f"mb{i}" for i in range(8)]
+    counts = {}
+    for mode in ("schedule", "lru"):
+        gates.append(threading.Event())
+        try:
+            with rs.Store(tmp_path / mode, device_budget=2 * size, host_budget=0) as store:
+                store.schedule(order if mode == "schedule" else [])
+                for i, key in enumerate(order):
+                    store.put(ctxs[i][0], key)
+                if not held:
+                    gates[-1].set()
+                    store.flush()
+                for i, key in enumerate(order):
+                    _check(fwd.backward(store.get(key)), ctxs[i][1])
+                stats = store.stats()
+                counts[mode] = (stats["disk"]["reads"], stats["pending"]["reads"])
+                gates[-1].set()
+        finally:
+            gates[-1].set()
+    if held:
+        assert counts == {"schedule": (0, 6), "lru": (0, 8)}
+    else:
+        assert counts == {"schedule": (6, 0), "lru": (8, 0)}
+
+
 def test_f_then_b_loads_each_spilled_context_once(tmp_path, contexts):
     """F1..F8 then B8..B1, device budget two contexts, no host tier: six contexts cannot fit,
     and each is read back exactly once, loaded ahead while the previous backward runs."""

@@ -184,3 +184,112 @@ def test_a_recycled_folder_keeps_no_attributes_of_another_function(tmp_path):
     _, old = rs.split(first)(w, x)
     assert set(old.spec.names) != set(ctx.spec.names)  # the same layout but for the names
     assert names == set(ctx.spec.names)
+
+
+def _low_precision_loss(w, x):
+    h = jnp.tanh((x @ w).astype(jnp.bfloat16))  # bfloat16 residuals
+    q = jnp.tanh(h.astype(jnp.float8_e4m3fn))  # float8_e4m3fn residuals
+    return jnp.sum(jnp.sin(q.astype(jnp.float32)) ** 2)
+
+
+# Imports zarr, numpy and ml_dtypes only, and turns every warning into an error: opens the store's
+# root group, finds each context's arrays from the attributes and prints their raw bytes by name.
+_READ_BITS = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.simplefilter("error")
+    import ml_dtypes, numpy as np, zarr
+    from zarr.storage import ZipStore
+    assert not any(m.split(".")[0] in ("serializers", "residual_store", "jax") for m in sys.modules)
+    root = zarr.open_group(sys.argv[1], mode="r")
+    out = {}
+    for _, write in root["data"].groups():
+        info = write.attrs["residual_store"]
+        assert list(write.members()) == []  # all its own arrays are in bundle.zip
+        for entry in info["arrays"]:
+            if "bundle" in entry:
+                a = zarr.open_group(ZipStore(sys.argv[1] + "/" + entry["bundle"], mode="r"), mode="r")[entry["in_bundle"]]
+            else:
+                a = root[entry["path"]]
+            out[info["key"] + "/" + entry["name"]] = [str(a.dtype), list(a.shape), np.asarray(a[...]).tobytes().hex()]
+    print(json.dumps(out))
+    """
+)
+
+
+def test_plain_zarr_reads_bfloat16_and_float8_residuals_by_name_with_no_warning(tmp_path):
+    """A process that imports zarr and nothing of residual-store reads a store's bfloat16 and
+    float8 residuals by name, bit for bit, with no call to register them and no warning."""
+    w = jax.random.normal(jax.random.key(0), (6, 5))
+    x = jax.random.normal(jax.random.key(1), (4, 6))
+    _, ctx = rs.split(_low_precision_loss, weight_argnums=0)(w, x)
+    dtypes = {str(np.asarray(r).dtype) for r in ctx.residuals}
+    assert {"bfloat16", "float8_e4m3fn"} <= dtypes
+    root = tmp_path / "store"
+    with rs.Store(root, device_budget=0) as store:
+        store.put(ctx, "low")
+    script = tmp_path / "read_bits.py"
+    script.write_text(_READ_BITS)
+    got = json.loads(run_python(str(script), str(root)).stdout)
+    assert sorted(got) == sorted(f"low/{name}" for name in ctx.spec.names)
+    for name, r in zip(ctx.spec.names, ctx.residuals):
+        r = np.asarray(r)
+        assert got[f"low/{name}"] == [str(r.dtype), list(r.shape), r.tobytes().hex()], name
+
+
+# Imports zarr only; prints, per listing, the names zarr-python warns are no zarr node.
+_LISTING_WARNINGS = textwrap.dedent(
+    """
+    import json, re, sys, warnings
+    import zarr
+    root = zarr.open_group(sys.argv[1], mode="r")
+    out = {}
+    for what, listing in [("root", lambda: list(root.members())), ("data", lambda: list(root["data"].groups())),
+                          ("tree", lambda: list(root.members(max_depth=None)))]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            listing()
+        out[what] = sorted(re.search(r"'?([^' ]+)'? (is not recognized|not found)", str(w.message)).group(1)
+                           for w in caught)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_which_entries_plain_zarr_warns_about(tmp_path, split):
+    """zarr-python warns once for each entry of a folder it lists that is no zarr node. A write
+    whose own arrays are all in its bundle says it has no member (its zarr.json's consolidated
+    metadata), so listing it is silent; what still warns is the store's own files at the root
+    (the marker, the gc lock, contexts/, backwards/: moving them would break every older
+    residual-store), the recycled data folders, and, in a traversal of the whole tree, each
+    bundle.zip (see docs/format.md)."""
+    root = tmp_path / "store"
+    with rs.Store(root, device_budget=0) as store:
+        store.put(split(*_inputs(0))[1], "a")
+        store.flush()
+        store.put(split(*_inputs(1))[1], "a")  # replaces: the first write's folder is recycled
+        store.flush()
+    assert (root / "data" / ".free").is_dir()
+    script = tmp_path / "listing_warnings.py"
+    script.write_text(_LISTING_WARNINGS)
+    got = json.loads(run_python(str(script), str(root)).stdout)
+    own = [".gc.lock", "backwards", "contexts", "residual-store.json"]
+    assert got == {"root": own, "data": [".free"], "tree": sorted([*own, ".free", "bundle.zip"])}
+
+
+def test_a_write_with_arrays_of_its_own_folder_lists_them(tmp_path, split, monkeypatch):
+    """Only a write whose folder holds no array says it has no member: one whose residuals have
+    folders of their own (here: no bundle) is an ordinary group, and zarr lists its arrays."""
+    import zarr
+
+    from residual_store.store import layout
+
+    monkeypatch.setattr(layout, "_BUNDLE_CAP", -1)
+    root = tmp_path / "store"
+    _, ctx = split(*_inputs(3))
+    with rs.Store(root, device_budget=0) as store:
+        store.put(ctx, "folders")
+    (folder,) = [p for p in (root / "data").iterdir() if p.name.startswith("folders.")]
+    assert "consolidated_metadata" not in json.loads((folder / "zarr.json").read_bytes())
+    own = [str(i) for i, kind in enumerate(ctx.spec.kinds) if kind != "weight"]
+    assert sorted(zarr.open_group(str(folder), mode="r").array_keys()) == sorted(own)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tomllib
 import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -40,51 +41,55 @@ def _write_ml_floats(root: Path) -> dict[str, np.ndarray]:
 
 
 # A fresh interpreter that imports zarr, numpy and ml_dtypes only, never residual_store or
-# serializers itself; argv: the root, whether to run zarr's entry-point loader first.
+# serializers itself, and calls nothing but zarr's open_group and open_array; warnings are errors.
+# argv: the root (a group), "group" to open the root group first, or "array" to open an array first.
 _PLAIN_ZARR_READER = textwrap.dedent(
     """
     import json, sys, warnings
+    warnings.simplefilter("error")
     import ml_dtypes, numpy as np, zarr
-    root, load = sys.argv[1], sys.argv[2] == "load"
     assert not any(m.split(".")[0] in ("serializers", "residual_store") for m in sys.modules)
-    if load:  # what zarr's loader of its "zarr.data_type" entry point group does
-        from zarr.core.dtype import data_type_registry
-        data_type_registry._lazy_load()
+    root, first = sys.argv[1], sys.argv[2]
     out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    try:
+        get = zarr.open_group(root, mode="r").__getitem__ if first == "group" else None
         for p in ("local/bf16", "local/f8", "kv/bf16", "kv/f8"):
-            a = zarr.open_array(root + "/" + p, mode="r")
-            out[p] = [str(a.dtype), list(a.shape), np.asarray(a[...]).astype(np.float64).ravel().tolist()]
+            a = get(p) if get else zarr.open_array(root + "/" + p, mode="r")
+            out[p] = [str(a.dtype), list(a.shape), np.asarray(a[...]).tobytes().hex()]
+    except ValueError as e:
+        sys.exit(f"refused: {e}")
     print(json.dumps(out))
     """
 )
 
 
-def _run_plain_zarr(root: Path, load: bool) -> subprocess.CompletedProcess[str]:
-    """:data:`_PLAIN_ZARR_READER` on ``root``, in a process that cannot import this repository."""
+def _run_plain_python(
+    script: str, *args: str, cwd: Path, pythonpath: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``script`` in a fresh interpreter, in ``cwd`` (not the repository: nothing of it is
+    importable but what is installed, and ``pythonpath``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     return subprocess.run(
-        [sys.executable, "-c", _PLAIN_ZARR_READER, str(root), "load" if load else "no"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,  # not the repository: nothing of it is importable but what is installed
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
     )
 
 
-def _read_in_plain_zarr(root: Path, load: bool) -> dict[str, list]:
-    proc = _run_plain_zarr(root, load)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _installed_entry_points(group: str) -> dict[str, str]:
+    """The entry points of ``group`` the installed residual-store declares: name -> value."""
+    return {e.name: e.value for e in entry_points(group=group) if e.value.startswith("serializers.")}
 
 
-def _check_values(got: dict[str, list], arrays: dict[str, np.ndarray]) -> None:
-    for p, a in arrays.items():
-        assert got[p] == [str(a.dtype), list(a.shape), a.astype(np.float64).ravel().tolist()], p
+def test_every_entry_point_of_pyproject_is_installed() -> None:
+    """What pyproject.toml declares is what zarr finds (else: ``pip install -e .`` again)."""
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    for group in ("zarr.data_type", "zarr.buffer"):
+        declared = pyproject["project"]["entry-points"][group]
+        assert _installed_entry_points(group) == declared, f"{group}: reinstall: pip install -e ."
 
 
-def test_every_ml_float_is_an_installed_zarr_data_type_entry_point() -> None:
+def test_every_ml_float_is_a_zarr_data_type_entry_point() -> None:
     declared = {e.name: e for e in entry_points(group="zarr.data_type") if e.value.startswith("serializers.")}
     assert sorted(declared) == sorted(compat._ZARR_FLOAT_NAMES), "reinstall: pip install -e ."
     for name, e in declared.items():
@@ -95,28 +100,106 @@ def test_every_ml_float_is_an_installed_zarr_data_type_entry_point() -> None:
         )
 
 
+def test_the_buffer_entry_point_is_zarrs_own_buffer() -> None:
+    """zarr registers what the ``zarr.buffer`` entry point names under the name it already has
+    in zarr's buffer registry (its own CPU buffer): the registry gains nothing, and loading it
+    registered the ml_dtypes floats."""
+    from zarr.dtype import data_type_registry
+
+    (e,) = [e for e in entry_points(group="zarr.buffer") if e.value.startswith("serializers.")]
+    loaded = e.load()
+    assert loaded is zarr.buffer.cpu.Buffer
+    assert f"{loaded.__module__}.{loaded.__qualname__}" == "zarr.core.buffer.cpu.Buffer"
+    assert zarr.registry.get_buffer_class() is zarr.buffer.cpu.Buffer
+    for cls in compat._ZARR_FLOATS:
+        assert data_type_registry.get(cls._zarr_v3_name) is cls
+
+
 @pytest.mark.subprocess
-def test_plain_zarr_reads_ml_floats_through_the_entry_points(tmp_path: Path) -> None:
-    """A process that never imports residual_store nor serializers reads bfloat16 and float8
-    arrays once zarr has loaded its data type plugins (the entry points pyproject declares)."""
+def test_plain_zarr_reads_ml_floats_with_no_call(tmp_path: Path) -> None:
+    """A process that imports zarr and nothing of this repository opens a group and reads its
+    bfloat16 and float8 arrays bit for bit, with no warning: zarr loads its ``zarr.buffer``
+    plugins, serializers.zarr_plugin among them, before it reads the group's metadata."""
     arrays = _write_ml_floats(tmp_path)
-    _check_values(_read_in_plain_zarr(tmp_path, load=True), arrays)
+    (tmp_path / "zarr.json").write_bytes(encode_group_metadata({}))
+    proc = _run_plain_python(_PLAIN_ZARR_READER, str(tmp_path), "group", cwd=tmp_path)
+    assert proc.returncode == 0, (
+        "the installed residual-store predates its zarr.buffer entry point (pip install -e .), or "
+        "ASSUMPTION BROKEN (serializers/zarr_plugin.py): zarr's open_group parsed a data type "
+        f"before it loaded its zarr.buffer entry points: {proc.stderr[-3000:]}"
+    )
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for p, a in arrays.items():
+        assert got[p] == [str(a.dtype), list(a.shape), a.tobytes().hex()], p
 
 
 @pytest.mark.subprocess
-def test_plain_zarr_with_no_call_does_not_know_ml_floats_yet(tmp_path: Path) -> None:
-    """zarr-python (3.1.0 to at least 3.3.0) collects the ``zarr.data_type`` entry points but
-    never loads them itself: plain zarr needs ``serializers.register_zarr_dtypes()`` or its
-    ``_lazy_load()``, as docs/format.md says. The day this fails because the read worked, zarr
-    loads them itself: make this test assert the values are read, and drop that caveat."""
+def test_open_array_as_the_first_call_still_needs_register_zarr_dtypes(tmp_path: Path) -> None:
+    """zarr-python (3.1.0 to at least 3.3.0) reads an array's metadata with a fixed buffer
+    prototype, consulting no plugin registry before it parses the data type: a process whose
+    first zarr call is ``open_array`` (or ``open``) on such an array is refused, as docs/format.md
+    says. The day this fails because the arrays were read, drop that caveat there."""
     _write_ml_floats(tmp_path)
-    proc = _run_plain_zarr(tmp_path, load=False)
-    assert proc.returncode != 0, f"plain zarr read the ml_dtypes floats with no call: {proc.stdout[-500:]}"
-    assert "No Zarr data type found that matches 'bfloat16'" in proc.stderr, proc.stderr[-3000:]
+    proc = _run_plain_python(_PLAIN_ZARR_READER, str(tmp_path), "array", cwd=tmp_path)
+    assert proc.returncode != 0, f"zarr read the arrays with open_array first: {proc.stdout[-500:]}"
+    assert "refused: No Zarr data type found that matches 'bfloat16'" in proc.stderr, proc.stderr[-3000:]
+
+
+# One made-up zarr data type, declared only as a "zarr.data_type" entry point of a package.
+_PROBE_MODULE = textwrap.dedent(
+    """
+    import dataclasses
+    from zarr.dtype import Float32
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class ProbeFloat32(Float32):
+        _zarr_v3_name = "rs_probe_float32"
+    """
+)
+_PROBE_READER = textwrap.dedent(
+    """
+    import sys
+    from importlib.metadata import entry_points
+    import zarr
+    found = [e.value for e in entry_points(group="zarr.data_type", name="rs_probe_float32")]
+    assert found == ["rs_probe_dtype:ProbeFloat32"], found
+    try:
+        zarr.open_array(sys.argv[1], mode="r")
+    except ValueError as e:
+        print("refused:", e)
+    else:
+        print("read")
+    """
+)
+
+
+@pytest.mark.subprocess
+def test_zarr_still_does_not_load_data_type_entry_points_itself(tmp_path: Path) -> None:
+    """Why serializers/zarr_plugin.py exists: zarr-python (3.1.0 to at least 3.3.0) collects the
+    ``zarr.data_type`` entry points but never loads them, so it refuses an array whose data type
+    only such an entry point declares. The day this fails because the array was read, zarr loads
+    them itself: drop serializers/zarr_plugin.py and the ``zarr.buffer`` entry point (the
+    ``zarr.data_type`` ones stay), and say so in docs/format.md."""
+    site = tmp_path / "site"
+    info = site / "rs_probe-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rs-probe\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[zarr.data_type]\nrs_probe_float32 = rs_probe_dtype:ProbeFloat32\n")
+    (site / "rs_probe_dtype.py").write_text(_PROBE_MODULE)
+    write_arrays_local(tmp_path, {"probe": np.arange(3, dtype=np.float32)})
+    meta = json.loads((tmp_path / "probe" / "zarr.json").read_bytes())
+    meta["data_type"] = "rs_probe_float32"
+    (tmp_path / "probe" / "zarr.json").write_text(json.dumps(meta))
+    proc = _run_plain_python(_PROBE_READER, str(tmp_path / "probe"), cwd=tmp_path, pythonpath=str(site))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("refused: No Zarr data type found that matches 'rs_probe_float32'"), (
+        f"zarr now loads its zarr.data_type entry points itself ({proc.stdout.strip()!r}): "
+        "serializers/zarr_plugin.py and the zarr.buffer entry point can go"
+    )
 
 
 def test_register_zarr_dtypes_is_idempotent_and_never_overrides_zarr(monkeypatch: pytest.MonkeyPatch) -> None:
-    from zarr.core.dtype import data_type_registry
+    from zarr.dtype import data_type_registry
 
     float32 = data_type_registry.contents["float32"]
     assert register_zarr_dtypes() == register_zarr_dtypes() == compat._ZARR_FLOAT_NAMES

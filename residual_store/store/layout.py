@@ -381,7 +381,7 @@ def plan_write(
             | ({"bundle": bundle.ref.path, "in_bundle": str(i)} if bundle is not None and r.bundled else {})
             for i, (r, k) in enumerate(zip(records, spec.kinds))
         ],
-    }})
+    }}, no_members=all(a.shared for a in writes))  # the folder holds no array: zarr skips bundle.zip
     layout = layout_digest(spec, [
         *((a.index, a.path[len(folder) + 1:], a.data.shape, serializers.zarr_dtype_name(a.data.dtype),
            getattr(a.data, "chunk_shape", None) if not a.whole else None)
@@ -476,7 +476,7 @@ def _make_template(spec: ResidualSpec, arrays: Sequence[np.ndarray], impls: Sequ
             | ({"bundle": _TEMPLATE_PATH + bundle_path_text, "in_bundle": str(i)} if r.bundled else {})
             for i, (r, k) in enumerate(zip(records, spec.kinds))
         ],
-    }}).decode()
+    }}, no_members=True).decode()  # every own array is in the bundle
     placeholder_json = json.dumps(_TEMPLATE_PATH)[1:-1]
     pieces = group.split(placeholder_json)
     if len(pieces) != len(records) + len(bundled) + 3:  # a name holding the placeholder: no template

@@ -6,7 +6,8 @@ nowhere else (the other modules ask these functions and constants)::
     contexts/<key>.manifest              msgpack manifest; its presence is the commit
     data/zarr.json                       zarr v3 group of the contexts' own data
     data/<key>.<write id>/zarr.json      zarr v3 group of one write (attributes: key, signature,
-                                         and every array of the context, weights included)
+                                         and every array of the context, weights included; no
+                                         member where the folder holds no array)
     data/<key>.<write id>/bundle.zip     the bundle: a zarr v3 group in one zip holding the
                                          context's own single-chunk arrays, <i>/ for residual <i>
     data/<key>.<write id>/<i>/           zarr v3 array: residual <i>, the context's own, when not

@@ -19,7 +19,7 @@ import numpy as np
 
 from residual_store import _jax_internals
 from residual_store.backward import find_backward
-from residual_store.context import ResidualContext, check_representable, describe_residual
+from residual_store.context import OWN_KINDS, ResidualContext, check_representable, describe_residual
 from residual_store.errors import (
     BackwardUnavailableError,
     ContextNotFoundError,
@@ -143,7 +143,7 @@ class Store:
     Nothing put is lost on a normal exit: pending writes complete at interpreter exit (the end
     of the script, ``sys.exit``, an uncaught exception) and when the store is garbage-collected.
     Only a killed process (``kill -9``, an unhandled ``SIGTERM``) loses what was put after the
-    last ``flush``; see ``docs/store.md`` for flushing on ``SIGTERM``.
+    last ``flush``; :func:`residual_store.flush_on_sigterm` makes ``SIGTERM`` complete the writes.
 
     Example:
       >>> import jax.numpy as jnp, residual_store as rs, tempfile
@@ -216,6 +216,7 @@ class Store:
         self._loading: dict[str, Future[ResidualContext]] = {}
         self._writes: dict[str, Future[Any]] = {}  # key -> its newest scheduled write, until done
         self._disk_io = {"reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0}
+        self._pending_reads = 0  # gets served from a pending write's host copy (no disk read)
         self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
         self._backwards_seen: set[str] = set()  # signatures whose backward this store saved
@@ -403,17 +404,22 @@ class Store:
             try:
                 arrays, impls = host_arrays(ctx, staged)
                 known = self._weight_sums.of(ctx, arrays)
-                stale = self._committer.write(key, ctx.spec, arrays, impls, fsync=self._durable, known=known)
+                spec, nbytes, residuals = ctx.spec, own_nbytes(ctx), ctx.residuals
+                # Only the host arrays from here on: the context's device arrays can go while the
+                # commit runs (a slow, durable one most of all) once nothing else holds them.
+                residuals = tuple(x if k not in OWN_KINDS else None for x, k in zip(residuals, spec.kinds))
+                del ctx, pending
+                stale = self._committer.write(key, spec, arrays, impls, fsync=self._durable, known=known)
             except BaseException:
                 with self._lock:  # a put that failed is not in the store (flush raises why)
                     if self._pending.get(key, (None, None))[1] is token:
                         self._forget_memory(key)
                 raise
             self._drop_later(stale)
-            self._hold_weights(ctx, impls, known[1])
+            self._hold_weights(residuals, impls, known[1])
             with self._lock:
                 self._disk_io["writes"] += 1
-                self._disk_io["bytes_written"] += own_nbytes(ctx)
+                self._disk_io["bytes_written"] += nbytes
                 if self._pending.get(key, (None, None))[1] is token:
                     self._on_disk.add(key)
         finally:
@@ -421,12 +427,12 @@ class Store:
                 if self._pending.get(key, (None, None))[1] is token:
                     del self._pending[key]
 
-    def _hold_weights(self, ctx: ResidualContext, impls: Sequence[str | None], digests: Mapping[int, str]) -> None:
+    def _hold_weights(self, residuals: Sequence[Any], impls: Sequence[str | None], digests: Mapping[int, str]) -> None:
         """Remembers the live weights a write stored, by path: while the caller holds them, a
         context read back takes these very arrays (read from nowhere, copied nowhere) as the one
         put did, where a read would place them (see :meth:`_live_weights`)."""
         for i, digest in digests.items():
-            x = ctx.residuals[i]
+            x = residuals[i]
             if impls[i] is None and isinstance(x, jax.Array) and not x.is_deleted():
                 path = weight_path(digest)
                 with self._lock:
@@ -558,6 +564,8 @@ class Store:
             source = self._host.get(key) if in_host else self._pending.get(key, (None, None))[0]
             if source is None:
                 return None, []
+            if not in_host:
+                self._pending_reads += 1
             size = own_nbytes(source)
             stays = not self._device.fits(size)
             if not stays and self._disk is None and in_host:
@@ -820,7 +828,10 @@ class Store:
         (contexts read back, and the bytes of their arrays; weights already on the device are
         not read), ``writes`` and ``bytes_written`` (contexts committed, and their own bytes).
         ``pending``: the contexts waiting for their disk write that no memory tier holds, kept
-        as host copies until written (``bytes``, ``contexts``; bounded by ``max_pending_bytes``).
+        as host copies until written (``bytes``, ``contexts``; bounded by ``max_pending_bytes``),
+        and ``reads``: the gets (and loads ahead) served from such a copy, as a disk read would
+        have been had the write been done (``disk["reads"] + pending["reads"]`` counts the
+        contexts brought back from below the memory tiers, however fast the disk is).
         Bytes in memory are the contexts' own (intermediates and inputs), as the budgets count.
         """
         self._check_open()
@@ -832,7 +843,9 @@ class Store:
             io = dict(self._disk_io)
             # waiting for their writes in no tier: host copies (see _release_pending)
             waiting = [c for k, (c, _) in self._pending.items() if k not in self._device and k not in self._host]
-            result["pending"] = {"bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting)}
+            result["pending"] = {
+                "bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting), "reads": self._pending_reads,
+            }
         disk = {"bytes": 0, "contexts": 0, "own_bytes": 0, **io}
         if self._disk is not None:
             seen: set[str] = set()
