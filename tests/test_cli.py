@@ -356,3 +356,19 @@ def test_progress_in_bytes_is_drawn_on_a_terminal_only(store_path, command, labe
         assert " of " in drawn.split(label, 1)[1] and "3 of 3 contexts verified" in out.stdout.decode()
     piped = _cli(command, store_path)
     assert piped.returncode == 0 and piped.stderr == ""  # not a terminal: nothing drawn
+
+
+def test_store_commands_leave_accelerators_alone(store_path):
+    """A store command reads into host memory: run beside a job on a GPU, it must not start
+    the GPU (nor take its memory); JAX_PLATFORMS, where given, still decides."""
+    code = f"""
+import contextlib, io, os
+from residual_store.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    status = main(["ls", {store_path!r}])
+import jax
+print(status, jax.config.jax_platforms)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["0", "cpu"], out.stdout + out.stderr
