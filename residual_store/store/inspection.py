@@ -201,28 +201,6 @@ class VerifyReport:
 # -- records ----------------------------------------------------------------------------------
 
 
-def context_info(stored: StoredContext) -> ContextInfo:
-    """The record of a committed context, from its validated manifest."""
-    spec = stored.spec
-    residuals = tuple(
-        ResidualInfo(
-            name=r.name,
-            shape=tuple(aval.shape),
-            dtype=str(aval.dtype),
-            nbytes=r.nbytes,
-            kind=kind,
-            input_path=r.input_path,
-            shared=r.shared,
-            path=r.path,
-            checksum=r.checksum,
-            chunk_shape=r.chunk_shape,
-            chunks=len(r.chunk_checksums) if r.chunk_checksums is not None else 1,
-        )
-        for r, aval, kind in zip(stored.records, spec.avals, spec.kinds)
-    )
-    return ContextInfo(stored.key, spec.signature, residuals, stored.created, stored.jax_version)
-
-
 def memory_info(key: str, spec: ResidualSpec) -> ContextInfo:
     """The record of a context held in memory only, from its spec."""
     residuals = tuple(
@@ -230,6 +208,20 @@ def memory_info(key: str, spec: ResidualSpec) -> ContextInfo:
         for name, aval, nbytes, kind, path in zip(spec.names, spec.avals, spec.leaf_nbytes, spec.kinds, spec.input_paths)
     )
     return ContextInfo(key, spec.signature, residuals)
+
+
+def context_info(stored: StoredContext) -> ContextInfo:
+    """The record of a committed context: its spec's, with where and how each residual lies as
+    its validated manifest says."""
+    base = memory_info(stored.key, stored.spec)
+    residuals = tuple(
+        dataclasses.replace(
+            info, nbytes=r.nbytes, shared=r.shared, path=r.path, checksum=r.checksum, chunk_shape=r.chunk_shape,
+            chunks=len(r.chunk_checksums) if r.chunk_checksums is not None else 1,
+        )
+        for info, r in zip(base.residuals, stored.records)
+    )
+    return dataclasses.replace(base, residuals=residuals, created=stored.created, jax_version=stored.jax_version)
 
 
 def backward_info(disk: DiskTier | None, signature: str) -> BackwardInfo:
