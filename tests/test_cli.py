@@ -372,3 +372,12 @@ print(status, jax.config.jax_platforms)
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.split() == ["0", "cpu"], out.stdout + out.stderr
+
+
+def test_gc_draws_the_bytes_it_removes_on_a_terminal(tmp_path):
+    path = str(tmp_path / "store")
+    _two_contexts(path, "gone")
+    assert _cli("rm", path, "gone").returncode == 0  # its data folder is kept for reuse: gc removes it
+    out, drawn = _on_a_terminal("gc", path, "--older-than", "0")
+    assert out.returncode == 0 and "removed 1 recycled folder" in out.stdout.decode()
+    assert re.search(r"removing: \d+(\.\d)? (B|KiB)", drawn), drawn
