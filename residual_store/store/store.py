@@ -1075,18 +1075,16 @@ class Store:
           sequence of keys.
         """
         self._check_open()
-        self.flush()
-        if keys is None:
-            chosen = self.keys()
-        else:
-            if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
-                raise InvalidArgumentError(
-                    f"verify expects a sequence of keys (or None for all), got {type(keys).__name__}: {keys!r:.60}"
-                )
-            chosen = [validate_key(k) for k in keys]
-            missing = [k for k in chosen if k not in self]
-            if missing:
-                raise ContextNotFoundError(f"no context {', '.join(map(repr, missing))} in store {self!r}")
+        if keys is not None and (isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence)):
+            raise InvalidArgumentError(
+                f"verify expects a sequence of keys (or None for all), got {type(keys).__name__}: {keys!r:.60}"
+            )
+        given = None if keys is None else [validate_key(k) for k in keys]
+        self.flush()  # what was put is on disk, to be checked
+        chosen = self.keys() if given is None else given
+        missing = [] if given is None else [k for k in given if k not in self]
+        if missing:
+            raise ContextNotFoundError(f"no context {', '.join(map(repr, missing))} in store {self!r}")
         if self._disk is None:
             return VerifyReport(verified=len(chosen))
         on_disk = set(self._disk.keys())
