@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 from residual_store.context import SHARED_KINDS, ResidualSpec
 from residual_store.errors import ContextNotFoundError, CorruptContextError, InvalidArgumentError
@@ -27,6 +26,7 @@ __all__ = [
     "ResidualInfo",
     "SignatureUsage",
     "StoreUsage",
+    "USAGE_PARTS",
     "VerifyReport",
     "backward_info",
     "context_info",
@@ -35,7 +35,7 @@ __all__ = [
     "verify",
 ]
 
-Progress = Callable[[int, "int | None"], None]
+Progress = Callable[[int, int | None], None]
 """Called as work goes on with ``(bytes done, bytes in all)``; ``None`` where the whole is not
 known beforehand (what ``gc`` removes, what ``usage`` measures)."""
 
