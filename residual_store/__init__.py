@@ -1,55 +1,113 @@
-"""residual-store: split JAX forward from backward, with typed, storable residuals."""
+"""residual-store: split JAX forward from backward, with typed, storable residuals.
 
-from residual_store.backward import backward
-from residual_store.cache import CacheInfo
-from residual_store.compile_cache import enable_compilation_cache
-from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec
-from residual_store.errors import (
-    BackwardUnavailableError,
-    ContextNotFoundError,
-    CorruptContextError,
-    InvalidArgumentError,
-    InvalidKeyError,
-    ReadOnlyStoreError,
-    RecomputeWarning,
-    ResidualStoreError,
-    ResidualStoreWarning,
-    SignatureMismatchError,
-    StoreFullError,
-    StoreNotFoundError,
-    StoreUnavailableError,
-)
-from residual_store.filters import is_inexact
-from residual_store.split import Split, split
-from residual_store.store import Store
-from residual_store.store.preemption import flush_on_sigterm
+The public names are imported on first use (:pep:`562`): ``import residual_store`` itself costs
+no JAX import, so the command line answers ``--help`` at once; the first name used imports them
+all, as an eager ``__init__`` would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "split",
-    "Split",
-    "backward",
-    "is_inexact",
-    "Store",
-    "flush_on_sigterm",
-    "enable_compilation_cache",
-    "ResidualContext",
-    "ResidualSpec",
-    "CallSpec",
-    "InputAval",
-    "CacheInfo",
-    "ResidualStoreError",
-    "SignatureMismatchError",
-    "InvalidArgumentError",
-    "ContextNotFoundError",
-    "InvalidKeyError",
-    "CorruptContextError",
-    "StoreFullError",
-    "BackwardUnavailableError",
-    "StoreNotFoundError",
-    "ReadOnlyStoreError",
-    "StoreUnavailableError",
-    "ResidualStoreWarning",
-    "RecomputeWarning",
-]
+# every public name -> the module that defines it (the static face below lists the same)
+_EXPORTS = {
+    "split": "residual_store.split",
+    "Split": "residual_store.split",
+    "backward": "residual_store.backward",
+    "is_inexact": "residual_store.filters",
+    "Store": "residual_store.store",
+    "flush_on_sigterm": "residual_store.store.preemption",
+    "VerifyReport": "residual_store.store.inspection",
+    "ContextInfo": "residual_store.store.inspection",
+    "ResidualInfo": "residual_store.store.inspection",
+    "BackwardInfo": "residual_store.store.inspection",
+    "StoreUsage": "residual_store.store.inspection",
+    "SignatureUsage": "residual_store.store.inspection",
+    "enable_compilation_cache": "residual_store.compile_cache",
+    "ResidualContext": "residual_store.context",
+    "ResidualSpec": "residual_store.context",
+    "CallSpec": "residual_store.context",
+    "InputAval": "residual_store.context",
+    "CacheInfo": "residual_store.cache",
+    "ResidualStoreError": "residual_store.errors",
+    "SignatureMismatchError": "residual_store.errors",
+    "InvalidArgumentError": "residual_store.errors",
+    "ContextNotFoundError": "residual_store.errors",
+    "InvalidKeyError": "residual_store.errors",
+    "CorruptContextError": "residual_store.errors",
+    "StoreFullError": "residual_store.errors",
+    "BackwardUnavailableError": "residual_store.errors",
+    "StoreNotFoundError": "residual_store.errors",
+    "ReadOnlyStoreError": "residual_store.errors",
+    "StoreUnavailableError": "residual_store.errors",
+    "ResidualStoreWarning": "residual_store.errors",
+    "RecomputeWarning": "residual_store.errors",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from residual_store.backward import backward
+    from residual_store.cache import CacheInfo
+    from residual_store.compile_cache import enable_compilation_cache
+    from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec
+    from residual_store.errors import (
+        BackwardUnavailableError,
+        ContextNotFoundError,
+        CorruptContextError,
+        InvalidArgumentError,
+        InvalidKeyError,
+        ReadOnlyStoreError,
+        RecomputeWarning,
+        ResidualStoreError,
+        ResidualStoreWarning,
+        SignatureMismatchError,
+        StoreFullError,
+        StoreNotFoundError,
+        StoreUnavailableError,
+    )
+    from residual_store.filters import is_inexact
+    from residual_store.split import Split, split
+    from residual_store.store import Store
+    from residual_store.store.preemption import flush_on_sigterm
+    from residual_store.store.inspection import (
+        BackwardInfo,
+        ContextInfo,
+        ResidualInfo,
+        SignatureUsage,
+        StoreUsage,
+        VerifyReport,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported (all of them) on the first use of one."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    namespace = globals()
+    for public, module in _EXPORTS.items():
+        namespace[public] = getattr(importlib.import_module(module), public)
+    return namespace[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """This package, whose public ``split`` and ``backward`` share their names with the modules
+    that define them: importing such a module binds it on its package (the import system's
+    rule), and here the public function keeps the name."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}" and name in _EXPORTS:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

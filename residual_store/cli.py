@@ -2,26 +2,34 @@
 
 Commands: ``demo`` (the README's main job), and on a store (a folder, or a tensorstore kvstore
 spec as JSON: ``'{"driver": "file", "path": "/data/s"}'``): ``ls``, ``inspect``, ``verify``,
-``gc``, ``du``, ``rm``, ``export`` and ``diff``. The commands that only read open the store
-read-only. Conventions: every error is one line on stderr and exit status 2 (``verify`` exits 1
-when it finds damage); a closed pipe (``| head``) ends the output quietly; ``--json`` gives the
-same facts, under the same words, as the text; sizes and ages are human-readable; progress is
-drawn only on a terminal.
+``gc``, ``du``, ``rm``, ``export`` and ``diff``, built on the public methods of
+:class:`residual_store.Store`. The commands that only read open the store read-only.
+
+Conventions: every error is one line on stderr and exit status 2; exit status 1 says "found
+something", as ``diff`` and ``git diff --exit-code`` do: ``verify`` and ``ls`` when a context is
+damaged, ``diff`` when the contexts differ. A closed pipe (``| head``) ends the output quietly;
+``--json`` gives the same facts, under the same words, as the text; sizes and ages are
+human-readable; progress (in bytes) is drawn on stderr only where it is a terminal. ``--help``
+and usage errors answer without importing JAX: every command imports what it needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from residual_store import BackwardInfo, ContextInfo, Store
 
 __all__ = ["main"]
-
-T = TypeVar("T")
 
 
 class _UsageError(Exception):
@@ -30,6 +38,8 @@ class _UsageError(Exception):
 
 def _store_path(text: str) -> str | dict[str, Any]:
     """A folder, or a kvstore spec given as a JSON object."""
+    if not text.strip():
+        raise _UsageError("PATH is empty: give a store folder, or a kvstore spec as JSON")
     if not text.lstrip().startswith("{"):
         return text
     try:
@@ -41,17 +51,31 @@ def _store_path(text: str) -> str | dict[str, Any]:
     return spec
 
 
-def _open_disk(path: str, *, read_only: bool = True, timeout: float | None = None) -> Any:
-    """The store at ``path``: read-only for the commands that only read (nothing on disk
-    changes, not even a marker), and never created; ``timeout``: seconds each request to an
-    object store may take."""
-    from residual_store.errors import StoreNotFoundError
-    from residual_store.store.disk import DiskTier
+def _open(args: argparse.Namespace, *, read_only: bool = True) -> Store:
+    """The store at ``args.path``: read-only for the commands that only read (nothing on disk
+    changes, not even a marker), and never created."""
+    import residual_store as rs
 
+    where = _store_path(args.path)
     try:
-        return DiskTier(_store_path(path), create=False, read_only=read_only, timeout=timeout)
-    except StoreNotFoundError as err:
-        raise _UsageError(str(err)) from None
+        return rs.Store(where, create=False, read_only=read_only, timeout=args.timeout)
+    except rs.StoreNotFoundError:
+        if isinstance(where, dict):
+            raise _UsageError(f"no residual store in the kvstore {args.path}; check PATH") from None
+        what = "not a residual store" if os.path.exists(where) else "no such folder"
+        raise _UsageError(f"{args.path}: {what}; check PATH (a store folder, or a kvstore spec as JSON)") from None
+
+
+def _unavailable(args: argparse.Namespace, err: BaseException) -> str:
+    """An object store that did not answer, with command-line advice."""
+    cause = str(err.__cause__ or "").strip().splitlines()
+    why = f" ({cause[0]})" if cause else ""
+    timeout = getattr(args, "timeout", None)
+    within, advice = (f" within --timeout {timeout:g} s", "a longer --timeout") if timeout else ("", "--timeout SECONDS")
+    return (
+        f"{args.path}: the object store did not answer{within} or refused the request{why}; check the "
+        f"endpoint, the network and the credentials, or give {advice}"
+    )
 
 
 def _plural(n: int, word: str, plural: str | None = None) -> str:
@@ -86,36 +110,66 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _refuse_missing(disk: Any, missing: Sequence[str]) -> None:
+def _missing(store: Store, keys: Sequence[str]) -> list[str]:
+    """The keys the store does not hold (a damaged context is held);
+    :class:`~residual_store.InvalidKeyError` for a key outside the rules."""
+    import residual_store as rs
+
+    out = []
+    for key in keys:
+        try:
+            store.info(key)
+        except rs.ContextNotFoundError:
+            out.append(key)
+        except rs.CorruptContextError:
+            pass
+    return out
+
+
+def _refuse_missing(args: argparse.Namespace, store: Store, keys: Sequence[str]) -> None:
     """One line naming the keys the store does not hold, if any."""
+    missing = _missing(store, keys)
     if missing:
         raise _UsageError(
-            f"no {'context' if len(missing) == 1 else 'contexts'} {', '.join(map(repr, missing))} in store {disk.description}"
+            f"no {'context' if len(missing) == 1 else 'contexts'} {', '.join(map(repr, missing))} in store {args.path}"
         )
 
 
-def _stored(disk: Any, key: str) -> Any:
-    """The parsed manifest of ``key``, or a one-line error for an unknown or invalid key."""
-    from residual_store.errors import ContextNotFoundError, InvalidKeyError
-    from residual_store.store.keys import validate_key
-
-    try:
-        return disk.stat(validate_key(key))
-    except (ContextNotFoundError, InvalidKeyError) as err:
-        raise _UsageError(str(err)) from None
+def _info(args: argparse.Namespace, store: Store, key: str) -> ContextInfo:
+    """The record of ``key``, or a one-line error for an unknown key."""
+    _refuse_missing(args, store, [key])
+    return store.info(key)
 
 
-def _progress(items: Sequence[T], label: str, enabled: bool) -> Iterable[T]:
-    """Yields ``items``, drawing a progress line on stderr when it is a terminal."""
-    show = enabled and sys.stderr.isatty() and len(items) > 1
-    start = time.monotonic()
-    for i, item in enumerate(items, 1):
-        if show:
-            sys.stderr.write(f"\r{label}: {i}/{len(items)} ({time.monotonic() - start:.1f} s)")
+class _Progress:
+    """A line on stderr, redrawn as bytes go by (at most ten times a second) and erased at the
+    end, only where stderr is a terminal: a callable for the ``progress`` argument of
+    :class:`~residual_store.Store` methods."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.shown = sys.stderr.isatty()
+        self.start = time.monotonic()
+        self.last = float("-inf")
+        self.drawn = False
+
+    def __call__(self, done: int, total: int | None = None) -> None:
+        now = time.monotonic()
+        if not self.shown or (now - self.last < 0.1 and done != total):
+            return
+        self.last = now
+        whole = f" of {_human(total)}" if total else ""
+        sys.stderr.write(f"\r{self.label}: {_human(done)}{whole} ({now - self.start:.1f} s)\x1b[K")
+        sys.stderr.flush()
+        self.drawn = True
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.drawn:  # the result follows on stdout, on a clean line
+            sys.stderr.write("\r\x1b[K")
             sys.stderr.flush()
-        yield item
-    if show:
-        sys.stderr.write("\n")
 
 
 def _human(n: float) -> str:
@@ -156,167 +210,132 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _backward_status(disk: Any, signature: str) -> dict[str, Any]:
-    """Whether a backward of ``signature`` is stored, for which platforms and JAX, or why not."""
-    from residual_store.errors import CorruptContextError
-    from residual_store.store import backwards
-
-    try:
-        return backwards.describe(disk.backward_manifest(signature))
-    except CorruptContextError as err:
-        return {"stored": False, "reason": f"damaged: {err}"}
+def _backward_json(info: BackwardInfo) -> dict[str, Any]:
+    """What ``--json`` shows of a stored backward."""
+    data = {"stored": info.stored, "jax_version": info.jax_version}
+    if info.stored:
+        return {**data, "platforms": list(info.platforms), "left_out": dict(info.left_out)}
+    return {**data, "reason": info.reason}
 
 
-def _backward_text(status: dict[str, Any]) -> str:
-    if status["stored"]:
-        left = status["left_out"]
+def _backward_text(info: BackwardInfo) -> str:
+    if info.stored:
+        left = info.left_out
         note = f"; not for {', '.join(sorted(left))}" if left else ""
-        return f"stored for {', '.join(status['platforms'])} (jax {status['jax_version']}{note})"
-    return f"not stored: {status['reason']}"
+        return f"stored for {', '.join(info.platforms)} (jax {info.jax_version}{note})"
+    return f"not stored: {info.reason}"
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from residual_store.errors import CorruptContextError
+    """Lists the contexts; exit status 1 if one is damaged."""
+    import residual_store as rs
 
-    disk = _open_disk(args.path, timeout=args.timeout)
     now = time.time()
-    entries = []
-    for key, stored in _progress(list(disk.iter_manifests()), "reading manifests", not args.json):
-        if isinstance(stored, CorruptContextError):
-            entries.append({"key": key, "error": str(stored)})
-        else:
-            entries.append(
-                {
-                    "key": key,
-                    "signature": stored.spec.signature,
-                    "residuals": len(stored.records),
-                    "bytes": stored.nbytes,
-                    "own_bytes": sum(r.nbytes for r in stored.records if not r.shared),
-                    "created": stored.created,
-                    "age": now - stored.created,
-                }
-            )
-    statuses = {sig: _backward_status(disk, sig) for sig in sorted({e["signature"] for e in entries if "signature" in e})}
+    entries: list[dict[str, Any]] = []
+    with _open(args) as store, _Progress("reading manifests") as progress:
+        listed = 0
+        for key in store.keys():
+            try:
+                info = store.info(key)
+            except rs.ContextNotFoundError:
+                continue  # removed meanwhile
+            except rs.CorruptContextError as err:
+                entries.append({"key": key, "error": str(err)})
+                continue
+            entries.append({
+                "key": key, "signature": info.signature, "residuals": len(info.residuals),
+                "bytes": info.nbytes, "own_bytes": info.own_nbytes, "created": info.created,
+                "age": now - (info.created or now),
+            })
+            listed += info.nbytes
+            progress(listed)
+        backwards = {sig: store.backward_info(sig) for sig in sorted({e["signature"] for e in entries if "signature" in e})}
     rows = [["key", "residuals", "bytes", "own bytes", "signature", "backward", "age"]]
     for e in entries:
         if "error" in e:
             rows.append([e["key"], "-", "-", "-", "CORRUPT", "-", e["error"]])
-        else:
-            status = statuses[e["signature"]]
-            e["backward"] = status
-            rows.append([
-                e["key"], str(e["residuals"]), _human(e["bytes"]), _human(e["own_bytes"]),
-                e["signature"], ",".join(status["platforms"]) if status["stored"] else "no",
-                _age(e["age"]),
-            ])
-    lines = [_plural(len(entries), "context")] + [f"{sig}: backward {_backward_text(st)}" for sig, st in statuses.items()]
+            continue
+        backward = backwards[e["signature"]]
+        e["backward"] = _backward_json(backward)
+        rows.append([
+            e["key"], str(e["residuals"]), _human(e["bytes"]), _human(e["own_bytes"]),
+            e["signature"], ",".join(backward.platforms) if backward.stored else "no", _age(e["age"]),
+        ])
+    damaged = sum("error" in e for e in entries)
+    summary = _plural(len(entries), "context")
+    if damaged:
+        summary += f", {damaged} damaged (see `residual-store verify`; `residual-store rm` removes one)"
+    lines = [summary] + [f"{sig}: backward {_backward_text(b)}" for sig, b in backwards.items()]
     _emit(args, entries, _table(rows) + "\n" + "\n".join(lines))
-    return 0
+    return 1 if damaged else 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    disk = _open_disk(args.path, timeout=args.timeout)
-    stored = _stored(disk, args.key)
+    with _open(args) as store:
+        info = _info(args, store, args.key)
+        backward = store.backward_info(info.signature)
     rows = [["#", "name", "shape", "dtype", "bytes", "kind", "shared", "chunks", "path"]]
     data = []
-    for i, (record, aval, kind) in enumerate(zip(stored.records, stored.spec.avals, stored.spec.kinds)):
-        item = {
-            "index": i,
-            "name": record.name,
-            "shape": list(aval.shape),
-            "dtype": str(aval.dtype),
-            "bytes": record.nbytes,
-            "kind": kind,
-            "input_path": record.input_path,
-            "shared": record.shared,
-            "path": record.path,
-            "checksum": record.checksum,
-            "chunk_shape": list(record.chunk_shape) if record.chunk_shape is not None else None,
-            "chunks": len(record.chunk_checksums) if record.chunk_checksums is not None else 1,
-        }
-        data.append(item)
+    for i, r in enumerate(info.residuals):
+        data.append({
+            "index": i, "name": r.name, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.nbytes,
+            "kind": r.kind, "input_path": r.input_path, "shared": r.shared, "path": r.path,
+            "checksum": r.checksum, "chunk_shape": list(r.chunk_shape) if r.chunk_shape is not None else None,
+            "chunks": r.chunks,
+        })
         rows.append([
-            str(i), record.name, str(tuple(aval.shape)), str(aval.dtype), f"{record.nbytes:,}",
-            kind, "yes" if record.shared else "no", str(item["chunks"]), record.path,
+            str(i), r.name, str(r.shape), r.dtype, _human(r.nbytes), r.kind,
+            "yes" if r.shared else "no", str(r.chunks), r.path or "-",
         ])
-    status = _backward_status(disk, stored.spec.signature)
     header = (
-        f"context {stored.key}: signature {stored.spec.signature}, jax {stored.jax_version}, "
-        f"{_human(stored.nbytes)}\nbackward: {_backward_text(status)}"
+        f"context {info.key}: signature {info.signature}, jax {info.jax_version}, {_human(info.nbytes)} "
+        f"({_human(info.own_nbytes)} its own)\nbackward: {_backward_text(backward)}"
     )
     _emit(
         args,
-        {"key": stored.key, "signature": stored.spec.signature, "backward": status, "residuals": data},
+        {"key": info.key, "signature": info.signature, "backward": _backward_json(backward), "residuals": data},
         header + "\n" + _table(rows),
     )
     return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from residual_store.errors import ContextNotFoundError, CorruptContextError, InvalidKeyError
-    from residual_store.store import backwards
-    from residual_store.store.keys import validate_key
+    """Checks every byte; exit status 1 if anything is damaged."""
+    import residual_store as rs
 
-    def store_damaged(err: CorruptContextError) -> int:  # the marker or a folder of the store
+    def store_damaged(err: rs.CorruptContextError) -> int:  # the marker or a folder of the store
         _emit(args, {"damaged_store": str(err)}, f"DAMAGED store {args.path}: {err}")
         return 1
 
     try:
-        disk = _open_disk(args.path, timeout=args.timeout)
-    except CorruptContextError as err:
+        with _open(args) as store, _Progress("verifying") as progress:
+            if args.keys:
+                _refuse_missing(args, store, args.keys)
+            report = store.verify(args.keys or None, progress=progress)
+    except rs.CorruptContextError as err:
         return store_damaged(err)
-    try:
-        keys = [validate_key(k) for k in args.keys] if args.keys else disk.keys()
-        missing = [k for k in keys if k not in disk]
-    except InvalidKeyError as err:
-        raise _UsageError(str(err)) from None
-    except CorruptContextError as err:
-        return store_damaged(err)
-    _refuse_missing(disk, missing)
-    check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
-    damaged, checked = [], 0
-    for key in _progress(keys, "verifying", not args.json):
-        try:
-            stored, _ = disk.read(key, place=False)
-            if check_metadata is not None:
-                for r in {r.path: r for r in stored.records if not r.bundled}.values():
-                    check_metadata(r.path, r.shape, r.dtype, r.chunk_shape)
-            disk.check_bundle(key, stored)  # every byte, as plain zip readers will check it
-            checked += 1
-        except (CorruptContextError, ContextNotFoundError) as err:
-            damaged.append({"key": key, "error": str(err)})
-    # every stored backward too: a damaged one cannot be run by processes without the model
-    try:
-        signatures = disk.backward_signatures()
-    except CorruptContextError as err:
-        return store_damaged(err)
-    broken = []
-    for sig in _progress(signatures, "verifying backwards", not args.json):
-        try:
-            stored = disk.read_backward(sig)
-            if stored is not None:
-                backwards.check_records(sig, stored[0])
-        except CorruptContextError as err:
-            broken.append({"signature": sig, "error": str(err)})
-    lines = [f"DAMAGED {d['key']}: {d['error']}" for d in damaged]
-    lines += [f"DAMAGED backward {b['signature']}: {b['error']}" for b in broken]
+    contexts = report.verified + len(report.damaged)
+    backwards = report.backwards_verified + len(report.damaged_backwards)
+    lines = [f"DAMAGED {key}: {why}" for key, why in report.damaged.items()]
+    lines += [f"DAMAGED backward {sig}: {why}" for sig, why in report.damaged_backwards.items()]
     lines.append(
-        f"{checked} of {_plural(len(keys), 'context')} verified, {len(signatures) - len(broken)} of "
-        f"{_plural(len(signatures), 'stored backward')} verified, {len(damaged) + len(broken)} damaged"
+        f"{report.verified} of {_plural(contexts, 'context')} verified, {report.backwards_verified} of "
+        f"{_plural(backwards, 'stored backward')} verified, "
+        f"{len(report.damaged) + len(report.damaged_backwards)} damaged"
     )
     _emit(
         args,
         {
-            "contexts": len(keys),
-            "verified": checked,
-            "damaged": damaged,
-            "stored_backwards": len(signatures),
-            "backwards_verified": len(signatures) - len(broken),
-            "damaged_backwards": broken,
+            "contexts": contexts,
+            "verified": report.verified,
+            "damaged": [{"key": k, "error": why} for k, why in report.damaged.items()],
+            "stored_backwards": backwards,
+            "backwards_verified": report.backwards_verified,
+            "damaged_backwards": [{"signature": s, "error": why} for s, why in report.damaged_backwards.items()],
         },
         "\n".join(lines),
     )
-    return 1 if damaged or broken else 0
+    return 0 if report.ok else 1
 
 
 _GC_KINDS = (
@@ -345,8 +364,9 @@ def _gc_text(removed: dict[str, int], older_than: float, dry_run: bool) -> str:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    disk = _open_disk(args.path, timeout=args.timeout, read_only=args.dry_run)
-    removed = disk.gc(older_than=args.older_than, dry_run=args.dry_run)
+    label = "looking for what gc would remove" if args.dry_run else "removing"
+    with _open(args, read_only=args.dry_run) as store, _Progress(label) as progress:
+        removed = store.gc(older_than=args.older_than, dry_run=args.dry_run, progress=progress)
     if removed.get("skipped_corrupt"):
         raise _UsageError(
             "a manifest is unreadable, so nothing was removed (it may reference anything): run "
@@ -359,79 +379,47 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _cmd_du(args: argparse.Namespace) -> int:
     """Bytes on disk per part of the store (measured on a folder; as recorded on kvstores), per
     signature, and what gc would free."""
-    from residual_store.store import layout
-    from residual_store.store.records import StoredContext
-
-    disk = _open_disk(args.path, timeout=args.timeout)
-    per_sig: dict[str, dict[str, int]] = {}
-    seen: set[str] = set()
-    for _, stored in disk.iter_manifests():
-        if not isinstance(stored, StoredContext):
-            continue
-        entry = per_sig.setdefault(
-            stored.spec.signature, {"contexts": 0, "intermediate": 0, "inputs": 0, "weights": 0}
-        )
-        entry["contexts"] += 1
-        for record, kind in zip(stored.records, stored.spec.kinds):
-            if not record.shared:  # the context's own: intermediates and per-context inputs
-                entry["inputs" if kind == "input" else "intermediate"] += record.nbytes
-            elif record.path not in seen:
-                seen.add(record.path)
-                entry["weights"] += record.nbytes
-    parts = {
-        "data": layout.DATA,
-        "weights": layout.WEIGHTS,
-        "contexts": layout.CONTEXTS,
-        "backwards": layout.BACKWARDS,
-    }
-    measured = {name: disk.backend.tree_bytes(prefix) for name, prefix in parts.items()}
-    total = disk.backend.tree_bytes("")
-    free = disk.backend.tree_bytes(layout.FREE_DIR)
-    reclaim = disk.gc(older_than=0, dry_run=True)
-    usage = {
-        "measured": total is not None,
-        "total": total,
-        **{name: size for name, size in measured.items()},
-        "recycled": free,
-        "gc_would_free": None if reclaim["bytes"] < 0 or reclaim.get("skipped_corrupt") else reclaim["bytes"],
-        "signatures": per_sig,
+    with _open(args) as store:
+        with _Progress("measuring") as progress:
+            usage = store.usage(progress=progress)
+        with _Progress("counting what gc would free") as progress:
+            reclaim = store.gc(older_than=0, dry_run=True, progress=progress)
+    unknown = reclaim["bytes"] < 0 or reclaim.get("skipped_corrupt")
+    data = {
+        "measured": usage.measured,
+        "total": usage.total,
+        **usage.parts,
+        "recycled": usage.recycled,
+        "gc_would_free": None if unknown else reclaim["bytes"],
+        "signatures": {sig: dataclasses.asdict(u) for sig, u in usage.signatures.items()},
     }
     rows = [["signature", "contexts", "intermediate", "inputs", "weights (once)"]]
-    for sig, e in sorted(per_sig.items()):
-        rows.append([sig, str(e["contexts"]), _human(e["intermediate"]), _human(e["inputs"]), _human(e["weights"])])
+    for sig, u in usage.signatures.items():
+        rows.append([sig, str(u.contexts), _human(u.intermediate), _human(u.inputs), _human(u.weights)])
+    total = usage.total
     if reclaim.get("skipped_corrupt"):
         disk_lines = [f"on disk: {_human(total)} in all" if total is not None else "",
                       "gc removes nothing while a manifest is unreadable (see `residual-store verify`)"]
     elif total is None:
         disk_lines = ["disk usage: not measurable on this kvstore (bytes above are as the manifests record them)"]
     else:
-        sizes = ", ".join(f"{name} {_human(size or 0)}" for name, size in measured.items())
+        sizes = ", ".join(f"{name} {_human(size or 0)}" for name, size in usage.parts.items())
         disk_lines = [
-            f"on disk: {_human(total)} in all ({sizes}; of data, {_human(free or 0)} recycled for reuse)",
-            f"gc --older-than 0 would free {_human(reclaim['bytes'])} ({_gc_items(reclaim)})"
-            if reclaim["bytes"] >= 0 else "",
+            f"on disk: {_human(total)} in all ({sizes}; of data, {_human(usage.recycled or 0)} recycled for reuse)",
+            f"gc --older-than 0 would free {_human(reclaim['bytes'])} ({_gc_items(reclaim)})" if not unknown else "",
         ]
-    text = _table(rows) + "\n" + "\n".join(line for line in disk_lines if line)
-    _emit(args, usage, text)
+    _emit(args, data, _table(rows) + "\n" + "\n".join(line for line in disk_lines if line))
     return 0
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
     """Removes contexts, a damaged one included (its manifest goes; gc removes its data)."""
-    from residual_store.errors import InvalidKeyError
-    from residual_store.store.keys import validate_key
-
-    disk = _open_disk(args.path, timeout=args.timeout, read_only=False)
-    try:
-        missing = [k for k in args.keys if validate_key(k) not in disk]  # checked before any is removed
-    except InvalidKeyError as err:
-        raise _UsageError(str(err)) from None
-    _refuse_missing(disk, missing)
-    for key in args.keys:
-        _, stale = disk.delete(key)
-        if stale is not None:
-            disk.drop_data(stale)
-    _emit(args, {"removed": list(args.keys)}, f"removed {_plural(len(args.keys), 'context')}: {', '.join(args.keys)}")
+    keys = list(dict.fromkeys(args.keys))
+    with _open(args, read_only=False) as store:
+        _refuse_missing(args, store, keys)  # checked before any is removed
+        for key in keys:
+            store.delete(key)
+    _emit(args, {"removed": keys}, f"removed {_plural(len(keys), 'context')}: {', '.join(keys)}")
     return 0
 
 
@@ -443,30 +431,27 @@ def _array_names(names: Sequence[str]) -> list[str]:
     return [n if counts[n] == 1 else f"{n} #{i}" for i, n in enumerate(names)]
 
 
-def _read_residuals(disk: Any, key: str) -> tuple[Any, list[Any]]:
-    import numpy as np
-
-    stored = _stored(disk, key)
-    _, arrays = disk.read(stored.key, place=False)
-    return stored, [np.asarray(a) for a in arrays]
+def _read(args: argparse.Namespace, store: Store, key: str) -> tuple[ContextInfo, list[str], tuple[np.ndarray, ...]]:
+    """The record of ``key``, unique names for its residuals, and its arrays (verified)."""
+    info = _info(args, store, key)
+    return info, _array_names([r.name for r in info.residuals]), store.arrays(key)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     import numpy as np
 
-    disk = _open_disk(args.path, timeout=args.timeout)
-    stored, arrays = _read_residuals(disk, args.key)
-    names = _array_names(stored.spec.names)
+    with _open(args) as store:
+        info, names, arrays = _read(args, store, args.key)
     chosen = list(range(len(arrays)))
     if args.residual is not None:
         pick = args.residual
-        chosen = [i for i, n in enumerate(names) if n == pick or stored.spec.names[i] == pick or str(i) == pick]
+        chosen = [i for i, n in enumerate(names) if n == pick or info.residuals[i].name == pick or str(i) == pick]
         if not chosen:
-            raise _UsageError(f"context {stored.key!r} has no residual {pick!r} (see `residual-store inspect`)")
-    out = args.output or f"{stored.key}.npz"
+            raise _UsageError(f"context {info.key!r} has no residual {pick!r} (see `residual-store inspect`)")
+    out = args.output or f"{info.key}.npz"
     np.savez(out, **{names[i]: arrays[i] for i in chosen})
-    data = {"key": stored.key, "file": out, "residuals": [names[i] for i in chosen]}
-    _emit(args, data, f"wrote {_plural(len(chosen), 'residual')} of {stored.key} to {out}")
+    data = {"key": info.key, "file": out, "residuals": [names[i] for i in chosen]}
+    _emit(args, data, f"wrote {_plural(len(chosen), 'residual')} of {info.key} to {out}")
     return 0
 
 
@@ -486,11 +471,11 @@ def _compare(a: Any, b: Any) -> dict[str, Any]:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    disk = _open_disk(args.path, timeout=args.timeout)
-    first, arrays_a = _read_residuals(disk, args.key1)
-    second, arrays_b = _read_residuals(disk, args.key2)
-    names_a, names_b = _array_names(first.spec.names), _array_names(second.spec.names)
-    same_signature = first.spec.signature == second.spec.signature
+    """Compares two contexts residual by residual; exit status 1 if they differ."""
+    with _open(args) as store:
+        first, names_a, arrays_a = _read(args, store, args.key1)
+        second, names_b, arrays_b = _read(args, store, args.key2)
+    same_signature = first.signature == second.signature
     rows_data = []
     if same_signature:  # one layout: residual i against residual i
         pairs = [(n, i, i) for i, n in enumerate(names_a)]
@@ -510,12 +495,12 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     differing = sum(r["status"] != "same" for r in rows_data)
     head = (
         f"{args.key1} and {args.key2}: " + ("the same signature" if same_signature else
-        f"signatures {first.spec.signature} and {second.spec.signature} (residuals matched by name)")
+        f"signatures {first.signature} and {second.signature} (residuals matched by name)")
         + f"; {_plural(differing, 'residual')} of {len(rows_data)} differ"
     )
     _emit(args, {"key1": args.key1, "key2": args.key2, "same_signature": same_signature, "residuals": rows_data},
           head + "\n" + _table(rows))
-    return 0
+    return 1 if differing else 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -531,7 +516,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Split JAX forward from backward, with typed, storable residuals. PATH is a store "
         "folder or a tensorstore kvstore spec as JSON, e.g. '{\"driver\": \"file\", \"path\": \"/data/s\"}'.",
     )
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, run: Callable[[argparse.Namespace], int], json_flag: bool = False) -> argparse.ArgumentParser:
@@ -551,7 +536,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--store", default=None, help="store folder (default: a temporary one)")
     demo.add_argument("--plot", default="residual_store_demo.png", help="where to write the PNG")
     demo.add_argument("--no-plot", action="store_true", help="do not draw the plot")
-    command("ls", "list the contexts of a store", _cmd_ls, json_flag=True).add_argument("path")
+    command("ls", "list the contexts of a store; exit 1 if one is damaged", _cmd_ls, json_flag=True).add_argument("path")
     inspect = command("inspect", "one row per residual of a stored context", _cmd_inspect, json_flag=True)
     inspect.add_argument("path")
     inspect.add_argument("key")
@@ -573,11 +558,23 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("key")
     export.add_argument("-o", "--output", default=None, help="the .npz file (default: KEY.npz)")
     export.add_argument("--residual", default=None, metavar="NAME", help="only this residual (its name or index)")
-    diff = command("diff", "which residuals of two contexts differ, and by how much", _cmd_diff, json_flag=True)
+    diff = command("diff", "which residuals of two contexts differ, and by how much; exit 1 if any does",
+                   _cmd_diff, json_flag=True)
     diff.add_argument("path")
     diff.add_argument("key1")
     diff.add_argument("key2")
     return parser
+
+
+class _Version(argparse.Action):
+    """``--version``: the versions of residual-store, JAX and jaxlib (JAX imported only then)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the versions of residual-store, JAX and jaxlib")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(_version())
+        parser.exit()
 
 
 def _version() -> str:
@@ -600,16 +597,21 @@ def _quiet_stdout() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
-    from residual_store.errors import ResidualStoreError
-
     args = _parser().parse_args(argv)
+    if args.command != "demo":
+        # a store command reads into host memory: it starts no accelerator, nor takes its memory
+        # from a job running on it (unless JAX_PLATFORMS says otherwise, or JAX runs already)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import residual_store as rs  # (only now: --help and usage errors never import JAX)
+
     try:
         return args.run(args)
     except BrokenPipeError:
         _quiet_stdout()
         return 0
-    except (_UsageError, ResidualStoreError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except (_UsageError, rs.ResidualStoreError, OSError) as err:
+        text = _unavailable(args, err) if isinstance(err, rs.StoreUnavailableError) else str(err).strip()
+        first = text.splitlines()[0] if text else type(err).__name__
         print(f"residual-store {args.command}: {first}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -54,6 +55,9 @@ def test_ls_and_inspect(store_path):
     assert by_kind["input"]["path"].startswith("data/mb1.")
     text = _cli("inspect", store_path, "mb1").stdout
     assert "tanh" in text and "intermediate" in text
+    x_row = next(line for line in text.splitlines() if "input x" in line)
+    assert " 48 B " in x_row  # float32[4, 3]: sizes as ls writes them (the --json keeps bytes)
+    assert by_kind["input"]["bytes"] == 48
 
 
 def test_du_and_gc(store_path):
@@ -112,6 +116,7 @@ def test_bad_paths_and_keys_give_one_line(store_path, tmp_path, args, message):
     out = _cli(*args)
     assert out.returncode == 2
     assert message in out.stderr
+    assert not re.search(r"\b[a-z_]+=", out.stderr), out.stderr  # command-line advice, not Python arguments
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
@@ -172,9 +177,13 @@ def test_rm_export_diff(tmp_path):
     bad = _cli("export", path, "mb1", "--residual", "nope")
     assert bad.returncode == 2 and "no residual 'nope'" in bad.stderr and len(bad.stderr.splitlines()) == 1
     # diff: the same context, and two of one signature
-    same = json.loads(_cli("diff", path, "mb0", "mb0", "--json").stdout)
+    same_out = _cli("diff", path, "mb0", "mb0", "--json")
+    same = json.loads(same_out.stdout)
+    assert same_out.returncode == 0  # equal: 0, as diff and git diff --exit-code say
     assert same["same_signature"] and {r["status"] for r in same["residuals"]} == {"same"}
-    two = json.loads(_cli("diff", path, "mb0", "mb2", "--json").stdout)
+    two_out = _cli("diff", path, "mb0", "mb2", "--json")
+    assert two_out.returncode == 1  # they differ: 1
+    two = json.loads(two_out.stdout)
     by_name = {r["name"]: r for r in two["residuals"]}
     assert by_name["input w"]["status"] == "same"
     x_diff = float(np.max(np.abs(np.asarray(xs[0]) - np.asarray(xs[2]))))
@@ -238,7 +247,9 @@ def test_a_kvstore_spec_as_path_and_corrupt_manifests(tmp_path):
         out = _cli(*args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert "CORRUPT" in _cli("ls", path).stdout
+    ls = _cli("ls", path)
+    assert ls.returncode == 1 and "CORRUPT" in ls.stdout and "2 contexts, 1 damaged" in ls.stdout, ls.stdout
+    assert _cli("ls", path, "--json").returncode == 1
     verify = _cli("verify", path, "--json")
     assert verify.returncode == 1 and [d["key"] for d in json.loads(verify.stdout)["damaged"]] == ["broken"]
     unknown = _cli("verify", path, "good", "nope")
@@ -250,7 +261,8 @@ def test_a_kvstore_spec_as_path_and_corrupt_manifests(tmp_path):
     # the way out: rm the damaged context, then everything works again
     assert _cli("rm", path, "broken").returncode == 0
     assert _cli("verify", path).returncode == 0 and _cli("gc", path, "--older-than", "0").returncode == 0
-    assert [e["key"] for e in json.loads(_cli("ls", path, "--json").stdout)] == ["good"]
+    fixed = _cli("ls", path, "--json")
+    assert fixed.returncode == 0 and [e["key"] for e in json.loads(fixed.stdout)] == ["good"]
 
 
 def test_every_command_on_a_kvstore_spec(tmp_path):
@@ -278,3 +290,94 @@ def test_every_command_on_a_kvstore_spec(tmp_path):
     assert dry["data"] == dry["recycled"] == dry["young"] == 0 and dry["bytes"] == 0
     assert _cli("gc", spec, "--older-than", "0").stdout.startswith("removed nothing")
     assert [e["key"] for e in json.loads(_cli("ls", spec, "--json").stdout)] == ["mb1"]
+
+
+# -- the command line a user meets (issue 27) ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, status, said",
+    [(["--help"], 0, "usage: residual-store"), (["ls", "--help"], 0, "--timeout SECONDS"),
+     (["lss", "/data/s"], 2, "invalid choice: 'lss'"), (["gc"], 2, "required: path")],
+)
+def test_help_and_usage_errors_answer_without_importing_jax(argv, status, said):
+    code = f"""
+import contextlib, io, sys
+from residual_store.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+    try:
+        main({argv!r})
+    except SystemExit as exit:
+        status = exit.code
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "numpy", "tensorstore"))
+print(status, heavy, {said!r} in out.getvalue())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(status), "[]", "True"], out.stdout
+    # and the same through python -m residual_store, as the import log shows
+    log = subprocess.run([sys.executable, "-X", "importtime", "-m", "residual_store", *argv],
+                         capture_output=True, text=True, timeout=120, env=os.environ)
+    assert log.returncode == status and said in log.stdout + log.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in log.stderr.splitlines() if line.startswith("import time:")]
+    assert "residual_store.cli" in imported and not [m for m in imported if m.split(".")[0] in ("jax", "numpy")]
+
+
+def _on_a_terminal(*args: str) -> tuple[subprocess.CompletedProcess[bytes], str]:
+    """Runs the command line with stderr on a pseudo-terminal: its result and what it drew."""
+    import pty
+
+    master, terminal = pty.openpty()
+    try:
+        out = subprocess.run([sys.executable, "-m", "residual_store", *args], stdout=subprocess.PIPE,
+                             stderr=terminal, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    finally:
+        os.close(terminal)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # the terminal's other end is closed: all read
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    return out, drawn.decode()
+
+
+@pytest.mark.parametrize("command, label", [("verify", "verifying: "), ("du", "measuring: ")])
+def test_progress_in_bytes_is_drawn_on_a_terminal_only(store_path, command, label):
+    out, drawn = _on_a_terminal(command, store_path)
+    assert out.returncode == 0
+    assert label in drawn and re.search(r"\d+(\.\d)? (B|KiB)", drawn.split(label, 1)[1]), drawn
+    if command == "verify":  # the whole is known beforehand
+        assert " of " in drawn.split(label, 1)[1] and "3 of 3 contexts verified" in out.stdout.decode()
+    piped = _cli(command, store_path)
+    assert piped.returncode == 0 and piped.stderr == ""  # not a terminal: nothing drawn
+
+
+def test_store_commands_leave_accelerators_alone(store_path):
+    """A store command reads into host memory: run beside a job on a GPU, it must not start
+    the GPU (nor take its memory); JAX_PLATFORMS, where given, still decides."""
+    code = f"""
+import contextlib, io, os
+from residual_store.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    status = main(["ls", {store_path!r}])
+import jax
+print(status, jax.config.jax_platforms)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["0", "cpu"], out.stdout + out.stderr
+
+
+def test_gc_draws_the_bytes_it_removes_on_a_terminal(tmp_path):
+    path = str(tmp_path / "store")
+    _two_contexts(path, "gone")
+    assert _cli("rm", path, "gone").returncode == 0  # its data folder is kept for reuse: gc removes it
+    out, drawn = _on_a_terminal("gc", path, "--older-than", "0")
+    assert out.returncode == 0 and "removed 1 recycled folder" in out.stdout.decode()
+    assert re.search(r"removing: \d+(\.\d)? (B|KiB)", drawn), drawn

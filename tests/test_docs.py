@@ -28,7 +28,11 @@ def test_markdown_python_blocks_run(code):
 
 
 @pytest.mark.parametrize(
-    "name", ["split", "backward", "context", "keypaths", "filters", "names", "logs", "partition", "pipeline", "store.schedule", "store.store", "store.budgets", "orbax"]
+    "name",
+    [
+        "split", "backward", "context", "keypaths", "filters", "names", "logs", "partition", "pipeline",
+        "store.schedule", "store.store", "store.budgets", "store.inspection", "orbax",
+    ],
 )
 def test_docstring_examples(name):
     module = importlib.import_module(f"residual_store.{name}")

@@ -72,3 +72,89 @@ def test_jax_internals_are_used_in_one_module(module):
         assert not any(n == "jax._src" or n.startswith("jax._src.") for n in names), (
             f"{module.name}:{node.lineno} imports JAX internals: they belong in residual_store/_jax_internals.py"
         )
+
+
+def _package_imports(source: str) -> list[tuple[int, str, str | None]]:
+    """(line, module, name) of every import of this package in ``source`` (name ``None`` for
+    ``import module``); a relative import counts as one of the package."""
+    found: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] == "residual_store"]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            if node.level or module.split(".")[0] == "residual_store":
+                found += [(node.lineno, module, a.name) for a in node.names]
+    return found
+
+
+def _private_imports(source: str, public: set[str]) -> list[tuple[int, str, str | None]]:
+    """The imports of ``source`` that reach past the package's public face: a module other than
+    ``residual_store`` itself and its ``demo`` (the README's job), or a name not in ``public``."""
+    bad = []
+    for line, module, name in _package_imports(source):
+        if module == "residual_store" and (name is None or name in public):
+            continue
+        if module == "residual_store.demo" and name is not None and not name.startswith("_"):
+            continue
+        bad.append((line, module, name))
+    return bad
+
+
+def test_the_check_finds_private_imports():
+    public = {"Store", "__version__"}
+    source = (
+        "import residual_store as rs\nfrom residual_store import Store, __version__\n"
+        "from residual_store.demo import run_demo\nfrom residual_store.store.disk import DiskTier\n"
+        "from residual_store import _jax_internals\nfrom .store import keys\nimport residual_store.store.layout\n"
+    )
+    assert [line for line, _, _ in _private_imports(source, public)] == [4, 5, 6, 7]
+
+
+def test_the_command_line_uses_the_public_api_only():
+    import residual_store
+
+    public = {*residual_store.__all__, "__version__"}
+    source = (PACKAGE / "cli.py").read_text()
+    assert not _private_imports(source, public), "cli.py reaches past the public API (use public Store methods)"
+    tree = ast.parse(source)
+    private = [
+        (n.lineno, n.attr) for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "rs" and n.attr.startswith("_")
+    ]
+    assert not private, f"cli.py uses private names of the package: {private}"
+
+
+def test_the_static_face_lists_what_the_package_imports_on_first_use():
+    """``residual_store/__init__.py`` imports its public names on first use; the imports it
+    shows type checkers (under ``TYPE_CHECKING``) name the same modules and names."""
+    import residual_store
+
+    static = {}
+    for node in ast.walk(ast.parse((PACKAGE / "__init__.py").read_text())):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom):
+                    static.update({a.asname or a.name: sub.module for a in sub.names})
+    assert static == residual_store._EXPORTS and list(residual_store._EXPORTS) == residual_store.__all__
+
+
+def test_public_functions_keep_their_names_whatever_is_imported_first():
+    """``rs.split`` and ``rs.backward`` share their names with the modules that define them:
+    importing those modules first (before any public name is used) leaves the functions."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, types, residual_store.split, residual_store.backward, residual_store as rs\n"
+        "assert 'jax' in sys.modules\n"
+        "assert rs.split is sys.modules['residual_store.split'].split and callable(rs.backward)\n"
+        "assert not isinstance(rs.backward, types.ModuleType) and 'split' in dir(rs)\n"
+        "from residual_store import backward, Store\n"
+        "assert backward is sys.modules['residual_store.backward'].backward and Store is rs.Store\n"
+        "import residual_store.store.store\n"
+        "try:\n    rs.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.returncode == 0, out.stderr

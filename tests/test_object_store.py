@@ -335,5 +335,6 @@ def test_the_command_line_on_a_store_that_does_not_answer(spec, server):
         assert time.monotonic() - t0 < 60
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "did not answer within the timeout of 1 s" in lines[0], out.stderr
+    assert len(lines) == 1 and "did not answer within --timeout 1 s" in lines[0], out.stderr
+    assert "give a longer --timeout" in lines[0] and "rs.Store" not in lines[0]  # command-line advice
     assert not any(n in out.stderr for n in SDK_NOISE)

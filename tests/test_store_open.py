@@ -258,7 +258,7 @@ def test_the_command_line_on_an_unreachable_object_store_says_so_in_one_line():
         t0 = time.monotonic()
         out = _cli(*command, "--timeout", "1")
         assert time.monotonic() - t0 < 60
-        line = _one_line(out, "did not answer within the timeout of 1 s", "CURL error")
+        line = _one_line(out, "did not answer within --timeout 1 s", "CURL error", "a longer --timeout")
         assert not any(n in out.stderr for n in ("Failed to open file", "aws-error", "AuthCredentialsProvider")), line
     assert "positive number of seconds" in _cli("ls", spec, "--timeout", "0").stderr
 

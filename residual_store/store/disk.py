@@ -824,7 +824,9 @@ class DiskTier:
         age = self.backend.age_seconds(path)
         return age is not None and age >= older_than
 
-    def gc(self, older_than: float = 3600.0, *, dry_run: bool = False) -> dict[str, int]:
+    def gc(
+        self, older_than: float = 3600.0, *, dry_run: bool = False, progress: Callable[[int, None], None] | None = None
+    ) -> dict[str, int]:
         """Removes what no committed context needs: weights no manifest references, data folders
         of no committed context, recycled folders, stored backwards of signatures no context has
         (and damaged ones), and temporary files of interrupted writes.
@@ -840,16 +842,19 @@ class DiskTier:
         the store's gc lock exclusively, which writers hold shared from checking which weights
         exist to committing; a recycled folder is touched before a writer claims it; and each
         folder is first renamed into ``data/.trash`` (atomic against a writer's claim) and only
-        then removed.
+        then removed. ``progress`` is called with the bytes removed so far after each item
+        (where the backend can say).
         """
         if not dry_run:
             self.check_writable("gc")
         with self.backend.gc_lock(exclusive=True) if not dry_run else contextlib.nullcontext():
-            removed = self._gc_locked(older_than, dry_run)
+            removed = self._gc_locked(older_than, dry_run, progress)
         event(logging.INFO, "gc", store=self.description, older_than=older_than, dry_run=dry_run, **removed)
         return removed
 
-    def _gc_locked(self, older_than: float, dry_run: bool) -> dict[str, int]:
+    def _gc_locked(
+        self, older_than: float, dry_run: bool, progress: Callable[[int, None], None] | None = None
+    ) -> dict[str, int]:
         removed = {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0, "young": 0, "bytes": 0}
         found = self._references()
         if found is None:
@@ -865,6 +870,8 @@ class DiskTier:
             if dry_run or remove():
                 removed[kind] += 1
                 removed["bytes"] = -1 if removed["bytes"] < 0 or None in sizes else removed["bytes"] + sum(sizes)  # type: ignore[arg-type]
+                if progress is not None and removed["bytes"] >= 0:
+                    progress(removed["bytes"], None)
 
         if not dry_run:
             for name in self.backend.list_dir(layout.TRASH_DIR):  # left by a gc that was killed

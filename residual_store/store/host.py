@@ -42,6 +42,7 @@ __all__ = [
     "to_device",
     "to_device_sharded",
     "to_host",
+    "to_numpy",
 ]
 
 
@@ -171,6 +172,11 @@ def _to_host(x: Any) -> tuple[np.ndarray | ShardedHost, str | None]:
 
 def _on_cpu(x: jax.Array) -> bool:
     return all(_is_host_memory(d) for d in x.sharding.device_set)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """One residual as a whole NumPy array in host memory (a typed key as its key data)."""
+    return np.asarray(jax.random.key_data(x) if _is_key_dtype(x.dtype) else x)
 
 
 def stage_shared(ctx: ResidualContext) -> dict[int, tuple[np.ndarray | ShardedHost, str | None]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import numbers
@@ -14,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
+import numpy as np
 
 from residual_store import _jax_internals
 from residual_store.backward import find_backward
@@ -46,7 +48,10 @@ from residual_store.store.host import (
     to_device,
     to_device_sharded,
     to_host,
+    to_numpy,
 )
+from residual_store.store import inspection
+from residual_store.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store.store.keys import new_key, validate_key
 from residual_store.store.layout import StaleData, weight_path
 from residual_store.store.records import StoredContext
@@ -902,14 +907,17 @@ class Store:
         if any(f is not None for f in futures) and self._disk is not None and self._durable:
             self._disk.sync_commits()  # (else done once the writer runs out of work)
 
-    def gc(self, older_than: float = 3600.0, *, dry_run: bool = False) -> dict[str, int]:
+    def gc(
+        self, older_than: float = 3600.0, *, dry_run: bool = False, progress: Progress | None = None
+    ) -> dict[str, int]:
         """Removes what no committed context needs: unreferenced weights and data, recycled
         folders, stored backwards of signatures no context has (and damaged ones), temporary
         files of interrupted writes; only items at least ``older_than`` seconds old.
 
         Returns how many of each kind it removed (``dry_run``: would remove, changing nothing),
         ``"young"``, the unneeded items it kept for being younger, and ``"bytes"``, what it
-        freed (-1 on kvstores, which do not say).
+        freed (-1 on kvstores, which do not say). ``progress`` is called with the bytes freed so
+        far after each item (see :meth:`verify`).
         """
         self._check_open()
         if not dry_run:
@@ -917,7 +925,7 @@ class Store:
         if self._disk is None:
             return {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0, "young": 0, "bytes": 0}
         self.flush()
-        return self._disk.gc(older_than, dry_run=dry_run)
+        return self._disk.gc(older_than, dry_run=dry_run, progress=progress)
 
     def close(self) -> None:
         """Flushes and stops the background threads; the store cannot be used afterwards."""
@@ -947,3 +955,141 @@ class Store:
                 f"{what}: the store at {where} was opened read_only=True; open it with "
                 "read_only=False to change it"
             )
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def _find(self, key: str) -> tuple[ResidualContext | None, bool]:
+        """The context under ``key`` in memory (a memory tier's, or a put's waiting for its write)
+        and whether that is newer than the disk's copy; :class:`ContextNotFoundError` for a key
+        being deleted."""
+        self._check_open()
+        key = validate_key(key)
+        with self._lock:
+            if key in self._deleting:
+                raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
+            pending = self._pending.get(key)
+            for ctx in (self._device.peek(key), self._host.peek(key), pending[0] if pending else None):
+                if ctx is not None:
+                    return ctx, pending is not None or key not in self._on_disk
+        return None, False
+
+    def info(self, key: str) -> ContextInfo:
+        """The record of the context under ``key``: its signature and, per residual, name,
+        shape, dtype, bytes, kind and where it lies; no array is read.
+
+        Example:
+          >>> import jax.numpy as jnp, residual_store as rs, tempfile
+          >>> _, ctx = rs.split(lambda w: jnp.sum(jnp.sin(w)))(jnp.ones(3))
+          >>> with tempfile.TemporaryDirectory() as path, rs.Store(path) as store:
+          ...     info = store.info(store.put(ctx, "mb0"))
+          >>> info.key, [(r.name, r.kind, r.shape, r.dtype) for r in info.residuals]
+          ('mb0', [('cos ...', 'intermediate', (3,), 'float32')])
+
+        Raises:
+          ContextNotFoundError: no such key. InvalidKeyError: a key outside the key rules.
+          CorruptContextError: its manifest is damaged.
+        """
+        ctx, newer = self._find(key)
+        if ctx is not None and (newer or self._disk is None):
+            return inspection.memory_info(key, ctx.spec)
+        if self._disk is None:
+            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+        return inspection.context_info(self._disk.stat(key))
+
+    def arrays(self, key: str) -> tuple[np.ndarray, ...]:
+        """The residuals of ``key`` as NumPy arrays in host memory, verified, in the order of
+        :meth:`info`'s ``residuals`` (a typed PRNG key as its key data); nothing is placed on
+        a device and the store's tiers are left as they were.
+
+        Example:
+          >>> import jax.numpy as jnp, residual_store as rs
+          >>> _, ctx = rs.split(lambda w: jnp.sum(jnp.sin(w)))(jnp.zeros(3))
+          >>> with rs.Store(None) as store:
+          ...     [a.tolist() for a in store.arrays(store.put(ctx, "mb0"))]   # cos(w)
+          [[1.0, 1.0, 1.0]]
+
+        Raises:
+          ContextNotFoundError: no such key. CorruptContextError: stored data failed
+          verification (the message names the residual).
+        """
+        ctx, _ = self._find(key)
+        if ctx is not None:
+            return tuple(to_numpy(x) for x in ctx.residuals)
+        if self._disk is None:
+            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+        _, arrays = self._disk.read(key, place=False)
+        return tuple(arrays)  # (with place=False: whole NumPy arrays)
+
+    def backward_info(self, signature: str) -> BackwardInfo:
+        """Whether a backward of ``signature`` is stored (processes without the model can run
+        it), for which platforms and JAX version, or why not; reads its manifest only.
+
+        Raises:
+          InvalidArgumentError: ``signature`` is not a signature (``info(key).signature`` is one).
+        """
+        self._check_open()
+        return inspection.backward_info(self._disk, signature)
+
+    def usage(self, *, progress: Progress | None = None) -> StoreUsage:
+        """Bytes the store takes on disk, per part of its tree and per signature (a memory-only
+        store: none; see :meth:`stats` for memory). ``progress``: as in :meth:`verify`.
+
+        Example:
+          >>> import jax.numpy as jnp, residual_store as rs, tempfile
+          >>> _, ctx = rs.split(lambda w: jnp.sum(jnp.sin(w)))(jnp.ones(3))
+          >>> with tempfile.TemporaryDirectory() as path, rs.Store(path) as store:
+          ...     _ = store.put(ctx, "mb0")
+          ...     usage = store.usage()
+          >>> usage.total > 0, [u.contexts for u in usage.signatures.values()]
+          (True, [1])
+        """
+        self._check_open()
+        if self._disk is None:
+            return StoreUsage(0, dict.fromkeys(inspection.USAGE_PARTS, 0), 0, {})
+        self.flush()  # what was put is on disk
+        return inspection.measure(self._disk, progress)
+
+    def verify(self, keys: Sequence[str] | None = None, *, progress: Progress | None = None) -> VerifyReport:
+        """Reads and checks every byte of every context (or of ``keys``) against its checksums,
+        and the stored backwards (of those contexts' signatures), changing nothing: damage is
+        reported, never raised. Pending writes complete first; a context held in memory only
+        has nothing on disk to check and counts as verified.
+
+        ``progress``, if given, is called after each context with the bytes read so far and
+        in all (for a progress bar).
+
+        Example:
+          >>> import jax.numpy as jnp, residual_store as rs, tempfile
+          >>> _, ctx = rs.split(lambda w: jnp.sum(jnp.sin(w)))(jnp.ones(3))
+          >>> with tempfile.TemporaryDirectory() as path:
+          ...     with rs.Store(path) as store:
+          ...         _ = store.put(ctx, "mb0")
+          ...     with rs.Store(path, read_only=True) as reader:   # as another process would
+          ...         report = reader.verify(["mb0"])
+          >>> report.ok, report.verified, report.damaged
+          (True, 1, {})
+
+        Raises:
+          ContextNotFoundError: a key the store does not hold (before anything is read).
+          InvalidKeyError: a key outside the key rules. InvalidArgumentError: ``keys`` is not a
+          sequence of keys.
+        """
+        self._check_open()
+        if keys is not None and (isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence)):
+            raise InvalidArgumentError(
+                f"verify expects a sequence of keys (or None for all), got {type(keys).__name__}: {keys!r:.60}"
+            )
+        given = None if keys is None else [validate_key(k) for k in keys]
+        self.flush()  # what was put is on disk, to be checked
+        chosen = self.keys() if given is None else given
+        missing = [] if given is None else [k for k in given if k not in self]
+        if missing:
+            raise ContextNotFoundError(f"no context {', '.join(map(repr, missing))} in store {self!r}")
+        if self._disk is None:
+            return VerifyReport(verified=len(chosen))
+        on_disk = set(self._disk.keys())
+        report = inspection.verify(
+            self._disk, [k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress
+        )
+        in_memory = sum(k not in on_disk for k in chosen)  # written with write_through=False, not spilled
+        return dataclasses.replace(report, verified=report.verified + in_memory) if in_memory else report
