@@ -67,7 +67,9 @@ def rng(request: pytest.FixtureRequest) -> jax.Array:
 # leak check looks there only: other jobs on the machine may make ``rs-*`` folders or stores in
 # the system temp folder at any time, and they are none of this suite's business.
 
-_OUR_PREFIXES = ("residual-store-", "rs-", "zero-bubble-", "resume-", "offload-example-", "mp-store-")
+_OUR_PREFIXES = (
+    "residual-store-", "rs-", "zero-bubble-", "resume-", "offload-example-", "mp-store-", "preemptible-",
+)
 SYSTEM_TEMP = tempfile.gettempdir()
 
 
@@ -127,3 +129,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """Removes the suite's temp folder (after the session fixture's check, and also for a run
     that started no test)."""
     shutil.rmtree(_SUITE_OUTER, ignore_errors=True)
+
+
+# -- two tiers -----------------------------------------------------------------------------------
+#
+# Invariant: ``pytest -m "not slow"`` (the fast tier) runs in under 90 s on 2 cores. A test that
+# starts other processes pays their imports and compiles, so it is slow by nature; the others
+# that take seconds are marked ``slow`` where they are defined (``--durations`` finds them).
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("subprocess") or item.get_closest_marker("multiprocess"):
+            item.add_marker(pytest.mark.slow)

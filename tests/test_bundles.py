@@ -85,6 +85,7 @@ def _check_kinds(ctx: rs.ResidualContext) -> None:
     assert any(a.shape == () for a in ctx.spec.avals) and any(0 in a.shape for a in ctx.spec.avals)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residuals", [10, 50, pytest.param(1000, marks=pytest.mark.slow)])
 def test_contexts_of_many_residuals_round_trip_bitwise_in_one_bundle(tmp_path, residuals, rng):
     if residuals == 1000:
@@ -245,6 +246,7 @@ def _flip(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_damage_anywhere_in_a_bundle_is_found_by_get_and_verify(tmp_path, rng, capsys):
     """A flipped bit in a residual's bytes names the residual; one in the zip's headers (which
     plain zarr reads) is damage too; a truncated bundle is refused before it is read."""

@@ -141,6 +141,7 @@ def _dots(closed) -> int:
 # -- the numbers --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(STAGES))
 def test_b_then_w_equals_the_plain_backward_and_jax_vjp(splits, name):
     fwd = splits[name]
@@ -157,6 +158,7 @@ def test_b_then_w_equals_the_plain_backward_and_jax_vjp(splits, name):
         assert isinstance(later, rs.ResidualContext) and later.spec.signature != ctx.spec.signature
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "transformer_block", "scan_remat"])
 def test_w_repeats_no_matrix_product_that_b_ran(splits, name):
     """B runs only the products the input gradient needs (fewer than the plain backward), W runs
@@ -327,6 +329,7 @@ def _haiku_stage():
     return model.apply, params, {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [_eqx_stage, _nnx_stage, _linen_stage, _haiku_stage], ids=["equinox", "nnx", "linen", "haiku"])
 def test_library_stages(make):
     fun, params, options = make()
@@ -378,6 +381,7 @@ print(type(grads).__name__, later.spec.names)
 '''
 
 
+@pytest.mark.slow
 def test_later_resumes_from_a_store_in_processes_with_and_without_the_model(tmp_path):
     folder = tmp_path / "code"
     folder.mkdir()
@@ -440,6 +444,7 @@ print(info.forward_compiles, info.backward_compiles)
 '''
 
 
+@pytest.mark.slow
 def test_one_signature_on_two_devices_compiles_each_half_per_device(tmp_path):
     """Pipeline stages that share a function share a signature: each device gets its own
     executables (plain backward, B, W), and contexts read back from a store find them."""
@@ -448,6 +453,7 @@ def test_one_signature_on_two_devices_compiles_each_half_per_device(tmp_path):
     assert proc.stdout.split() == ["2", "6"], proc.stdout  # per device: forward; plain, B and W
 
 
+@pytest.mark.slow
 def test_an_evicted_signature_drops_its_halves_and_compiles_them_again():
     fwd = rs.split(mlp_stage, argnums=(0, 1), cache_size=1)
     _, params, x, ct = _inputs("mlp", 40)

@@ -26,6 +26,7 @@ def _inputs(rng):
     return jax.random.normal(kw, (4, 4)), jax.random.normal(kx, (3, 4)), kd
 
 
+@pytest.mark.slow
 def test_context_is_a_pytree(fwd, rng):
     w, x, key = _inputs(rng)
     _, ctx = fwd(w, x, key)
@@ -56,6 +57,7 @@ def test_spec_describes_each_leaf(fwd, rng):
     assert str(ctx.nbytes).replace(",", "") in table.replace(",", "")
 
 
+@pytest.mark.slow
 def test_typed_key_residual_stays_typed(rng):
     def g(x, key):
         # Under remat the key itself must be kept to recompute the mask.

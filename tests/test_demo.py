@@ -9,6 +9,7 @@ from residual_store.demo import DemoConfig, run_demo
 SMALL = DemoConfig(vocab=32, d_model=32, n_heads=2, d_ff=64, n_layers=2, seq_len=8, microbatch=2, n_microbatches=4, steps=2)
 
 
+@pytest.mark.slow
 def test_demo_small(tmp_path):
     lines: list[str] = []
     result = run_demo(SMALL, store_path=str(tmp_path / "store"), plot_path=None, print_fn=lines.append)
@@ -41,6 +42,7 @@ def test_demo_small(tmp_path):
     assert "save='all' vs save='auto'" in text
 
 
+@pytest.mark.slow
 def test_demo_writes_the_plot(tmp_path):
     png = tmp_path / "demo.png"
     cfg = DemoConfig(vocab=32, d_model=32, n_heads=2, d_ff=64, n_layers=1, seq_len=8, microbatch=2, n_microbatches=3, steps=1,

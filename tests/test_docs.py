@@ -22,11 +22,13 @@ def _blocks():
             yield pytest.param(block, id=f"{path.name}#{i}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", list(_blocks()))
 def test_markdown_python_blocks_run(code):
     exec(compile(code, "<doc>", "exec"), {"__name__": "__doc_example__"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     [
@@ -71,6 +73,7 @@ def test_markdown_links_resolve(path):
             assert anchor in _anchors(linked), f"{path.name}: no heading {anchor!r} in {linked.name}"
 
 
+@pytest.mark.slow
 def test_api_reference_builds(tmp_path):
     import pdoc  # a test extra: missing, the test fails rather than skips
 

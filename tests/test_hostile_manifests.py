@@ -120,6 +120,7 @@ def _get_refused(root: Path, key: str, match: str | None = None, *, within: floa
 # The manifest protects itself
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_anywhere_in_a_context_manifest_is_corruption_and_gc_keeps_its_data(stored):
     root, _ = stored
     path = _path(root, "a")
@@ -312,6 +313,7 @@ def test_a_huge_declared_shape_is_refused_quickly_without_allocating(stored):
     assert grown < 256 << 10, f"peak memory grew by {grown} KiB"
 
 
+@pytest.mark.slow
 def test_a_huge_chunk_list_is_refused_quickly(stored):
     root, _ = stored
     m = read_manifest(root, "a")

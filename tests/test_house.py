@@ -139,6 +139,7 @@ def test_the_static_face_lists_what_the_package_imports_on_first_use():
     assert static == residual_store._EXPORTS and list(residual_store._EXPORTS) == residual_store.__all__
 
 
+@pytest.mark.slow
 def test_public_functions_keep_their_names_whatever_is_imported_first():
     """``rs.split`` and ``rs.backward`` share their names with the modules that define them:
     importing those modules first (before any public name is used) leaves the functions."""

@@ -7,6 +7,7 @@ When one of these fails after a JAX upgrade, the test name says which assumption
 from __future__ import annotations
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
@@ -279,6 +280,7 @@ def test_assumption_TRACER_KINDS():
     }, f"TRACER_KINDS: JAX's tracer classes changed: {seen}"
 
 
+@pytest.mark.slow
 def test_assumption_BIND_EQUATION():
     """Equations re-bound one by one compute what the jaxpr computes; a scan's parts run
     through ``jax.lax.scan``; a jit's and a checkpoint's bodies evaluated in place do too."""

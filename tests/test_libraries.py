@@ -32,6 +32,9 @@ import pytest
 import library_models as lm
 import residual_store as rs
 
+# every test here shares module fixtures that build and run the real models (seconds each)
+pytestmark = pytest.mark.slow
+
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 N_MICROBATCHES = 2
 SUBPROCESS_TIMEOUT = 300

@@ -174,6 +174,7 @@ def specs() -> dict[str, tuple[rs.ResidualSpec, set[int]]]:
 # -- the tests -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MAKERS))
 def test_every_intermediate_names_a_line_of_the_models_file(specs, kind):
     spec, lines = specs[kind]
@@ -186,6 +187,7 @@ def test_every_intermediate_names_a_line_of_the_models_file(specs, kind):
         assert file == THIS_FILE and int(line) in lines, f"{kind}: {name!r} is not a line of the model"
 
 
+@pytest.mark.slow
 def test_linen_names_carry_the_name_stack(specs):
     found = intermediates(specs["linen"][0])
     inside = [n for n in found if " in LinenNet" in n]

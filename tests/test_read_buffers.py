@@ -21,6 +21,7 @@ def _address(x: np.ndarray) -> int:
     return x.ctypes.data
 
 
+@pytest.mark.slow
 def test_a_buffer_is_reused_only_once_every_array_aliasing_it_is_gone():
     pool = ReadBuffers(1 << 22)
     a = pool.empty((64, 128), np.float32)
@@ -91,6 +92,7 @@ def _loss(w, x):
     return jnp.sum(jnp.tanh(jnp.sin(x @ w) * 2.0) ** 2)
 
 
+@pytest.mark.slow
 def test_contexts_a_user_holds_keep_their_values_while_later_gets_reuse_buffers(tmp_path):
     """Budgets 0: every get reads from disk. The contexts got and dropped give their buffers to
     the next gets; the ones still held are never overwritten, and every gradient is jax.grad's."""
@@ -122,6 +124,7 @@ def test_contexts_a_user_holds_keep_their_values_while_later_gets_reuse_buffers(
     assert store._disk.buffers.nbytes == 0  # given back at close
 
 
+@pytest.mark.slow
 def test_read_buffer_bytes_zero_reads_into_fresh_buffers_and_bad_values_are_refused(tmp_path):
     fwd = rs.split(_loss, argnums=(0, 1), weight_argnums=0)
     w, x = jax.random.normal(jax.random.key(0), (8, 4)), jax.random.normal(jax.random.key(1), (5, 8))

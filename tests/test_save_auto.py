@@ -69,6 +69,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_auto_keeps_fewer_bytes_and_gives_the_same_gradients(name):
     stage, make, x_shape, most = CASES[name]
@@ -93,6 +94,7 @@ def test_auto_keeps_fewer_bytes_and_gives_the_same_gradients(name):
     assert count(fwd_auto, c_auto, {"scan", "while"}) == count(fwd_all, c_all, {"scan", "while"})
 
 
+@pytest.mark.slow
 def test_an_opaque_kernel_an_rng_op_and_callbacks_are_never_recomputed():
     """An opaque custom_vjp kernel (host callbacks counting its fwd and bwd runs), a random draw
     and a ``jax.debug.callback``, at the top level and in a scan body: the forward runs each once,
@@ -158,6 +160,7 @@ def test_an_opaque_kernel_an_rng_op_and_callbacks_are_never_recomputed():
     assert _own(ctx) < _own(rs.split(loss, argnums=(0, 1))(w, x, k[2])[1])
 
 
+@pytest.mark.slow
 def test_scans_reversed_nested_and_under_the_users_policy():
     """A reversed scan, a scan in a scan, and a scan whose body is under the user's own
     ``jax.checkpoint`` policy: the gradients of ``jax.grad``, never more bytes than ``"all"``."""
@@ -191,6 +194,7 @@ def test_scans_reversed_nested_and_under_the_users_policy():
             assert _own(c_auto) < _own(c_all), stage.__name__
 
 
+@pytest.mark.slow
 def test_bf16():
     """bf16 activations: the recomputation runs in bf16 as the forward did, giving what the
     backward of ``"all"`` gives; fewer bytes."""
@@ -208,6 +212,7 @@ def test_bf16():
     assert _own(c_auto) <= 0.6 * _own(c_all)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(lm.MAKERS))
 def test_library_models(name):
     """Flax NNX and linen, Equinox, Haiku (the library test matrix): ``jax.grad``'s gradients,
@@ -245,6 +250,7 @@ with rs.Store(sys.argv[1], read_only=True) as store:
 """
 
 
+@pytest.mark.slow
 def test_an_auto_context_resumes_without_the_model(tmp_path):
     """A transformer block's and a scan's ``"auto"`` contexts through a store into a process
     without the model (another ``PYTHONHASHSEED``): the gradients of ``jax.grad``."""
@@ -264,6 +270,7 @@ def test_an_auto_context_resumes_without_the_model(tmp_path):
             np.testing.assert_allclose(got[f"arr_{i}"], np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_policy_as_save():
     """A JAX policy chooses what may be recomputed (matrix products too, if it says so); RNG,
     callbacks and higher-order primitives stay protected."""
@@ -293,6 +300,7 @@ def test_a_checkpoint_policy_as_save():
         rs.split(loss, argnums=(0, 1), save=broken)(params, x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_bw_split_of_an_auto_context(name):
     """Zero-bubble and save="auto" together: B recomputes what the input gradient needs, W the

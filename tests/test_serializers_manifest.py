@@ -299,6 +299,7 @@ def test_fuzz_random_bytes(data: bytes) -> None:
         pass
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(_keys | st.text(max_size=6), _values, max_size=10))
 def test_fuzz_random_maps(d: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ def here() -> dict[str, str]:
     return {name: signature_of(name) for name in CASES}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("a, b", DISTINCT, ids=[f"{a}|{b}" for a, b in DISTINCT])
 def test_functions_that_compute_differently_get_distinct_signatures(here, a, b):
     assert here[a].startswith("rs2-") and here[b].startswith("rs2-")
@@ -61,6 +62,7 @@ def test_every_signature_is_the_same_under_four_hash_seeds(here):
         assert json.loads(out.strip().splitlines()[-1]) == here, f"PYTHONHASHSEED={seed}"
 
 
+@pytest.mark.slow
 def test_the_issue_collision_gives_the_right_gradient_through_a_store(tmp_path):
     """Two losses that differ only in a custom_vjp bwd closure: each context's backward, loaded
     from the store where one backward is kept per signature, is its own function's."""
@@ -121,6 +123,7 @@ def _sig(fun, *args, **kw):
     return rs.split(fun, **kw)(*args)[1].spec.signature
 
 
+@pytest.mark.slow
 def test_closures_over_different_weights_differ(rng):
     w1 = jax.random.normal(rng, (3, 3))
     w2 = w1.at[0, 0].add(1.0)
@@ -130,6 +133,7 @@ def test_closures_over_different_weights_differ(rng):
     assert _sig(make(w1), x) != _sig(make(w2), x)
 
 
+@pytest.mark.slow
 def test_what_changes_a_signature(rng):
     x = jax.random.normal(rng, (4,))
     base = _sig(lambda x: jnp.sum(jnp.sin(x)), x)
@@ -145,6 +149,7 @@ def test_what_changes_a_signature(rng):
     )
 
 
+@pytest.mark.slow
 def test_memory_kind_is_part_of_the_signature_and_both_backwards_are_right(rng):
     kw, kx = jax.random.split(rng)
     w, x = jax.random.normal(kw, (4, 3)), jax.random.normal(kx, (5, 4))

@@ -30,6 +30,7 @@ def _mlp_data(rng, batch=5):
     return init_mlp(kp), jax.random.normal(kx, (batch, 8)), jax.random.normal(ky, (batch, 4))
 
 
+@pytest.mark.slow
 def test_mlp_gradients_match_jax_grad(mlp_split, rng):
     params, x, y = _mlp_data(rng)
     loss, ctx = mlp_split(params, x, y)
@@ -72,6 +73,7 @@ def test_pytree_output_with_explicit_cotangent(rng):
     assert_trees_close(fwd.backward(ctx, ct), vjp(ct)[0], **F32_TOL)
 
 
+@pytest.mark.slow
 def test_has_aux_and_integer_output_leaves(rng):
     def f(params, x):
         h = mlp(params, x)
@@ -87,6 +89,7 @@ def test_has_aux_and_integer_output_leaves(rng):
     assert_trees_close(grads, ref, **F32_TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_params(rng, dtype):
     kp, kx, ky = jax.random.split(rng, 3)
@@ -134,6 +137,7 @@ def test_backward_never_reruns_the_forward(rng):
     assert calls == ["forward"] * 3
 
 
+@pytest.mark.slow
 def test_one_compile_per_signature(compiles, rng):
     params, x, y = _mlp_data(rng, batch=3)
     fwd = rs.split(mlp_loss)
@@ -208,6 +212,7 @@ def _x64(on: bool) -> None:
     jax.config.update("jax_enable_x64", on)
 
 
+@pytest.mark.slow
 def test_a_float64_context_after_x64_is_turned_off_is_refused_by_name(rng):
     """A context made under x64, its backward asked for after x64 was turned off in the same
     process: every way to run it (the split, a fresh split, rs.backward, a B/W split; a context

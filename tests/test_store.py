@@ -99,6 +99,7 @@ def _store_path(kind, tmp_path):
 # 1. Round trips
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["folder", "file_spec", "file_spec_tensorstore", "memory_spec"])
 def test_round_trip_of_every_dtype_is_bitwise(kind, tmp_path, mixed_split, mixed_grad_ref, rng):
     args = mixed_inputs(rng)
@@ -186,6 +187,7 @@ def test_plain_zarr_reads_every_residual_array(tmp_path, mixed_split, rng):
 # 3. Weights stored once
 
 
+@pytest.mark.slow
 def test_contexts_sharing_weights_store_them_once(tmp_path, rng):
     split = rs.split(mlp_loss)
     _, _, ctxs = _mlp_contexts(split, rng, 8, batch=8, sizes=BIG)

@@ -154,6 +154,7 @@ def test_flush_of_a_key_raises_its_writes_error(tmp_path, rng, monkeypatch):
         assert "bad" not in store and "good" in store
 
 
+@pytest.mark.slow
 def test_device_headroom_spills_when_the_devices_free_memory_runs_low(tmp_path, rng, monkeypatch):
     """A device whose memory statistics the test controls: while its free memory is above the
     headroom, contexts stay on the device (no budget); when the model's own memory grows into

@@ -47,6 +47,7 @@ def _parts(plan):
     return b"".join(bytes(p) for p in plan.bundle.parts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["a", "run-7.mb-3_x"])
 def test_a_write_planned_from_its_template_is_the_write_planned_in_full(context, key, monkeypatch):
     layout._templates.clear()
@@ -69,6 +70,7 @@ def test_a_write_planned_from_its_template_is_the_write_planned_in_full(context,
     assert parse_context_manifest(key, fast.manifest).records == full.records
 
 
+@pytest.mark.slow
 def test_a_template_holds_only_for_arrays_of_its_shapes_and_dtypes(context, monkeypatch):
     layout._templates.clear()
     arrays, impls = host.host_arrays(context)
@@ -81,6 +83,7 @@ def test_a_template_holds_only_for_arrays_of_its_shapes_and_dtypes(context, monk
         assert layout._template_for(context.spec, other, impls) is None, type(changed)
 
 
+@pytest.mark.slow
 def test_records_checked_skips_only_the_records(context, monkeypatch):
     plan = _plan(context, "a", "0" * 12, monkeypatch, template=True)
     fields = serializers.decode_manifest(plan.manifest, what="test")
@@ -131,6 +134,7 @@ def test_host_arrays_placed_many_at_a_time_are_what_device_put_makes(rng):
             )
 
 
+@pytest.mark.slow
 def test_a_get_of_many_residuals_gives_arrays_that_compute(context, tmp_path):
     """The arrays a get makes hundreds at a time feed a backward like any others: its gradient
     equals the in-memory backward's, bit for bit."""
@@ -149,6 +153,7 @@ def test_a_get_of_many_residuals_gives_arrays_that_compute(context, tmp_path):
             assert np.any(np.asarray(a) != 0) or a.size == 0 or not jnp.issubdtype(a.dtype, jnp.floating)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bundle", [True, False])
 @pytest.mark.parametrize("template", [True, False])
 def test_the_layout_a_writer_knows_is_the_one_its_manifest_gives(context, monkeypatch, bundle, template):
@@ -166,6 +171,7 @@ def test_the_layout_a_writer_knows_is_the_one_its_manifest_gives(context, monkey
     assert layout.data_of(parsed) == layout.data_of(plan.stored) == (plan.data_dir, plan.layout)
 
 
+@pytest.mark.slow
 def test_a_name_holding_the_templates_placeholder_is_planned_in_full(context):
     """The template's group metadata is split where a placeholder stands; a residual named with
     that character (free text) gets no template, and its group metadata is still right."""

@@ -404,6 +404,7 @@ def test_a_failed_write_of_shared_weights_never_damages_a_committed_context(disk
 # threads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("write_through", [True, False])
 def test_many_threads_putting_and_getting(tmp_path, split, model, write_through):
     params = model.params

@@ -46,6 +46,7 @@ def test_the_fixture_is_of_the_old_layout(old_store: Path) -> None:
     assert not any(f.endswith("bundle.zip") for f in tree_files(old_store))
 
 
+@pytest.mark.slow
 def test_old_contexts_run_backward_with_and_without_the_model(old_store: Path) -> None:
     fwd = rs.split(_maker().loss)
     with rs.Store(old_store, read_only=True) as store:
@@ -58,6 +59,7 @@ def test_old_contexts_run_backward_with_and_without_the_model(old_store: Path) -
             assert float(np.abs(want["w1"]).max()) > 0
 
 
+@pytest.mark.slow
 def test_a_new_put_into_an_old_store_writes_a_bundle_beside_the_old_contexts(old_store: Path) -> None:
     m = _maker()
     params, x, labels = m.inputs()

@@ -158,6 +158,7 @@ def stored(tmp_path, split, params):
 # Hostile files in place of each kind of file
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hazard", HAZARDS)
 @pytest.mark.parametrize("kind", FILE_KINDS)
 def test_a_hostile_file_gives_a_library_error_quickly(stored, kind, hazard, capsys):
@@ -393,6 +394,7 @@ def _recycled_folder(root: Path, store: rs.Store, split, params) -> Path:
     return recycled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["bundle", "group_metadata", "folder", "hard_link"])
 def test_a_link_in_a_recycled_folder_is_never_written_through(tmp_path, split, params, what):
     """A symbolic link is never written through: the put that claims the tampered folder puts

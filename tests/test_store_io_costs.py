@@ -45,6 +45,7 @@ def _count(monkeypatch, module, name):
     return calls
 
 
+@pytest.mark.slow
 def test_a_durable_put_into_a_recycled_folder_fsyncs_each_file_once_and_two_folders(tmp_path, split, monkeypatch):
     params, x = _inputs(0)
     with rs.Store(tmp_path / "s", device_budget=0) as store:

@@ -80,6 +80,7 @@ def _check_puts(store, w, gate, values, budget, budget_contexts, one, pinned, ba
         gate.set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget_contexts", [0, 2])
 @pytest.mark.parametrize("write_through", [True, False])
 @pytest.mark.parametrize("pinned", [True, False], ids=["copy-to-pinned-host", "cpu-views"])

@@ -61,6 +61,7 @@ def test_no_store_at_the_path_raises_and_creates_nothing(tmp_path, options):
         rs.Store({"driver": "memory", "path": "nothing/"}, **options)
 
 
+@pytest.mark.slow
 def test_a_read_only_store_reads_everything_and_changes_nothing(stored):
     root, fwd, params, batches = stored
     before = snapshot(root)
@@ -230,6 +231,7 @@ def aws_environment(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["closed", "silent"])
 def test_an_object_store_that_does_not_answer_is_store_unavailable_within_the_timeout(aws_environment, where):
     """A closed port (connections refused: tensorstore's retries, fitted into the timeout, run

@@ -46,6 +46,7 @@ def _on_disk(path):
         return set(reader.keys())
 
 
+@pytest.mark.slow
 def test_a_put_spills_the_context_needed_last(tmp_path, contexts):
     fwd, ctxs, size = contexts
     for declared, expect_spilled in ((["mb1", "mb0", "mb2"], "mb2"), (None, "mb0"), (["mb2", "mb1"], "mb0")):

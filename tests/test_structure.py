@@ -132,6 +132,7 @@ def test_malformed_records_are_value_errors(record):
         structure.decode_value(record)
 
 
+@pytest.mark.slow
 def test_importing_the_model_later_lets_the_split_rebuild(rng):
     """A record naming a module this process has not imported fails with the reason, is not
     remembered as a mismatch, and works once the module is there."""

@@ -36,6 +36,7 @@ def _float_grads(model, x):
     return jax.grad(lambda f: _loss({**model, **f}, x))(floats)
 
 
+@pytest.mark.slow
 def test_filter_differentiates_the_floating_leaves_and_passes_the_rest_through(rng):
     model, x = _model(rng), jax.random.normal(jax.random.fold_in(rng, 1), (5, 4))
     out, ctx = FILTERED(model, x)

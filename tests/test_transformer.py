@@ -30,6 +30,7 @@ def _batch(rng, batch=3):
     return params, tokens, kd
 
 
+@pytest.mark.slow
 def test_gradients_match_jax_grad(fwd, rng):
     params, tokens, key = _batch(rng)
     (loss, aux), ctx = fwd(params, tokens, key)
@@ -42,6 +43,7 @@ def test_gradients_match_jax_grad(fwd, rng):
         assert float(jnp.abs(r).max()) > 0
 
 
+@pytest.mark.slow
 def test_dropout_key_changes_output_and_gradients(fwd, rng):
     params, tokens, key = _batch(rng)
     (l1, _), c1 = fwd(params, tokens, key)

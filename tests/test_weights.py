@@ -40,6 +40,7 @@ def _live_of_shape(shape):
     return [a for a in jax.live_arrays() if a.shape == shape and a.sharding.memory_kind in (None, "device")]
 
 
+@pytest.mark.slow
 def test_a_stage_input_is_the_contexts_own_and_is_freed_when_offloaded(tmp_path, rng):
     params, h = _stage_inputs(rng)
     # copies: on a CPU np.asarray shares the device buffer, which would keep an array of ACT alive
@@ -71,6 +72,7 @@ def test_a_stage_input_is_the_contexts_own_and_is_freed_when_offloaded(tmp_path,
     assert by_name["input params['w']"]["path"].startswith("weights/")
 
 
+@pytest.mark.slow
 def test_a_stage_input_spilled_to_host_memory_leaves_the_device(rng):
     params, h = _stage_inputs(rng)
     fwd = rs.split(stage2, argnums=(0, 1))
@@ -133,6 +135,7 @@ def test_du_and_inspect_tell_inputs_from_weights(tmp_path, rng):
     assert kinds["input params['w']"] == ("weight", True)
 
 
+@pytest.mark.slow
 def test_a_deleted_split_is_collected_and_its_contexts_keep_their_backward(rng):
     x = jax.random.normal(rng, (5,))
     fwd = rs.split(lambda v: jnp.sum(jnp.sin(v) ** 2))
@@ -155,6 +158,7 @@ def _manifest(root, key):
         return msgpack.unpackb(f.read())
 
 
+@pytest.mark.slow
 def test_a_context_read_back_holds_the_callers_live_weights_not_copies(tmp_path, rng, monkeypatch):
     """A store's get of a context it wrote takes the weights from the live arrays the put held
     (no read, no second copy on the device) while the caller holds them; a weight deleted
@@ -230,6 +234,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_live_weights_on_another_device_than_the_stores_are_read_onto_its_device(tmp_path):
     script = write_script(tmp_path, "weights_elsewhere.py", _WEIGHTS_ELSEWHERE)
     proc = run_python(script, str(tmp_path / "store"))

@@ -373,9 +373,6 @@ class DiskTier:
                 ) from err
             raise
 
-    def read_blob(self, name: str) -> bytes | None:
-        return self.backend.get_bytes(name)
-
     # -- reading ------------------------------------------------------------------------------
 
     def read_manifest_bytes(self, key: str) -> bytes | None:

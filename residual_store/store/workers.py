@@ -108,10 +108,6 @@ class Writer:
             with self._cv:
                 self._errors.append(err)
 
-    @property
-    def pending_bytes(self) -> int:
-        return self._pending_bytes
-
     def flush(self) -> None:
         """Waits until every queued job has run; raises the first error since the last flush."""
         with self._cv:
