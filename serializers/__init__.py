@@ -17,6 +17,7 @@ from typing import Any
 
 from serializers.checksums import ALGORITHM, Verifier, checksum, content_digest, verify
 from serializers.errors import (
+    DISK_FULL_ERRNOS,
     ChecksumMismatchError,
     CorruptDataError,
     DiskFullError,
@@ -24,6 +25,7 @@ from serializers.errors import (
     UnavailableError,
     UnsupportedDTypeError,
     UnsupportedVersionError,
+    is_disk_full,
 )
 from serializers.kv import (
     KvStoreSpec,
@@ -93,6 +95,8 @@ __all__ = [
     "CorruptDataError",
     "UnsupportedVersionError",
     "DiskFullError",
+    "DISK_FULL_ERRNOS",
+    "is_disk_full",
     "UnavailableError",
     "UnsupportedDTypeError",
     # checksums

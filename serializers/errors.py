@@ -9,7 +9,12 @@ working.
 
 from __future__ import annotations
 
+import errno
+from typing import Final
+
 __all__ = [
+    "DISK_FULL_ERRNOS",
+    "is_disk_full",
     "SerializationError",
     "CorruptDataError",
     "ChecksumMismatchError",
@@ -60,3 +65,15 @@ class UnavailableError(SerializationError, OSError):
 
 class UnsupportedDTypeError(SerializationError, TypeError):
     """An array's dtype has no zarr v3 encoding that this module writes."""
+
+
+DISK_FULL_ERRNOS: Final[frozenset[int]] = frozenset(
+    {errno.ENOSPC, errno.EFBIG} | ({errno.EDQUOT} if hasattr(errno, "EDQUOT") else set())
+)
+"""The ``errno`` values that mean the disk (or a quota) is full: the one rule every writer uses."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` says the disk (or a quota) is full: a :class:`DiskFullError`, or an error
+    whose ``errno`` is one of :data:`DISK_FULL_ERRNOS`."""
+    return isinstance(err, DiskFullError) or getattr(err, "errno", None) in DISK_FULL_ERRNOS

@@ -42,7 +42,8 @@ import numpy as np
 import tensorstore as ts
 
 from serializers.errors import CorruptDataError, DiskFullError, UnavailableError
-from serializers.local import _DISK_FULL_ERRNOS, _MAX_METADATA_BYTES, aligned_empty
+from serializers.errors import DISK_FULL_ERRNOS
+from serializers.local import _MAX_METADATA_BYTES, aligned_empty
 from serializers.zarr import (
     _METADATA_KEY,
     SUPPORTED_DTYPES,
@@ -227,7 +228,7 @@ def _convert_write_error(e: BaseException, what: str) -> BaseException:
     if is_unavailable(e):
         return _unavailable(e, what, None)
     code = _ts_errno(e)
-    if code in _DISK_FULL_ERRNOS:
+    if code in DISK_FULL_ERRNOS:
         err = DiskFullError(code, f"{what}: disk full while writing: {_ts_message(e)}")
         err.__cause__ = e
         return err
@@ -511,7 +512,7 @@ def _raise_first(errors: Sequence[BaseException]) -> None:
     """Raises the first disk-full error of ``errors``, else the first unavailable one, else the
     first, if any."""
     if errors:
-        raise next((e for e in errors if _ts_errno(e) in _DISK_FULL_ERRNOS),
+        raise next((e for e in errors if _ts_errno(e) in DISK_FULL_ERRNOS),
                    next((e for e in errors if is_unavailable(e)), errors[0]))
 
 

@@ -39,7 +39,7 @@ from typing import Any, Final
 import numpy as np
 
 from serializers.checksums import Verifier
-from serializers.errors import CorruptDataError, DiskFullError
+from serializers.errors import DISK_FULL_ERRNOS, CorruptDataError, DiskFullError
 from serializers.zarr import (
     _METADATA_KEY,
     CHUNK_KEY_SEPARATOR,
@@ -85,11 +85,6 @@ __all__ = [
 
 ALIGNMENT: Final[int] = 64
 """Byte alignment of buffers returned by :func:`aligned_empty` and the fast reader."""
-
-_DISK_FULL_ERRNOS: Final[frozenset[int]] = frozenset(
-    {errno.ENOSPC, errno.EFBIG} | ({errno.EDQUOT} if hasattr(errno, "EDQUOT") else set())
-)
-
 
 def aligned_empty(shape: Shape, dtype: DTypeLike, *, align: int = ALIGNMENT) -> np.ndarray:
     """An uninitialized C-contiguous array whose data starts on an ``align`` boundary.
@@ -451,7 +446,7 @@ def _write_file(
             try:  # faster large writes, and a full disk is reported before any byte is written
                 os.posix_fallocate(fd, 0, total)
             except OSError as e:
-                if e.errno in _DISK_FULL_ERRNOS:
+                if e.errno in DISK_FULL_ERRNOS:
                     raise
         _write_all(fd, parts, p)
         if fsync:
@@ -744,7 +739,7 @@ def write_arrays_local(
         undo.remove()
         if (
             isinstance(e, OSError)
-            and e.errno in _DISK_FULL_ERRNOS
+            and e.errno in DISK_FULL_ERRNOS
             and not isinstance(e, DiskFullError)
         ):
             raise DiskFullError(
@@ -1030,7 +1025,7 @@ def write_file_local(
                 fsync_folder_local(folder)
     except BaseException as e:
         undo.remove()
-        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS and not isinstance(e, DiskFullError):
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS and not isinstance(e, DiskFullError):
             raise DiskFullError(e.errno, f"disk full while writing {path!r} under {root!r}: {e.strerror}", e.filename) from e
         raise
 

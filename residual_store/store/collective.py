@@ -35,7 +35,7 @@ from residual_store.context import ResidualSpec
 from residual_store.errors import ResidualStoreError, StoreFullError
 from residual_store.logs import event
 from residual_store.store import layout
-from residual_store.store.disk import DiskTier, is_disk_full
+from residual_store.store.disk import DiskTier
 from residual_store.store.host import HostArrays, ShardedHost
 from residual_store.store.layout import StaleData
 
@@ -294,7 +294,7 @@ class CollectiveCommitter:
             self.backend.write_shared_arrays(share.mine_shared, fsync=fsync, write_metadata=False)
         except Exception as err:  # noqa: BLE001 - every process must learn of it
             error = f"process {coll.index}: {type(err).__name__}: {err}"
-            full = is_disk_full(err)
+            full = serializers.is_disk_full(err)
         try:
             written = coll.allgather("written", {"error": error, "skipped": share.skipped})
         except ResidualStoreError:  # a process died or hung: no commit

@@ -28,7 +28,6 @@ the same sharding record.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import logging
 import json
@@ -64,7 +63,7 @@ from residual_store.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSIO
 from residual_store.store.host import HostArrays, ShardedHost, chunk_index
 from residual_store.store.records import StoredContext, parse_context_manifest
 
-__all__ = ["DiskTier", "STORE_MARKER", "is_disk_full"]
+__all__ = ["DiskTier", "STORE_MARKER"]
 
 _MAX_FREE_PER_LAYOUT = 64
 _STAT_CACHE_MAX = 4096  # parsed manifests kept for listing (least recently used dropped)
@@ -73,12 +72,6 @@ _READ_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-stor
 _REQUEST_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-request")
 _PARALLEL_READ_BYTES = 16 << 20  # a context this large is read two arrays at a time
 _SMALL_READ_BYTES = 64 << 10  # what one more file costs to open and read, counted as bytes
-_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)})
-
-
-def is_disk_full(err: BaseException) -> bool:
-    """Whether ``err`` says the disk (or a quota) is full."""
-    return isinstance(err, serializers.DiskFullError) or getattr(err, "errno", None) in _DISK_FULL_ERRNOS
 _READ_ATTEMPTS = 8
 
 
@@ -274,7 +267,7 @@ class DiskTier:
             if staged is not None:
                 self.backend.delete(staged)
             self._undo_write(plan.data_dir, created)
-            if is_disk_full(err):
+            if serializers.is_disk_full(err):
                 raise StoreFullError(
                     f"the disk cannot take context {key!r} ({plan.nbytes:,} bytes to write under "
                     f"{self.description}): {err}"
@@ -367,7 +360,7 @@ class DiskTier:
         try:
             self.backend.put_bytes(name, data, fsync=fsync)
         except OSError as err:  # put_bytes leaves nothing behind on failure
-            if is_disk_full(err):
+            if serializers.is_disk_full(err):
                 raise StoreFullError(
                     f"the disk cannot take {name} ({len(data):,} bytes under {self.description}): {err}"
                 ) from err
