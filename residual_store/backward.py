@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
+from cachetools import LRUCache
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -311,7 +311,7 @@ def lookup_backward(signature: str) -> Backward | None:
 # signature's stored backward, which is loaded only when a backward is asked for and no live one
 # exists (a process with the split never pays for it). The most recent offers are kept.
 _MAX_OFFERS = 64
-_OFFERS: OrderedDict[str, Callable[[], object]] = OrderedDict()
+_OFFERS: LRUCache[str, Callable[[], object]] = LRUCache(_MAX_OFFERS)
 
 
 def offer_backward(signature: str, load: Callable[[], object]) -> None:
@@ -319,9 +319,6 @@ def offer_backward(signature: str, load: Callable[[], object]) -> None:
     a later offer of the same signature replaces an earlier one."""
     with _REGISTRY_LOCK:
         _OFFERS[signature] = load
-        _OFFERS.move_to_end(signature)
-        while len(_OFFERS) > _MAX_OFFERS:
-            _OFFERS.popitem(last=False)
 
 
 def find_backward(signature: str) -> Backward | None:

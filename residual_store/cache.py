@@ -8,9 +8,10 @@ that ``Split.cache_info()`` can report them without reading JAX internals.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
+
+from cachetools import Cache, LRUCache
 
 __all__ = ["CacheInfo", "ExecutableCache", "DEFAULT_CACHE_SIZE"]
 
@@ -39,14 +40,30 @@ class CacheInfo(NamedTuple):
     maxsize: int
 
 
+class _EvictionsSeen(LRUCache):
+    """An LRU map that keeps what it evicts, for the caller to hand on outside its lock."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        self.evicted: list[Any] = []
+
+    def peek(self, key: Hashable) -> Any:
+        """The value of ``key`` (``None`` if absent) without marking it recently used."""
+        return Cache.__getitem__(self, key) if key in self else None
+
+    def popitem(self) -> tuple[Hashable, Any]:
+        key, value = super().popitem()
+        self.evicted.append(value)
+        return key, value
+
+
 class ExecutableCache(Generic[V]):
     """A thread-safe LRU map with hit/miss counters; ``on_evict`` sees each dropped value."""
 
     def __init__(self, maxsize: int, on_evict: Callable[[V], None] | None = None) -> None:
         if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
             raise ValueError(f"cache_size must be a positive int, got {maxsize!r}")
-        self._maxsize = maxsize
-        self._data: OrderedDict[Hashable, V] = OrderedDict()
+        self._data = _EvictionsSeen(maxsize)
         self._lock = threading.Lock()
         self._on_evict = on_evict
         self.hits = 0
@@ -54,7 +71,7 @@ class ExecutableCache(Generic[V]):
 
     @property
     def maxsize(self) -> int:
-        return self._maxsize
+        return int(self._data.maxsize)
 
     def __len__(self) -> int:
         return len(self._data)
@@ -66,26 +83,22 @@ class ExecutableCache(Generic[V]):
             if value is None:
                 self.misses += 1
                 return None
-            self._data.move_to_end(key)
             self.hits += 1
             return value
 
     def peek(self, key: Hashable) -> V | None:
         """The cached value or ``None``, without counting or reordering."""
         with self._lock:
-            return self._data.get(key)
+            return self._data.peek(key)
 
     def put(self, key: Hashable, value: V) -> None:
         """Inserts ``value``, evicting the least recently used entries beyond ``maxsize``."""
-        evicted = []
         with self._lock:
             self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self._maxsize:
-                evicted.append(self._data.popitem(last=False)[1])
+            evicted, self._data.evicted = self._data.evicted, []
         if self._on_evict is not None:
-            for value in evicted:
-                self._on_evict(value)
+            for old in evicted:
+                self._on_evict(old)
 
     def values(self) -> list[V]:
         with self._lock:

@@ -25,7 +25,7 @@ import inspect
 import threading
 import warnings
 import weakref
-from collections import OrderedDict
+from cachetools import LRUCache
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -204,7 +204,7 @@ class Split:
         self._by_signature: dict[str, Backward] = {}  # this split owns its backwards
         self._grad_parts: dict[str, GradParts] = {}  # what a B/W split of each needs
         self._halves: dict[tuple[str, tuple[int, ...], bool], Halves] = {}
-        self._foreign: OrderedDict[str, str] = OrderedDict()  # signatures it does not make -> why
+        self._foreign: LRUCache[str, str] = LRUCache(_MAX_FOREIGN)  # signatures it does not make -> why
         self._cache: ExecutableCache[_Forward] = ExecutableCache(cache_size, on_evict=self._evicted)
         self.__wrapped__ = fun
 
@@ -402,8 +402,6 @@ class Split:
                     return self._retrace(spec, args, leaves, treedef, statics)
                 except SignatureMismatchError as err:
                     why = self._foreign[sig] = str(err)
-                    while len(self._foreign) > _MAX_FOREIGN:
-                        self._foreign.popitem(last=False)
         raise SignatureMismatchError(why)
 
     def _rebuild_later(self, spec: ResidualSpec, call: CallSpec) -> Backward:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import OrderedDict
+from cachetools import LRUCache
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,7 @@ _OLD_INTERFACE = (
     "this version does not run: put a context of this signature again, or run it with the split"
 )
 _MAX_LOADED = 64
-_LOADED: OrderedDict[str, Backward] = OrderedDict()  # owner of loaded backwards (the registry is weak)
+_LOADED: LRUCache[str, Backward] = LRUCache(_MAX_LOADED)  # owner of loaded backwards (the registry is weak)
 _LOADED_LOCK = threading.Lock()
 
 
@@ -168,9 +168,6 @@ def _refusing(signature: str, error: ResidualStoreError) -> Backward:
 def _keep(bwd: Backward) -> None:
     with _LOADED_LOCK:
         _LOADED[bwd.signature] = bwd
-        _LOADED.move_to_end(bwd.signature)
-        while len(_LOADED) > _MAX_LOADED:
-            _LOADED.popitem(last=False)
     register_backward(bwd)
 
 

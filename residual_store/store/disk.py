@@ -34,7 +34,7 @@ import json
 import os
 import threading
 import uuid
-from collections import OrderedDict
+from cachetools import LRUCache
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -103,7 +103,7 @@ class DiskTier:
         self._empty = self.buffers.empty if self.buffers is not None else None
         self._lock = threading.Lock()
         # key -> (manifest version, parsed manifest), least recently used first
-        self._stat_cache: OrderedDict[str, tuple[Any, StoredContext]] = OrderedDict()
+        self._stat_cache: LRUCache[str, tuple[Any, StoredContext]] = LRUCache(_STAT_CACHE_MAX)
         self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
         self._version = STORE_VERSION  # of the store's marker (an older store is upgraded by a write)
         self._groups_checked = False  # whether this store's root zarr groups are known to exist
@@ -326,9 +326,6 @@ class DiskTier:
     def _cache_stat(self, key: str, version: Any, stored: StoredContext) -> None:
         with self._lock:
             self._stat_cache[key] = (version, stored)
-            self._stat_cache.move_to_end(key)
-            while len(self._stat_cache) > _STAT_CACHE_MAX:
-                self._stat_cache.popitem(last=False)
 
     def _undo_write(self, data_dir: str, weights: Sequence[str]) -> None:
         """Removes what a failed write left: its data folder, and the weights it added that no
@@ -388,9 +385,8 @@ class DiskTier:
         """:meth:`stat`, the manifest file's ``version`` already looked up."""
         if version is not None:
             with self._lock:
-                cached = self._stat_cache.get(key)
+                cached = self._stat_cache.get(key)  # (marks it recently used)
                 if cached is not None and cached[0] == version:
-                    self._stat_cache.move_to_end(key)
                     return cached[1]
         self.forget_stat(key)
         data = self.read_manifest_bytes(key)
