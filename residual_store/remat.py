@@ -45,7 +45,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from residual_store import _jax_internals
+from residual_store import _jax_internals, placement, slots
+from residual_store.canonical import qualified_name
 from residual_store.errors import InvalidArgumentError
 
 __all__ = ["CHEAP", "RematPlan", "Stacked", "abstract", "cheap", "is_lazy", "plan", "policy_recomputable", "run_backward"]
@@ -112,6 +113,84 @@ def policy_recomputable(policy: Callable[..., Any]) -> Callable[[Any], bool]:
         return not saveable
 
     return recomputable
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveChoice:
+    """A split's ``save`` option, parsed once: how its records spell it and what it lets the
+    backward recompute.
+
+    Invariant: ``recomputable`` is ``None`` exactly when ``record == "all"`` (keep every
+    residual ``jax.vjp`` keeps).
+    """
+
+    record: str  # "all", "auto" or "policy:<qualified name>": part of the signature
+    recomputable: Callable[[Any], bool] | None = dataclasses.field(default=None, compare=False)
+
+    CHOICES = ("all", "auto")
+
+    @classmethod
+    def parse(cls, save: str | Callable[..., Any]) -> SaveChoice:
+        """``save`` as :func:`residual_store.split` takes it.
+
+        Raises:
+          InvalidArgumentError: ``save`` is neither a choice of :attr:`CHOICES` nor callable.
+        """
+        if callable(save):
+            return cls(f"policy:{qualified_name(save)}", policy_recomputable(save))
+        if save == "all":
+            return cls("all")
+        if save == "auto":
+            return cls("auto", cheap)
+        raise InvalidArgumentError(
+            f"save must be one of {', '.join(map(repr, cls.CHOICES))} or a JAX checkpoint policy "
+            f"(a callable such as jax.checkpoint_policies.dots_saveable), got {save!r}"
+        )
+
+
+def keep_fewest_bytes(
+    traced: Any,
+    old_slots: tuple[slots.Slot, ...],
+    n_consts: int,
+    input_cost: Sequence[bool],
+    flat_bwd: Callable[[Sequence[Any], Sequence[Any]], list[Any]],
+    recomputable: Callable[[Any], bool],
+) -> tuple[Any, tuple[slots.Slot, ...], Callable[[Sequence[Any], Sequence[Any]], list[Any]]]:
+    """Rewrites a traced split forward (``jax.stages.Traced``) to keep the values of :func:`plan`
+    in place of its computed residuals: the new forward (jitted), its slots, and a backward that
+    recomputes the residuals from them before running ``flat_bwd``."""
+    closed = _jax_internals.inline_calls(traced.jaxpr, [placement.abstract(a) for a in traced.jaxpr.in_avals])
+    jaxpr = closed.jaxpr
+    computed = [k for k, (src, _) in enumerate(old_slots) if src == slots.FROM_OUTPUT]
+    n_kept_out = len(jaxpr.outvars) - len(computed)  # outputs and aux come first
+    p = plan(jaxpr, [jaxpr.outvars[old_slots[k][1]] for k in computed], input_cost, recomputable)
+    kept_out = [v for v in p.kept if p.is_input(v) is None]
+    given = [slot for slot in old_slots if slot[0] != slots.FROM_OUTPUT]
+    extra = [slots.of_input(j, n_consts) for v in p.kept if (j := p.is_input(v)) is not None]
+    new_slots = tuple(dict.fromkeys(given + extra)) + tuple(
+        (slots.FROM_OUTPUT, n_kept_out + k) for k in range(len(kept_out))
+    )
+    at = {slot: k for k, slot in enumerate(new_slots)}
+    returned = list(jaxpr.outvars[:n_kept_out]) + kept_out
+
+    def forward(consts: list[Any], flat: list[Any]) -> list[Any]:
+        return p.evaluate(closed.consts, [*consts, *flat], returned)
+
+    def backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
+        kept_values = [
+            residuals[at[(slots.FROM_OUTPUT, n_kept_out + kept_out.index(v))]] if (j := p.is_input(v)) is None
+            else residuals[at[slots.of_input(j, n_consts)]]
+            for v in p.kept
+        ]
+        again = iter(p.rebuild(kept_values, closed.consts, lazy=True))
+        original = [next(again) if src == slots.FROM_OUTPUT else residuals[at[(src, i)]] for src, i in old_slots]
+        if not any(map(is_lazy, original)):
+            return flat_bwd(original, cts)
+        # a rebuilt scan's residuals are made inside the backward's scan, an iteration at a time
+        plain = jax.make_jaxpr(flat_bwd)([abstract(r) for r in original], [abstract(c) for c in cts])
+        return run_backward(plain, [*original, *cts])
+
+    return jax.jit(forward), new_slots, backward
 
 
 def _nbytes(aval: Any) -> int:

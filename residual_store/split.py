@@ -19,7 +19,6 @@ from avals alone, check that they give the context's signature, and run the back
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import threading
@@ -33,46 +32,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from residual_store import _jax_internals, filters, names, placement, remat, structure
+from residual_store import _jax_internals, filters, rebuild, slots
 from residual_store.backward import Backward, register_backward, staged
 from residual_store.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
-from residual_store.canonical import qualified_name
-from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec, check_representable, describe_residual
-from residual_store.errors import (
-    InvalidArgumentError,
-    RecomputeWarning,
-    ResidualStoreError,
-    SignatureMismatchError,
-)
+from residual_store.context import CallSpec, ResidualContext, ResidualSpec, check_representable, describe_residual
+from residual_store.errors import InvalidArgumentError, RecomputeWarning, SignatureMismatchError
 from residual_store.halves import GradParts, Halves
 from residual_store.keypaths import PathStructure
-from residual_store.signature import compute_signature, is_current
+from residual_store.remat import SaveChoice
+from residual_store.trace import Options, Traced, trace
 
 __all__ = ["Split", "split"]
-
-# Where a residual's array comes from at call time.
-_FROM_CONST, _FROM_INPUT, _FROM_OUTPUT = 0, 1, 2
 
 _WARNED_SIGNATURES: set[str] = set()
 _SCALAR_TYPES = (bool, int, float, complex, np.generic)
 _MAX_FOREIGN = 256  # signatures a split remembers it does not make
-_SAVE_CHOICES = ("all", "auto")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Traced:
-    """One signature's forward, traced (not compiled), with its backward."""
-
-    closed: Any  # fun's jaxpr
-    traced: Any  # jax.stages.Traced of the forward executable
-    jitted: Any  # jax.jit of the forward, for calls inside the caller's jax.jit
-    consts: tuple[Any, ...]
-    slots: tuple[tuple[int, int], ...]  # (source, index) per residual
-    n_out: int
-    out_tree: Any
-    aux_tree: Any | None
-    spec: ResidualSpec
-    backward: Backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +55,7 @@ class _Forward:
 
     executable: Any
     consts: tuple[Any, ...]
-    slots: tuple[tuple[int, int], ...]
+    slots: tuple[slots.Slot, ...]
     n_out: int
     out_tree: Any
     aux_tree: Any | None
@@ -99,13 +73,13 @@ def _normalize_argnums(argnums: int | Sequence[int], name: str) -> tuple[int, ..
     return items
 
 
-def _parameter_names(fun: Callable[..., Any]) -> list[str] | None:
+def _parameter_names(fun: Callable[..., Any]) -> tuple[str, ...] | None:
     try:
         params = inspect.signature(fun).parameters.values()
     except (TypeError, ValueError):
         return None
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in params if p.kind in kinds]
+    return tuple(p.name for p in params if p.kind in kinds)
 
 
 def _as_array(x: Any, where: str) -> jax.Array:
@@ -128,20 +102,6 @@ def _context_mesh() -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] 
     return tuple(mesh.axis_names), tuple(int(n) for n in mesh.axis_sizes), types
 
 
-def _enter_mesh(record: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None) -> Any:
-    """A context manager re-entering a recorded context mesh: concrete where this process has
-    the devices, abstract otherwise."""
-    if record is None:
-        return contextlib.nullcontext()
-    names, sizes, types = record
-    kinds = tuple(jax.sharding.AxisType[t] for t in types) if types else None
-    n = int(np.prod(sizes))
-    if len(jax.devices()) >= n:
-        devices = np.array(jax.devices()[:n], dtype=object).reshape(sizes)
-        return jax.set_mesh(jax.sharding.Mesh(devices, names, axis_types=kinds))
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(sizes, names, axis_types=kinds))
-
-
 class Split:
     """A function split into a forward that returns residuals and a backward that consumes them.
 
@@ -162,15 +122,7 @@ class Split:
         cache_size: int = DEFAULT_CACHE_SIZE,
         save: str | Callable[..., Any] = "all",
     ) -> None:
-        if callable(save):
-            self._save_record = f"policy:{qualified_name(save)}"
-        elif save in _SAVE_CHOICES:
-            self._save_record = save
-        else:
-            raise InvalidArgumentError(
-                f"save must be one of {', '.join(map(repr, _SAVE_CHOICES))} or a JAX checkpoint policy "
-                f"(a callable such as jax.checkpoint_policies.dots_saveable), got {save!r}"
-            )
+        save_choice = SaveChoice.parse(save)
         self.save = save
         if not callable(fun):
             raise InvalidArgumentError(f"split expects a callable, got {type(fun).__name__}")
@@ -178,7 +130,6 @@ class Split:
         self.argnums = _normalize_argnums(argnums, "argnums")
         if not self.argnums:
             raise InvalidArgumentError("argnums must name at least one argument")
-        self._single = isinstance(argnums, int)
         self.static_argnums = tuple(sorted(_normalize_argnums(static_argnums, "static_argnums")))
         clash = set(self.argnums) & set(self.static_argnums)
         if clash:
@@ -196,7 +147,18 @@ class Split:
         if filter is not None and not callable(filter):
             raise InvalidArgumentError(f"filter must be a predicate on leaves, got {type(filter).__name__}")
         self.filter = filter
-        self._param_names = _parameter_names(fun)
+        # invariant: the options never change; the attributes above are their public face
+        self._opts = Options(
+            fun=fun,
+            argnums=self.argnums,
+            single=isinstance(argnums, int),
+            static_argnums=self.static_argnums,
+            weight_argnums=self.weight_argnums,
+            has_aux=self.has_aux,
+            filter=filter,
+            save=save_choice,
+            param_names=_parameter_names(fun),
+        )
         self._forward_compiles = 0
         self._backward_compiles = 0
         self._count_lock = threading.Lock()
@@ -217,12 +179,11 @@ class Split:
                 halves.drop_compiled()
 
     def __repr__(self) -> str:
-        name = getattr(self.fun, "__qualname__", type(self.fun).__name__)
-        return f"Split({name}, argnums={self._argnums_option})"
+        return self._opts.label
 
     @property
     def _argnums_option(self) -> int | tuple[int, ...]:
-        return self.argnums[0] if self._single else self.argnums
+        return self._opts.argnums_option
 
     # -- calling ----------------------------------------------------------------------------
 
@@ -254,10 +215,7 @@ class Split:
         if entry is None:
             entry = self._compile_forward(args, leaves, treedef, statics, key, inlined)
         outputs = entry.executable(list(entry.consts), leaves)
-        residuals = tuple(
-            entry.consts[i] if src == _FROM_CONST else leaves[i] if src == _FROM_INPUT else outputs[i]
-            for src, i in entry.slots
-        )
+        residuals = tuple(slots.gather(entry.slots, entry.consts, leaves, outputs))
         out = jax.tree.unflatten(entry.out_tree, outputs[: entry.n_out])
         ctx = ResidualContext.tree_unflatten(entry.spec, residuals)
         ctx._backward = entry.backward  # the context keeps its backward alive (the registry is weak)
@@ -359,7 +317,7 @@ class Split:
                     parts=self._grad_parts[spec.signature],
                     now=now_t,
                     now_single=single,
-                    arg_name=self._arg_name,
+                    arg_name=self._opts.arg_name,
                     on_compile=lambda: _count_backward(split_ref),
                 )
                 later = found.weight_backward
@@ -382,7 +340,8 @@ class Split:
     # -- rebuilding a backward from a context's record --------------------------------------
 
     def _rebuild(self, spec: ResidualSpec) -> Backward:
-        """The backward of ``spec``'s signature, traced from the context's call record.
+        """The backward of ``spec``'s signature, traced from the context's call record
+        (:mod:`residual_store.rebuild`).
 
         A trace whose signature differs is remembered (tracing again would give the same); a
         record this process cannot read yet (a module not imported) is not: importing it fixes
@@ -397,9 +356,12 @@ class Split:
                 return bwd
             why = self._foreign.get(sig)
             if why is None:
-                args, leaves, treedef, statics = self._rebuilt_inputs(spec)
+                inputs = rebuild.inputs_of(self._opts, spec)
                 try:
-                    return self._retrace(spec, args, leaves, treedef, statics)
+                    traced = rebuild.trace_record(self._opts, spec, inputs)
+                    bwd = self._own(traced)
+                    rebuild.check_signature(self._opts, spec, traced)
+                    return bwd
                 except SignatureMismatchError as err:
                     why = self._foreign[sig] = str(err)
         raise SignatureMismatchError(why)
@@ -419,153 +381,23 @@ class Split:
         try:
             halves = self._halves_of(self._grad_parts[parent].spec, call.now)
         except InvalidArgumentError as err:
-            raise self._mismatch(spec, f": its record asks for a split now={call.now!r} ({err})") from None
+            raise rebuild.mismatch(self._opts, spec, f": its record asks for a split now={call.now!r} ({err})") from None
         if halves.later_spec.signature != spec.signature or halves.later_spec.avals != spec.avals:
-            raise self._mismatch(
+            raise rebuild.mismatch(
+                self._opts,
                 spec,
                 f": split with now={call.now!r}, its parent {parent} gives the later signature "
                 f"{halves.later_spec.signature}",
             )
         return halves.weight_backward
 
-    def _mismatch(self, spec: ResidualSpec, why: str) -> SignatureMismatchError:
-        return SignatureMismatchError(f"context signature {spec.signature} is not one {self!r} makes{why}")
-
-    def _rebuilt_inputs(self, spec: ResidualSpec) -> tuple[tuple[Any, ...], list[Any], Any, tuple[Any, ...]]:
-        """The arguments a context's call record describes, with ``ShapeDtypeStruct`` leaves."""
-        call = spec.call
-        if not is_current(spec.signature) or call is None:
-            raise self._mismatch(
-                spec,
-                ": it was written by residual-store 0.1, whose signatures did not cover what is "
-                "computed and recorded no input structure; run the forward again",
-            )
-        mine = (self._argnums_option, self.weight_argnums, self.static_argnums, self.has_aux, self._save_record)
-        theirs = (call.argnums, call.weight_argnums, call.static_argnums, call.has_aux, call.save)
-        if mine != theirs:
-            names = ("argnums", "weight_argnums", "static_argnums", "has_aux", "save")
-            diff = ", ".join(f"{n}={t!r} (this split: {m!r})" for n, m, t in zip(names, mine, theirs) if m != t)
-            raise self._mismatch(spec, f": it was made by a split with {diff}")
-        if (call.differentiated is None) != (self.filter is None):
-            made, mine = ("without", "has one") if call.differentiated is None else ("with", "has none")
-            raise self._mismatch(spec, f": it was made by a split {made} a filter, and this one {mine}")
-        if call.in_tree is None or call.statics is None:
-            raise self._mismatch(
-                spec,
-                f" from its record: its input structure could not be recorded ({call.unrecorded}); "
-                "run a forward of the same shapes in this split first",
-            )
-        try:
-            treedef = structure.decode_treedef(call.in_tree)
-            statics = [(int(i), structure.decode_value(v)) for i, v in call.statics]
-            leaves = [placement.abstract_input(a) for a in call.in_avals]
-        except structure.UnresolvableError as err:
-            raise self._mismatch(
-                spec,
-                f" yet: its input structure names what this process lacks ({err}). Import the "
-                "model's modules before running its backward",
-            ) from None
-        except (ValueError, TypeError, KeyError) as err:
-            raise self._mismatch(spec, f": its call record is malformed ({err})") from None
-        if treedef.num_leaves != len(leaves) or [i for i, _ in statics] != list(self.static_argnums):
-            raise self._mismatch(spec, ": its call record is malformed (leaf or static count)")
-        args = list(jax.tree.unflatten(treedef, leaves))
-        for index, value in statics:
-            args.insert(index, value)
-        if len(args) != call.n_args:
-            raise self._mismatch(spec, ": its call record is malformed (argument count)")
-        return tuple(args), leaves, treedef, tuple(v for _, v in statics)
-
-    def _retrace(
-        self, spec: ResidualSpec, args: tuple[Any, ...], leaves: list[Any], treedef: Any, statics: tuple[Any, ...]
-    ) -> Backward:
-        """Traces this split on a context's recorded inputs; its backward if the signature matches."""
-        call = spec.call
-        assert call is not None
-        try:
-            with _enter_mesh(call.context_mesh):
-                self._check_arity(args)
-                traced = self._trace_call(
-                    args, leaves, treedef, statics, call.in_avals, call.context_mesh, call.differentiated
-                )
-        except ResidualStoreError:
-            raise
-        except Exception as err:  # noqa: BLE001 - whatever fun raises on these inputs
-            raise self._mismatch(
-                spec, f": tracing it on the context's recorded inputs failed ({type(err).__name__}: {err})"
-            ) from err
-        got = traced.spec.signature
-        if got != spec.signature or (spec.avals and traced.spec.avals != spec.avals):
-            raise self._mismatch(
-                spec,
-                f": on the inputs the context records, this split computes signature {got}. The "
-                "context comes from another function, or from one whose code or closed-over values "
-                "(weights, constants) differ in this process",
-            )
-        return traced.backward
-
     # -- tracing (once per signature) -------------------------------------------------------
-
-    def _arg_name(self, index: int) -> str:
-        names = self._param_names
-        return names[index] if names is not None and index < len(names) else f"args[{index}]"
-
-    def _dyn_positions(self, n_args: int) -> list[int]:
-        return [i for i in range(n_args) if i not in self.static_argnums]
-
-    def _leaf_paths(self, dyn: tuple[Any, ...], n_args: int) -> list[str]:
-        positions = self._dyn_positions(n_args)
-        paths = []
-        for path, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]:
-            head = self._arg_name(positions[path[0].idx])
-            paths.append(head + jax.tree_util.keystr(path[1:]))
-        return paths
 
     def _leaf_where(self, treedef: Any, leaves: list[Any], index: int) -> str:
         # Only reached for a bad leaf: rebuild the paths to name it.
         dyn = jax.tree.unflatten(treedef, [0] * len(leaves))
         n_args = len(dyn) + len(self.static_argnums)
-        return "argument " + self._leaf_paths(dyn, n_args)[index]
-
-    def _check_arity(self, args: tuple[Any, ...]) -> None:
-        needed = max(self.argnums + self.static_argnums) + 1
-        if len(args) < needed:
-            raise SignatureMismatchError(
-                f"{self!r} differentiates/uses argument {needed - 1} but was called with "
-                f"{len(args)} arguments"
-            )
-        try:
-            inspect.signature(self.fun).bind(*args)
-        except TypeError as err:
-            raise SignatureMismatchError(f"bad arguments for {self!r}: {err}") from None
-        except ValueError:
-            pass  # no introspectable signature (builtins); JAX's trace will complain if needed
-
-    def _differentiated(
-        self, leaves: Sequence[Any], leaf_args: list[int], paths: list[str], recorded: Sequence[bool] | None
-    ) -> list[bool]:
-        """Per input leaf, whether it is differentiated: every leaf of ``argnums``, or those
-        ``filter`` accepts (as recorded, when rebuilding: the predicate may not understand
-        abstract leaves)."""
-        if recorded is not None and self.filter is not None and len(recorded) == len(leaves):
-            chosen = [bool(d) for d in recorded]
-        else:
-            chosen = [pos in self.argnums and (self.filter is None or bool(self.filter(x)))
-                      for x, pos in zip(leaves, leaf_args)]
-        for j, d in enumerate(chosen):
-            if d and not jax.dtypes.issubdtype(leaves[j].dtype, np.inexact):
-                hint = (
-                    "the filter chose it" if self.filter is not None else
-                    "pass filter=rs.is_inexact to differentiate only the floating leaves of a "
-                    "model that holds others (as eqx.filter_grad and nnx.grad do), or pass integer "
-                    "tokens, PRNG keys and masks as other positional arguments"
-                )
-                raise InvalidArgumentError(
-                    f"argument {paths[j]} has dtype {leaves[j].dtype} and cannot be differentiated: {hint}"
-                )
-        if self.filter is not None and not any(chosen):
-            raise InvalidArgumentError(f"{self!r} has no leaf to differentiate (the filter rejects them all)")
-        return chosen
+        return "argument " + self._opts.leaf_paths(dyn, n_args)[index]
 
     def _compile_forward(
         self,
@@ -582,8 +414,9 @@ class Split:
             entry = self._cache.peek(key)
             if entry is not None:
                 return entry
-            self._check_arity(args)
-            t = self._trace_call(args, leaves, treedef, statics, None, _context_mesh())
+            self._opts.check_arity(args)
+            t = trace(self._opts, args, leaves, treedef, statics, None, _context_mesh())
+            backward = self._own(t)
             self._warn_recompute(t.closed, t.spec.signature)
             if inlined:
                 executable = t.jitted
@@ -598,265 +431,35 @@ class Split:
                 out_tree=t.out_tree,
                 aux_tree=t.aux_tree,
                 spec=t.spec,
-                backward=t.backward,
+                backward=backward,
             )
             self._cache.put(key, entry)
             return entry
 
-    def _record_call(
-        self,
-        n_args: int,
-        treedef: Any,
-        static_pairs: list[tuple[int, Any]],
-        in_avals: Sequence[InputAval],
-        context_mesh: Any,
-        differentiated: Sequence[bool],
-    ) -> CallSpec:
-        try:
-            tree_record = structure.encode_treedef(treedef)
-            statics_record: Any = tuple((i, structure.encode_value(v)) for i, v in static_pairs)
-            unrecorded = None
-        except structure.UnrecordableError as err:
-            tree_record = statics_record = None
-            unrecorded = str(err)
-        return CallSpec(
-            n_args=n_args,
-            argnums=self._argnums_option,
-            weight_argnums=self.weight_argnums,
-            static_argnums=self.static_argnums,
-            has_aux=self.has_aux,
-            in_avals=tuple(in_avals),
-            in_tree=tree_record,
-            statics=statics_record,
-            context_mesh=context_mesh,
-            unrecorded=unrecorded,
-            differentiated=None if self.filter is None else tuple(differentiated),
-            save=self._save_record,
-        )
-
-    def _trace_call(
-        self,
-        args: tuple[Any, ...],
-        leaves: Sequence[Any],
-        treedef: Any,
-        statics: tuple[Any, ...],
-        in_avals: Sequence[InputAval] | None,
-        context_mesh: Any,
-        recorded_mask: Sequence[bool] | None = None,
-    ) -> _Traced:
-        """Traces the forward and the backward of one signature (``leaves``: arrays, or
-        ``ShapeDtypeStruct``s when rebuilding from a record, with the recorded choice of
-        differentiated leaves); compiles nothing."""
-        n_args = len(args)
-        positions = self._dyn_positions(n_args)
-        dyn = jax.tree.unflatten(treedef, list(leaves))
-        paths = self._leaf_paths(dyn, n_args)
-        counts = [c.num_leaves for c in treedef.children()]
-        leaf_args = [pos for pos, count in zip(positions, counts) for _ in range(count)]
-        differentiated = self._differentiated(leaves, leaf_args, paths, recorded_mask)
-        diff_idx = [j for j, d in enumerate(differentiated) if d]
-        static_pairs = list(zip(self.static_argnums, statics))
-
-        def full_args(flat: Sequence[Any]) -> list[Any]:
-            rebuilt = list(filters.thaw(jax.tree.unflatten(treedef, flat)))
-            for index, value in static_pairs:
-                rebuilt.insert(index, value)
-            return rebuilt
-
-        fun = self.fun
-        closed, out_shape = jax.make_jaxpr(lambda *flat: fun(*full_args(flat)), return_shape=True)(*leaves)
-        if self.has_aux:
-            if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
-                raise InvalidArgumentError(
-                    "has_aux=True needs the function to return a pair (out, aux), got "
-                    f"{jax.tree.structure(out_shape)}"
-                )
-            out_tree = jax.tree.structure(out_shape[0])
-            aux_tree = jax.tree.structure(out_shape[1])
-            out_avals = jax.tree.leaves(out_shape[0])
-        else:
-            out_tree, aux_tree = jax.tree.structure(out_shape), None
-            out_avals = jax.tree.leaves(out_shape)
-        n_out = len(out_avals)
-        n_consts = len(closed.consts)
-
-        box: dict[str, Any] = {}
-
-        def forward(consts: list[Any], flat: list[Any]) -> list[Any]:
-            def primal(*diff: Any) -> tuple[list[Any], list[Any]]:
-                merged = list(flat)
-                for j, value in zip(diff_idx, diff):
-                    merged[j] = value
-                outs = _jax_internals.eval_jaxpr(closed.jaxpr, consts, *merged)
-                return outs[:n_out], outs[n_out:]
-
-            diff = [flat[j] for j in diff_idx]
-            out, vjp_fn, aux = jax.vjp(primal, *diff, has_aux=True)
-            res, box["vjp_tree"] = jax.tree.flatten(vjp_fn)
-            sources = list(consts) + list(flat)
-            slots, computed = [], []
-            for r in res:
-                hit = next((i for i, s in enumerate(sources) if s is r), None)
-                if hit is None:
-                    slots.append((_FROM_OUTPUT, n_out + len(aux) + len(computed)))
-                    computed.append(r)
-                elif hit < n_consts:
-                    slots.append((_FROM_CONST, hit))
-                else:
-                    slots.append((_FROM_INPUT, hit - n_consts))
-            box["slots"] = tuple(slots)
-            return list(out) + list(aux) + computed
-
-        consts = [jnp.asarray(c) if not isinstance(c, jax.Array) else c for c in closed.consts]
-        forward_jit = jax.jit(forward)
-        traced = forward_jit.trace(consts, list(leaves))
-        slots: tuple[tuple[int, int], ...] = box["slots"]
-        flat_bwd, grad_tree, templates = self._flat_backward(
-            box["vjp_tree"], out_avals, treedef, positions, differentiated
-        )
-        if self.save != "all":  # keep the fewest bytes; the backward recomputes the rest
-            weights = [False] * n_consts + [pos not in self.weight_argnums for pos in leaf_args]
-            recomputable = remat.policy_recomputable(self.save) if callable(self.save) else remat.cheap
-            forward_jit, slots, flat_bwd = _keep_fewest_bytes(traced, slots, n_consts, weights, flat_bwd, recomputable)
-            traced = forward_jit.trace(consts, list(leaves))
-        jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
-        residual_types = [
-            jaxpr_in[i] if src == _FROM_CONST else jaxpr_in[n_consts + i] if src == _FROM_INPUT else jaxpr_out[i]
-            for src, i in slots
-        ]
-        float_out = [i for i, a in enumerate(out_avals) if jax.dtypes.issubdtype(a.dtype, np.inexact)]
-        bwd_jit = jax.jit(flat_bwd)
-        parts = GradParts(
-            residual_avals=tuple(placement.abstract(a) for a in residual_types),
-            cotangent_avals=tuple(placement.abstract(jaxpr_out[i]) for i in float_out),
-            templates=templates,
-            single=self._single,
-        )
-        bwd_traced = bwd_jit.trace(list(parts.residual_avals), list(parts.cotangent_avals))
-        if in_avals is None:
-            in_avals = [placement.input_aval(x) for x in leaves]
-        call = self._record_call(n_args, treedef, static_pairs, in_avals, context_mesh, differentiated)
-        signature = compute_signature(
-            call=call,
-            in_tree=treedef,
-            statics=static_pairs,
-            out_tree=out_tree,
-            aux_tree=aux_tree,
-            forward=traced.jaxpr,
-            forward_consts=consts,
-            slots=slots,
-            backward=bwd_traced.jaxpr,
-        )
-        spec = self._spec(signature, call, slots, residual_types, paths, leaf_args, n_consts, traced)
+    def _own(self, t: Traced) -> Backward:
+        """The backward of ``t``'s signature: this split's if it has one, else made from ``t``
+        and kept (with what a B/W split of it needs); registered either way."""
+        signature = t.spec.signature
         bwd = self._by_signature.get(signature)
         if bwd is None:
-            callbacks = _jax_internals.host_callbacks(bwd_traced.jaxpr)
+            callbacks = _jax_internals.host_callbacks(t.backward_jaxpr)
             split_ref = weakref.ref(self)
             bwd = Backward(
                 signature=signature,
-                flat_fn=flat_bwd,
-                out_structure=PathStructure.of(out_tree),
-                out_avals=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals],
-                grad_structure=PathStructure.of_template(grad_tree),
+                flat_fn=t.flat_backward,
+                out_structure=PathStructure.of(t.out_tree),
+                out_avals=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in t.out_avals],
+                grad_structure=PathStructure.of_template(t.grad_tree),
                 on_compile=lambda: _count_backward(split_ref),
-                jitted=bwd_jit,
+                jitted=t.backward_jit,
                 unexportable=f"its backward calls back into Python ({', '.join(sorted(set(callbacks)))})"
                 if callbacks
                 else None,
             )
             self._by_signature[signature] = bwd
-            self._grad_parts[signature] = dataclasses.replace(parts, spec=spec)
+            self._grad_parts[signature] = t.parts
         register_backward(bwd)
-        return _Traced(
-            closed=closed,
-            traced=traced,
-            jitted=forward_jit,
-            consts=tuple(consts),
-            slots=slots,
-            n_out=n_out,
-            out_tree=out_tree,
-            aux_tree=aux_tree,
-            spec=spec,
-            backward=bwd,
-        )
-
-    def _spec(
-        self,
-        signature: str,
-        call: CallSpec,
-        slots: Sequence[tuple[int, int]],
-        residual_types: Sequence[Any],
-        paths: list[str],
-        leaf_args: list[int],
-        n_consts: int,
-        traced: Any,
-    ) -> ResidualSpec:
-        output_slots = [i for src, i in slots if src == _FROM_OUTPUT]
-        # Intermediates are placed after the nearest weight (else differentiated input) feeding
-        # them; the forward jaxpr's inputs are the constants, then the flat input leaves.
-        weights = [n_consts + j for j, pos in enumerate(leaf_args) if pos in self.weight_argnums]
-        diffs = [n_consts + j for j, pos in enumerate(leaf_args) if pos in self.argnums]
-        found = _jax_internals.output_origins(traced.jaxpr, output_slots, weights=weights, inputs=diffs)
-        origins = dict(zip(output_slots, found))
-        labels, input_paths, kinds = [], [], []
-        for src, i in slots:
-            if src == _FROM_CONST:
-                labels.append(names.constant_name(i))
-                input_paths.append(None)
-                kinds.append("constant")
-            elif src == _FROM_INPUT:
-                labels.append(names.input_name(paths[i]))
-                input_paths.append(paths[i])
-                kinds.append("weight" if leaf_args[i] in self.weight_argnums else "input")
-            else:
-                labels.append(names.origin_name(origins[i], paths, n_consts))
-                input_paths.append(None)
-                kinds.append("intermediate")
-        return ResidualSpec(
-            signature=signature,
-            avals=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in residual_types),
-            names=tuple(labels),
-            input_paths=tuple(input_paths),
-            kinds=tuple(kinds),
-            call=call,
-        )
-
-    def _flat_backward(
-        self,
-        vjp_tree: Any,
-        out_avals: Sequence[Any],
-        treedef: Any,
-        positions: list[int],
-        differentiated: Sequence[bool],
-    ) -> tuple[Callable[[Sequence[Any], Sequence[Any]], list[Any]], Any, tuple[tuple[int, Any], ...]]:
-        """``(residuals, float cotangents) -> gradient leaves in argnums order``, a template of
-        the gradients (the differentiated arguments with ``0`` leaves, ``None`` where a leaf is
-        passed through; a tuple when argnums is a tuple), and each argument's template by
-        position, in argnums order."""
-        float_out = [jax.dtypes.issubdtype(a.dtype, np.inexact) for a in out_avals]
-        zero_cts = [
-            None if is_float else np.zeros(a.shape, jax.dtypes.float0)
-            for a, is_float in zip(out_avals, float_out)
-        ]
-        # vjp_fn returns one gradient per differentiated leaf, in flat-input order; the result
-        # follows argnums, each argument's leaves in its own order.
-        marks = list(filters.thaw(jax.tree.unflatten(treedef, [0 if d else None for d in differentiated]), None))
-        by_pos = {p: marks[k] for k, p in enumerate(positions)}
-        starts = np.cumsum([0] + [c.num_leaves for c in treedef.children()])
-        leaf_range = {p: range(int(starts[k]), int(starts[k + 1])) for k, p in enumerate(positions)}
-        rank = {j: r for r, j in enumerate(j for j, d in enumerate(differentiated) if d)}
-        perm = [rank[j] for p in self.argnums for j in leaf_range[p] if differentiated[j]]
-        grad_struct = tuple(by_pos[p] for p in self.argnums)
-        grad_tree = grad_struct[0] if self._single else grad_struct
-
-        def flat_backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
-            vjp_fn = jax.tree.unflatten(vjp_tree, residuals)
-            given = iter(cts)
-            full = [next(given) if z is None else z for z in zero_cts]
-            grads = list(vjp_fn(full))
-            return [grads[k] for k in perm]
-
-        return flat_backward, grad_tree, tuple((p, by_pos[p]) for p in self.argnums)
+        return bwd
 
     def _count(self, which: str) -> None:
         with self._count_lock:
@@ -880,55 +483,6 @@ class Split:
                 RecomputeWarning,
                 stacklevel=4,
             )
-
-
-def _keep_fewest_bytes(
-    traced: Any,
-    slots: tuple[tuple[int, int], ...],
-    n_consts: int,
-    input_cost: Sequence[bool],
-    flat_bwd: Callable[[Sequence[Any], Sequence[Any]], list[Any]],
-    recomputable: Callable[[Any], bool],
-) -> tuple[Any, tuple[tuple[int, int], ...], Callable[[Sequence[Any], Sequence[Any]], list[Any]]]:
-    """``save="auto"``: a forward that returns, in place of its computed residuals, the values of
-    :func:`residual_store.remat.plan`, its slots, and a backward that recomputes the residuals
-    from them before running ``flat_bwd``."""
-    closed = _jax_internals.inline_calls(traced.jaxpr, [placement.abstract(a) for a in traced.jaxpr.in_avals])
-    jaxpr = closed.jaxpr
-    computed = [k for k, (src, _) in enumerate(slots) if src == _FROM_OUTPUT]
-    n_kept_out = len(jaxpr.outvars) - len(computed)  # outputs and aux come first
-    p = remat.plan(jaxpr, [jaxpr.outvars[slots[k][1]] for k in computed], input_cost, recomputable)
-    kept_out = [v for v in p.kept if p.is_input(v) is None]
-
-    def slot_of_input(j: int) -> tuple[int, int]:
-        return (_FROM_CONST, j) if j < n_consts else (_FROM_INPUT, j - n_consts)
-
-    given = [slot for slot in slots if slot[0] != _FROM_OUTPUT]
-    extra = [slot_of_input(j) for v in p.kept if (j := p.is_input(v)) is not None]
-    new_slots = tuple(dict.fromkeys(given + extra)) + tuple(
-        (_FROM_OUTPUT, n_kept_out + k) for k in range(len(kept_out))
-    )
-    at = {slot: k for k, slot in enumerate(new_slots)}
-    returned = list(jaxpr.outvars[:n_kept_out]) + kept_out
-
-    def forward(consts: list[Any], flat: list[Any]) -> list[Any]:
-        return p.evaluate(closed.consts, [*consts, *flat], returned)
-
-    def backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
-        kept_values = [
-            residuals[at[(_FROM_OUTPUT, n_kept_out + kept_out.index(v))]] if (j := p.is_input(v)) is None
-            else residuals[at[slot_of_input(j)]]
-            for v in p.kept
-        ]
-        again = iter(p.rebuild(kept_values, closed.consts, lazy=True))
-        original = [next(again) if src == _FROM_OUTPUT else residuals[at[(src, i)]] for src, i in slots]
-        if not any(map(remat.is_lazy, original)):
-            return flat_bwd(original, cts)
-        # a rebuilt scan's residuals are made inside the backward's scan, an iteration at a time
-        plain = jax.make_jaxpr(flat_bwd)([remat.abstract(r) for r in original], [remat.abstract(c) for c in cts])
-        return remat.run_backward(plain, [*original, *cts])
-
-    return jax.jit(forward), new_slots, backward
 
 
 def _count_backward(split_ref: weakref.ref[Split]) -> None:
