@@ -27,6 +27,7 @@ __all__ = [
     "ResidualSpec",
     "SHARED_KINDS",
     "check_representable",
+    "check_save_record",
     "describe_residual",
 ]
 
@@ -107,6 +108,24 @@ class CallSpec:
     now: tuple[int, ...] | None = None
     parent: str | None = None
     save: str = "all"
+
+
+SAVE_WORDS = ("all", "auto")
+"""The ``save`` choices a record spells as themselves; a checkpoint policy is ``POLICY_PREFIX``
+followed by its qualified name (see :class:`residual_store.remat.SaveChoice`)."""
+POLICY_PREFIX = "policy:"
+_MAX_SAVE_RECORD = 300  # characters: a record read from a manifest is capped
+
+
+def check_save_record(v: Any) -> str:
+    """``v``, if it spells a ``save`` choice as :attr:`CallSpec.save` does.
+
+    Raises:
+      ValueError: it does not (a manifest's record is malformed).
+    """
+    if v in SAVE_WORDS or (isinstance(v, str) and v.startswith(POLICY_PREFIX) and len(v) <= _MAX_SAVE_RECORD):
+        return v
+    raise ValueError(f"save must be 'all', 'auto' or 'policy:<name>', got {str(v)[:40]!r}")
 
 
 @dataclasses.dataclass(frozen=True)

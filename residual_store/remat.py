@@ -1,4 +1,5 @@
-"""``save="auto"``: keep the fewest residual bytes, recompute the rest with cheap, pure operations.
+"""A split's ``save`` choice (:class:`SaveChoice`); ``save="auto"``: keep the fewest residual
+bytes, recompute the rest with cheap, pure operations.
 
 A split's forward computes the residuals its backward reads. Many of them are cheap functions of
 others: ``tanh(z)`` and ``1 - tanh(z)**2`` of the pre-activation ``z``, a layer norm's
@@ -47,6 +48,7 @@ import numpy as np
 
 from residual_store import _jax_internals, placement, slots
 from residual_store.canonical import qualified_name
+from residual_store.context import POLICY_PREFIX, SAVE_WORDS
 from residual_store.errors import InvalidArgumentError
 
 __all__ = ["CHEAP", "RematPlan", "Stacked", "abstract", "cheap", "is_lazy", "plan", "policy_recomputable", "run_backward"]
@@ -127,23 +129,22 @@ class SaveChoice:
     record: str  # "all", "auto" or "policy:<qualified name>": part of the signature
     recomputable: Callable[[Any], bool] | None = dataclasses.field(default=None, compare=False)
 
-    CHOICES = ("all", "auto")
-
     @classmethod
     def parse(cls, save: str | Callable[..., Any]) -> SaveChoice:
         """``save`` as :func:`residual_store.split` takes it.
 
         Raises:
-          InvalidArgumentError: ``save`` is neither a choice of :attr:`CHOICES` nor callable.
+          InvalidArgumentError: ``save`` is neither callable nor one of
+            :data:`~residual_store.context.SAVE_WORDS`.
         """
         if callable(save):
-            return cls(f"policy:{qualified_name(save)}", policy_recomputable(save))
+            return cls(f"{POLICY_PREFIX}{qualified_name(save)}", policy_recomputable(save))
         if save == "all":
             return cls("all")
         if save == "auto":
             return cls("auto", cheap)
         raise InvalidArgumentError(
-            f"save must be one of {', '.join(map(repr, cls.CHOICES))} or a JAX checkpoint policy "
+            f"save must be one of {', '.join(map(repr, SAVE_WORDS))} or a JAX checkpoint policy "
             f"(a callable such as jax.checkpoint_policies.dots_saveable), got {save!r}"
         )
 

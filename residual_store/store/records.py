@@ -24,7 +24,7 @@ import serializers
 from serializers.bundle import BUNDLE_ALIGNMENT, MAX_BUNDLE_BYTES, BundleArray
 from serializers.checksums import parse_checksum
 from residual_store import structure
-from residual_store.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualSpec
+from residual_store.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualSpec, check_save_record
 from residual_store.errors import CorruptContextError
 from residual_store.placement import check_sharding_record, key_dtype
 from residual_store.store import paths
@@ -212,14 +212,8 @@ def _call_from_map(m: Any) -> CallSpec:
         differentiated=differentiated,
         now=now,
         parent=parent,
-        save=_save_choice(m.get("save", "all")),
+        save=check_save_record(m.get("save", "all")),
     )
-
-
-def _save_choice(v: Any) -> str:
-    if v in ("all", "auto") or (isinstance(v, str) and v.startswith("policy:") and len(v) <= 300):
-        return v
-    raise ValueError(f"save must be 'all', 'auto' or 'policy:<name>', got {str(v)[:40]!r}")
 
 
 @functools.lru_cache(maxsize=256)
