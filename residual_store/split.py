@@ -102,6 +102,51 @@ def _context_mesh() -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] 
     return tuple(mesh.axis_names), tuple(int(n) for n in mesh.axis_sizes), types
 
 
+def _checked_options(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    static_argnums: int | Sequence[int],
+    weight_argnums: int | Sequence[int] | None,
+    filter: Callable[[Any], bool] | None,  # noqa: A002
+    save: str | Callable[..., Any],
+) -> Options:
+    """:func:`split`'s arguments, checked, as the frozen options a trace reads.
+
+    Raises:
+      InvalidArgumentError: an argument is of the wrong kind, or they contradict each other.
+    """
+    save_choice = SaveChoice.parse(save)
+    if not callable(fun):
+        raise InvalidArgumentError(f"split expects a callable, got {type(fun).__name__}")
+    diff = _normalize_argnums(argnums, "argnums")
+    if not diff:
+        raise InvalidArgumentError("argnums must name at least one argument")
+    statics = tuple(sorted(_normalize_argnums(static_argnums, "static_argnums")))
+    clash = set(diff) & set(statics)
+    if clash:
+        raise InvalidArgumentError(f"arguments {sorted(clash)} are in both argnums and static_argnums")
+    weights = (diff[0],) if weight_argnums is None else _normalize_argnums(weight_argnums, "weight_argnums")
+    extra = sorted(set(weights) - set(diff))
+    if extra:
+        raise InvalidArgumentError(
+            f"weight_argnums {extra} are not in argnums {diff}: weights are arguments the split differentiates"
+        )
+    if filter is not None and not callable(filter):
+        raise InvalidArgumentError(f"filter must be a predicate on leaves, got {type(filter).__name__}")
+    return Options(
+        fun=fun,
+        argnums=diff,
+        single=isinstance(argnums, int),
+        static_argnums=statics,
+        weight_argnums=weights,
+        has_aux=bool(has_aux),
+        filter=filter,
+        save=save_choice,
+        param_names=_parameter_names(fun),
+    )
+
+
 class Split:
     """A function split into a forward that returns residuals and a backward that consumes them.
 
@@ -122,43 +167,8 @@ class Split:
         cache_size: int = DEFAULT_CACHE_SIZE,
         save: str | Callable[..., Any] = "all",
     ) -> None:
-        save_choice = SaveChoice.parse(save)
-        self.save = save
-        if not callable(fun):
-            raise InvalidArgumentError(f"split expects a callable, got {type(fun).__name__}")
-        self.fun = fun
-        self.argnums = _normalize_argnums(argnums, "argnums")
-        if not self.argnums:
-            raise InvalidArgumentError("argnums must name at least one argument")
-        self.static_argnums = tuple(sorted(_normalize_argnums(static_argnums, "static_argnums")))
-        clash = set(self.argnums) & set(self.static_argnums)
-        if clash:
-            raise InvalidArgumentError(f"arguments {sorted(clash)} are in both argnums and static_argnums")
-        self.weight_argnums = (
-            (self.argnums[0],) if weight_argnums is None else _normalize_argnums(weight_argnums, "weight_argnums")
-        )
-        extra = sorted(set(self.weight_argnums) - set(self.argnums))
-        if extra:
-            raise InvalidArgumentError(
-                f"weight_argnums {extra} are not in argnums {self.argnums}: weights are arguments "
-                "the split differentiates"
-            )
-        self.has_aux = bool(has_aux)
-        if filter is not None and not callable(filter):
-            raise InvalidArgumentError(f"filter must be a predicate on leaves, got {type(filter).__name__}")
-        self.filter = filter
-        # invariant: the options never change; the attributes above are their public face
-        self._opts = Options(
-            fun=fun,
-            argnums=self.argnums,
-            single=isinstance(argnums, int),
-            static_argnums=self.static_argnums,
-            weight_argnums=self.weight_argnums,
-            has_aux=self.has_aux,
-            filter=filter,
-            save=save_choice,
-            param_names=_parameter_names(fun),
-        )
+        self.save = save  # as given; self._opts.save is it parsed
+        self._opts = _checked_options(fun, argnums, has_aux, static_argnums, weight_argnums, filter, save)
         self._forward_compiles = 0
         self._backward_compiles = 0
         self._count_lock = threading.Lock()
@@ -169,6 +179,13 @@ class Split:
         self._foreign: LRUCache[str, str] = LRUCache(_MAX_FOREIGN)  # signatures it does not make -> why
         self._cache: ExecutableCache[_Forward] = ExecutableCache(cache_size, on_evict=self._evicted)
         self.__wrapped__ = fun
+
+    fun = property(lambda self: self._opts.fun, doc="The function split.")
+    argnums = property(lambda self: self._opts.argnums, doc="The differentiated arguments, a tuple.")
+    static_argnums = property(lambda self: self._opts.static_argnums, doc="The static arguments, sorted.")
+    weight_argnums = property(lambda self: self._opts.weight_argnums, doc="The arguments that hold weights.")
+    has_aux = property(lambda self: self._opts.has_aux, doc="Whether ``fun`` returns ``(out, aux)``.")
+    filter = property(lambda self: self._opts.filter, doc="The predicate choosing differentiated leaves, or None.")
 
     def _evicted(self, entry: _Forward) -> None:
         """The cache dropped a signature's forward: its backward's executables go too, and its
