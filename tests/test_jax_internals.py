@@ -117,6 +117,10 @@ def test_assumption_SUBJAXPR_OUTVARS():
     assert jit_origin.label == "inside_jit" and jit_origin.scopes == ("jit",)
     assert scan_origin.primitive == "exp" and scan_origin.scopes == ("scan",)
     assert through.primitive is None and through.invar == 0
+    scan_eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "scan")
+    assert ji.body_for_outputs(scan_eqn) is scan_eqn.params["jaxpr"].jaxpr, (
+        "SUBJAXPR_OUTVARS: a scan's outputs are not its body's"
+    )
 
 
 def test_assumption_REMAT_PRIMITIVE():
@@ -190,6 +194,14 @@ def test_assumption_JAXPR_TEXT():
     # weak types and literals are written
     text = jaxpr_text(jax.make_jaxpr(lambda x: x * 2.5)(1.0))
     assert "~float32" in text and "lit(" in text
+    # the internal types the text is written from are told apart
+    closed = jax.make_jaxpr(lambda x: x * 2.5)(1.0)
+    values = (closed, closed.jaxpr, closed.jaxpr.invars[0].aval, closed.jaxpr.eqns[0].primitive,
+              jax.random.key(0).dtype, 1.0)
+    kinds = [ji.internal_kind(v) for v in values]
+    assert kinds == ["closed_jaxpr", "jaxpr", "aval", "primitive", "extended_dtype", None], (
+        f"JAXPR_TEXT: JAX's internal types moved: {kinds}"
+    )
     # a custom_vjp bwd rule is traced into the backward jaxpr, with the value it closes over
     def scaled(scale):
         @jax.custom_vjp
@@ -368,6 +380,8 @@ def test_assumption_DEBUG_INFO():
     info = eqns[0].source_info
     assert isinstance(info, ji._source_info_util.SourceInfo), f"DEBUG_INFO: source_info is {type(info)}"
     assert isinstance(info.traceback, ji._source_info_util.Traceback), "DEBUG_INFO: no Traceback type"
+    assert ji.internal_kind(info) == ji.internal_kind(info.traceback) == "debug", "DEBUG_INFO: debug types"
+    assert ji.internal_kind(eqns[0].params["bwd"]) == "wrapped_fun", "DEBUG_INFO: bwd is no WrappedFun"
 
     def written_whole(v, canon):
         return None if isinstance(v, ji._DEBUG_TYPES) else _jaxpr_hook(v, canon)
