@@ -471,6 +471,9 @@ def internal_kind(v: Any) -> JaxKind | None:
     return None
 
 
+# --------------------------------------------------------------------------------------------
+# Host callbacks (what ``jax.export`` cannot serialize)
+
 
 HOST_CALLBACK_PRIMITIVES = frozenset(
     {"pure_callback", "io_callback", "debug_callback", "debug_print", "callback"}
