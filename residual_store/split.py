@@ -46,6 +46,7 @@ from residual_store.errors import (
 )
 from residual_store.halves import GradParts, Halves
 from residual_store.keypaths import PathStructure
+from residual_store.origins import output_origins
 from residual_store.signature import compute_signature, is_current
 
 __all__ = ["Split", "split"]
@@ -796,7 +797,7 @@ class Split:
         # them; the forward jaxpr's inputs are the constants, then the flat input leaves.
         weights = [n_consts + j for j, pos in enumerate(leaf_args) if pos in self.weight_argnums]
         diffs = [n_consts + j for j, pos in enumerate(leaf_args) if pos in self.argnums]
-        found = _jax_internals.output_origins(traced.jaxpr, output_slots, weights=weights, inputs=diffs)
+        found = output_origins(traced.jaxpr, output_slots, weights=weights, inputs=diffs)
         origins = dict(zip(output_slots, found))
         labels, input_paths, kinds = [], [], []
         for src, i in slots:
