@@ -4,6 +4,10 @@ Each function below names the assumption it makes about JAX; ``tests/test_jax_in
 checks every one of them against the installed JAX, so an upgrade that breaks one fails loudly
 with the assumption's name instead of producing wrong names or silent recomputation.
 
+What is built on these shims lives beside them, without importing ``jax._src``: where a residual
+came from in :mod:`residual_store.origins`, the signature's text of a jaxpr in
+:mod:`residual_store.canonical`, the B/W partition in :mod:`residual_store.partition`.
+
 Assumptions (the tests refer to them by these tags):
 
 * ``EVAL_JAXPR``: ``jax._src.core.eval_jaxpr(jaxpr, consts, *args)`` evaluates an open jaxpr,
@@ -77,8 +81,8 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
 import numpy as np
 from jax._src import core as _core
@@ -90,8 +94,6 @@ from jax._src.lib import xla_client as _xc
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
-
-from residual_store.canonical import Canonicalizer, qualified_name, scrub
 
 __all__: list[str] = []  # private module
 
@@ -236,45 +238,13 @@ def inline_calls(closed_jaxpr: Any, in_avals: Sequence[Any]) -> Any:
 def has_inner_jaxprs(eqn: Any) -> bool:
     """Whether an equation holds jaxprs in its params (``jit``, ``scan``, ``checkpoint``, custom
     derivative calls): a higher-order primitive (assumption ``JAXPR_TEXT``)."""
-    return bool(_inner_jaxprs(eqn)) or any(
+    return bool(inner_jaxprs(eqn)) or any(
         callable(getattr(v, "call_wrapped", None)) for v in eqn.params.values()
     )
 
 
-def equation_line(eqn: Any) -> tuple[str | None, int | None]:
-    """The user's (file basename, line) that bound ``eqn`` (assumption ``EQN_SOURCE``)."""
-    return _user_frame(eqn)
-
-
 # --------------------------------------------------------------------------------------------
-# Where a residual came from
-
-
-@dataclasses.dataclass(frozen=True)
-class Origin:
-    """Where one output of a jaxpr was produced.
-
-    ``primitive`` is the producing primitive's name (``None`` when the output is an input of the
-    outermost jaxpr or a literal), ``label`` a ``checkpoint_name`` label if one was applied,
-    ``file``/``line`` the user's source line (see :func:`user_line`), ``scopes`` the higher-order
-    primitives it sits in (outermost first), ``invar`` the index of the outer input it forwards,
-    if it does; ``per_iteration`` marks a loop's inputs stacked over its iterations (e.g. a scan
-    carry). ``name_stack`` is the producing equation's name stack from the outermost jaxpr down
-    (only its scopes: ``jax.named_scope``/``named_call`` names, Flax linen module names, never
-    transformations such as ``jvp``); ``nearest_input`` the index of the outermost jaxpr's input,
-    among the ones :func:`output_origins` was asked to look for, that feeds the value in the
-    fewest equations (``None`` if none does).
-    """
-
-    primitive: str | None
-    label: str | None = None
-    file: str | None = None
-    line: int | None = None
-    scopes: tuple[str, ...] = ()
-    invar: int | None = None
-    per_iteration: bool = False
-    name_stack: tuple[str, ...] = ()
-    nearest_input: int | None = None
+# Where an equation was bound: the user's line, the name stack
 
 
 # Packages whose frames are not "the user's line": model and utility libraries, whose files say
@@ -370,12 +340,13 @@ def user_line(traceback: Any) -> tuple[str | None, int | None]:
         return None, None
 
 
-def _user_frame(eqn: Any) -> tuple[str | None, int | None]:
-    """The user's (file basename, line) for an equation (assumption ``EQN_SOURCE``)."""
+def equation_line(eqn: Any) -> tuple[str | None, int | None]:
+    """The user's (file basename, line) that bound ``eqn`` (assumption ``EQN_SOURCE``; see
+    :func:`user_line`)."""
     return user_line(getattr(eqn.source_info, "traceback", None))
 
 
-def _name_scopes(eqn: Any) -> tuple[str, ...]:
+def name_scopes(eqn: Any) -> tuple[str, ...]:
     """The scope names of an equation's own name stack, transformations left out (``NAME_STACK``)."""
     try:
         stack = eqn.source_info.name_stack.stack
@@ -384,8 +355,9 @@ def _name_scopes(eqn: Any) -> tuple[str, ...]:
     return tuple(str(e.name) for e in stack if isinstance(e, _source_info_util.Scope))
 
 
-def _inner_jaxprs(eqn: Any) -> list[Any]:
-    """Open jaxprs in an equation's params (``ClosedJaxpr`` unwrapped), in param order."""
+def inner_jaxprs(eqn: Any) -> list[Any]:
+    """Open jaxprs in an equation's params (``ClosedJaxpr`` unwrapped), in param order
+    (assumptions ``SUBJAXPR_OUTVARS``, ``JAXPR_TEXT``)."""
     found = []
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
@@ -396,8 +368,10 @@ def _inner_jaxprs(eqn: Any) -> list[Any]:
     return found
 
 
-def _body_for_outputs(eqn: Any) -> Any | None:
-    """The inner jaxpr whose outputs are the equation's outputs (``SUBJAXPR_OUTVARS``)."""
+def body_for_outputs(eqn: Any) -> Any | None:
+    """The inner jaxpr whose outputs are the equation's outputs, output *i* for output *i*
+    (``SUBJAXPR_OUTVARS``): a ``while``'s body, a ``cond``'s last branch, else the first inner
+    jaxpr with as many outputs; ``None`` if none has."""
     name = eqn.primitive.name
     params = eqn.params
     if name == "while":
@@ -406,146 +380,10 @@ def _body_for_outputs(eqn: Any) -> Any | None:
     if name == "cond":
         branches = params.get("branches") or ()
         return branches[-1].jaxpr if branches else None
-    for inner in _inner_jaxprs(eqn):
+    for inner in inner_jaxprs(eqn):
         if len(inner.outvars) == len(eqn.outvars):
             return inner
     return None
-
-
-# Value-preserving ops that remat and partial evaluation insert around saved values: a residual
-# produced by one of them is named after its operand (e.g. the checkpoint_name label).
-_TRANSPARENT_PRIMITIVES = frozenset({"reduce_precision", "optimization_barrier", "copy", "copy_p"})
-_LOOP_PRIMITIVES = frozenset({"scan", "while", "fori_loop"})
-
-
-def _inputs_map_one_to_one(eqn: Any, body: Any) -> bool:
-    name = eqn.primitive.name
-    return name not in _LOOP_PRIMITIVES and name != "cond" and len(body.invars) == len(eqn.invars)
-
-
-# The nearest input of a value: (rank, equations away, index of the outermost jaxpr's input);
-# rank 0 inputs (weights) win over rank 1 (other differentiated inputs) at any distance.
-_Nearest = tuple[int, int, int]
-
-
-class _Frame:
-    """One jaxpr as reached from the outermost: its producers, the nearest inputs of its
-    variables (from ``seeds``, one per invar) and the scopes of the equations holding it."""
-
-    def __init__(self, jaxpr: Any, seeds: Sequence[_Nearest | None], prefix: tuple[str, ...]) -> None:
-        self.jaxpr = jaxpr
-        self.seeds = tuple(seeds)
-        self.prefix = prefix
-        self._producers: dict[Any, Any] | None = None
-        self._nearest: dict[Any, _Nearest] | None = None
-
-    def producer(self, var: Any) -> Any | None:
-        if self._producers is None:
-            self._producers = {v: eqn for eqn in self.jaxpr.eqns for v in eqn.outvars}
-        return self._producers.get(var)
-
-    def nearest(self, atom: Any) -> _Nearest | None:
-        """The nearest seeded input feeding ``atom``: one pass over the equations in order, each
-        output taking its closest operand's (ties: the first operand), one equation further."""
-        if isinstance(atom, _core.Literal):
-            return None
-        if self._nearest is None:
-            best: dict[Any, _Nearest] = {v: s for v, s in zip(self.jaxpr.invars, self.seeds) if s is not None}
-            for eqn in self.jaxpr.eqns:
-                found = None
-                for v in eqn.invars:
-                    if isinstance(v, _core.Literal):
-                        continue
-                    c = best.get(v)
-                    if c is not None and (found is None or c[:2] < found[:2]):
-                        found = c
-                if found is not None:
-                    step = (found[0], found[1] + 1, found[2])
-                    for v in eqn.outvars:
-                        if not isinstance(v, _core.DropVar):
-                            best[v] = step
-            self._nearest = best
-        return self._nearest.get(atom)
-
-    def nearest_index(self, atom: Any) -> int | None:
-        found = self.nearest(atom)
-        return None if found is None else found[2]
-
-
-def _inner_frame(frames: dict[tuple[Any, ...], _Frame], outer: _Frame, eqn: Any, body: Any) -> _Frame:
-    """The frame of ``body`` held by ``eqn``: its invars fed by the equation's last inputs
-    (``SUBJAXPR_OUTVARS``: after the loop's or branch's own leading operands)."""
-    n = len(body.invars)
-    feeding = list(eqn.invars[len(eqn.invars) - n :]) if n <= len(eqn.invars) else []
-    seeds = tuple(outer.nearest(v) for v in feeding) if feeding else (None,) * n
-    prefix = outer.prefix + _name_scopes(eqn)
-    key = (id(body), seeds, prefix)
-    frame = frames.get(key)
-    if frame is None:
-        frame = frames[key] = _Frame(body, seeds, prefix)
-    return frame
-
-
-def _origin_of(
-    frames: dict[tuple[Any, ...], _Frame],
-    frame: _Frame,
-    atom: Any,
-    scopes: tuple[str, ...],
-    depth: int = 0,
-) -> Origin:
-    if isinstance(atom, _core.Literal):
-        return Origin(primitive="literal", scopes=scopes)
-    if depth > 64:
-        return Origin(primitive=None, scopes=scopes)
-    eqn = frame.producer(atom)
-    if eqn is None:
-        index = next((i for i, v in enumerate(frame.jaxpr.invars) if v is atom), None)
-        return Origin(primitive=None, scopes=scopes, invar=index)
-    name = eqn.primitive.name
-    here = {"name_stack": frame.prefix + _name_scopes(eqn), "nearest_input": frame.nearest_index(atom)}
-    if name == NAME_PRIMITIVE:
-        file, line = _user_frame(eqn)
-        return Origin(name, label=str(eqn.params.get("name")), file=file, line=line, scopes=scopes, **here)
-    if name in _TRANSPARENT_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
-        return _origin_of(frames, frame, eqn.invars[eqn.outvars.index(atom)], scopes, depth + 1)
-    body = _body_for_outputs(eqn)
-    if body is not None:
-        inner_frame = _inner_frame(frames, frame, eqn, body)
-        inner = _origin_of(frames, inner_frame, body.outvars[eqn.outvars.index(atom)], scopes + (name,), depth + 1)
-        if inner.invar is not None and _inputs_map_one_to_one(eqn, body):
-            return _origin_of(frames, frame, eqn.invars[inner.invar], scopes, depth + 1)
-        if inner.primitive is not None:
-            if inner.file is None:  # e.g. inside jnp's own jitted helpers: use the call site
-                file, line = _user_frame(eqn)
-                inner = dataclasses.replace(inner, file=file, line=line)
-            return inner
-        if inner.invar is not None and name in _LOOP_PRIMITIVES:
-            file, line = _user_frame(eqn)
-            return Origin(name, label=None, file=file, line=line, scopes=scopes, per_iteration=True, **here)
-    file, line = _user_frame(eqn)
-    return Origin(name, file=file, line=line, scopes=scopes, **here)
-
-
-def output_origins(
-    closed_jaxpr: Any,
-    indices: Sequence[int],
-    weights: Collection[int] = (),
-    inputs: Collection[int] = (),
-) -> list[Origin]:
-    """The :class:`Origin` of each listed output of ``closed_jaxpr``, looking inside nested jaxprs.
-
-    ``weights`` and ``inputs`` are indices of ``closed_jaxpr``'s inputs that
-    :attr:`Origin.nearest_input` may name: the nearest weight feeding a value, or, where no
-    weight does, the nearest of ``inputs``.
-    """
-    jaxpr = closed_jaxpr.jaxpr
-    weights, inputs = frozenset(weights), frozenset(inputs)
-    seeds = [
-        (0, 0, i) if i in weights else (1, 0, i) if i in inputs else None for i in range(len(jaxpr.invars))
-    ]
-    frames: dict[tuple[Any, ...], _Frame] = {}
-    top = _Frame(jaxpr, seeds, ())
-    return [_origin_of(frames, top, jaxpr.outvars[i], ()) for i in indices]
 
 
 # --------------------------------------------------------------------------------------------
@@ -556,7 +394,7 @@ def _walk(jaxpr: Any, under_remat: bool) -> Iterator[tuple[Any, bool]]:
     for eqn in jaxpr.eqns:
         yield eqn, under_remat
         inner_remat = under_remat or eqn.primitive.name in REMAT_PRIMITIVE_NAMES
-        for inner in _inner_jaxprs(eqn):
+        for inner in inner_jaxprs(eqn):
             yield from _walk(inner, inner_remat)
 
 
@@ -579,7 +417,7 @@ def unoptimized_remat_custom_vjps(closed_jaxpr: Any) -> list[str]:
     for eqn, under_remat in _walk(closed_jaxpr.jaxpr, False):
         if under_remat and eqn.primitive.name == CUSTOM_VJP_PRIMITIVE:
             if not _custom_vjp_is_remat_optimized(eqn):
-                file, line = _user_frame(eqn)
+                file, line = equation_line(eqn)
                 where = f" called at {file}:{line}" if file else ""
                 found.append(f"{_custom_vjp_name(eqn)}{where}")
     return found
@@ -598,67 +436,7 @@ def _custom_vjp_name(eqn: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# A process-independent text of a jaxpr (what the signature hashes)
-
-
-def _aval_text(aval: Any) -> str:
-    """``str(aval)`` (weak types as ``~``, explicit shardings as ``@axis``, ``JAXPR_TEXT``) plus
-    the memory space where it is not the device's."""
-    text = str(aval)
-    space = getattr(aval, "memory_space", None)
-    name = getattr(space, "name", None)
-    if name is not None and name != "Device":
-        text += f"<{name}>"
-    return text
-
-
-def _effects_text(effects: Any) -> str:
-    return "{" + ",".join(sorted(qualified_name(type(e)) + ":" + scrub(repr(e)) for e in effects)) + "}"
-
-
-_EQN_CONTEXT_FIELDS = (
-    "compute_type",
-    "threefry_partitionable",
-    "cur_abstract_mesh",
-    "remove_size_one_mesh_axis",
-    "xla_metadata",
-)
-
-
-def _open_jaxpr_text(jaxpr: Any, canon: Canonicalizer) -> str:
-    names: dict[Any, str] = {}
-    contexts: dict[int, str] = {}  # equations mostly share a few context objects
-
-    def context(ctx: Any) -> str:
-        text = contexts.get(id(ctx))
-        if text is None:
-            text = contexts[id(ctx)] = ",".join(canon.value(getattr(ctx, f, None)) for f in _EQN_CONTEXT_FIELDS)
-        return text
-
-    def define(v: Any) -> str:
-        if isinstance(v, _core.DropVar):
-            return f"_:{_aval_text(v.aval)}"
-        names[v] = f"%{len(names)}"
-        return f"{names[v]}:{_aval_text(v.aval)}"
-
-    def use(v: Any) -> str:
-        if isinstance(v, _core.Literal):
-            return f"lit({canon.value(np.asarray(v.val))}:{_aval_text(v.aval)})"
-        return names.get(v, "%free")
-
-    lines = [
-        "const " + " ".join(define(v) for v in jaxpr.constvars),
-        "in " + " ".join(define(v) for v in jaxpr.invars),
-    ]
-    for eqn in jaxpr.eqns:
-        ins = " ".join(use(v) for v in eqn.invars)
-        params = ",".join(f"{k}={canon.value(eqn.params[k])}" for k in sorted(eqn.params))
-        ctx = context(eqn.ctx)
-        outs = " ".join(define(v) for v in eqn.outvars)
-        lines.append(f"{outs} = {eqn.primitive.name}[{params}] {ins} {_effects_text(eqn.effects)} ctx({ctx})")
-    lines.append("out " + " ".join(use(v) for v in jaxpr.outvars))
-    lines.append("effects " + _effects_text(jaxpr.effects))
-    return "{" + "\n".join(lines) + "}"
+# JAX's internal types, for the canonical text of a jaxpr (``residual_store.canonical``)
 
 
 _DEBUG_TYPES = (_lu.DebugInfo, _source_info_util.SourceInfo, _source_info_util.Traceback)
@@ -666,42 +444,35 @@ _DEBUG_TYPES = (_lu.DebugInfo, _source_info_util.SourceInfo, _source_info_util.T
 them, a renamed file changes them, so no text of a computation may hold them."""
 
 
-def _canonical_hook(v: Any, canon: Canonicalizer) -> str | None:
-    """Text for JAX's internal types inside jaxprs (``JAXPR_TEXT``); ``None`` for anything else."""
+JaxKind = Literal["closed_jaxpr", "jaxpr", "aval", "primitive", "extended_dtype", "debug", "wrapped_fun"]
+
+
+def internal_kind(v: Any) -> JaxKind | None:
+    """Which of JAX's internal types ``v`` is, for the canonical text of a jaxpr
+    (:func:`residual_store.canonical.jaxpr_text`; ``JAXPR_TEXT``, ``DEBUG_INFO``): a
+    ``ClosedJaxpr`` (``jaxpr``, ``consts``), an open ``Jaxpr``, an abstract value, a
+    ``Primitive`` (``name``), an extended dtype (typed PRNG keys), debug info (never part of a
+    computation) or a ``WrappedFun`` (``f``, ``transforms``, ``params``); ``None`` for any other
+    value."""
     if isinstance(v, _core.ClosedJaxpr):
-        consts = ",".join(canon.value(c) for c in v.consts)
-        return f"closed({_open_jaxpr_text(v.jaxpr, canon)};consts({consts}))"
+        return "closed_jaxpr"
     if isinstance(v, _core.Jaxpr):
-        return _open_jaxpr_text(v, canon)
+        return "jaxpr"
     if isinstance(v, _core.AbstractValue):
-        return f"aval {_aval_text(v)}"
+        return "aval"
     if isinstance(v, _core.Primitive):
-        return f"primitive {v.name}"
-    if isinstance(v, _dtypes.ExtendedDType):  # typed PRNG keys' dtypes
-        return f"dtype {v}"
-    if isinstance(v, _DEBUG_TYPES):  # names and source lines for messages (``DEBUG_INFO``)
+        return "primitive"
+    if isinstance(v, _dtypes.ExtendedDType):
+        return "extended_dtype"
+    if isinstance(v, _DEBUG_TYPES):
         return "debug"
-    if isinstance(v, _lu.WrappedFun):  # a function JAX holds with its pending transformations
-        return f"wrapped({canon.value(v.f)};{canon.value(v.transforms)};{canon.value(v.params)})"
+    if isinstance(v, _lu.WrappedFun):
+        return "wrapped_fun"
     return None
 
 
-def canonicalizer() -> Canonicalizer:
-    """A :class:`~residual_store.canonical.Canonicalizer` that also writes jaxprs, avals,
-    primitives and JAX's wrapped functions."""
-    return Canonicalizer(hook=_canonical_hook)
-
-
-def jaxpr_text(closed_jaxpr: Any, canon: Canonicalizer | None = None) -> str:
-    """The computation of a (closed) jaxpr as process-independent text (``JAXPR_TEXT``).
-
-    Variables are numbered in order of definition, per jaxpr; every equation is written as its
-    primitive, its params (sorted by name, each canonical: nested jaxprs, dtypes, shardings,
-    callbacks by their code and closure values), its inputs, outputs with avals, effects and
-    context (compute type, PRNG partitionability, mesh); the values of a closed jaxpr's
-    constants are included. Source locations and debug names are not.
-    """
-    return (canon or canonicalizer()).value(closed_jaxpr)
+# --------------------------------------------------------------------------------------------
+# Host callbacks (what ``jax.export`` cannot serialize)
 
 
 HOST_CALLBACK_PRIMITIVES = frozenset(

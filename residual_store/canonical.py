@@ -20,7 +20,9 @@ the values are equal, whatever ``PYTHONHASHSEED`` is and wherever objects sit in
   device ids or the platform), and ``PyTreeDef`` by node types and their auxiliary data.
 
 Anything else falls back to its type's qualified name and its (scrubbed) ``repr``. A hook lets
-the one module that knows JAX's internal types (``_jax_internals``) write jaxprs and avals.
+a caller write types of its own; :func:`canonicalizer` and :func:`jaxpr_text` use one to write
+jaxprs, avals, primitives and JAX's wrapped functions (:func:`jaxpr_text` says what of a jaxpr
+is written), telling JAX's internal types apart through ``_jax_internals.internal_kind``.
 
 Example:
   >>> Canonicalizer().value(frozenset({"b", "a"}))
@@ -41,7 +43,9 @@ import jax
 import numpy as np
 import xxhash
 
-__all__ = ["Canonicalizer", "array_text", "qualified_name", "scrub"]
+from residual_store import _jax_internals
+
+__all__ = ["Canonicalizer", "array_text", "canonicalizer", "jaxpr_text", "qualified_name", "scrub"]
 
 _HEX_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 _DECIMAL_ID = re.compile(r"\bid=\d+")  # JAX's Var reprs: id() in decimal
@@ -133,7 +137,7 @@ class Canonicalizer:
 
     Args:
       hook: called first for every value; returns its text, or ``None`` to let the
-        canonicalizer handle it (``_jax_internals`` writes jaxprs and avals this way).
+        canonicalizer handle it (:func:`canonicalizer` writes jaxprs and avals this way).
     """
 
     def __init__(self, hook: Hook | None = None) -> None:
@@ -244,3 +248,108 @@ _SCALARS: dict[type, Callable[[Any], str]] = {
     float: lambda v: f"f{v!r}",
     complex: lambda v: f"c{v!r}",
 }
+
+
+# --------------------------------------------------------------------------------------------
+# A process-independent text of a jaxpr (what the signature hashes)
+
+
+def _aval_text(aval: Any) -> str:
+    """``str(aval)`` (weak types as ``~``, explicit shardings as ``@axis``, ``JAXPR_TEXT``) plus
+    the memory space where it is not the device's."""
+    text = str(aval)
+    space = getattr(aval, "memory_space", None)
+    name = getattr(space, "name", None)
+    if name is not None and name != "Device":
+        text += f"<{name}>"
+    return text
+
+
+def _effects_text(effects: Any) -> str:
+    return "{" + ",".join(sorted(qualified_name(type(e)) + ":" + scrub(repr(e)) for e in effects)) + "}"
+
+
+_EQN_CONTEXT_FIELDS = (
+    "compute_type",
+    "threefry_partitionable",
+    "cur_abstract_mesh",
+    "remove_size_one_mesh_axis",
+    "xla_metadata",
+)
+
+
+def _open_jaxpr_text(jaxpr: Any, canon: Canonicalizer) -> str:
+    """One open jaxpr as text, its variables numbered in order of definition (``JAXPR_TEXT``)."""
+    names: dict[Any, str] = {}
+    contexts: dict[int, str] = {}  # equations mostly share a few context objects
+
+    def context(ctx: Any) -> str:
+        text = contexts.get(id(ctx))
+        if text is None:
+            text = contexts[id(ctx)] = ",".join(canon.value(getattr(ctx, f, None)) for f in _EQN_CONTEXT_FIELDS)
+        return text
+
+    def define(v: Any) -> str:
+        if _jax_internals.is_dropped(v):
+            return f"_:{_aval_text(v.aval)}"
+        names[v] = f"%{len(names)}"
+        return f"{names[v]}:{_aval_text(v.aval)}"
+
+    def use(v: Any) -> str:
+        if _jax_internals.is_literal(v):
+            return f"lit({canon.value(np.asarray(v.val))}:{_aval_text(v.aval)})"
+        return names.get(v, "%free")
+
+    lines = [
+        "const " + " ".join(define(v) for v in jaxpr.constvars),
+        "in " + " ".join(define(v) for v in jaxpr.invars),
+    ]
+    for eqn in jaxpr.eqns:
+        ins = " ".join(use(v) for v in eqn.invars)
+        params = ",".join(f"{k}={canon.value(eqn.params[k])}" for k in sorted(eqn.params))
+        ctx = context(eqn.ctx)
+        outs = " ".join(define(v) for v in eqn.outvars)
+        lines.append(f"{outs} = {eqn.primitive.name}[{params}] {ins} {_effects_text(eqn.effects)} ctx({ctx})")
+    lines.append("out " + " ".join(use(v) for v in jaxpr.outvars))
+    lines.append("effects " + _effects_text(jaxpr.effects))
+    return "{" + "\n".join(lines) + "}"
+
+
+def _jaxpr_hook(v: Any, canon: Canonicalizer) -> str | None:
+    """Text for JAX's internal types inside jaxprs (``JAXPR_TEXT``); ``None`` for anything else."""
+    kind = _jax_internals.internal_kind(v)
+    if kind is None:
+        return None
+    if kind == "closed_jaxpr":
+        consts = ",".join(canon.value(c) for c in v.consts)
+        return f"closed({_open_jaxpr_text(v.jaxpr, canon)};consts({consts}))"
+    if kind == "jaxpr":
+        return _open_jaxpr_text(v, canon)
+    if kind == "aval":
+        return f"aval {_aval_text(v)}"
+    if kind == "primitive":
+        return f"primitive {v.name}"
+    if kind == "extended_dtype":  # typed PRNG keys' dtypes
+        return f"dtype {v}"
+    if kind == "debug":  # names and source lines for messages (``DEBUG_INFO``)
+        return "debug"
+    # a function JAX holds with its pending transformations (``WrappedFun``)
+    return f"wrapped({canon.value(v.f)};{canon.value(v.transforms)};{canon.value(v.params)})"
+
+
+def canonicalizer() -> Canonicalizer:
+    """A :class:`Canonicalizer` that also writes jaxprs, avals, primitives and JAX's wrapped
+    functions."""
+    return Canonicalizer(hook=_jaxpr_hook)
+
+
+def jaxpr_text(closed_jaxpr: Any, canon: Canonicalizer | None = None) -> str:
+    """The computation of a (closed) jaxpr as process-independent text (``JAXPR_TEXT``).
+
+    Variables are numbered in order of definition, per jaxpr; every equation is written as its
+    primitive, its params (sorted by name, each canonical: nested jaxprs, dtypes, shardings,
+    callbacks by their code and closure values), its inputs, outputs with avals, effects and
+    context (compute type, PRNG partitionability, mesh); the values of a closed jaxpr's
+    constants are included. Source locations and debug names are not.
+    """
+    return (canon or canonicalizer()).value(closed_jaxpr)

@@ -1,6 +1,6 @@
 """The names of residuals (``ctx.spec.names``): where each residual came from, in words.
 
-Pure functions over what :func:`residual_store._jax_internals.output_origins` found (an
+Pure functions over what :func:`residual_store.origins.output_origins` found (an
 ``Origin``: the producing primitive, a ``checkpoint_name`` label, the user's source line, the
 equation's name stack, the nearest weight feeding it) and the inputs' key paths. Names are for
 people: they are not part of the signature, and they hold nothing that changes between processes
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from residual_store._jax_internals import Origin
+    from residual_store.origins import Origin
 
 __all__ = [
     "constant_name",

@@ -17,7 +17,7 @@ A signature is ``"rs2-"`` and the first 128 bits (hex) of the SHA-256 of a canon
 5. the **backward computation**: the jaxpr of the backward over the residual avals and the
    cotangent, with its constants' values.
 
-Jaxprs are written by ``_jax_internals.jaxpr_text``: primitives, params (nested jaxprs, remat
+Jaxprs are written by ``canonical.jaxpr_text``: primitives, params (nested jaxprs, remat
 policies, dtypes, shardings, host callbacks by their code and closure values), variables
 numbered in order, literal values, effects; never memory addresses, source locations or
 set/dict iteration order. ``custom_vjp``/``custom_jvp`` rules are traced into these jaxprs, so
@@ -38,8 +38,7 @@ from typing import Any
 import jax
 import jaxlib
 
-from residual_store import _jax_internals
-from residual_store.canonical import Canonicalizer
+from residual_store.canonical import Canonicalizer, canonicalizer, jaxpr_text
 from residual_store.context import CallSpec
 
 __all__ = ["SIGNATURE_PREFIX", "compute_signature", "is_current", "treedef_fingerprint"]
@@ -81,7 +80,7 @@ def compute_signature(
       slots: per residual ``(source, index)``: a constant, an input or a computed output.
       backward: the backward's closed jaxpr.
     """
-    canon = _jax_internals.canonicalizer()
+    canon = canonicalizer()
     h = hashlib.sha256()
 
     def add(label: str, text: str) -> None:
@@ -108,11 +107,11 @@ def compute_signature(
         add("in_aval", f"{a.shape}|{a.dtype}|{a.weak_type}|{a.placement}|{a.memory_kind}")
     add("out_tree", canon.value(out_tree))
     add("aux_tree", canon.value(aux_tree))
-    add("forward", _jax_internals.jaxpr_text(forward, canon))
+    add("forward", jaxpr_text(forward, canon))
     for const in forward_consts:
         add("forward_const", canon.value(const))
     add("slots", repr(tuple(slots)))
-    add("backward", _jax_internals.jaxpr_text(backward, canon))
+    add("backward", jaxpr_text(backward, canon))
     return SIGNATURE_PREFIX + h.hexdigest()[:32]
 
 
@@ -123,14 +122,14 @@ def later_signature(*, parent: str, now: Sequence[int], avals: Sequence[Any], we
     """The signature of the ``later`` context of a B/W split: a digest of the parent signature
     (which covers the whole forward and backward), the arguments B differentiated (``now``), the
     avals of what ``later`` holds and the jaxpr of the W half that runs on it."""
-    canon = _jax_internals.canonicalizer()
+    canon = canonicalizer()
     h = hashlib.sha256()
     for label, text in (
         ("format", _LATER_TAG),
         ("parent", parent),
         ("now", repr(tuple(now))),
         *(("aval", f"{tuple(a.shape)}|{a.dtype}") for a in avals),
-        ("weight_half", _jax_internals.jaxpr_text(weight_half, canon)),
+        ("weight_half", jaxpr_text(weight_half, canon)),
     ):
         data = text.encode()
         h.update(f"{label}:{len(data)}:".encode())

@@ -25,6 +25,7 @@ from residual_store import _jax_internals, filters, names, placement, remat, slo
 from residual_store.context import CallSpec, InputAval, ResidualSpec
 from residual_store.errors import InvalidArgumentError, SignatureMismatchError
 from residual_store.halves import GradParts
+from residual_store.origins import output_origins
 from residual_store.signature import compute_signature
 
 __all__ = ["Options", "Traced", "trace"]
@@ -322,7 +323,7 @@ def _spec(
     # them; the forward jaxpr's inputs are the constants, then the flat input leaves.
     weights = [n_consts + j for j, pos in enumerate(leaf_args) if pos in opts.weight_argnums]
     diffs = [n_consts + j for j, pos in enumerate(leaf_args) if pos in opts.argnums]
-    found = _jax_internals.output_origins(traced.jaxpr, output_slots, weights=weights, inputs=diffs)
+    found = output_origins(traced.jaxpr, output_slots, weights=weights, inputs=diffs)
     origins = dict(zip(output_slots, found))
     labels, input_paths, kinds = [], [], []
     for src, i in res_slots:
