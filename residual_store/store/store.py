@@ -29,33 +29,29 @@ from residual_store.errors import (
     ResidualStoreWarning,
     StoreFullError,
 )
-from residual_store.store import backwards
+from residual_store.store import backwards, gc
 from residual_store.store.collective import TIMEOUT_S
 from residual_store.store.budgets import Headroom, parse_budget, parse_size
 from residual_store.store.committer import Committer, open_committer
 from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
 from residual_store.store.host import (
-    ShardedHost,
-    WeightSums,
     for_writing,
     holds_device_memory,
     host_arrays,
-    is_whole_on,
     place,
     read_device,
     stage_shared,
     to_device,
-    to_device_sharded,
     to_host,
     to_numpy,
 )
 from residual_store.store import inspection
 from residual_store.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store.store.keys import new_key, validate_key
-from residual_store.store.layout import StaleData, weight_path
-from residual_store.store.records import StoredContext
+from residual_store.store.layout import StaleData
 from residual_store.store.tiers import Tiers, own_nbytes
+from residual_store.store.weights import LiveWeights
 from residual_store.store.workers import Loader, Writer
 
 __all__ = ["Store"]
@@ -221,9 +217,7 @@ class Store:
         self._on_disk: set[str] = set()
         self._backwards_seen: set[str] = set()  # signatures whose backward this store saved
         self._warnings: list[str] = []  # from background work, emitted on the caller's thread
-        # path (and sharding) -> live weight; an entry goes when its array does
-        self._weights: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
-        self._weight_sums = WeightSums()  # live weights' checksums: hashed once, not per put
+        self._weights = LiveWeights()  # hashed once, not per put; read back without reading
         writes = self._disk is not None and not self._read_only
         # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
         self._writer = Writer(int(max_pending_bytes), on_idle=self._disk.sync_commits) if writes else None
@@ -403,7 +397,7 @@ class Store:
         try:
             try:
                 arrays, impls = host_arrays(ctx, staged)
-                known = self._weight_sums.of(ctx, arrays)
+                known = self._weights.checksums(ctx, arrays)
                 spec, nbytes, residuals = ctx.spec, own_nbytes(ctx), ctx.residuals
                 # Only the host arrays from here on: the context's device arrays can go while the
                 # commit runs (a slow, durable one most of all) once nothing else holds them.
@@ -416,7 +410,7 @@ class Store:
                         self._forget_memory(key)
                 raise
             self._drop_later(stale)
-            self._hold_weights(residuals, impls, known[1])
+            self._weights.hold(residuals, impls, known[1])
             with self._lock:
                 self._disk_io["writes"] += 1
                 self._disk_io["bytes_written"] += nbytes
@@ -426,26 +420,6 @@ class Store:
             with self._lock:
                 if self._pending.get(key, (None, None))[1] is token:
                     del self._pending[key]
-
-    def _hold_weights(self, residuals: Sequence[Any], impls: Sequence[str | None], digests: Mapping[int, str]) -> None:
-        """Remembers the live weights a write stored, by path: while the caller holds them, a
-        context read back takes these very arrays (read from nowhere, copied nowhere) as the one
-        put did, where a read would place them (see :meth:`_live_weights`)."""
-        for i, digest in digests.items():
-            x = residuals[i]
-            if impls[i] is None and isinstance(x, jax.Array) and not x.is_deleted():
-                path = weight_path(digest)
-                with self._lock:
-                    held = self._weights.get(path)
-                    if held is None or held.is_deleted():
-                        self._weights[path] = x
-
-    def _live_weights(self) -> dict[str, jax.Array]:
-        """The weights a read need not read, by path: live arrays whole on the device the read
-        places its arrays on (a weight the caller donated since, or one elsewhere, is read)."""
-        device = read_device(self._target)
-        with self._lock:
-            return {k: v for k, v in self._weights.items() if isinstance(k, str) and is_whole_on(v, device)}
 
     def _drop_later(self, stale: StaleData | None) -> None:
         """Hands data no manifest references any more to the janitor, off the write path."""
@@ -584,7 +558,7 @@ class Store:
     def _load_and_promote(self, key: str) -> ResidualContext:
         if self._disk is None:
             raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
-        live = self._live_weights()  # kept alive until placed: not read again
+        live = self._weights.on(self._target)  # kept alive until placed: not read again
         stored, arrays = self._disk.read(key, skip=live)  # sharded: only this process's chunks
         with self._lock:
             self._disk_io["reads"] += 1
@@ -594,7 +568,8 @@ class Store:
         _check_representable(key, stored.spec)
         residuals = place(
             arrays, [r.shared for r in stored.records], stored.key_impls,
-            functools.partial(self._shared_array, stored, arrays, live), self._target,
+            functools.partial(self._weights.device_array, [r.path for r in stored.records], arrays, live, self._target),
+            self._target,
         )
         ctx = ResidualContext(residuals, stored.spec)
         self._ensure_backward(stored.spec.signature)
@@ -607,21 +582,6 @@ class Store:
         for write in spills:
             self._schedule_write(*write)
         return ctx
-
-    def _shared_array(self, stored: StoredContext, arrays: Any, live: dict[str, Any], i: int) -> jax.Array:
-        """One device array per stored weight (and sharding) while any loaded context holds it;
-        ``live``: those held when the read began (not read again)."""
-        path, x = stored.records[i].path, arrays[i]
-        if x is None:
-            return live[path]
-        sharded = isinstance(x, ShardedHost)
-        cache_key: Any = (path, x.placement) if sharded else path
-        with self._lock:
-            held = self._weights.get(cache_key)
-            if held is None or held.is_deleted() or not (sharded or is_whole_on(held, read_device(self._target))):
-                held = to_device_sharded(x) if sharded else jax.device_put(x, self._target)
-                self._weights[cache_key] = held
-            return held
 
     def _ensure_backward(self, signature: str) -> None:
         """Offers the stored backward of ``signature`` to ``rs.backward``, which deserializes it
@@ -923,9 +883,9 @@ class Store:
         if not dry_run:
             self._check_writable("gc")
         if self._disk is None:
-            return {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0, "young": 0, "bytes": 0}
+            return gc.nothing_removed()
         self.flush()
-        return self._disk.gc(older_than, dry_run=dry_run, progress=progress)
+        return gc.collect(self._disk, older_than, dry_run=dry_run, progress=progress)
 
     def close(self) -> None:
         """Flushes and stops the background threads; the store cannot be used afterwards."""
