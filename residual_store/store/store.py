@@ -8,7 +8,6 @@ import itertools
 import numbers
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -18,15 +17,12 @@ import jax
 import numpy as np
 
 from residual_store import _jax_internals
-from residual_store.backward import find_backward
 from residual_store.context import OWN_KINDS, ResidualContext, check_representable, describe_residual
 from residual_store.errors import (
-    BackwardUnavailableError,
     ContextNotFoundError,
     CorruptContextError,
     InvalidArgumentError,
     ReadOnlyStoreError,
-    ResidualStoreWarning,
     StoreFullError,
 )
 from residual_store.store import backwards, gc
@@ -204,7 +200,6 @@ class Store:
         self._committer: Committer | None = (
             open_committer(self._disk, float(collective_timeout)) if self._disk is not None else None
         )
-        self._saves_backwards = self._committer is not None and self._committer.saves_backwards
         self._write_through = bool(write_through) or (self._committer is not None and self._committer.writes_through)
         self._durable = bool(durable)
         self._lock = threading.RLock()
@@ -215,12 +210,14 @@ class Store:
         self._pending_reads = 0  # gets served from a pending write's host copy (no disk read)
         self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
-        self._backwards_seen: set[str] = set()  # signatures whose backward this store saved
-        self._warnings: list[str] = []  # from background work, emitted on the caller's thread
         self._weights = LiveWeights()  # hashed once, not per put; read back without reading
         writes = self._disk is not None and not self._read_only
         # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
         self._writer = Writer(int(max_pending_bytes), on_idle=self._disk.sync_commits) if writes else None
+        # saves each signature's backward once, on the writer thread
+        self._backwards = backwards.Saver(
+            self._disk, self._writer, durable=self._durable, saves=self._committer.saves_backwards,
+        ) if self._writer is not None else None
         self._loader = Loader()
         self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
         self._closed = False
@@ -265,7 +262,8 @@ class Store:
         """
         self._check_open()
         self._check_writable("put")
-        self._emit_warnings()
+        if self._backwards is not None:
+            self._backwards.emit_warnings()  # of earlier saves, at this put's caller
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"put expects a rs.ResidualContext, got {type(ctx).__name__}")
         if _jax_internals.any_tracer(ctx.residuals):
@@ -281,8 +279,8 @@ class Store:
         key = new_key() if key is None else validate_key(key)
         # the weights' host copies, now: a donation after put returns cannot break the write
         staged = stage_shared(ctx) if self._disk is not None and self._write_through else None
-        if self._disk is not None:
-            self._save_backward(ctx)
+        if self._backwards is not None:
+            self._backwards.save(ctx)
         size = own_nbytes(ctx)
         with self._lock:
             if self._disk is None:
@@ -427,72 +425,6 @@ class Store:
             assert self._disk is not None
             assert self._committer is not None
             self._janitor.submit(functools.partial(self._disk.drop_data, stale, recycle=self._committer.recycles))
-
-    def _save_backward(self, ctx: ResidualContext) -> None:
-        """Once per signature and store, on the writer thread: save the backward, so other
-        processes can run it without the model. A backward known to be unexportable (host
-        callbacks) warns here, at the ``put``; other export failures warn at the next ``put``,
-        ``flush`` or ``close``."""
-        assert self._disk is not None and self._writer is not None
-        sig = ctx.spec.signature
-        with self._lock:
-            if sig in self._backwards_seen:
-                return
-            self._backwards_seen.add(sig)
-        if not self._saves_backwards:
-            return  # process 0 saves it for the job
-        bwd = ctx._backward or find_backward(sig)
-        if bwd is None or bwd.unavailable is not None:
-            return
-        if bwd.unexportable is not None:
-            reason = f"the backward of signature {sig} cannot be serialized with jax.export: {bwd.unexportable}"
-            self._warn_unexportable(reason, stacklevel=4)
-            self._writer.submit(functools.partial(self._record_unavailable, sig, reason), 0)
-            return
-        mesh = backwards.explicit_mesh(ctx.residuals)
-        self._writer.submit(functools.partial(self._export_backward, sig, bwd, ctx.spec.avals, mesh), 0)
-
-    def _export_backward(self, sig: str, bwd: Any, avals: Any, mesh: Any) -> None:
-        """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
-        assert self._disk is not None
-        try:
-            if self._disk.has_backward(sig):
-                return
-            try:
-                data, manifest = backwards.serialize(bwd, avals, mesh)
-            except BackwardUnavailableError as err:
-                with self._lock:
-                    self._warnings.append(str(err))
-                self._record_unavailable(sig, str(err))
-                return
-            self._disk.write_backward(sig, data, manifest, fsync=self._durable)
-        except BaseException:
-            with self._lock:  # not saved (a full disk, no answer): the next put of this signature retries
-                self._backwards_seen.discard(sig)
-            raise
-
-    def _record_unavailable(self, sig: str, reason: str) -> None:
-        """Stores why the backward of ``sig`` could not be exported (``ls`` and ``inspect`` show
-        it; a process without the model gets it as the reason)."""
-        assert self._disk is not None
-        if not self._disk.has_backward(sig):
-            self._disk.write_backward(sig, None, backwards.unavailable_manifest(sig, reason), fsync=self._durable)
-
-    @staticmethod
-    def _warn_unexportable(reason: str, stacklevel: int) -> None:
-        warnings.warn(
-            f"{reason}; processes without the model cannot run it. The context is stored; only "
-            "processes that define the function can run its backward.",
-            ResidualStoreWarning,
-            stacklevel=stacklevel,
-        )
-
-    def _emit_warnings(self) -> None:
-        """Warnings of background work, on the caller's thread (stack level: its call)."""
-        with self._lock:
-            pending, self._warnings = self._warnings, []
-        for reason in pending:
-            self._warn_unexportable(reason, stacklevel=4)
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
 
@@ -853,7 +785,8 @@ class Store:
             elif self._writer is not None:
                 self._writer.flush()
         finally:
-            self._emit_warnings()
+            if self._backwards is not None:
+                self._backwards.emit_warnings()  # of background saves, at this flush's caller
 
     def _flush_keys(self, keys: Sequence[str]) -> None:
         with self._lock:
