@@ -1,10 +1,10 @@
 """Stored backwards: once per signature and store, the backward serialized with ``jax.export``, so
 a process without the model can run ``rs.backward(store.get(key))``.
 
-Saving (:class:`Saver`, one per writable store) runs on the store's writer thread (exporting takes tens of milliseconds; ``put``
-returns at once). ``get`` reads and checks the stored backward and offers it
-(``residual_store.backward.offer_backward``): it is deserialized only when ``rs.backward`` needs
-it. Loading checks a stored backward like data (its manifest, its checksum, that
+Saving (:class:`Saver`, one per writable store) runs on the store's writer thread (exporting
+takes tens of milliseconds; ``put`` returns at once). ``get`` reads and checks the stored backward
+and offers it (``residual_store.backward.offer_backward``): it is deserialized only when
+``rs.backward`` needs it. Loading checks a stored backward like data (its manifest, its checksum, that
 it names its signature) and matches it to this process's platform and device count. A damaged,
 unreadable or unsuitable stored backward never blocks ``get``: it is registered as a backward
 that raises when run, so only ``rs.backward`` in a process without a live split of that
@@ -27,7 +27,12 @@ import numpy as np
 
 import serializers
 from residual_store.backward import Backward, find_backward, lookup_backward, offer_backward, register_backward
-from residual_store.errors import BackwardUnavailableError, CorruptContextError, ResidualStoreError, ResidualStoreWarning
+from residual_store.errors import (
+    BackwardUnavailableError,
+    CorruptContextError,
+    ResidualStoreError,
+    ResidualStoreWarning,
+)
 from residual_store.export import export_backward, load_backward
 from residual_store.keypaths import PathStructure
 from residual_store.placement import has_explicit_axes

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import numbers
 import os
 import threading
 import weakref
@@ -27,7 +26,8 @@ from residual_store.errors import (
 )
 from residual_store.store import backwards, gc
 from residual_store.store.collective import TIMEOUT_S
-from residual_store.store.budgets import Headroom, parse_budget, parse_size
+from residual_store.store.backends import check_path
+from residual_store.store.budgets import Headroom, parse_budget, parse_bytes, parse_seconds, parse_size
 from residual_store.store.committer import Committer, open_committer
 from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
@@ -46,6 +46,7 @@ from residual_store.store import inspection
 from residual_store.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store.store.keys import new_key, validate_key
 from residual_store.store.layout import StaleData
+from residual_store.store.schedule import loads_ahead
 from residual_store.store.tiers import Tiers, own_nbytes
 from residual_store.store.weights import LiveWeights
 from residual_store.store.workers import Loader, Writer
@@ -76,20 +77,6 @@ def _shut_down(writer: Writer | None, loader: Loader, janitor: Loader) -> None:
         writer.close(wait=False)
     loader.close(wait=False)
     janitor.close(wait=False)
-
-
-def _check_path(path: Any) -> None:
-    if path is None or isinstance(path, Mapping):
-        return
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgumentError(
-            f"Store path must be a folder (str or os.PathLike), a tensorstore kvstore spec (dict) or "
-            f"None for memory only, got {type(path).__name__}: {path!r}"
-        )
-    if isinstance(os.fspath(path), bytes):
-        raise InvalidArgumentError(f"Store path must be a str path, not bytes: {path!r}")
-    if not os.fspath(path):
-        raise InvalidArgumentError("Store path is empty: give a folder, or None for memory only")
 
 
 class Store:
@@ -167,7 +154,7 @@ class Store:
         self._read_only = bool(read_only)
         if path is None and self._read_only:
             raise InvalidArgumentError("a memory-only store (path=None) cannot be read_only")
-        _check_path(path)
+        check_path(path)
         # Arguments first: a refused one must not leave a new store on disk.
         if device is not None and not isinstance(device, jax.Device):
             raise InvalidArgumentError(f"device must be a jax.Device or None, got {type(device).__name__}")
@@ -177,28 +164,16 @@ class Store:
         host_budget = parse_size(host_budget, "host_budget")
         self._tiers = Tiers(device_budget, host_budget, demote=to_host)
         self._device, self._host = self._tiers.device, self._tiers.host
-        for name, value in (("max_pending_bytes", max_pending_bytes), ("read_buffer_bytes", read_buffer_bytes)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-                raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
-        if (
-            isinstance(collective_timeout, bool)
-            or not isinstance(collective_timeout, numbers.Real)
-            or not 0 < float(collective_timeout) < float("inf")
-        ):
-            raise InvalidArgumentError(
-                f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}"
-            )
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < float(timeout) < float("inf")
-        ):
-            raise InvalidArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        max_pending_bytes = parse_bytes(max_pending_bytes, "max_pending_bytes")
+        read_buffer_bytes = parse_bytes(read_buffer_bytes, "read_buffer_bytes")
+        collective_timeout = parse_seconds(collective_timeout, "collective_timeout")
+        timeout = parse_seconds(timeout, "timeout", optional=True)
         self._disk = DiskTier(
-            path, create=create, read_only=read_only, read_buffer_bytes=int(read_buffer_bytes),
-            timeout=None if timeout is None else float(timeout),
+            path, create=create, read_only=read_only, read_buffer_bytes=read_buffer_bytes, timeout=timeout,
         ) if path is not None else None
         # how writes and deletes reach the disk (collectively, in a job of several processes)
         self._committer: Committer | None = (
-            open_committer(self._disk, float(collective_timeout)) if self._disk is not None else None
+            open_committer(self._disk, collective_timeout) if self._disk is not None else None
         )
         self._write_through = bool(write_through) or (self._committer is not None and self._committer.writes_through)
         self._durable = bool(durable)
@@ -213,7 +188,7 @@ class Store:
         self._weights = LiveWeights()  # hashed once, not per put; read back without reading
         writes = self._disk is not None and not self._read_only
         # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
-        self._writer = Writer(int(max_pending_bytes), on_idle=self._disk.sync_commits) if writes else None
+        self._writer = Writer(max_pending_bytes, on_idle=self._disk.sync_commits) if writes else None
         # saves each signature's backward once, on the writer thread
         self._backwards = backwards.Saver(
             self._disk, self._writer, durable=self._durable, saves=self._committer.saves_backwards,
@@ -585,24 +560,17 @@ class Store:
                 return
             upcoming = list(itertools.islice(self._tiers.schedule.upcoming(), _LOOKAHEAD))
             in_flight = sum(1 for f in self._loading.values() if not f.done())
-        budget, used, start = self._device.budget, 0, []
-        for i, key in enumerate(upcoming):
-            size = self._own_size(key)
-            if size is None:
-                break
-            if i > 0 and budget is not None and used + size > budget:
-                break
-            used += size
-            with self._lock:
-                if key in self._device or key in self._loading:
-                    continue
-            if in_flight + len(start) >= _AHEAD:
-                break
-            start.append(key)
+        start = loads_ahead(
+            upcoming, self._own_size, self._on_device_or_loading, self._device.budget, _AHEAD - in_flight
+        )
         with self._lock:
             for key in start:
                 if key not in self._loading and key not in self._device and key not in self._deleting:
                     self._loading[key] = self._loader.submit(functools.partial(self._load, key))
+
+    def _on_device_or_loading(self, key: str) -> bool:
+        with self._lock:
+            return key in self._device or key in self._loading
 
     def _own_size(self, key: str) -> int | None:
         """The own bytes of ``key`` wherever it is, or ``None`` if the store does not hold it."""
@@ -738,20 +706,7 @@ class Store:
             result["pending"] = {
                 "bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting), "reads": self._pending_reads,
             }
-        disk = {"bytes": 0, "contexts": 0, "own_bytes": 0, **io}
-        if self._disk is not None:
-            seen: set[str] = set()
-            for _, stored in self._disk.iter_manifests():
-                if isinstance(stored, CorruptContextError):
-                    continue
-                disk["contexts"] += 1
-                for record in stored.records:
-                    if not record.shared:
-                        disk["own_bytes"] += record.nbytes
-                    if record.path not in seen:
-                        seen.add(record.path)
-                        disk["bytes"] += record.nbytes
-        result["disk"] = disk
+        result["disk"] = {**inspection.disk_bytes(self._disk), **io}
         return result
 
     # -- flush, close -------------------------------------------------------------------------
