@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import json
 import os
 import threading
 from cachetools import LRUCache
@@ -147,23 +146,7 @@ class DiskTier:
             ) from err
         if data is None:
             return False
-        what = f"{self.backend.description}: store marker {STORE_MARKER}"
-        try:
-            marker = json.loads(data[: 1 << 16].decode("utf-8")) if len(data) <= 1 << 16 else None
-        except (UnicodeDecodeError, ValueError):
-            marker = None
-        if not isinstance(marker, dict) or marker.get("format") != "residual-store":
-            raise CorruptContextError(f"{what} is damaged (not a residual-store marker): {data[:80]!r}")
-        version = marker.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise CorruptContextError(f"{what} has an invalid format version {version!r}")
-        if version > STORE_VERSION:
-            raise CorruptContextError(
-                f"{what} has format version {version}, newer than the version {STORE_VERSION} this "
-                f"residual-store reads: upgrade residual-store to open it (nothing was read or "
-                "written)"
-            )
-        self._version = version
+        self._version = layout.marker_version(data, f"{self.backend.description}: store marker {STORE_MARKER}")
         return True
 
     def ensure_groups(self) -> None:
