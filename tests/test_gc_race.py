@@ -252,7 +252,7 @@ def test_a_gc_paused_after_reading_the_manifests_never_removes_what_a_writer_com
             os.utime(root / folder / name, (old, old))
 
     snapshotted, go = threading.Event(), threading.Event()
-    real = DiskTier._references
+    real = DiskTier.references
 
     def paused(self):
         found = real(self)
@@ -264,7 +264,7 @@ def test_a_gc_paused_after_reading_the_manifests_never_removes_what_a_writer_com
     results = {}
     collector = rs.Store(root)
     try:
-        DiskTier._references = paused
+        DiskTier.references = paused
         gc_thread = threading.Thread(target=lambda: results.update(gc=collector.gc(older_than=1.0)), name="gc")
         gc_thread.start()
         assert snapshotted.wait(10)
@@ -275,7 +275,7 @@ def test_a_gc_paused_after_reading_the_manifests_never_removes_what_a_writer_com
         gc_thread.join(10)
         put_thread.join(10)
     finally:
-        DiskTier._references = real
+        DiskTier.references = real
         collector.close()
     writer.close()
     with rs.Store(root, read_only=True) as reader:

@@ -35,7 +35,7 @@ from serializers.local import (
     sync_data,
 )
 
-__all__ = ["Backend", "DamagedFileError", "open_backend"]
+__all__ = ["Backend", "DamagedFileError", "check_path", "open_backend"]
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -781,6 +781,22 @@ def _remove_quietly(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def check_path(path: Any) -> None:
+    """Raises :class:`InvalidArgumentError` unless ``path`` is one a store takes: a folder (a
+    non-empty ``str`` or ``os.PathLike``), a kvstore spec (a mapping) or ``None``."""
+    if path is None or isinstance(path, Mapping):
+        return
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"Store path must be a folder (str or os.PathLike), a tensorstore kvstore spec (dict) or "
+            f"None for memory only, got {type(path).__name__}: {path!r}"
+        )
+    if isinstance(os.fspath(path), bytes):
+        raise InvalidArgumentError(f"Store path must be a str path, not bytes: {path!r}")
+    if not os.fspath(path):
+        raise InvalidArgumentError("Store path is empty: give a folder, or None for memory only")
 
 
 def open_backend(path: str | os.PathLike[str] | Mapping[str, Any], *, timeout: float | None = None) -> Backend:

@@ -1,10 +1,10 @@
 """Stored backwards: once per signature and store, the backward serialized with ``jax.export``, so
 a process without the model can run ``rs.backward(store.get(key))``.
 
-Saving runs on the store's writer thread (exporting takes tens of milliseconds; ``put``
-returns at once). ``get`` reads and checks the stored backward and offers it
-(``residual_store.backward.offer_backward``): it is deserialized only when ``rs.backward`` needs
-it. Loading checks a stored backward like data (its manifest, its checksum, that
+Saving (:class:`Saver`, one per writable store) runs on the store's writer thread (exporting
+takes tens of milliseconds; ``put`` returns at once). ``get`` reads and checks the stored backward
+and offers it (``residual_store.backward.offer_backward``): it is deserialized only when
+``rs.backward`` needs it. Loading checks a stored backward like data (its manifest, its checksum, that
 it names its signature) and matches it to this process's platform and device count. A damaged,
 unreadable or unsuitable stored backward never blocks ``get``: it is registered as a backward
 that raises when run, so only ``rs.backward`` in a process without a live split of that
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from cachetools import LRUCache
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,17 +27,25 @@ import numpy as np
 
 import serializers
 from residual_store.backward import Backward, find_backward, lookup_backward, offer_backward, register_backward
-from residual_store.errors import BackwardUnavailableError, CorruptContextError, ResidualStoreError
+from residual_store.errors import (
+    BackwardUnavailableError,
+    CorruptContextError,
+    ResidualStoreError,
+    ResidualStoreWarning,
+)
 from residual_store.export import export_backward, load_backward
 from residual_store.keypaths import PathStructure
 from residual_store.placement import has_explicit_axes
 from residual_store.signature import is_current
 
 if TYPE_CHECKING:
+    from residual_store.context import ResidualContext
     from residual_store.store.disk import DiskTier
+    from residual_store.store.workers import Writer
 
 __all__ = [
-    "check_records", "describe", "explicit_mesh", "load", "offer", "serialize", "structures", "unavailable_manifest",
+    "Saver", "check_records", "describe", "explicit_mesh", "load", "offer", "serialize", "structures",
+    "unavailable_manifest",
 ]
 
 _INTERFACE = "flat"  # how the artifact is called (see serializers.BACKWARD_SCHEMA)
@@ -270,4 +279,85 @@ def _loaded(signature: str, manifest: dict[str, Any], data: bytes | None) -> Bac
     out_structure, out_avals, grad_structure = structures(signature, manifest)
     return load_backward(
         data, signature, out_structure=out_structure, out_avals=out_avals, grad_structure=grad_structure
+    )
+
+
+class Saver:
+    """Saves the backward of each signature once per store, on the store's writer thread (in
+    order with its writes), so other processes can run it without the model.
+
+    A backward known to be unexportable (host callbacks) warns at the ``put``; other export
+    failures warn at the next ``put``, ``flush`` or ``close`` (:meth:`emit_warnings`, on the
+    caller's thread). A save that fails (a full disk, no answer) is tried again by the next
+    ``put`` of that signature.
+    """
+
+    def __init__(self, disk: DiskTier, writer: Writer, *, durable: bool, saves: bool) -> None:
+        self._disk = disk
+        self._writer = writer
+        self._durable = durable
+        self._saves = saves  # False: another process (process 0) saves them for the job
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()  # signatures whose backward this store saved, or is saving
+        self._warnings: list[str] = []  # from the writer thread, emitted on the caller's
+
+    def save(self, ctx: ResidualContext) -> None:
+        """Once per signature: queues the save of ``ctx``'s backward (the put's stack: warns
+        at its caller)."""
+        sig = ctx.spec.signature
+        with self._lock:
+            if sig in self._seen:
+                return
+            self._seen.add(sig)
+        if not self._saves:
+            return
+        bwd = ctx._backward or find_backward(sig)
+        if bwd is None or bwd.unavailable is not None:
+            return
+        if bwd.unexportable is not None:
+            reason = f"the backward of signature {sig} cannot be serialized with jax.export: {bwd.unexportable}"
+            _warn_unexportable(reason, stacklevel=4)
+            self._writer.submit(functools.partial(self._record_unavailable, sig, reason), 0)
+            return
+        mesh = explicit_mesh(ctx.residuals)
+        self._writer.submit(functools.partial(self._export, sig, bwd, ctx.spec.avals, mesh), 0)
+
+    def emit_warnings(self) -> None:
+        """Warnings of background saves, on the caller's thread (stack level: its caller's call)."""
+        with self._lock:
+            pending, self._warnings = self._warnings, []
+        for reason in pending:
+            _warn_unexportable(reason, stacklevel=4)
+
+    def _export(self, sig: str, bwd: Backward, avals: Any, mesh: Any) -> None:
+        """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
+        try:
+            if self._disk.has_backward(sig):
+                return
+            try:
+                data, manifest = serialize(bwd, avals, mesh)
+            except BackwardUnavailableError as err:
+                with self._lock:
+                    self._warnings.append(str(err))
+                self._record_unavailable(sig, str(err))
+                return
+            self._disk.write_backward(sig, data, manifest, fsync=self._durable)
+        except BaseException:
+            with self._lock:  # not saved (a full disk, no answer): the next put of this signature retries
+                self._seen.discard(sig)
+            raise
+
+    def _record_unavailable(self, sig: str, reason: str) -> None:
+        """Stores why the backward of ``sig`` could not be exported (``ls`` and ``inspect`` show
+        it; a process without the model gets it as the reason)."""
+        if not self._disk.has_backward(sig):
+            self._disk.write_backward(sig, None, unavailable_manifest(sig, reason), fsync=self._durable)
+
+
+def _warn_unexportable(reason: str, stacklevel: int) -> None:
+    warnings.warn(
+        f"{reason}; processes without the model cannot run it. The context is stored; only "
+        "processes that define the function can run its backward.",
+        ResidualStoreWarning,
+        stacklevel=stacklevel,
     )

@@ -3,7 +3,7 @@
 A size is an ``int`` of bytes or a string of a number and a unit, binary (``KiB``, ``MiB``,
 ``GiB``, ``TiB``) or decimal (``kB``, ``MB``, ``GB``, ``TB``), the unit's case free; a share
 (``"50%"``) is of a device's memory (``device.memory_stats()["bytes_limit"]``), worked out once
-when the store opens.
+when the store opens. The store's other numbers (byte counts, seconds) are checked here too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from residual_store.errors import InvalidArgumentError
 
-__all__ = ["Headroom", "memory_stats", "parse_budget", "parse_size"]
+__all__ = ["Headroom", "memory_stats", "parse_budget", "parse_bytes", "parse_seconds", "parse_size"]
 
 _UNITS = {
     "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,  # (a bare "8G" is ambiguous: refused)
@@ -26,6 +26,24 @@ _UNITS = {
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
 _SHARE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 _FORMS = 'bytes as an int, a string with a unit ("512MiB", "8 GiB", "2GB")'
+
+
+def parse_bytes(value: Any, name: str) -> int:
+    """``value``, a count of bytes given as a non-negative ``int`` (no unit), as an ``int``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def parse_seconds(value: Any, name: str, *, optional: bool = False) -> float | None:
+    """``value``, a positive finite number of seconds (or, if ``optional``, ``None``), as a float."""
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < float("inf"):
+        raise InvalidArgumentError(
+            f"{name} must be a positive number of seconds{' or None' if optional else ''}, got {value!r}"
+        )
+    return float(value)
 
 
 def parse_size(value: Any, name: str) -> int | None:

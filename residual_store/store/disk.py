@@ -1,5 +1,6 @@
 """The disk tier: committing a write in one process, reading and verifying, deleting and
-recycling, garbage collection. Where everything lives is :mod:`residual_store.store.layout`.
+recycling (garbage collection is :mod:`residual_store.store.gc`). Where everything lives is
+:mod:`residual_store.store.layout`.
 
 A commit (:meth:`DiskTier.commit` of a :class:`~residual_store.store.layout.WritePlan`) puts
 every array first (the context's own under a fresh ``data/<key>.<write id>/``, or a recycled
@@ -9,7 +10,7 @@ contexts hold is never rewritten) and the manifest under a temporary name beside
 all synced with ``durable=True``; then it renames the manifest into place, which is the commit
 (a single-object put on kvstores). A crash at any point before the rename leaves no manifest, so
 the context is either whole or absent; what it left behind is unreferenced and removed by
-:meth:`DiskTier.gc`. The folder the manifests are renamed into is synced once for a burst of
+:func:`residual_store.store.gc.collect`. The folder the manifests are renamed into is synced once for a burst of
 commits (:meth:`DiskTier.sync_commits`, before the store's ``flush`` returns). Two writers of
 one key: each commit replaces the manifest whole, so readers see one complete context or the
 other (last rename wins; a read that loses the race to a commit reads the new manifest again).
@@ -27,15 +28,12 @@ the same sharding record.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import json
 import os
 import threading
-import uuid
 from cachetools import LRUCache
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,7 +74,7 @@ _READ_ATTEMPTS = 8
 
 
 class DiskTier:
-    """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete, gc.
+    """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete.
 
     In a single process it is also the store's :class:`~residual_store.store.committer.Committer`.
     """
@@ -148,23 +146,7 @@ class DiskTier:
             ) from err
         if data is None:
             return False
-        what = f"{self.backend.description}: store marker {STORE_MARKER}"
-        try:
-            marker = json.loads(data[: 1 << 16].decode("utf-8")) if len(data) <= 1 << 16 else None
-        except (UnicodeDecodeError, ValueError):
-            marker = None
-        if not isinstance(marker, dict) or marker.get("format") != "residual-store":
-            raise CorruptContextError(f"{what} is damaged (not a residual-store marker): {data[:80]!r}")
-        version = marker.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise CorruptContextError(f"{what} has an invalid format version {version!r}")
-        if version > STORE_VERSION:
-            raise CorruptContextError(
-                f"{what} has format version {version}, newer than the version {STORE_VERSION} this "
-                f"residual-store reads: upgrade residual-store to open it (nothing was read or "
-                "written)"
-            )
-        self._version = version
+        self._version = layout.marker_version(data, f"{self.backend.description}: store marker {STORE_MARKER}")
         return True
 
     def ensure_groups(self) -> None:
@@ -334,12 +316,12 @@ class DiskTier:
         if not weights:
             return
         with self.backend.gc_lock(exclusive=True):
-            found = self._references()
+            found = self.references()
             for path in weights:
                 if found is not None and path not in found[0]:
                     self.backend.delete_tree(path)
 
-    def _references(self) -> tuple[set[str], set[str]] | None:
+    def references(self) -> tuple[set[str], set[str]] | None:
         """Every data folder and shared array a committed manifest references, and their
         signatures; ``None`` if a manifest is unreadable (it may reference anything)."""
         referenced: set[str] = set()
@@ -673,6 +655,13 @@ class DiskTier:
             if self.backend.touch(candidate) and self.backend.rename(candidate, data_dir):
                 return True
 
+    def forget_recycled(self, path: str) -> None:
+        """No writer of this process claims the recycled folder ``path`` any more (gc takes it)."""
+        with self._lock:
+            for pool in self._free.values():
+                if path in pool:
+                    pool.remove(path)
+
     def drop_data(self, stale: StaleData, *, recycle: bool = True) -> None:
         """Disposes of a data folder that no manifest references any more.
 
@@ -801,116 +790,3 @@ class DiskTier:
         except serializers.CorruptDataError as err:
             raise CorruptContextError(str(err)) from err
         return m, data
-
-    # -- garbage collection -------------------------------------------------------------------
-
-    def _old_enough(self, path: str, older_than: float) -> bool:
-        if older_than <= 0:
-            return True
-        age = self.backend.age_seconds(path)
-        return age is not None and age >= older_than
-
-    def gc(
-        self, older_than: float = 3600.0, *, dry_run: bool = False, progress: Callable[[int, None], None] | None = None
-    ) -> dict[str, int]:
-        """Removes what no committed context needs: weights no manifest references, data folders
-        of no committed context, recycled folders, stored backwards of signatures no context has
-        (and damaged ones), and temporary files of interrupted writes.
-
-        Only items at least ``older_than`` seconds old are removed, so writes in flight in other
-        processes are left alone (on kvstores without modification times, nothing is removed
-        unless ``older_than`` is 0). A store holding an unreadable manifest is left alone (it may
-        reference anything). Returns counts of what was removed (with ``dry_run``: of what would
-        be, and nothing changes), ``"young"``: the unneeded items kept for being younger than
-        ``older_than``, and ``"bytes"``: the bytes removed (-1 where the backend cannot say).
-
-        Safe against writers in any process (see docs/format.md, "Garbage collection"): it holds
-        the store's gc lock exclusively, which writers hold shared from checking which weights
-        exist to committing; a recycled folder is touched before a writer claims it; and each
-        folder is first renamed into ``data/.trash`` (atomic against a writer's claim) and only
-        then removed. ``progress`` is called with the bytes removed so far after each item
-        (where the backend can say).
-        """
-        if not dry_run:
-            self.check_writable("gc")
-        with self.backend.gc_lock(exclusive=True) if not dry_run else contextlib.nullcontext():
-            removed = self._gc_locked(older_than, dry_run, progress)
-        event(logging.INFO, "gc", store=self.description, older_than=older_than, dry_run=dry_run, **removed)
-        return removed
-
-    def _gc_locked(
-        self, older_than: float, dry_run: bool, progress: Callable[[int, None], None] | None = None
-    ) -> dict[str, int]:
-        removed = {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0, "young": 0, "bytes": 0}
-        found = self._references()
-        if found is None:
-            return {**removed, "skipped_corrupt": 1}
-        referenced, signatures = found
-
-        def take(kind: str, paths: Sequence[str], remove: Callable[[], bool]) -> None:
-            """Removes one unneeded item (its ``paths``) if it is old enough, counting it."""
-            if not all(self._old_enough(p, older_than) for p in paths):
-                removed["young"] += 1
-                return
-            sizes = [self.backend.tree_bytes(p) for p in paths]
-            if dry_run or remove():
-                removed[kind] += 1
-                removed["bytes"] = -1 if removed["bytes"] < 0 or None in sizes else removed["bytes"] + sum(sizes)  # type: ignore[arg-type]
-                if progress is not None and removed["bytes"] >= 0:
-                    progress(removed["bytes"], None)
-
-        if not dry_run:
-            for name in self.backend.list_dir(layout.TRASH_DIR):  # left by a gc that was killed
-                self.backend.delete_tree(layout.trash_path(name))
-        for kind, prefix in (("weights", layout.WEIGHTS), ("data", layout.DATA)):
-            for name in self.backend.list_dir(prefix):
-                if layout.is_node_metadata(name):
-                    continue  # the group's own zarr.json
-                path = f"{prefix}/{name}"
-                if path not in referenced:
-                    take(kind, [path], functools.partial(self._discard, path))
-        for name in self.backend.list_dir(layout.FREE_DIR):  # recycled folders kept for reuse
-            path = f"{layout.FREE_DIR}/{name}"
-            take("recycled", [path], functools.partial(self._discard_recycled, path))
-        stems = {n.rsplit(".", 1)[0] for n in self.backend.list_dir(layout.BACKWARDS)}
-        for sig in sorted(stems):
-            if sig in signatures:
-                try:
-                    if self.read_backward(sig) is not None:
-                        continue  # intact and needed
-                except CorruptContextError:
-                    pass  # damaged: removed, so a later put of this signature saves it again
-            # unneeded, damaged, or a torn write (an export without its manifest)
-            paths = [p for p in layout.backward_paths(sig) if self.backend.exists(p)]
-            if paths:
-                take("backwards", paths, functools.partial(self._delete_all, paths))
-        for prefix in ("", layout.CONTEXTS, layout.BACKWARDS):
-            for name in self.backend.list_temporary(prefix):
-                path = f"{prefix}/{name}" if prefix else name
-                take("temporary", [path], functools.partial(self._delete_all, [path]))
-        return removed
-
-    def _discard_recycled(self, path: str) -> bool:
-        with self._lock:
-            for pool in self._free.values():
-                if path in pool:
-                    pool.remove(path)
-        return self._discard(path)
-
-    def _delete_all(self, paths: Sequence[str]) -> bool:
-        for p in paths:
-            self.backend.delete(p)
-        return True
-
-    def _discard(self, path: str) -> bool:
-        """Removes a folder gc chose: renamed into the trash first, so a writer that claims it
-        at the same moment gets it whole or not at all (never a folder half removed under it).
-        ``False`` if someone else took it first."""
-        if not self.backend.can_rename:
-            self.backend.delete_tree(path)
-            return True
-        trash = layout.trash_path(uuid.uuid4().hex)
-        if not self.backend.rename(path, trash):
-            return False
-        self.backend.delete_tree(trash)
-        return True

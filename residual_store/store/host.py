@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +18,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-import serializers
 from residual_store import _jax_internals
 from residual_store.context import OWN_KINDS, SHARED_KINDS, ResidualContext
 from residual_store.errors import InvalidArgumentError
@@ -29,7 +26,6 @@ from residual_store.placement import sharding_record
 __all__ = [
     "HostArrays",
     "ShardedHost",
-    "WeightSums",
     "check_live",
     "chunk_index",
     "detached",
@@ -482,37 +478,3 @@ def place(
         x = placed[i] if i in placed else shared_array(i)
         out.append(jax.random.wrap_key_data(x, impl=impl) if impl is not None else x)
     return out
-
-
-class WeightSums:
-    """The checksum and content digest of each live weight a store has written, by the array's
-    identity: the weights every context of a step holds by reference are hashed once, not once
-    per put. Only ``jax.Array`` weights are remembered (immutable; an entry goes with its array).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_id: dict[int, tuple[weakref.ref[Any], str, str]] = {}
-
-    def of(self, ctx: ResidualContext, arrays: HostArrays) -> tuple[dict[int, str], dict[int, str]]:
-        """Checksums and content digests of ``ctx``'s whole shared residuals, by index
-        (``arrays``: its host arrays, hashed where not known yet)."""
-        sums: dict[int, str] = {}
-        digests: dict[int, str] = {}
-        for i, (x, kind, host) in enumerate(zip(ctx.residuals, ctx.spec.kinds, arrays)):
-            if kind not in SHARED_KINDS or isinstance(host, ShardedHost) or not isinstance(x, jax.Array):
-                continue
-            with self._lock:
-                entry = self._by_id.get(id(x))
-            if entry is None or entry[0]() is not x:
-                entry = (weakref.ref(x, functools.partial(self._forget, id(x))),
-                         serializers.checksum(host), serializers.content_digest(host))
-                with self._lock:
-                    self._by_id[id(x)] = entry
-            sums[i], digests[i] = entry[1], entry[2]
-        return sums, digests
-
-    def _forget(self, key: int, ref: weakref.ref[Any]) -> None:
-        with self._lock:
-            if key in self._by_id and self._by_id[key][0] is ref:
-                del self._by_id[key]

@@ -30,6 +30,7 @@ __all__ = [
     "VerifyReport",
     "backward_info",
     "context_info",
+    "disk_bytes",
     "measure",
     "memory_info",
     "verify",
@@ -199,6 +200,27 @@ class VerifyReport:
 
 
 # -- records ----------------------------------------------------------------------------------
+
+
+def disk_bytes(disk: DiskTier | None) -> dict[str, int]:
+    """What ``stats()`` reports of the committed contexts on ``disk`` (``None``: a memory-only
+    store): ``bytes`` (each shared weight once), ``contexts``, and ``own_bytes`` (the contexts'
+    own arrays); damaged manifests are left out."""
+    found = {"bytes": 0, "contexts": 0, "own_bytes": 0}
+    if disk is None:
+        return found
+    seen: set[str] = set()
+    for _, stored in disk.iter_manifests():
+        if isinstance(stored, CorruptContextError):
+            continue
+        found["contexts"] += 1
+        for record in stored.records:
+            if not record.shared:
+                found["own_bytes"] += record.nbytes
+            if record.path not in seen:
+                seen.add(record.path)
+                found["bytes"] += record.nbytes
+    return found
 
 
 def memory_info(key: str, spec: ResidualSpec) -> ContextInfo:

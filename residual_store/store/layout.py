@@ -28,7 +28,7 @@ import serializers
 from serializers import bundle as bundles
 from serializers.checksums import checksum_parts
 from residual_store.context import SHARED_KINDS, ResidualSpec
-from residual_store.errors import ResidualStoreError
+from residual_store.errors import CorruptContextError, ResidualStoreError
 from residual_store.store.host import HostArrays, ShardedHost
 from residual_store.store.records import BundleRef, StoredContext, spec_to_map
 from residual_store.store import paths
@@ -72,6 +72,7 @@ __all__ = [  # and, re-exported, every name of paths.__all__
     "chunked_digest_of",
     "data_of",
     "layout_digest",
+    "marker_version",
     "plan_write",
     "root_group",
     *paths.__all__,
@@ -97,6 +98,31 @@ class StaleData(NamedTuple):
 
     data_dir: str
     layout: str
+
+
+def marker_version(data: bytes, what: str) -> int:
+    """The format version the store marker ``data`` records (``what``: the marker, for errors).
+
+    Raises:
+      CorruptContextError: the marker is damaged, its version is invalid, or newer than
+        :data:`STORE_VERSION` (a later residual-store's store: nothing may be read or written).
+    """
+    try:
+        marker = json.loads(data[: 1 << 16].decode("utf-8")) if len(data) <= 1 << 16 else None
+    except (UnicodeDecodeError, ValueError):
+        marker = None
+    if not isinstance(marker, dict) or marker.get("format") != "residual-store":
+        raise CorruptContextError(f"{what} is damaged (not a residual-store marker): {data[:80]!r}")
+    version = marker.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptContextError(f"{what} has an invalid format version {version!r}")
+    if version > STORE_VERSION:
+        raise CorruptContextError(
+            f"{what} has format version {version}, newer than the version {STORE_VERSION} this "
+            f"residual-store reads: upgrade residual-store to open it (nothing was read or "
+            "written)"
+        )
+    return version
 
 
 def layout_digest(

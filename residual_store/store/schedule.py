@@ -19,9 +19,9 @@ Example:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "loads_ahead"]
 
 
 class Schedule:
@@ -71,3 +71,31 @@ class Schedule:
             if i not in self._done and key not in seen:
                 seen.add(key)
                 yield key
+
+
+def loads_ahead(
+    upcoming: Iterable[str],
+    size_of: Callable[[str], int | None],
+    held: Callable[[str], bool],
+    budget: int | None,
+    room: int,
+) -> list[str]:
+    """The keys to start loading ahead, from ``upcoming`` (the schedule's next keys, in order):
+    the very next one, then as many as fit ``budget`` (the device budget; ``None``: unbounded)
+    together with it, at most ``room`` new loads, stopping at the first key the store does not
+    hold (``size_of`` is ``None``: its room is its put's). A key ``held`` already (on the device
+    or loading) counts against the budget but is not started again."""
+    used, start = 0, []
+    for i, key in enumerate(upcoming):
+        size = size_of(key)
+        if size is None:
+            break
+        if i > 0 and budget is not None and used + size > budget:
+            break
+        used += size
+        if held(key):
+            continue
+        if len(start) >= room:
+            break
+        start.append(key)
+    return start

@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import numbers
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -18,44 +16,39 @@ import jax
 import numpy as np
 
 from residual_store import _jax_internals
-from residual_store.backward import find_backward
 from residual_store.context import OWN_KINDS, ResidualContext, check_representable, describe_residual
 from residual_store.errors import (
-    BackwardUnavailableError,
     ContextNotFoundError,
     CorruptContextError,
     InvalidArgumentError,
     ReadOnlyStoreError,
-    ResidualStoreWarning,
     StoreFullError,
 )
-from residual_store.store import backwards
+from residual_store.store import backwards, gc
 from residual_store.store.collective import TIMEOUT_S
-from residual_store.store.budgets import Headroom, parse_budget, parse_size
+from residual_store.store.backends import check_path
+from residual_store.store.budgets import Headroom, parse_budget, parse_bytes, parse_seconds, parse_size
 from residual_store.store.committer import Committer, open_committer
 from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
 from residual_store.store.host import (
-    ShardedHost,
-    WeightSums,
     for_writing,
     holds_device_memory,
     host_arrays,
-    is_whole_on,
     place,
     read_device,
     stage_shared,
     to_device,
-    to_device_sharded,
     to_host,
     to_numpy,
 )
 from residual_store.store import inspection
 from residual_store.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store.store.keys import new_key, validate_key
-from residual_store.store.layout import StaleData, weight_path
-from residual_store.store.records import StoredContext
+from residual_store.store.layout import StaleData
+from residual_store.store.schedule import loads_ahead
 from residual_store.store.tiers import Tiers, own_nbytes
+from residual_store.store.weights import LiveWeights
 from residual_store.store.workers import Loader, Writer
 
 __all__ = ["Store"]
@@ -84,20 +77,6 @@ def _shut_down(writer: Writer | None, loader: Loader, janitor: Loader) -> None:
         writer.close(wait=False)
     loader.close(wait=False)
     janitor.close(wait=False)
-
-
-def _check_path(path: Any) -> None:
-    if path is None or isinstance(path, Mapping):
-        return
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgumentError(
-            f"Store path must be a folder (str or os.PathLike), a tensorstore kvstore spec (dict) or "
-            f"None for memory only, got {type(path).__name__}: {path!r}"
-        )
-    if isinstance(os.fspath(path), bytes):
-        raise InvalidArgumentError(f"Store path must be a str path, not bytes: {path!r}")
-    if not os.fspath(path):
-        raise InvalidArgumentError("Store path is empty: give a folder, or None for memory only")
 
 
 class Store:
@@ -175,7 +154,7 @@ class Store:
         self._read_only = bool(read_only)
         if path is None and self._read_only:
             raise InvalidArgumentError("a memory-only store (path=None) cannot be read_only")
-        _check_path(path)
+        check_path(path)
         # Arguments first: a refused one must not leave a new store on disk.
         if device is not None and not isinstance(device, jax.Device):
             raise InvalidArgumentError(f"device must be a jax.Device or None, got {type(device).__name__}")
@@ -185,30 +164,17 @@ class Store:
         host_budget = parse_size(host_budget, "host_budget")
         self._tiers = Tiers(device_budget, host_budget, demote=to_host)
         self._device, self._host = self._tiers.device, self._tiers.host
-        for name, value in (("max_pending_bytes", max_pending_bytes), ("read_buffer_bytes", read_buffer_bytes)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-                raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
-        if (
-            isinstance(collective_timeout, bool)
-            or not isinstance(collective_timeout, numbers.Real)
-            or not 0 < float(collective_timeout) < float("inf")
-        ):
-            raise InvalidArgumentError(
-                f"collective_timeout must be a positive number of seconds, got {collective_timeout!r}"
-            )
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < float(timeout) < float("inf")
-        ):
-            raise InvalidArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        max_pending_bytes = parse_bytes(max_pending_bytes, "max_pending_bytes")
+        read_buffer_bytes = parse_bytes(read_buffer_bytes, "read_buffer_bytes")
+        collective_timeout = parse_seconds(collective_timeout, "collective_timeout")
+        timeout = parse_seconds(timeout, "timeout", optional=True)
         self._disk = DiskTier(
-            path, create=create, read_only=read_only, read_buffer_bytes=int(read_buffer_bytes),
-            timeout=None if timeout is None else float(timeout),
+            path, create=create, read_only=read_only, read_buffer_bytes=read_buffer_bytes, timeout=timeout,
         ) if path is not None else None
         # how writes and deletes reach the disk (collectively, in a job of several processes)
         self._committer: Committer | None = (
-            open_committer(self._disk, float(collective_timeout)) if self._disk is not None else None
+            open_committer(self._disk, collective_timeout) if self._disk is not None else None
         )
-        self._saves_backwards = self._committer is not None and self._committer.saves_backwards
         self._write_through = bool(write_through) or (self._committer is not None and self._committer.writes_through)
         self._durable = bool(durable)
         self._lock = threading.RLock()
@@ -219,14 +185,14 @@ class Store:
         self._pending_reads = 0  # gets served from a pending write's host copy (no disk read)
         self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
         self._on_disk: set[str] = set()
-        self._backwards_seen: set[str] = set()  # signatures whose backward this store saved
-        self._warnings: list[str] = []  # from background work, emitted on the caller's thread
-        # path (and sharding) -> live weight; an entry goes when its array does
-        self._weights: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
-        self._weight_sums = WeightSums()  # live weights' checksums: hashed once, not per put
+        self._weights = LiveWeights()  # hashed once, not per put; read back without reading
         writes = self._disk is not None and not self._read_only
         # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
-        self._writer = Writer(int(max_pending_bytes), on_idle=self._disk.sync_commits) if writes else None
+        self._writer = Writer(max_pending_bytes, on_idle=self._disk.sync_commits) if writes else None
+        # saves each signature's backward once, on the writer thread
+        self._backwards = backwards.Saver(
+            self._disk, self._writer, durable=self._durable, saves=self._committer.saves_backwards,
+        ) if self._writer is not None else None
         self._loader = Loader()
         self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
         self._closed = False
@@ -271,7 +237,8 @@ class Store:
         """
         self._check_open()
         self._check_writable("put")
-        self._emit_warnings()
+        if self._backwards is not None:
+            self._backwards.emit_warnings()  # of earlier saves, at this put's caller
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"put expects a rs.ResidualContext, got {type(ctx).__name__}")
         if _jax_internals.any_tracer(ctx.residuals):
@@ -287,8 +254,8 @@ class Store:
         key = new_key() if key is None else validate_key(key)
         # the weights' host copies, now: a donation after put returns cannot break the write
         staged = stage_shared(ctx) if self._disk is not None and self._write_through else None
-        if self._disk is not None:
-            self._save_backward(ctx)
+        if self._backwards is not None:
+            self._backwards.save(ctx)
         size = own_nbytes(ctx)
         with self._lock:
             if self._disk is None:
@@ -403,7 +370,7 @@ class Store:
         try:
             try:
                 arrays, impls = host_arrays(ctx, staged)
-                known = self._weight_sums.of(ctx, arrays)
+                known = self._weights.checksums(ctx, arrays)
                 spec, nbytes, residuals = ctx.spec, own_nbytes(ctx), ctx.residuals
                 # Only the host arrays from here on: the context's device arrays can go while the
                 # commit runs (a slow, durable one most of all) once nothing else holds them.
@@ -416,7 +383,7 @@ class Store:
                         self._forget_memory(key)
                 raise
             self._drop_later(stale)
-            self._hold_weights(residuals, impls, known[1])
+            self._weights.hold(residuals, impls, known[1])
             with self._lock:
                 self._disk_io["writes"] += 1
                 self._disk_io["bytes_written"] += nbytes
@@ -427,98 +394,12 @@ class Store:
                 if self._pending.get(key, (None, None))[1] is token:
                     del self._pending[key]
 
-    def _hold_weights(self, residuals: Sequence[Any], impls: Sequence[str | None], digests: Mapping[int, str]) -> None:
-        """Remembers the live weights a write stored, by path: while the caller holds them, a
-        context read back takes these very arrays (read from nowhere, copied nowhere) as the one
-        put did, where a read would place them (see :meth:`_live_weights`)."""
-        for i, digest in digests.items():
-            x = residuals[i]
-            if impls[i] is None and isinstance(x, jax.Array) and not x.is_deleted():
-                path = weight_path(digest)
-                with self._lock:
-                    held = self._weights.get(path)
-                    if held is None or held.is_deleted():
-                        self._weights[path] = x
-
-    def _live_weights(self) -> dict[str, jax.Array]:
-        """The weights a read need not read, by path: live arrays whole on the device the read
-        places its arrays on (a weight the caller donated since, or one elsewhere, is read)."""
-        device = read_device(self._target)
-        with self._lock:
-            return {k: v for k, v in self._weights.items() if isinstance(k, str) and is_whole_on(v, device)}
-
     def _drop_later(self, stale: StaleData | None) -> None:
         """Hands data no manifest references any more to the janitor, off the write path."""
         if stale is not None:
             assert self._disk is not None
             assert self._committer is not None
             self._janitor.submit(functools.partial(self._disk.drop_data, stale, recycle=self._committer.recycles))
-
-    def _save_backward(self, ctx: ResidualContext) -> None:
-        """Once per signature and store, on the writer thread: save the backward, so other
-        processes can run it without the model. A backward known to be unexportable (host
-        callbacks) warns here, at the ``put``; other export failures warn at the next ``put``,
-        ``flush`` or ``close``."""
-        assert self._disk is not None and self._writer is not None
-        sig = ctx.spec.signature
-        with self._lock:
-            if sig in self._backwards_seen:
-                return
-            self._backwards_seen.add(sig)
-        if not self._saves_backwards:
-            return  # process 0 saves it for the job
-        bwd = ctx._backward or find_backward(sig)
-        if bwd is None or bwd.unavailable is not None:
-            return
-        if bwd.unexportable is not None:
-            reason = f"the backward of signature {sig} cannot be serialized with jax.export: {bwd.unexportable}"
-            self._warn_unexportable(reason, stacklevel=4)
-            self._writer.submit(functools.partial(self._record_unavailable, sig, reason), 0)
-            return
-        mesh = backwards.explicit_mesh(ctx.residuals)
-        self._writer.submit(functools.partial(self._export_backward, sig, bwd, ctx.spec.avals, mesh), 0)
-
-    def _export_backward(self, sig: str, bwd: Any, avals: Any, mesh: Any) -> None:
-        """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
-        assert self._disk is not None
-        try:
-            if self._disk.has_backward(sig):
-                return
-            try:
-                data, manifest = backwards.serialize(bwd, avals, mesh)
-            except BackwardUnavailableError as err:
-                with self._lock:
-                    self._warnings.append(str(err))
-                self._record_unavailable(sig, str(err))
-                return
-            self._disk.write_backward(sig, data, manifest, fsync=self._durable)
-        except BaseException:
-            with self._lock:  # not saved (a full disk, no answer): the next put of this signature retries
-                self._backwards_seen.discard(sig)
-            raise
-
-    def _record_unavailable(self, sig: str, reason: str) -> None:
-        """Stores why the backward of ``sig`` could not be exported (``ls`` and ``inspect`` show
-        it; a process without the model gets it as the reason)."""
-        assert self._disk is not None
-        if not self._disk.has_backward(sig):
-            self._disk.write_backward(sig, None, backwards.unavailable_manifest(sig, reason), fsync=self._durable)
-
-    @staticmethod
-    def _warn_unexportable(reason: str, stacklevel: int) -> None:
-        warnings.warn(
-            f"{reason}; processes without the model cannot run it. The context is stored; only "
-            "processes that define the function can run its backward.",
-            ResidualStoreWarning,
-            stacklevel=stacklevel,
-        )
-
-    def _emit_warnings(self) -> None:
-        """Warnings of background work, on the caller's thread (stack level: its call)."""
-        with self._lock:
-            pending, self._warnings = self._warnings, []
-        for reason in pending:
-            self._warn_unexportable(reason, stacklevel=4)
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
 
@@ -584,7 +465,7 @@ class Store:
     def _load_and_promote(self, key: str) -> ResidualContext:
         if self._disk is None:
             raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
-        live = self._live_weights()  # kept alive until placed: not read again
+        live = self._weights.on(self._target)  # kept alive until placed: not read again
         stored, arrays = self._disk.read(key, skip=live)  # sharded: only this process's chunks
         with self._lock:
             self._disk_io["reads"] += 1
@@ -594,7 +475,8 @@ class Store:
         _check_representable(key, stored.spec)
         residuals = place(
             arrays, [r.shared for r in stored.records], stored.key_impls,
-            functools.partial(self._shared_array, stored, arrays, live), self._target,
+            functools.partial(self._weights.device_array, [r.path for r in stored.records], arrays, live, self._target),
+            self._target,
         )
         ctx = ResidualContext(residuals, stored.spec)
         self._ensure_backward(stored.spec.signature)
@@ -607,21 +489,6 @@ class Store:
         for write in spills:
             self._schedule_write(*write)
         return ctx
-
-    def _shared_array(self, stored: StoredContext, arrays: Any, live: dict[str, Any], i: int) -> jax.Array:
-        """One device array per stored weight (and sharding) while any loaded context holds it;
-        ``live``: those held when the read began (not read again)."""
-        path, x = stored.records[i].path, arrays[i]
-        if x is None:
-            return live[path]
-        sharded = isinstance(x, ShardedHost)
-        cache_key: Any = (path, x.placement) if sharded else path
-        with self._lock:
-            held = self._weights.get(cache_key)
-            if held is None or held.is_deleted() or not (sharded or is_whole_on(held, read_device(self._target))):
-                held = to_device_sharded(x) if sharded else jax.device_put(x, self._target)
-                self._weights[cache_key] = held
-            return held
 
     def _ensure_backward(self, signature: str) -> None:
         """Offers the stored backward of ``signature`` to ``rs.backward``, which deserializes it
@@ -693,24 +560,17 @@ class Store:
                 return
             upcoming = list(itertools.islice(self._tiers.schedule.upcoming(), _LOOKAHEAD))
             in_flight = sum(1 for f in self._loading.values() if not f.done())
-        budget, used, start = self._device.budget, 0, []
-        for i, key in enumerate(upcoming):
-            size = self._own_size(key)
-            if size is None:
-                break
-            if i > 0 and budget is not None and used + size > budget:
-                break
-            used += size
-            with self._lock:
-                if key in self._device or key in self._loading:
-                    continue
-            if in_flight + len(start) >= _AHEAD:
-                break
-            start.append(key)
+        start = loads_ahead(
+            upcoming, self._own_size, self._on_device_or_loading, self._device.budget, _AHEAD - in_flight
+        )
         with self._lock:
             for key in start:
                 if key not in self._loading and key not in self._device and key not in self._deleting:
                     self._loading[key] = self._loader.submit(functools.partial(self._load, key))
+
+    def _on_device_or_loading(self, key: str) -> bool:
+        with self._lock:
+            return key in self._device or key in self._loading
 
     def _own_size(self, key: str) -> int | None:
         """The own bytes of ``key`` wherever it is, or ``None`` if the store does not hold it."""
@@ -846,20 +706,7 @@ class Store:
             result["pending"] = {
                 "bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting), "reads": self._pending_reads,
             }
-        disk = {"bytes": 0, "contexts": 0, "own_bytes": 0, **io}
-        if self._disk is not None:
-            seen: set[str] = set()
-            for _, stored in self._disk.iter_manifests():
-                if isinstance(stored, CorruptContextError):
-                    continue
-                disk["contexts"] += 1
-                for record in stored.records:
-                    if not record.shared:
-                        disk["own_bytes"] += record.nbytes
-                    if record.path not in seen:
-                        seen.add(record.path)
-                        disk["bytes"] += record.nbytes
-        result["disk"] = disk
+        result["disk"] = {**inspection.disk_bytes(self._disk), **io}
         return result
 
     # -- flush, close -------------------------------------------------------------------------
@@ -893,7 +740,8 @@ class Store:
             elif self._writer is not None:
                 self._writer.flush()
         finally:
-            self._emit_warnings()
+            if self._backwards is not None:
+                self._backwards.emit_warnings()  # of background saves, at this flush's caller
 
     def _flush_keys(self, keys: Sequence[str]) -> None:
         with self._lock:
@@ -923,9 +771,9 @@ class Store:
         if not dry_run:
             self._check_writable("gc")
         if self._disk is None:
-            return {"weights": 0, "data": 0, "recycled": 0, "backwards": 0, "temporary": 0, "young": 0, "bytes": 0}
+            return gc.nothing_removed()
         self.flush()
-        return self._disk.gc(older_than, dry_run=dry_run, progress=progress)
+        return gc.collect(self._disk, older_than, dry_run=dry_run, progress=progress)
 
     def close(self) -> None:
         """Flushes and stops the background threads; the store cannot be used afterwards."""
