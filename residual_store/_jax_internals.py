@@ -6,7 +6,9 @@ with the assumption's name instead of producing wrong names or silent recomputat
 
 What is built on these shims lives beside them, without importing ``jax._src``: where a residual
 came from in :mod:`residual_store.origins`, the signature's text of a jaxpr in
-:mod:`residual_store.canonical`, the B/W partition in :mod:`residual_store.partition`.
+:mod:`residual_store.canonical`, the B/W partition in :mod:`residual_store.partition`, passes
+over a whole jaxpr (host callbacks, ``custom_vjp`` under remat, ``jit`` calls inlined) in
+:mod:`residual_store.jaxpr_walks`.
 
 Assumptions (the tests refer to them by these tags):
 
@@ -184,57 +186,6 @@ def call_body(eqn: Any) -> tuple[Any, tuple[Any, ...]] | None:
     return None
 
 
-_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
-
-
-def _holds_calls(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` calls a ``jit`` body, itself or in a scan body."""
-    return any(
-        eqn.primitive.name in _INLINED or ((scan := scan_parts(eqn)) is not None and _holds_calls(scan.body))
-        for eqn in jaxpr.eqns
-    )
-
-
-def inline_calls(closed_jaxpr: Any, in_avals: Sequence[Any]) -> Any:
-    """``closed_jaxpr`` traced again with every ``jit`` call's body in place of the call, at the
-    top level and in scan bodies (``checkpoint`` bodies and custom derivative rules stay whole):
-    the same computation, whose every operation a pass over a level sees (assumption
-    ``BIND_EQUATION``)."""
-    import jax  # noqa: PLC0415 - this module imports only jax._src at the top
-
-    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], caller: Any = None) -> list[Any]:
-        env = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, args))
-        read = lambda v: v.val if is_literal(v) else env[v]  # noqa: E731
-        for eqn in jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
-            body = call_body(eqn) if eqn.primitive.name in _INLINED else None
-            scan = scan_parts(eqn)
-            inner_caller = caller if caller is not None and equation_line(eqn) == (None, None) else eqn
-            if body is not None:
-                outs = run(body[0], body[1], ins, inner_caller)
-            elif scan is not None and _holds_calls(scan.body):
-                outs = run_scan(eqn, scan, ins, caller, inner_caller)
-            else:
-                outs = bind_equation(eqn, ins, caller)
-            env.update(zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
-
-    def run_scan(eqn: Any, scan: ScanParts, ins: Sequence[Any], caller: Any, inner_caller: Any) -> list[Any]:
-        nc, nk = scan.num_consts, scan.num_carry
-
-        def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-            outs = run(scan.body, scan.consts, [*ins[:nc], *carry, *x], inner_caller)
-            return outs[:nk], outs[nk:]
-
-        with equation_context(eqn, caller):
-            final, ys = jax.lax.scan(step, list(ins[nc : nc + nk]), list(ins[nc + nk :]), length=scan.length,
-                                     reverse=scan.reverse, unroll=scan.unroll)
-        return [*final, *ys]
-
-    return jax.make_jaxpr(lambda *args: run(closed_jaxpr.jaxpr, closed_jaxpr.consts, args))(*in_avals)
-
-
 def has_inner_jaxprs(eqn: Any) -> bool:
     """Whether an equation holds jaxprs in its params (``jit``, ``scan``, ``checkpoint``, custom
     derivative calls): a higher-order primitive (assumption ``JAXPR_TEXT``)."""
@@ -387,19 +338,13 @@ def body_for_outputs(eqn: Any) -> Any | None:
 
 
 # --------------------------------------------------------------------------------------------
-# custom_vjp under remat (upstream jax issue 21303)
+# custom_vjp rules (under remat, upstream jax issue 21303: ``residual_store.jaxpr_walks``)
 
 
-def _walk(jaxpr: Any, under_remat: bool) -> Iterator[tuple[Any, bool]]:
-    for eqn in jaxpr.eqns:
-        yield eqn, under_remat
-        inner_remat = under_remat or eqn.primitive.name in REMAT_PRIMITIVE_NAMES
-        for inner in inner_jaxprs(eqn):
-            yield from _walk(inner, inner_remat)
-
-
-def _custom_vjp_is_remat_optimized(eqn: Any) -> bool:
-    """Whether a ``custom_vjp_call``'s fwd was wrapped by ``optimize_remat`` (``CUSTOM_VJP_THUNK``).
+def custom_vjp_fwd_jaxpr(eqn: Any) -> Any:
+    """The open jaxpr of a ``custom_vjp_call``'s fwd rule, every non-constant input differentiated
+    (``CUSTOM_VJP_THUNK``): a single ``remat_opt`` equation when the rule was defined with
+    ``optimize_remat=True``.
 
     The thunk is memoized by JAX and is the one JAX itself calls when differentiating, so asking
     for it here does not trace the user's fwd a second time.
@@ -407,23 +352,10 @@ def _custom_vjp_is_remat_optimized(eqn: Any) -> bool:
     thunk = eqn.params["fwd_jaxpr_thunk"]
     n_args = len(eqn.invars) - eqn.params.get("num_consts", 0)
     fwd_jaxpr, _ = thunk.call_wrapped(*([True] * n_args))
-    return any(e.primitive.name == REMAT_OPT_PRIMITIVE for e in fwd_jaxpr.eqns)
+    return fwd_jaxpr
 
 
-def unoptimized_remat_custom_vjps(closed_jaxpr: Any) -> list[str]:
-    """Descriptions (``"name at file:line"``) of ``custom_vjp`` calls under remat whose fwd is
-    not remat-optimized, in the order they appear."""
-    found = []
-    for eqn, under_remat in _walk(closed_jaxpr.jaxpr, False):
-        if under_remat and eqn.primitive.name == CUSTOM_VJP_PRIMITIVE:
-            if not _custom_vjp_is_remat_optimized(eqn):
-                file, line = equation_line(eqn)
-                where = f" called at {file}:{line}" if file else ""
-                found.append(f"{_custom_vjp_name(eqn)}{where}")
-    return found
-
-
-def _custom_vjp_name(eqn: Any) -> str:
+def custom_vjp_name(eqn: Any) -> str:
     """``"kernel (defined at model.py:3)"`` from the primal's debug info (``CUSTOM_VJP_THUNK``)."""
     try:
         info = eqn.params["call_jaxpr"].jaxpr.debug_info.func_src_info
@@ -472,19 +404,12 @@ def internal_kind(v: Any) -> JaxKind | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Host callbacks (what ``jax.export`` cannot serialize)
+# Host callbacks (what ``jax.export`` cannot serialize; found by ``residual_store.jaxpr_walks``)
 
 
 HOST_CALLBACK_PRIMITIVES = frozenset(
     {"pure_callback", "io_callback", "debug_callback", "debug_print", "callback"}
 )
-
-
-def host_callbacks(closed_jaxpr: Any) -> list[str]:
-    """Names of the host-callback primitives in a jaxpr and its nested jaxprs (``HOST_CALLBACK``):
-    ``jax.export`` cannot serialize them."""
-    return [eqn.primitive.name for eqn, _ in _walk(closed_jaxpr.jaxpr, False)
-            if eqn.primitive.name in HOST_CALLBACK_PRIMITIVES]
 
 
 # --------------------------------------------------------------------------------------------

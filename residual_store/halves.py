@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from residual_store import _jax_internals, placement
+from residual_store import jaxpr_walks, placement
 from residual_store.backward import Backward, Executables
 from residual_store.context import ResidualContext, ResidualSpec
 from residual_store.errors import InvalidArgumentError, SignatureMismatchError
@@ -137,7 +137,7 @@ class Halves:
         self.later_spec = self._later_spec(
             signature, spec, parent, part, later_avals, canonical_now, _gradient_paths(rest, templates, arg_name)
         )
-        callbacks = _jax_internals.host_callbacks(w_jaxpr)
+        callbacks = jaxpr_walks.host_callbacks(w_jaxpr)
         self.weight_backward = Backward(
             signature=signature,
             flat_fn=w_flat,

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from residual_store import _jax_internals, placement, slots
+from residual_store import _jax_internals, jaxpr_walks, placement, slots
 from residual_store.canonical import qualified_name
 from residual_store.context import POLICY_PREFIX, SAVE_WORDS
 from residual_store.errors import InvalidArgumentError
@@ -160,7 +160,7 @@ def keep_fewest_bytes(
     """Rewrites a traced split forward (``jax.stages.Traced``) to keep the values of :func:`plan`
     in place of its computed residuals: the new forward (jitted), its slots, and a backward that
     recomputes the residuals from them before running ``flat_bwd``."""
-    closed = _jax_internals.inline_calls(traced.jaxpr, [placement.abstract(a) for a in traced.jaxpr.in_avals])
+    closed = jaxpr_walks.inline_calls(traced.jaxpr, [placement.abstract(a) for a in traced.jaxpr.in_avals])
     jaxpr = closed.jaxpr
     computed = [k for k, (src, _) in enumerate(old_slots) if src == slots.FROM_OUTPUT]
     n_kept_out = len(jaxpr.outvars) - len(computed)  # outputs and aux come first

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from residual_store import _jax_internals, filters, rebuild, slots
+from residual_store import filters, jaxpr_walks, rebuild, slots
 from residual_store.backward import Backward, register_backward, staged
 from residual_store.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
 from residual_store.context import CallSpec, ResidualContext, ResidualSpec, check_representable, describe_residual
@@ -459,7 +459,7 @@ class Split:
         signature = t.spec.signature
         bwd = self._by_signature.get(signature)
         if bwd is None:
-            callbacks = _jax_internals.host_callbacks(t.backward_jaxpr)
+            callbacks = jaxpr_walks.host_callbacks(t.backward_jaxpr)
             split_ref = weakref.ref(self)
             bwd = Backward(
                 signature=signature,
@@ -488,7 +488,7 @@ class Split:
     def _warn_recompute(self, closed: Any, signature: str) -> None:
         if signature in _WARNED_SIGNATURES:
             return
-        found = _jax_internals.unoptimized_remat_custom_vjps(closed)
+        found = jaxpr_walks.unoptimized_remat_custom_vjps(closed)
         if found:
             _WARNED_SIGNATURES.add(signature)
             warnings.warn(

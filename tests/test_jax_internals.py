@@ -2,7 +2,8 @@
 
 When one of these fails after a JAX upgrade, the test name says which assumption broke; fix
 the shim tagged with it in ``residual_store/_jax_internals.py`` (the only module that touches
-JAX internals; ``origins.py`` and ``canonical.py``'s jaxpr text are built on its shims).
+JAX internals; ``origins.py``, ``canonical.py``'s jaxpr text and ``jaxpr_walks.py`` are built
+on its shims).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from residual_store import _jax_internals as ji
+from residual_store import jaxpr_walks
 from residual_store.canonical import _jaxpr_hook, jaxpr_text
 from residual_store.origins import output_origins
 
@@ -145,12 +147,12 @@ def test_assumption_CUSTOM_VJP_THUNK():
         eqn = closed.jaxpr.eqns[0].params["jaxpr"].eqns[0]
         assert eqn.primitive.name == ji.CUSTOM_VJP_PRIMITIVE
         assert "fwd_jaxpr_thunk" in eqn.params and "num_consts" in eqn.params
-        found = ji.unoptimized_remat_custom_vjps(closed)
+        found = jaxpr_walks.unoptimized_remat_custom_vjps(closed)
         assert len(found) == expected
         if found:
             assert found[0].startswith("k (defined at test_jax_internals.py:"), found
     # Not under remat: nothing to warn about.
-    assert ji.unoptimized_remat_custom_vjps(jax.make_jaxpr(_custom(False))(1.0)) == []
+    assert jaxpr_walks.unoptimized_remat_custom_vjps(jax.make_jaxpr(_custom(False))(1.0)) == []
 
 
 def test_vjp_is_a_pytree_with_input_residuals_by_identity():
@@ -234,9 +236,9 @@ def test_assumption_HOST_CALLBACK():
         z = io_callback(lambda a: np.asarray(a), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
         return jnp.sum(y * z)
 
-    found = ji.host_callbacks(jax.make_jaxpr(f)(jnp.ones(3)))
+    found = jaxpr_walks.host_callbacks(jax.make_jaxpr(f)(jnp.ones(3)))
     assert len(found) == 3 and set(found) <= ji.HOST_CALLBACK_PRIMITIVES, found
-    assert ji.host_callbacks(jax.make_jaxpr(jnp.sin)(1.0)) == []
+    assert jaxpr_walks.host_callbacks(jax.make_jaxpr(jnp.sin)(1.0)) == []
 
 
 def test_assumption_DISTRIBUTED_CLIENT():
@@ -354,7 +356,7 @@ def test_assumption_BIND_EQUATION_inline_calls_and_callers():
 
     where_line = f.__code__.co_firstlineno + 2
     closed = jax.make_jaxpr(f)(jnp.ones(3))
-    flat = ji.inline_calls(closed, [jax.ShapeDtypeStruct((3,), jnp.float32)])
+    flat = jaxpr_walks.inline_calls(closed, [jax.ShapeDtypeStruct((3,), jnp.float32)])
     names = [e.primitive.name for e in flat.jaxpr.eqns]
     assert "jit" not in names and "pjit" not in names and set(names) & ji.REMAT_PRIMITIVE_NAMES, names
     body = next(e for e in flat.jaxpr.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
