@@ -90,10 +90,10 @@ def _check_kinds(ctx: rs.ResidualContext) -> None:
 def test_contexts_of_many_residuals_round_trip_bitwise_in_one_bundle(tmp_path, residuals, rng):
     if residuals == 1000:
         fwd, args, ctx = _wide_context(rng)
-        loss = wide_loss
+        grad = jax.jit(jax.grad(wide_loss))
     else:
         fwd, args, ctx = _context({10: 0, 50: 9}[residuals], rng)
-        loss = many_loss
+        grad = jax.jit(jax.grad(many_loss), static_argnums=4)
     own = sum(k != "weight" for k in ctx.spec.kinds)
     _check_kinds(ctx)
     assert own >= residuals, own
@@ -113,9 +113,11 @@ def test_contexts_of_many_residuals_round_trip_bitwise_in_one_bundle(tmp_path, r
     assert_contexts_identical(got, ctx)
     want = fwd.backward(ctx)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(rs.backward(got)), jax.tree.leaves(want)))
-    ref = np.asarray(jax.grad(loss)(*args))
+    # compiled, as the split's backward is (eager jax.grad rounds the float16/bfloat16 chain
+    # otherwise, past 2e-2 for a few draws in a hundred); another fusion still rounds otherwise
+    ref = np.asarray(grad(*args))
     scale = float(np.abs(ref).max())
-    assert scale > 0  # bf16/f16 paths: another fusion rounds otherwise, within 2% of the largest
+    assert scale > 0
     np.testing.assert_allclose(np.asarray(want), ref, rtol=2e-2, atol=2e-2 * scale)
 
 
