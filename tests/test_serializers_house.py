@@ -1,0 +1,87 @@
+"""House rules of ``serializers/`` that a test can check: its modules are peers over shared,
+public format modules, not a chain of borrowed internals.
+
+* No module imports an underscore name from a sibling: what two modules share is public in
+  one of them (in its ``__all__``).
+* ``serializers.local`` and ``serializers.kv`` (two ways to the same bytes) do not import each
+  other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "serializers"
+MODULES = sorted(PACKAGE.glob("*.py"))
+
+
+def _sibling_imports(source: str) -> list[tuple[int, str, str | None]]:
+    """(line, sibling module, imported name or ``None`` for a module import) of every import of
+    a ``serializers`` module in ``source``, anywhere in it (a function's lazy import too)."""
+    found: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # from . import x / from .x import y
+                module = "serializers" + ("." + module if module else "")
+            if module == "serializers":  # from serializers import kv
+                found += [(node.lineno, f"serializers.{a.name}", None) for a in node.names]
+            elif module.startswith("serializers."):
+                found += [(node.lineno, module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, None) for a in node.names if a.name.startswith("serializers.")]
+    return found
+
+
+def test_the_check_finds_what_it_should():
+    source = (
+        "from serializers.zarr import _disk_array, chunk_key\n"
+        "from .local import aligned_empty\n"
+        "import serializers.kv\n"
+        "def f():\n    from serializers import local\n"
+    )
+    assert _sibling_imports(source) == [
+        (1, "serializers.zarr", "_disk_array"),
+        (1, "serializers.zarr", "chunk_key"),
+        (2, "serializers.local", "aligned_empty"),
+        (3, "serializers.kv", None),
+        (5, "serializers.local", None),
+    ]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.name)
+def test_no_module_imports_a_private_name_of_a_sibling(module):
+    private = [
+        f"{module.name}:{line} imports {name} from {source}"
+        for line, source, name in _sibling_imports(module.read_text())
+        if name is not None and name.startswith("_")
+    ]
+    assert not private, f"make these public in their module (in its __all__): {private}"
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.name)
+def test_what_a_module_takes_from_a_sibling_is_in_that_siblings_all(module):
+    for line, source, name in _sibling_imports(module.read_text()):
+        if name is None:
+            continue
+        sibling = PACKAGE / (source.removeprefix("serializers.") + ".py")
+        exported = _all(sibling.read_text())
+        assert name in exported, f"{module.name}:{line} imports {name!r}, not in {source}.__all__"
+
+
+def _all(source: str) -> set[str]:
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    return set()
+
+
+@pytest.mark.parametrize("module, other", [("local", "kv"), ("kv", "local")])
+def test_local_and_kv_do_not_import_each_other(module, other):
+    imports = _sibling_imports((PACKAGE / f"{module}.py").read_text())
+    assert not [i for i in imports if i[1] == f"serializers.{other}"], (
+        f"serializers.{module} imports serializers.{other}: what they share belongs in a shared module"
+    )
