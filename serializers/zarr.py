@@ -56,7 +56,7 @@ import ml_dtypes
 import numpy as np
 
 from serializers.errors import CorruptDataError, UnsupportedDTypeError
-from serializers.manifest import is_safe_relpath
+from serializers.manifest_schema import is_safe_relpath
 
 __all__ = [
     "SUPPORTED_DTYPES",

@@ -5,6 +5,7 @@ public format modules, not a chain of borrowed internals.
   one of them (in its ``__all__``).
 * ``serializers.local`` and ``serializers.kv`` (two ways to the same bytes) do not import each
   other.
+* No module is longer than 700 lines: a longer one holds more than one job.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "serializers"
 MODULES = sorted(PACKAGE.glob("*.py"))
+MAX_LINES = 700
 
 
 def _sibling_imports(source: str) -> list[tuple[int, str, str | None]]:
@@ -85,3 +87,9 @@ def test_local_and_kv_do_not_import_each_other(module, other):
     assert not [i for i in imports if i[1] == f"serializers.{other}"], (
         f"serializers.{module} imports serializers.{other}: what they share belongs in a shared module"
     )
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.name)
+def test_no_module_is_over_700_lines(module):
+    lines = len(module.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module.name} has {lines} lines (at most {MAX_LINES}): split it by job"
