@@ -89,7 +89,7 @@ def is_safe_relpath(p: object) -> bool:
 
 # The field types of a manifest, as msgspec types: msgspec checks a decoded map against them
 # (types, ranges, lengths, the path pattern) in one pass. A bool is never an int here, and an
-# int is a number for a float field (JSON and msgpack writers differ on 1 vs 1.0).
+# int is accepted for a float field (a writer may store ``1700000000`` for ``1700000000.0``).
 UInt = Annotated[int, Meta(ge=0)]
 Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # NaN fails both
 RelPath = Annotated[str, Meta(min_length=1, max_length=_MAX_RELPATH_LEN, pattern=RELPATH_PATTERN)]
@@ -109,7 +109,7 @@ def _check_elements(shape: Sequence[int] | UnsetType, name: str) -> None:
 
 class ArrayRecordFields(msgspec.Struct, frozen=True):
     """The fields of one entry of a context manifest's ``"arrays"`` list (see
-    :class:`ArrayRecord`, the record a caller uses; this is its stored form, checked).
+    :class:`~serializers.manifest.ArrayRecord`, the record a caller uses; this is its stored form, checked).
 
     ``offset`` (version 4 on) is present only for an array in its context's bundle: where its
     bytes start in the bundle file (see :mod:`serializers.bundle`). ``chunk_shape`` and

@@ -6,6 +6,8 @@ public format modules, not a chain of borrowed internals.
 * ``serializers.local`` and ``serializers.kv`` (two ways to the same bytes) do not import each
   other.
 * No module is longer than 700 lines: a longer one holds more than one job.
+* What a full disk is (``DISK_FULL_ERRNOS``) is defined once, in ``serializers/errors.py``.
+* Importing a module starts no thread: a thread pool is made when first used.
 """
 
 from __future__ import annotations
@@ -93,3 +95,59 @@ def test_local_and_kv_do_not_import_each_other(module, other):
 def test_no_module_is_over_700_lines(module):
     lines = len(module.read_text().splitlines())
     assert lines <= MAX_LINES, f"{module.name} has {lines} lines (at most {MAX_LINES}): split it by job"
+
+
+_DISK_FULL_ERRNO_NAMES = {"ENOSPC", "EFBIG", "EDQUOT"}
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m.name != "errors.py"], ids=lambda m: m.name)
+def test_what_a_full_disk_is_is_defined_in_errors_only(module):
+    """No module but errors.py spells a set of the disk-full errnos (raising one is fine)."""
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, (ast.Set, ast.Tuple, ast.List)):
+            names = {e.attr for e in node.elts if isinstance(e, ast.Attribute)}
+            assert not names & _DISK_FULL_ERRNO_NAMES, (
+                f"{module.name}:{node.lineno} spells disk-full errnos: use serializers.errors.DISK_FULL_ERRNOS"
+            )
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            assert not any(getattr(t, "id", "") == "DISK_FULL_ERRNOS" for t in targets), (
+                f"{module.name}:{node.lineno} defines DISK_FULL_ERRNOS again"
+            )
+
+
+_THREAD_MAKERS = {"ThreadPoolExecutor", "ProcessPoolExecutor", "Thread", "Timer"}
+
+
+def _module_level_calls(tree: ast.Module) -> list[ast.Call]:
+    """Calls run when the module is imported: in its top-level statements, not inside a
+    function or class body (a class's methods run later; its body's own calls count)."""
+    calls: list[ast.Call] = []
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for default in [*node.args.defaults, *node.args.kw_defaults]:
+                if default is not None:
+                    todo.append(default)
+            todo.extend(getattr(node, "decorator_list", []))
+            continue
+        if isinstance(node, ast.Call):
+            calls.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return calls
+
+
+def test_the_thread_check_finds_a_pool_made_at_import():
+    tree = ast.parse("import concurrent.futures as cf\nPOOL = cf.ThreadPoolExecutor(4)\ndef f():\n    return Thread()\n")
+    names = [getattr(c.func, "attr", getattr(c.func, "id", None)) for c in _module_level_calls(tree)]
+    assert names == ["ThreadPoolExecutor"]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.name)
+def test_importing_a_module_starts_no_thread(module):
+    for call in _module_level_calls(ast.parse(module.read_text())):
+        name = getattr(call.func, "attr", getattr(call.func, "id", None))
+        assert name not in _THREAD_MAKERS, (
+            f"{module.name}:{call.lineno} makes a {name} at import: make it on first use"
+        )
