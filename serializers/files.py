@@ -284,6 +284,11 @@ class Undo:
             self._checked.add(d)
         return created
 
+    def dirty_folders(self) -> list[str]:
+        """The folders whose entries this write changed, deepest first: each is synced before
+        the folder that holds it."""
+        return sorted(self.dirty_dirs, key=len, reverse=True)
+
     def fail(self, err: BaseException, writing: str) -> None:
         """Removes what this write created after it failed with ``err``; a full disk is raised
         as :class:`~serializers.errors.DiskFullError` naming ``writing`` (else this returns and
@@ -533,7 +538,7 @@ def write_file_local(
         undo.makedirs(os.path.dirname(p))
         write_file(p, parts, undo, fsync=fsync)
         if fsync:
-            for folder in sorted(undo.dirty_dirs, key=len, reverse=True):
+            for folder in undo.dirty_folders():
                 fsync_folder_local(folder)
     except BaseException as e:
         undo.fail(e, f"{path!r} under {root!r}")

@@ -335,7 +335,7 @@ def write_arrays_local(
         if fsync:  # files first (any not yet), then the folders that gained an entry
             undo.dirty_dirs.update(os.path.join(root, *f.split("/")) for f in sync_folders)
             _in_parallel(fsync_file, [p for p, is_dir in undo.created if not is_dir and p not in undo.synced])
-            _in_parallel(fsync_folder_local, sorted(undo.dirty_dirs, key=len, reverse=True))
+            _in_parallel(fsync_folder_local, undo.dirty_folders())
     except BaseException as e:
         undo.fail(e, f"{describe_arrays(list(arrays))} under {root!r}")
         raise
