@@ -4,13 +4,22 @@ This package knows nothing about JAX: it stores numpy arrays, dtypes, shapes and
 bytes. ``residual_store`` builds its disk tier on top of it. No pickle anywhere:
 manifests are msgpack validated against a schema, arrays are raw zarr chunks.
 
-One module a job: :mod:`serializers.zarr` (the zarr v3 format: dtypes, chunk grid,
-metadata), :mod:`serializers.bundle` (many arrays as one zip that zarr and tensorstore read),
-:mod:`serializers.local` (the local-file fast path), :mod:`serializers.kv`
-(tensorstore, any kvstore), :mod:`serializers.zarr_compat` (plain zarr-python and the
-``ml_dtypes`` floats), :mod:`serializers.zarr_plugin` (the plugin zarr loads that registers
-them), :mod:`serializers.checksums`, :mod:`serializers.manifest`,
-:mod:`serializers.errors`.
+One module a job, peers over shared format modules (none imports another's private names):
+
+* :mod:`serializers.zarr`: the zarr v3 format (dtypes, chunk grid, metadata, what every
+  writer stores and every reader checks), shared by the three writers below;
+* :mod:`serializers.local`: zarr arrays in a plain local folder, with ``os`` calls only;
+* :mod:`serializers.kv`: zarr arrays through tensorstore, any kvstore, with
+  :mod:`serializers.kv_errors` (tensorstore's errors as the library's) and
+  :mod:`serializers.kv_futures` (chaining tensorstore futures);
+* :mod:`serializers.bundle`: many arrays as one zip that zarr and tensorstore read;
+* :mod:`serializers.files`: local files read and written safely (no link followed, exact
+  sizes, fsync, undo on failure), used by :mod:`serializers.local` and the store;
+* :mod:`serializers.buffers`: 64-byte aligned buffers every reader reads into;
+* :mod:`serializers.manifest`: msgpack manifests, sealed, decoded into typed records;
+* :mod:`serializers.checksums`, :mod:`serializers.errors`;
+* :mod:`serializers.zarr_compat` (plain zarr-python and the ``ml_dtypes`` floats) and
+  :mod:`serializers.zarr_plugin` (the plugin zarr loads that registers them).
 """
 
 from typing import Any
@@ -45,8 +54,8 @@ from serializers.kv import (
     write_arrays,
     write_arrays_kv,
 )
+from serializers.buffers import aligned_empty
 from serializers.local import (
-    aligned_empty,
     read_array_local,
     read_arrays_local,
     read_chunk_local,

@@ -46,8 +46,8 @@ from serializers.checksums import crc32_bytes, parse_checksum, verify
 from serializers.errors import ChecksumMismatchError, CorruptDataError
 from serializers.zarr import (
     Shape,
-    _byte_view,
-    _disk_array,
+    byte_view,
+    disk_array,
     chunk_key,
     encode_group_metadata,
     encode_zarr_metadata,
@@ -282,13 +282,13 @@ def bundle_parts(layout: BundleLayout, arrays: Sequence[Any]) -> tuple[list[memo
     views: dict[int, memoryview] = {}
     crcs = [0] * len(arrays)
     for i, (arr, where) in enumerate(zip(arrays, layout.arrays)):
-        a = _disk_array(arr)
+        a = disk_array(arr)
         if a.shape != where.shape or zarr_dtype_name(a.dtype) != where.dtype:
             raise ValueError(
                 f"array {i} is {a.dtype}{list(a.shape)}, the bundle layout has {where.dtype}{list(where.shape)}"
             )
         if where.nbytes:
-            views[i] = _byte_view(a)
+            views[i] = byte_view(a)
             crcs[i] = crc32_bytes(views[i])
     text = _patched(layout, [crcs[i] for i in layout.chunked])
     (start, stop), *rest = layout.spans

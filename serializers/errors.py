@@ -15,6 +15,7 @@ from typing import Final
 __all__ = [
     "DISK_FULL_ERRNOS",
     "is_disk_full",
+    "raise_if_disk_full",
     "SerializationError",
     "CorruptDataError",
     "ChecksumMismatchError",
@@ -77,3 +78,10 @@ def is_disk_full(err: BaseException) -> bool:
     """Whether ``err`` says the disk (or a quota) is full: a :class:`DiskFullError`, or an error
     whose ``errno`` is one of :data:`DISK_FULL_ERRNOS`."""
     return isinstance(err, DiskFullError) or getattr(err, "errno", None) in DISK_FULL_ERRNOS
+
+
+def raise_if_disk_full(err: BaseException, writing: str) -> None:
+    """Raises :class:`DiskFullError` (from ``err``) naming ``writing`` if ``err`` is a plain
+    ``OSError`` that says the disk is full; returns otherwise (the caller re-raises ``err``)."""
+    if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS and not isinstance(err, DiskFullError):
+        raise DiskFullError(err.errno, f"disk full while writing {writing}: {err.strerror}", err.filename) from err

@@ -26,40 +26,48 @@ Errors: a missing, truncated or oversized chunk, missing or mismatching metadata
 writing -> :class:`~serializers.errors.DiskFullError`, after removing what that write
 had created. A store that does not answer (a request that outlives the ``timeout`` of the
 functions that take one, or tensorstore giving up after its retries: ``ABORTED``,
-``UNAVAILABLE``, ``DEADLINE_EXCEEDED``) -> :class:`~serializers.errors.UnavailableError`.
+``UNAVAILABLE``, ``DEADLINE_EXCEEDED``) -> :class:`~serializers.errors.UnavailableError`
+(the mapping is :mod:`serializers.kv_errors`; the chaining of tensorstore futures,
+:mod:`serializers.kv_futures`).
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
-from serializers.errors import CorruptDataError, DiskFullError, UnavailableError
-from serializers.errors import DISK_FULL_ERRNOS
-from serializers.local import _MAX_METADATA_BYTES, aligned_empty
+from serializers.buffers import aligned_empty
+from serializers.errors import DISK_FULL_ERRNOS, CorruptDataError, DiskFullError
+from serializers.kv_errors import (
+    convert_read_error,
+    convert_write_error,
+    is_unavailable,
+    ts_errno,
+    wait_request,
+)
+from serializers.kv_futures import all_done, raise_error, then
 from serializers.zarr import (
-    _METADATA_KEY,
+    MAX_METADATA_BYTES,
+    METADATA_KEY,
     SUPPORTED_DTYPES,
     ChunkedArray,
     DTypeLike,
     PathLike,
     Shape,
-    _byte_view,
-    _check_attributes,
-    _check_chunk_index,
-    _check_relpath,
-    _check_zarr_metadata,
-    _describe,
-    _disk_array,
-    _disk_chunks,
-    _disk_metadata,
+    byte_view,
+    check_attributes,
+    check_chunk_index,
+    check_relpath,
+    check_zarr_metadata,
+    describe_arrays,
+    disk_array,
+    disk_chunks,
+    disk_metadata,
     check_chunk_shape,
     chunk_grid,
     chunk_index_key,
@@ -140,7 +148,7 @@ def _kv_root(kvstore: KvStoreSpec) -> dict[str, Any]:
 
 def _array_kvstore(kvstore: KvStoreSpec, path: str) -> dict[str, Any]:
     """The kvstore spec of the array folder ``path`` under ``kvstore``."""
-    _check_relpath(path)
+    check_relpath(path)
     spec = _kv_root(kvstore)
     spec["path"] = f"{spec['path']}{path}/"
     return spec
@@ -169,136 +177,11 @@ def _ts_spec(
     return spec
 
 
-_OS_ERROR_CODE: Final = re.compile(r"os_error_code=\\?'?(\d+)")
-_CORRUPT_STATUS: Final = (
-    "NOT_FOUND",
-    "FAILED_PRECONDITION",
-    "DATA_LOSS",
-    "OUT_OF_RANGE",
-    "INVALID_ARGUMENT",
-)
-
-
-_UNAVAILABLE_STATUS: Final = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNAUTHENTICATED")
-
-
-def is_unavailable(e: BaseException) -> bool:
-    """Whether ``e`` says the kvstore did not answer or gave up (connection refused and its
-    retries exhausted, a timeout, the service unavailable), rather than what it holds being
-    wrong."""
-    if isinstance(e, (UnavailableError, TimeoutError)):
-        return True
-    message = _ts_message(e)
-    return isinstance(e, ValueError) and (message.startswith(_UNAVAILABLE_STATUS) or "CURL error" in message)
-
-
-def _unavailable(e: BaseException, what: str, timeout: float | None) -> UnavailableError:
-    if isinstance(e, UnavailableError):
-        return e
-    if isinstance(e, TimeoutError):
-        err = UnavailableError(errno.ETIMEDOUT, f"{what}: no answer within {timeout:g} s")
-    else:
-        err = UnavailableError(errno.EIO, f"{what}: {_ts_message(e)}")
-    err.__cause__ = e
-    return err
-
-
-def wait_request(future: Any, timeout: float | None = None, what: str = "kvstore request") -> Any:
-    """``future.result()``, waiting at most ``timeout`` seconds (``None``: as long as it takes);
-    :class:`UnavailableError` for a request that outlives it or that tensorstore gave up on."""
-    try:
-        return future.result(timeout=timeout)
-    except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and others
-        if is_unavailable(e):
-            raise _unavailable(e, what, timeout) from None
-        raise
-
-
-def _ts_message(e: BaseException) -> str:
-    """tensorstore's message without the (long) echo of the full spec."""
-    return str(e).split(" [tensorstore_spec=", 1)[0]
-
-
-def _ts_errno(e: BaseException) -> int | None:
-    m = _OS_ERROR_CODE.search(str(e))
-    return int(m.group(1)) if m else None
-
-
-def _convert_write_error(e: BaseException, what: str) -> BaseException:
-    if is_unavailable(e):
-        return _unavailable(e, what, None)
-    code = _ts_errno(e)
-    if code in DISK_FULL_ERRNOS:
-        err = DiskFullError(code, f"{what}: disk full while writing: {_ts_message(e)}")
-        err.__cause__ = e
-        return err
-    return e
-
-
-def _convert_read_error(e: BaseException, what: str) -> BaseException:
-    if is_unavailable(e):
-        return _unavailable(e, what, None)
-    code = _ts_errno(e)
-    message = _ts_message(e)
-    if code in (errno.EACCES, errno.EPERM) or message.startswith("PERMISSION_DENIED"):
-        err: BaseException = PermissionError(code or errno.EACCES, f"{what}: {message}")
-    elif message.startswith(_CORRUPT_STATUS) or code in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
-        err = CorruptDataError(f"{what}: cannot read array ({message})")
-    else:
-        return e
-    err.__cause__ = e
-    return err
-
-
-def _settle(promise: Any, fn: Callable[..., Any], *args: Any) -> None:
-    """Settles ``promise`` with ``fn(*args)``, following a returned future."""
-    try:
-        result = fn(*args)
-    except BaseException as e:  # noqa: BLE001 - every outcome must reach the promise
-        promise.set_exception(e)
-        return
-    if isinstance(result, ts.WriteFutures):
-        result = result.commit
-    if isinstance(result, ts.Future):
-        result.add_done_callback(lambda f: _settle(promise, f.result))
-    else:
-        promise.set_result(result)
-
-
-def _then(
-    future: Any,
-    on_ok: Callable[[Any], Any],
-    on_error: Callable[[BaseException], Any] | None = None,
-) -> ts.Future:
-    """A future of ``on_ok(result)`` (or ``on_error(exc)``); either may return a future."""
-    promise: Any
-    out: ts.Future
-    promise, out = ts.Promise.new()
-
-    def done(f: ts.Future) -> None:
-        try:
-            value = f.result()
-        except BaseException as e:  # noqa: BLE001
-            if on_error is None:
-                promise.set_exception(e)
-            else:
-                _settle(promise, on_error, e)
-            return
-        _settle(promise, on_ok, value)
-
-    future.add_done_callback(done)
-    return out
-
-
-def _raise(e: BaseException) -> Any:
-    raise e
-
-
 def _delete_array_async(kv: dict[str, Any], context: ts.Context) -> ts.Future:
     """Removes every key under the array folder ``kv`` (and, locally, its empty folders)."""
     opened = ts.KvStore.open(kv, context=context)
-    deleted = _then(opened, lambda store: store.delete_range(ts.KvStore.KeyRange()))
-    return _then(deleted, lambda _: _prune_empty_dirs(_file_folder(kv)))
+    deleted = then(opened, lambda store: store.delete_range(ts.KvStore.KeyRange()))
+    return then(deleted, lambda _: _prune_empty_dirs(_file_folder(kv)))
 
 
 def delete_prefix(
@@ -342,7 +225,7 @@ def write_array_async(
     raises :class:`DiskFullError` (after deleting what was written) or
     tensorstore's error.
     """
-    a = _disk_array(arr)
+    a = disk_array(arr)
     name = zarr_dtype_name(a.dtype)
     kv = _array_kvstore(kvstore, path)
     ctx = context if context is not None else default_context()
@@ -350,13 +233,13 @@ def write_array_async(
     opened = ts.open(
         _ts_spec(kv, a.shape, name, write=True), create=True, delete_existing=True, context=ctx
     )
-    written = _then(opened, lambda store: store.write(a))
+    written = then(opened, lambda store: store.write(a))
 
     def on_error(e: BaseException) -> Any:
-        err = _convert_write_error(e, what)
-        return _then(_delete_array_async(kv, ctx), lambda _: _raise(err), lambda _: _raise(err))
+        err = convert_write_error(e, what)
+        return then(_delete_array_async(kv, ctx), lambda _: raise_error(err), lambda _: raise_error(err))
 
-    return _then(written, lambda _: None, on_error)
+    return then(written, lambda _: None, on_error)
 
 
 def _wait_all(
@@ -389,7 +272,7 @@ def write_arrays(
     """
     ctx = context if context is not None else default_context()
     for p, a in arrays.items():  # refuse a bad path or dtype before starting any write
-        _check_relpath(p)
+        check_relpath(p)
         zarr_dtype_name(a.dtype if isinstance(a, ChunkedArray) else np.asarray(a).dtype)
     futures = {
         p: (
@@ -459,18 +342,18 @@ def write_arrays_kv(
     """
     disk: dict[str, np.ndarray | ChunkedArray] = {}
     for p, a in arrays.items():
-        _check_relpath(p)
-        disk[p] = a if isinstance(a, ChunkedArray) else _disk_array(a)
-    _check_attributes(arrays, attributes)
+        check_relpath(p)
+        disk[p] = a if isinstance(a, ChunkedArray) else disk_array(a)
+    check_attributes(arrays, attributes)
     if not disk:
         return
     attrs = attributes or {}
     ctx = context if context is not None else default_context()
     root = _kv_root(kvstore)
     kv = wait_request(ts.KvStore.open(root, context=ctx), timeout, "opening the kvstore")
-    chunks = {f"{p}/{key}": view for p, a in disk.items() for key, view in _disk_chunks(a)}
+    chunks = {f"{p}/{key}": view for p, a in disk.items() for key, view in disk_chunks(a)}
     metadata = {
-        f"{p}/{_METADATA_KEY}": _disk_metadata(a, attrs.get(p))
+        f"{p}/{METADATA_KEY}": disk_metadata(a, attrs.get(p))
         for p, a in disk.items()
         if write_metadata or not isinstance(a, ChunkedArray)
     }
@@ -487,7 +370,7 @@ def write_arrays_kv(
             _wait_all({k: kv.write(k, None) for k in put if k in chunks}, timeout)
             for p in disk:
                 _prune_empty_dirs(_file_folder(_array_kvstore(root, p)))
-        err = _convert_write_error(e, _describe(list(disk)))
+        err = convert_write_error(e, describe_arrays(list(disk)))
         if err is e:
             raise
         raise err from e
@@ -512,7 +395,7 @@ def _raise_first(errors: Sequence[BaseException]) -> None:
     """Raises the first disk-full error of ``errors``, else the first unavailable one, else the
     first, if any."""
     if errors:
-        raise next((e for e in errors if _ts_errno(e) in DISK_FULL_ERRNOS),
+        raise next((e for e in errors if ts_errno(e) in DISK_FULL_ERRNOS),
                    next((e for e in errors if is_unavailable(e)), errors[0]))
 
 
@@ -536,8 +419,8 @@ def read_array_async(
     ctx = context if context is not None else default_context()
     what = f"array {path!r}"
     opened = ts.open(_ts_spec(kv, shape, name, write=False), open=True, context=ctx)
-    read = _then(opened, lambda store: store.read())
-    return _then(read, lambda a: a, lambda e: _raise(_convert_read_error(e, what)))
+    read = then(opened, lambda store: store.read())
+    return then(read, lambda a: a, lambda e: raise_error(convert_read_error(e, what)))
 
 
 def read_array(
@@ -594,54 +477,24 @@ def _write_chunked_async(
         commits = [
             store[chunk_region(idx, arr.chunk_shape)].write(a).commit for idx, a in arr.chunks.items()
         ]
-        return _then(_all(commits), lambda _: None)
+        return then(all_done(commits), lambda _: None)
 
-    written = _then(opened, write_all)
+    written = then(opened, write_all)
 
     def on_error(e: BaseException) -> Any:
-        err = _convert_write_error(e, what)
+        err = convert_write_error(e, what)
         if not delete_array_on_error:
-            return _then(
-                _delete_keys_async(kv, list(arr.chunks), ctx), lambda _: _raise(err), lambda _: _raise(err)
+            return then(
+                _delete_keys_async(kv, list(arr.chunks), ctx), lambda _: raise_error(err), lambda _: raise_error(err)
             )
-        return _then(_delete_array_async(kv, ctx), lambda _: _raise(err), lambda _: _raise(err))
+        return then(_delete_array_async(kv, ctx), lambda _: raise_error(err), lambda _: raise_error(err))
 
-    return _then(written, lambda _: None, on_error)
-
-
-def _all(futures: Sequence[ts.Future]) -> ts.Future:
-    """A future done when all of ``futures`` are; it raises the first error among them."""
-    promise: Any
-    out: ts.Future
-    promise, out = ts.Promise.new()
-    if not futures:
-        promise.set_result(None)
-        return out
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_: ts.Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            for f in futures:
-                try:
-                    f.result()
-                except BaseException as e:  # noqa: BLE001
-                    promise.set_exception(e)
-                    return
-            promise.set_result(None)
-
-    for f in futures:
-        f.add_done_callback(done)
-    return out
-
+    return then(written, lambda _: None, on_error)
 
 def _delete_keys_async(kv: dict[str, Any], indices: Sequence[tuple[int, ...]], context: ts.Context) -> ts.Future:
     """Removes the chunk keys of ``indices`` under the array folder ``kv`` (not the others)."""
     opened = ts.KvStore.open(kv, context=context)
-    return _then(opened, lambda store: _all([store.write(chunk_index_key(i), None) for i in indices]))
+    return then(opened, lambda store: all_done([store.write(chunk_index_key(i), None) for i in indices]))
 
 
 def read_chunk_async(
@@ -663,13 +516,13 @@ def read_chunk_async(
     shape = tuple(int(d) for d in shape)
     name = zarr_dtype_name(numpy_dtype(dtype))
     cs = check_chunk_shape(shape, chunk_shape)
-    idx = _check_chunk_index(chunk_index, chunk_grid(shape, cs), f"array {path!r}")
+    idx = check_chunk_index(chunk_index, chunk_grid(shape, cs), f"array {path!r}")
     kv = _array_kvstore(kvstore, path)
     ctx = context if context is not None else default_context()
     what = f"array {path!r}, chunk {chunk_index_key(idx)}"
     opened = ts.open(_ts_spec(kv, shape, name, write=False, chunks=cs), open=True, context=ctx)
-    read = _then(opened, lambda store: store[chunk_region(idx, cs)].read())
-    return _then(read, lambda a: a, lambda e: _raise(_convert_read_error(e, what)))
+    read = then(opened, lambda store: store[chunk_region(idx, cs)].read())
+    return then(read, lambda a: a, lambda e: raise_error(convert_read_error(e, what)))
 
 
 def read_chunk(
@@ -712,7 +565,7 @@ def read_raw(
       ValueError: a chunk shape that does not divide ``shape``, an index outside the grid.
       UnavailableError: no answer within ``timeout`` seconds, or the store gave up.
     """
-    _check_relpath(path)
+    check_relpath(path)
     shape = tuple(int(d) for d in shape)
     dt = SUPPORTED_DTYPES[zarr_dtype_name(numpy_dtype(dtype))]
     what = f"array {path!r}"
@@ -722,11 +575,11 @@ def read_raw(
             return aligned_empty(shape, dt)
     else:
         piece = check_chunk_shape(shape, chunk_shape)
-        key = chunk_index_key(_check_chunk_index(chunk_index, chunk_grid(shape, piece), what))
+        key = chunk_index_key(check_chunk_index(chunk_index, chunk_grid(shape, piece), what))
     try:
         result = wait_request(kv.read(f"{path}/{key}"), timeout, what)
     except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and others
-        raise _convert_read_error(e, what) from None
+        raise convert_read_error(e, what) from None
     if result.state != "value":
         raise CorruptDataError(f"{what}: chunk {path}/{key} is missing")
     expected = int(np.prod(piece, dtype=np.int64)) * dt.itemsize
@@ -734,7 +587,7 @@ def read_raw(
         kind = "truncated" if len(result.value) < expected else "too long"
         raise CorruptDataError(f"{what}: chunk {path}/{key} is {kind}: {len(result.value)} bytes, expected {expected}")
     out = empty(piece, dt)
-    _byte_view(out)[:] = result.value
+    byte_view(out)[:] = result.value
     return out
 
 
@@ -754,15 +607,15 @@ def check_array_metadata(
     Raises:
       CorruptDataError: it is missing, oversized, or describes another array.
     """
-    _check_relpath(path)
+    check_relpath(path)
     shape = tuple(int(d) for d in shape)
     name = zarr_dtype_name(numpy_dtype(dtype))
     cs = check_chunk_shape(shape, chunk_shape) if chunk_shape is not None else None
     what = f"array {path!r}"
-    key = f"{path}/{_METADATA_KEY}"
+    key = f"{path}/{METADATA_KEY}"
     result = wait_request(kv.read(key), timeout, what)
     if result.state != "value":
         raise CorruptDataError(f"{what}: metadata object {key} is missing")
-    if len(result.value) > _MAX_METADATA_BYTES:
-        raise CorruptDataError(f"{what}: metadata object {key} is {len(result.value):,} bytes, over the {_MAX_METADATA_BYTES:,} allowed")
-    _check_zarr_metadata(bytes(result.value), shape, name, f"{what} ({key})", cs)
+    if len(result.value) > MAX_METADATA_BYTES:
+        raise CorruptDataError(f"{what}: metadata object {key} is {len(result.value):,} bytes, over the {MAX_METADATA_BYTES:,} allowed")
+    check_zarr_metadata(bytes(result.value), shape, name, f"{what} ({key})", cs)

@@ -3,10 +3,17 @@
 A manifest is one msgpack map. Two keys identify it and come first in every check:
 ``"format"`` (what kind of document: a context, or a serialized backward) and
 ``"version"`` (an int, :data:`FORMAT_VERSION` for what this library writes). The
-rest is described by a :class:`ManifestSchema`: a tuple of :class:`Field`, each a
-name and a kind (``"str"``, ``"uint"``, ``"map"``, ``"array_records"``...). The
-schemas are plain data so that the format documentation, the writer and the
-validator cannot drift apart.
+rest is described by a :class:`ManifestSchema` (:mod:`serializers.manifest_schema`): the
+format name and a frozen ``msgspec.Struct`` of the fields (:class:`ContextFields`,
+:class:`BackwardFields`, and :class:`ArrayRecordFields` for each array), whose annotated
+types say each field's type, range and length. msgspec checks a decoded map against the
+struct in one pass; the struct is the one description that the format documentation, the
+writer and the validator share. Rules across fields that a type cannot state (the chunk
+rules of :class:`ArrayRecord`) are small checks after it.
+
+What callers receive is unchanged by the structs: :func:`decode_manifest` returns the
+decoded map itself (its records plain maps), checked against the struct, so the store keeps
+reading fields by name and keeps extra keys.
 
 Why so strict: a manifest is read from disk written by another process, maybe
 another version, maybe torn by a crash. :func:`decode_manifest` therefore raises
@@ -14,8 +21,8 @@ nothing but :class:`~serializers.errors.CorruptDataError` (or its subclass
 :class:`~serializers.errors.UnsupportedVersionError`) for any input bytes at all:
 sizes are capped before and during decoding, map keys must be strings, ext types
 (including msgpack timestamps) and duplicate keys are refused, and every required
-field is checked for presence and type. Unknown extra keys are kept: a minor
-addition by a later writer must not break an older reader. A version newer than
+field is checked for presence and type. Unknown extra keys are kept (no struct forbids
+them): a minor addition by a later writer must not break an older reader. A version newer than
 :data:`FORMAT_VERSION` is refused before the fields are looked at, since a future
 version may have changed them.
 
@@ -30,11 +37,10 @@ match it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import re
-from collections.abc import Callable, Mapping, Sequence
-import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn, TypeGuard
 
@@ -42,6 +48,25 @@ import msgpack
 
 from serializers.checksums import checksum, verify
 from serializers.errors import CorruptDataError, UnsupportedVersionError
+from serializers.manifest_schema import (
+    ARRAY_RECORD_FIELDS,
+    BACKWARD_FORMAT,
+    BACKWARD_SCHEMA,
+    CONTEXT_FORMAT,
+    CONTEXT_SCHEMA,
+    MAX_ARRAY_ELEMENTS,
+    MAX_CHUNKS_PER_ARRAY,
+    RELPATH_PATTERN,
+    ArrayRecordFields,
+    BackwardFields,
+    ContextFields,
+    Field,
+    InvalidFields,
+    ManifestSchema,
+    is_safe_relpath,
+    type_name,
+    validate_fields,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,6 +78,10 @@ __all__ = [
     "CONTEXT_SCHEMA",
     "BACKWARD_SCHEMA",
     "ARRAY_RECORD_FIELDS",
+    "ArrayRecordFields",
+    "ContextFields",
+    "BackwardFields",
+    "RELPATH_PATTERN",
     "ArrayRecord",
     "chunked_checksum",
     "encode_manifest",
@@ -64,13 +93,12 @@ __all__ = [
     "MAX_ARRAY_ELEMENTS",
     "MAX_CHUNKS_PER_ARRAY",
 ]
+# (the schema's names are serializers.manifest_schema's, named here too: one place to import
+# everything about manifests from)
 
 FORMAT_VERSION: Final[int] = 4
 """The manifest version this library writes, and the newest it reads. Version 4 adds bundles
 (a context's own arrays in one file: the context's ``bundle`` and its records' ``offset``)."""
-
-CONTEXT_FORMAT: Final[str] = "residual-store/context"
-BACKWARD_FORMAT: Final[str] = "residual-store/backward"
 
 MAX_MANIFEST_BYTES: Final[int] = 64 << 20
 """Default cap on the size of a manifest :func:`decode_manifest` accepts."""
@@ -81,255 +109,10 @@ SELF_CHECKSUM_FIELD: Final[str] = "manifest_checksum"
 SEALED_SINCE: Final[int] = 3
 """The first version whose manifests must carry :data:`SELF_CHECKSUM_FIELD`."""
 
-MAX_ARRAY_ELEMENTS: Final[int] = 1 << 40
-"""The most elements (and the largest dimension) a shape or chunk shape may declare."""
-
-MAX_CHUNKS_PER_ARRAY: Final[int] = 1 << 16
-"""The most chunks one array record may list (one per shard: a mesh of 65,536 devices)."""
-
 # elements of one msgpack array or map: a hostile manifest's huge list is refused while it is
 # decoded, before it is built (a context's residual list, a record's chunk list, a call
 # record's input list all stay far below)
 _MAX_CONTAINER_LEN: Final[int] = 1 << 18
-_MAX_RELPATH_LEN: Final[int] = 1024
-_MAX_NDIM: Final[int] = 64
-_MAX_DTYPE_LEN: Final[int] = 64
-_RELPATH_CHARS: Final = re.compile(r"[A-Za-z0-9._/-]+")
-
-
-# --------------------------------------------------------------------------- schema
-
-
-@dataclass(frozen=True)
-class Field:
-    """One required (or optional) key of a manifest map.
-
-    Attributes:
-      name: the map key.
-      kind: one of the kinds in ``_KINDS``: ``"str"``, ``"optional_str"``,
-        ``"int"``, ``"uint"``, ``"float"`` (an int or finite float), ``"bool"``,
-        ``"map"`` (any map, contents opaque), ``"relpath"`` (see
-        :func:`is_safe_relpath`), ``"shape"`` (list of ints >= 0), ``"dtype"``
-        (non-empty short str), ``"str_list"``, ``"array_records"`` (list of maps
-        each matching :data:`ARRAY_RECORD_FIELDS`), ``"chunk_checksums"`` (list
-        of ``[chunk index (list of ints >= 0), checksum str]`` pairs).
-      required: whether the key must be present; an optional key, when present,
-        must still have the right kind.
-    """
-
-    name: str
-    kind: str
-    required: bool = True
-
-
-@dataclass(frozen=True)
-class ManifestSchema:
-    """The fields of one kind of manifest, besides ``"format"`` and ``"version"``."""
-
-    format: str
-    fields: tuple[Field, ...]
-
-    def extend(self, *fields: Field) -> ManifestSchema:
-        """Returns a schema with ``fields`` added (for a caller's own extra fields)."""
-        return ManifestSchema(self.format, self.fields + tuple(fields))
-
-
-ARRAY_RECORD_FIELDS: Final[tuple[Field, ...]] = (
-    Field("name", "str"),
-    Field("path", "relpath"),
-    Field("shape", "shape"),
-    Field("dtype", "dtype"),
-    Field("nbytes", "uint"),
-    Field("checksum", "str"),
-    Field("input_path", "optional_str"),
-    Field("shared", "bool"),
-    Field("chunk_shape", "shape", required=False),
-    Field("chunk_checksums", "chunk_checksums", required=False),
-    Field("offset", "uint", required=False),
-)
-"""The fields of one entry of a context manifest's ``"arrays"`` list.
-
-``offset`` (version 4 on) is present only for an array in its context's bundle: where its bytes
-start in the bundle file (see :mod:`serializers.bundle`).
-
-``chunk_shape`` and ``chunk_checksums`` are present together, only for an array stored on a
-grid of several chunks (see :class:`ArrayRecord`); records without them are single-chunk
-arrays, as written before chunked arrays existed."""
-
-CONTEXT_SCHEMA: Final[ManifestSchema] = ManifestSchema(
-    format=CONTEXT_FORMAT,
-    fields=(
-        Field("key", "str"),
-        Field("signature", "str"),
-        Field("created", "float"),  # unix time, seconds
-        Field("jax_version", "str"),
-        Field("spec", "map"),  # the residual spec / treedef: opaque to this module
-        Field("arrays", "array_records"),
-    ),
-)
-"""A stored residual context: its key, signature, spec and one record per array."""
-
-BACKWARD_SCHEMA: Final[ManifestSchema] = ManifestSchema(
-    format=BACKWARD_FORMAT,
-    fields=(
-        Field("signature", "str"),
-        Field("jax_version", "str"),
-        Field("available", "bool", required=False),
-        Field("reason", "optional_str", required=False),
-        Field("interface", "str", required=False),
-        Field("platforms", "str_list", required=False),
-        Field("left_out", "map", required=False),
-        Field("cotangent", "map", required=False),
-        Field("gradients", "map", required=False),
-    ),
-)
-"""A serialized backward (``jax.export``) artifact, stored once per signature.
-
-``available`` is false (and ``reason`` says why) for a backward that could not be exported: the
-manifest is then stored alone. Otherwise ``interface`` names how the artifact is called
-(``"flat"``: lists of residuals and floating cotangents in, gradient leaves out), ``platforms``
-lists those it was lowered for and ``left_out`` maps the others to why, and ``cotangent`` and
-``gradients`` describe the structures around the flat artifact (key paths, a structure record,
-and for the cotangent one ``[shape, dtype]`` per output leaf)."""
-
-
-# --------------------------------------------------------------------------- kinds
-
-
-class _Invalid(Exception):
-    """A value does not match the schema; the message says where and why."""
-
-
-def _is_int(v: object) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_array_records(v: object, where: str) -> None:
-    if not isinstance(v, list):
-        raise _Invalid(f"field {where!r} must be a list of maps, got {_type_name(v)}")
-    for i, record in enumerate(v):
-        _check_fields(record, ARRAY_RECORD_FIELDS, f"{where}[{i}]")
-
-
-# kind -> (predicate, description for the error message)
-_KINDS: Final[dict[str, tuple[Callable[[object], bool], str]]] = {
-    "str": (lambda v: isinstance(v, str), "a str"),
-    "optional_str": (lambda v: v is None or isinstance(v, str), "a str or nil"),
-    "int": (_is_int, "an int"),
-    "uint": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
-    "float": (
-        lambda v: _is_int(v) or (isinstance(v, float) and math.isfinite(v)),
-        "a finite number",
-    ),
-    "bool": (lambda v: isinstance(v, bool), "a bool"),
-    "map": (lambda v: isinstance(v, dict), "a map"),
-    "relpath": (lambda v: is_safe_relpath(v), "a safe relative path ([A-Za-z0-9._/-], no '..')"),
-    "shape": (
-        lambda v: (
-            isinstance(v, list)
-            and len(v) <= _MAX_NDIM
-            and all(_is_int(d) and 0 <= d <= MAX_ARRAY_ELEMENTS for d in v)
-            and math.prod(v) <= MAX_ARRAY_ELEMENTS
-        ),
-        f"a list of at most {_MAX_NDIM} ints >= 0 of at most 2**40 elements in all",
-    ),
-    "dtype": (
-        lambda v: isinstance(v, str) and 0 < len(v) <= _MAX_DTYPE_LEN,
-        f"a non-empty str of at most {_MAX_DTYPE_LEN} characters",
-    ),
-    "str_list": (
-        lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
-        "a list of str",
-    ),
-    "array_records": (lambda v: True, "a list of array records"),  # see _check_fields
-    "chunk_checksums": (
-        lambda v: (
-            isinstance(v, list)
-            and len(v) <= MAX_CHUNKS_PER_ARRAY  # before looking at any entry
-            and all(
-                isinstance(p, list)
-                and len(p) == 2
-                and isinstance(p[0], list)
-                and len(p[0]) <= _MAX_NDIM
-                and all(_is_int(i) and i >= 0 for i in p[0])
-                and isinstance(p[1], str)
-                for p in v
-            )
-        ),
-        f"a list of at most {MAX_CHUNKS_PER_ARRAY} [chunk index (list of ints >= 0), checksum str] pairs",
-    ),
-}
-
-
-def _type_name(v: object) -> str:
-    return "nil" if v is None else type(v).__name__
-
-
-# (name, required, predicate or None for "array_records", description) per field, by the
-# identity of the field tuple (kept alive here): manifests are checked on every get, so the
-# schema is looked up once and a message is only formatted for a field that fails.
-_COMPILED: dict[int, tuple[Sequence[Field], tuple[tuple[str, bool, Callable[[object], bool] | None, str], ...]]] = {}
-
-
-def _compiled(fields: Sequence[Field]) -> tuple[tuple[str, bool, Callable[[object], bool] | None, str], ...]:
-    hit = _COMPILED.get(id(fields))
-    if hit is not None and hit[0] is fields:
-        return hit[1]
-    out = []
-    for f in fields:
-        if f.kind == "array_records":
-            out.append((f.name, f.required, None, ""))
-            continue
-        try:
-            predicate, description = _KINDS[f.kind]
-        except KeyError:
-            raise ValueError(f"schema field {f.name!r} has unknown kind {f.kind!r}") from None
-        out.append((f.name, f.required, predicate, description))
-    compiled = tuple(out)
-    _COMPILED[id(fields)] = (fields, compiled)
-    return compiled
-
-
-def _check_fields(d: object, fields: Sequence[Field], where: str) -> None:
-    """Raises :class:`_Invalid` unless ``d`` is a map with ``fields`` well typed."""
-    if not isinstance(d, dict):
-        where = f"field {where!r}" if where else "manifest"
-        raise _Invalid(f"{where} must be a map, got {_type_name(d)}")
-    for name, required, predicate, description in _compiled(fields):
-        if name not in d:
-            if required:
-                raise _Invalid(f"missing required field {_field_path(where, name)!r}")
-            continue
-        value = d[name]
-        if predicate is None:
-            _check_array_records(value, _field_path(where, name))
-        elif not predicate(value):
-            shown = repr(value) if isinstance(value, (str, int, float)) else _type_name(value)
-            if len(shown) > 80:
-                shown = shown[:77] + "..."
-            raise _Invalid(f"field {_field_path(where, name)!r} must be {description}, got {shown}")
-
-
-def _field_path(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
-
-
-# --------------------------------------------------------------------------- paths
-
-
-def is_safe_relpath(p: object) -> bool:
-    """Whether ``p`` is a safe path inside a store.
-
-    Safe means: a non-empty ``str`` of at most 1024 characters from
-    ``[A-Za-z0-9._/-]``, relative (no leading ``/``), with no empty, ``.`` or
-    ``..`` component (so no ``//`` and no trailing ``/``). Such a path can be
-    joined to a store root, a kvstore prefix or a URL without escaping it.
-    """
-    if not isinstance(p, str) or not 0 < len(p) <= _MAX_RELPATH_LEN:
-        return False
-    if not _RELPATH_CHARS.fullmatch(p):
-        return False
-    return all(part not in ("", ".", "..") for part in p.split("/"))
 
 
 # --------------------------------------------------------------------------- records
@@ -373,9 +156,9 @@ class ArrayRecord:
     def __post_init__(self) -> None:
         self._normalize()
         try:
-            _check_fields(self.to_dict(), ARRAY_RECORD_FIELDS, "")
+            validate_fields(self.to_dict(), ArrayRecordFields)
             self._check_chunks()
-        except _Invalid as e:
+        except InvalidFields as e:
             raise ValueError(f"invalid ArrayRecord: {e}") from None
 
     def _normalize(self) -> None:
@@ -406,26 +189,26 @@ class ArrayRecord:
 
     def _check_chunks(self) -> None:
         if self.offset is not None and (self.chunk_shape is not None or self.shared):
-            raise _Invalid("field 'offset' is only for a context's own single-chunk arrays")
+            raise InvalidFields("field 'offset' is only for a context's own single-chunk arrays")
         if (self.chunk_shape is None) != (self.chunk_checksums is None):
-            raise _Invalid("'chunk_shape' and 'chunk_checksums' must be given together")
+            raise InvalidFields("'chunk_shape' and 'chunk_checksums' must be given together")
         if self.chunk_shape is None or self.chunk_checksums is None:
             return
         cs, shape = self.chunk_shape, self.shape
         if len(cs) != len(shape) or any(c < 1 or d % c for d, c in zip(shape, cs)):
-            raise _Invalid(f"field 'chunk_shape' {list(cs)} does not divide 'shape' {list(shape)}")
+            raise InvalidFields(f"field 'chunk_shape' {list(cs)} does not divide 'shape' {list(shape)}")
         grid = tuple(d // c for d, c in zip(shape, cs))
         indices = [idx for idx, _ in self.chunk_checksums]
         if len(set(indices)) != len(indices):
-            raise _Invalid("field 'chunk_checksums' lists a chunk twice")
+            raise InvalidFields("field 'chunk_checksums' lists a chunk twice")
         if any(len(idx) != len(grid) or any(i >= n for i, n in zip(idx, grid)) for idx in indices):
-            raise _Invalid(f"field 'chunk_checksums' has a chunk index outside the grid {list(grid)}")
+            raise InvalidFields(f"field 'chunk_checksums' has a chunk index outside the grid {list(grid)}")
         if len(indices) != math.prod(grid):
-            raise _Invalid(
+            raise InvalidFields(
                 f"field 'chunk_checksums' lists {len(indices)} chunks, the grid has {math.prod(grid)}"
             )
         if self.checksum != chunked_checksum(self.chunk_checksums):
-            raise _Invalid("field 'checksum' is not the checksum of 'chunk_checksums'")
+            raise InvalidFields("field 'checksum' is not the checksum of 'chunk_checksums'")
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the msgpack-able map stored in a manifest."""
@@ -458,12 +241,12 @@ class ArrayRecord:
 
         Raises:
           CorruptDataError: naming ``what`` and the field, if ``d`` does not match
-            :data:`ARRAY_RECORD_FIELDS`.
+            :class:`ArrayRecordFields`.
         """
         try:
             if not fields_checked:
-                _check_fields(dict(d) if isinstance(d, Mapping) else d, ARRAY_RECORD_FIELDS, "")
-        except _Invalid as e:
+                validate_fields(dict(d) if isinstance(d, Mapping) else d, ArrayRecordFields)
+        except InvalidFields as e:
             raise CorruptDataError(f"{what}: {e}") from None
         # The map's fields are checked: build the record without checking them a second time
         # through __post_init__ (manifests are read on every get); the chunk rules still apply.
@@ -471,7 +254,7 @@ class ArrayRecord:
             return cls._built(d)
         except ValueError as e:
             raise CorruptDataError(f"{what}: {e}") from None
-        except _Invalid as e:
+        except InvalidFields as e:
             raise CorruptDataError(f"{what}: invalid ArrayRecord: {e}") from None
 
     @classmethod
@@ -485,19 +268,19 @@ class ArrayRecord:
         """
         try:
             return cls._built(fields)
-        except _Invalid as e:
+        except InvalidFields as e:
             raise ValueError(f"invalid ArrayRecord: {e}") from None
 
     def checked(self) -> ArrayRecord:
-        """This record, its fields checked against :data:`ARRAY_RECORD_FIELDS` (what
+        """This record, its fields checked against :class:`ArrayRecordFields` (what
         :func:`encode_manifest` checks of each record).
 
         Raises:
           ValueError: a field of the wrong kind, naming it.
         """
         try:
-            _check_fields(self.to_dict(), ARRAY_RECORD_FIELDS, "")
-        except _Invalid as e:
+            validate_fields(self.to_dict(), ArrayRecordFields)
+        except InvalidFields as e:
             raise ValueError(f"invalid ArrayRecord: {e}") from None
         return self
 
@@ -543,6 +326,12 @@ def chunked_checksum(chunk_checksums: Sequence[tuple[Sequence[int], str]]) -> st
 
 
 # --------------------------------------------------------------------------- codec
+
+
+def _is_int(v: object) -> TypeGuard[int]:
+    """Whether ``v`` is an int and not a bool (msgpack keeps them apart; Python does not)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
 
 
 def _plain(v: Any) -> Any:
@@ -635,8 +424,8 @@ def encode_manifest(
     try:
         records = out.get("arrays")
         checked = records_checked and isinstance(records, list) and all(type(r) is dict for r in records)
-        _check_fields({**out, "arrays": []} if checked else out, schema.fields, "")
-    except _Invalid as e:
+        validate_fields({**out, "arrays": []} if checked else out, schema.struct)
+    except InvalidFields as e:
         raise ValueError(f"refusing to encode an invalid manifest: {e}") from None
     return seal_manifest(out)
 
@@ -681,7 +470,7 @@ def decode_manifest(
         before any field other than ``format`` and ``version`` is looked at.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise CorruptDataError(f"{what}: manifest must be bytes, got {_type_name(data)}")
+        raise CorruptDataError(f"{what}: manifest must be bytes, got {type_name(data)}")
     if len(data) > max_bytes:
         raise CorruptDataError(f"{what}: manifest is {len(data)} bytes, over the {max_bytes} limit")
     limit = min(len(data), max_bytes)
@@ -703,14 +492,14 @@ def decode_manifest(
     except Exception as e:  # msgpack raises many types for bad bytes: all mean corrupt
         raise CorruptDataError(f"{what}: unreadable manifest ({type(e).__name__}: {e})") from None
     if not isinstance(doc, dict):
-        raise CorruptDataError(f"{what}: manifest must be a map, got {_type_name(doc)}")
+        raise CorruptDataError(f"{what}: manifest must be a map, got {type_name(doc)}")
     fmt = doc.get("format")
     if fmt != schema.format:
-        shown = repr(fmt)[:80] if isinstance(fmt, str) else _type_name(fmt)
+        shown = repr(fmt)[:80] if isinstance(fmt, str) else type_name(fmt)
         raise CorruptDataError(f"{what}: field 'format' must be {schema.format!r}, got {shown}")
     version = doc.get("version")
     if not _is_int(version) or version < 1:
-        shown = repr(version) if _is_int(version) else _type_name(version)
+        shown = repr(version) if _is_int(version) else type_name(version)
         raise CorruptDataError(f"{what}: field 'version' must be an int >= 1, got {shown}")
     if version > FORMAT_VERSION:
         raise UnsupportedVersionError(
@@ -721,7 +510,7 @@ def decode_manifest(
         _check_seal(data, doc, what)
         del doc[SELF_CHECKSUM_FIELD]
     try:
-        _check_fields(doc, schema.fields, "")
-    except _Invalid as e:
+        validate_fields(doc, schema.struct)
+    except InvalidFields as e:
         raise CorruptDataError(f"{what}: {e}") from None
     return doc

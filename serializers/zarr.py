@@ -27,8 +27,12 @@ A folder of arrays may be a zarr v3 group: its ``zarr.json`` is
 :func:`encode_group_metadata`.
 
 This module only describes the format; the writers and readers of the bytes are
-:mod:`serializers.local` (plain local folders) and :mod:`serializers.kv` (tensorstore,
-any kvstore), which produce byte-identical files and read each other's.
+:mod:`serializers.local` (plain local folders), :mod:`serializers.kv` (tensorstore,
+any kvstore) and :mod:`serializers.bundle` (one zip), peers that produce byte-identical
+files and read each other's. What they all need of the format is public here (in
+``__all__``): what every writer stores (:func:`disk_array`, :func:`disk_chunks`,
+:func:`disk_metadata`), the checks every reader makes (:func:`check_zarr_metadata`,
+:data:`MAX_METADATA_BYTES`) and the path and attribute checks every writer makes first.
 
 Data types: ``bool``, ``int8``-``int64``, ``uint8``-``uint64``, ``float16``,
 ``float32``, ``float64``, ``complex64``, ``complex128``, and from ``ml_dtypes``
@@ -52,7 +56,7 @@ import ml_dtypes
 import numpy as np
 
 from serializers.errors import CorruptDataError, UnsupportedDTypeError
-from serializers.manifest import is_safe_relpath
+from serializers.manifest_schema import is_safe_relpath
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -71,13 +75,34 @@ __all__ = [
     "encode_zarr_metadata",
     "group_metadata",
     "encode_group_metadata",
+    # what every writer stores, and the checks every reader and writer makes (for the peers
+    # serializers.local, serializers.kv and serializers.bundle)
+    "PathLike",
+    "Shape",
+    "DTypeLike",
+    "METADATA_KEY",
+    "MAX_METADATA_BYTES",
+    "check_zarr_metadata",
+    "check_chunk_index",
+    "check_relpath",
+    "check_attributes",
+    "describe_arrays",
+    "disk_array",
+    "byte_view",
+    "disk_chunks",
+    "disk_metadata",
 ]
 
 PathLike = str | os.PathLike[str]
 Shape = Sequence[int]
 DTypeLike = str | np.dtype | type
 
-_METADATA_KEY: Final[str] = "zarr.json"
+METADATA_KEY: Final[str] = "zarr.json"
+"""The name of an array's (or a group's) metadata file in its folder."""
+
+MAX_METADATA_BYTES: Final[int] = 1 << 20
+"""The largest ``zarr.json`` a reader accepts (one is a few hundred bytes): a hostile or damaged
+store cannot make a reader load a huge file as metadata."""
 """The metadata file of every array (and group) folder."""
 
 
@@ -223,7 +248,7 @@ def chunk_region(index: Sequence[int], chunk_shape: Shape) -> tuple[slice, ...]:
     return tuple(slice(int(i) * int(c), (int(i) + 1) * int(c)) for i, c in zip(index, chunk_shape))
 
 
-def _check_chunk_index(index: Sequence[int], grid: tuple[int, ...], what: str) -> tuple[int, ...]:
+def check_chunk_index(index: Sequence[int], grid: tuple[int, ...], what: str) -> tuple[int, ...]:
     idx = tuple(int(i) for i in index)
     if len(idx) != len(grid) or any(not 0 <= i < n for i, n in zip(idx, grid)):
         raise ValueError(f"{what}: chunk index {idx} is outside the chunk grid {grid}")
@@ -258,8 +283,8 @@ class ChunkedArray:
         grid = chunk_grid(self.shape, self.chunk_shape)
         out: dict[tuple[int, ...], np.ndarray] = {}
         for index, chunk in chunks.items():
-            idx = _check_chunk_index(index, grid, "ChunkedArray")
-            a = _disk_array(chunk)
+            idx = check_chunk_index(index, grid, "ChunkedArray")
+            a = disk_array(chunk)
             if a.shape != self.chunk_shape or a.dtype.type is not self.dtype.type:
                 raise ValueError(
                     f"ChunkedArray: chunk {idx} is {a.dtype}{list(a.shape)}, expected "
@@ -378,7 +403,7 @@ def _encode_json(value: Mapping[str, Any]) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _check_zarr_metadata(
+def check_zarr_metadata(
     raw: bytes, shape: tuple[int, ...], name: str, where: str, chunks: tuple[int, ...] | None = None
 ) -> None:
     """Raises CorruptDataError unless ``raw`` describes our raw layout with chunk shape
@@ -422,7 +447,7 @@ def _check_zarr_metadata(
 # --------------------------------------------------------------------------- what every writer stores
 
 
-def _disk_array(arr: Any) -> np.ndarray:
+def disk_array(arr: Any) -> np.ndarray:
     """``arr`` as a C-contiguous little-endian numpy array, copying only if needed."""
     a = arr if type(arr) is np.ndarray else np.asarray(arr)
     zarr_dtype_name(a.dtype)  # raises for unsupported dtypes
@@ -434,7 +459,7 @@ def _disk_array(arr: Any) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-def _byte_view(a: np.ndarray) -> memoryview:
+def byte_view(a: np.ndarray) -> memoryview:
     """A flat uint8 view of a C-contiguous array (works for bfloat16, bool, 0-d)."""
     if a.size and _has_buffer_format(a.dtype):
         return a.data.cast("B")  # a fraction of the cost of the NumPy views below
@@ -451,22 +476,22 @@ def _has_buffer_format(dtype: np.dtype) -> bool:
     return True
 
 
-def _disk_chunks(arr: np.ndarray | ChunkedArray) -> list[tuple[str, memoryview]]:
+def disk_chunks(arr: np.ndarray | ChunkedArray) -> list[tuple[str, memoryview]]:
     """(key inside the array folder, raw bytes) of each chunk ``arr`` holds: what every
-    writer stores. ``arr`` is a :func:`_disk_array` result or a :class:`ChunkedArray`."""
+    writer stores. ``arr`` is a :func:`disk_array` result or a :class:`ChunkedArray`."""
     if isinstance(arr, ChunkedArray):
-        return [(chunk_index_key(idx), _byte_view(c)) for idx, c in arr.chunks.items()]
+        return [(chunk_index_key(idx), byte_view(c)) for idx, c in arr.chunks.items()]
     key = chunk_key(arr.shape)
-    return [] if key is None else [(key, _byte_view(arr))]
+    return [] if key is None else [(key, byte_view(arr))]
 
 
-def _disk_metadata(arr: np.ndarray | ChunkedArray, attributes: Mapping[str, Any] | None = None) -> bytes:
-    """The ``zarr.json`` bytes of ``arr`` (a :func:`_disk_array` result or a :class:`ChunkedArray`)."""
+def disk_metadata(arr: np.ndarray | ChunkedArray, attributes: Mapping[str, Any] | None = None) -> bytes:
+    """The ``zarr.json`` bytes of ``arr`` (a :func:`disk_array` result or a :class:`ChunkedArray`)."""
     chunks = arr.chunk_shape if isinstance(arr, ChunkedArray) else None
     return encode_zarr_metadata(arr.shape, arr.dtype, chunks, attributes)
 
 
-def _check_attributes(arrays: Mapping[str, Any], attributes: Mapping[str, Any] | None) -> None:
+def check_attributes(arrays: Mapping[str, Any], attributes: Mapping[str, Any] | None) -> None:
     """Refuses, before anything is written, ``attributes`` (array path -> that array's
     attributes) naming an array not in ``arrays``, or holding what JSON cannot.
 
@@ -475,16 +500,17 @@ def _check_attributes(arrays: Mapping[str, Any], attributes: Mapping[str, Any] |
     """
     extra = sorted(set(attributes or {}) - set(arrays))
     if extra:
-        raise ValueError(f"attributes for {_describe(extra)}, which are not among the arrays written")
+        raise ValueError(f"attributes for {describe_arrays(extra)}, which are not among the arrays written")
     for value in (attributes or {}).values():
         _attributes(value)
 
 
-def _describe(paths: Sequence[str]) -> str:
+def describe_arrays(paths: Sequence[str]) -> str:
     """The arrays of a batch, for error messages: their paths if few, else how many."""
     return ", ".join(repr(p) for p in paths) if len(paths) <= 4 else f"{len(paths)} arrays"
 
 
-def _check_relpath(path: str) -> None:
+def check_relpath(path: str) -> None:
+    """Raises ValueError unless ``path`` is a safe array path (:func:`is_safe_relpath`)."""
     if not is_safe_relpath(path):
         raise ValueError(f"unsafe array path {path!r}: use [A-Za-z0-9._/-], relative, no '..'")

@@ -20,6 +20,7 @@ import tensorstore as ts
 import zarr
 
 import serializers.kv as kv_mod
+import serializers.kv_errors as kv_errors
 import serializers.local as local_mod
 from serializers.local import check_array_metadata_local
 from serializers.zarr_compat import _ZARR_FLOAT_NAMES
@@ -391,11 +392,11 @@ def test_tensorstore_disk_full_error_is_classified() -> None:
     e = ValueError(
         "OUT_OF_RANGE: Error writing local file \"x\": File too large [os_error_code='27']"
     )
-    assert isinstance(kv_mod._convert_write_error(e, "array 'x'"), DiskFullError)
+    assert isinstance(kv_errors.convert_write_error(e, "array 'x'"), DiskFullError)
     e = ValueError("RESOURCE_EXHAUSTED: No space left on device [os_error_code=28]")
-    assert kv_mod._convert_write_error(e, "a").errno == errno.ENOSPC
+    assert kv_errors.convert_write_error(e, "a").errno == errno.ENOSPC
     e = ValueError("INVALID_ARGUMENT: whatever")
-    assert kv_mod._convert_write_error(e, "a") is e
+    assert kv_errors.convert_write_error(e, "a") is e
 
 
 _EFBIG_SCRIPT = textwrap.dedent(
@@ -876,13 +877,13 @@ def test_reuse_rewrites_zarr_json_only_when_its_bytes_differ(
     first = {"a": {"v": 1}, "e": {"v": 1}, "m": {"v": 1}}
     write_arrays_local(tmp_path, batch(0), attributes=first)
     written: list[str] = []
-    real = local_mod._write_file
+    real = local_mod.write_file
 
     def spy(p: str, *args: Any, **kwargs: Any) -> None:
         written.append(os.path.relpath(p, tmp_path))
         real(p, *args, **kwargs)
 
-    monkeypatch.setattr(local_mod, "_write_file", spy)
+    monkeypatch.setattr(local_mod, "write_file", spy)
     write_arrays_local(tmp_path, batch(1), reuse=True, attributes=first)  # same attributes
     assert written == []  # every chunk overwritten in place, no zarr.json rewritten
     _same_bits(read_array_local(tmp_path, "a", a.shape, "float32"), a + 1)
@@ -904,7 +905,7 @@ def test_reuse_with_keep_metadata_neither_reads_nor_writes_zarr_json(
     write_arrays_local(tmp_path, {"a": a, "b": b}, attributes=attrs)
     before = {p: (tmp_path / p / "zarr.json").read_bytes() for p in ("a", "b")}
     touched: list[str] = []
-    for name in ("_write_file", "_holds"):
+    for name in ("write_file", "_holds"):
         real = getattr(local_mod, name)
 
         def spy(p: str, *args: Any, _real: Any = real, **kwargs: Any) -> Any:

@@ -224,7 +224,8 @@ def test_arrays_that_are_not_the_layouts_are_refused() -> None:
 def test_short_writes_resume_and_a_full_disk_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    import serializers.local as local_mod
+    import serializers.files as local_mod
+    from serializers.errors import DiskFullError
 
     arrays = _mixed(np.random.default_rng())
     layout, parts, sums = _bundle(arrays)
@@ -241,6 +242,6 @@ def test_short_writes_resume_and_a_full_disk_leaves_nothing(tmp_path: Path, monk
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(local_mod.os, "writev", full_writev)
-    with pytest.raises(local_mod.DiskFullError, match="disk full"):
+    with pytest.raises(DiskFullError, match="disk full"):
         write_file_local(tmp_path, "new/b.zip", parts, fsync=True)
     assert not (tmp_path / "new").exists()  # the folder it made is gone too
