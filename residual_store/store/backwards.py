@@ -2,9 +2,10 @@
 a process without the model can run ``rs.backward(store.get(key))``.
 
 Saving (:class:`Saver`, one per writable store) runs on the store's writer thread (exporting
-takes tens of milliseconds; ``put`` returns at once). ``get`` reads and checks the stored backward
-and offers it (``residual_store.backward.offer_backward``): it is deserialized only when
-``rs.backward`` needs it. Loading checks a stored backward like data (its manifest, its checksum, that
+takes tens of milliseconds; ``put`` returns at once). Loading (:class:`StoredBackwards`, one per
+store, registered weakly with :func:`residual_store.backward.register_loader` while the store is
+open): ``get`` reads and checks the stored backward and hands the context a
+:class:`StoredBackward`; it is deserialized only when ``rs.backward`` needs it. Loading checks a stored backward like data (its manifest, its checksum, that
 it names its signature) and matches it to this process's platform and device count. A damaged,
 unreadable or unsuitable stored backward never blocks ``get``: it is registered as a backward
 that raises when run, so only ``rs.backward`` in a process without a live split of that
@@ -18,7 +19,6 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from cachetools import LRUCache
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 import serializers
-from residual_store.backward import Backward, find_backward, lookup_backward, offer_backward, register_backward
+from residual_store.backward import Backward, find_backward, lookup_backward, register_backward
 from residual_store.errors import (
     BackwardUnavailableError,
     CorruptContextError,
@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from residual_store.store.workers import Writer
 
 __all__ = [
-    "Saver", "check_records", "describe", "explicit_mesh", "load", "offer", "serialize", "structures",
-    "unavailable_manifest",
+    "Saver", "StoredBackward", "StoredBackwards", "check_records", "describe", "explicit_mesh", "serialize",
+    "structures", "unavailable_manifest",
 ]
 
 _INTERFACE = "flat"  # how the artifact is called (see serializers.BACKWARD_SCHEMA)
@@ -53,9 +53,6 @@ _OLD_INTERFACE = (
     "its backward was exported by an earlier development version with pytree arguments, which "
     "this version does not run: put a context of this signature again, or run it with the split"
 )
-_MAX_LOADED = 64
-_LOADED: LRUCache[str, Backward] = LRUCache(_MAX_LOADED)  # owner of loaded backwards (the registry is weak)
-_LOADED_LOCK = threading.Lock()
 
 
 def explicit_mesh(residuals: Sequence[Any]) -> Any:
@@ -174,19 +171,66 @@ def _refusing(signature: str, error: ResidualStoreError) -> Backward:
     )
 
 
-def _keep(bwd: Backward) -> None:
-    with _LOADED_LOCK:
-        _LOADED[bwd.signature] = bwd
-    register_backward(bwd)
+class StoredBackward:
+    """The stored backward of one signature as a store read and checked it, deserialized at its
+    first :meth:`load_backward` (once) and held from then on: a context holds the one its store
+    read for it, so neither closing nor deleting the store takes its backward away.
+
+    Args:
+      signature: the signature it serves.
+      manifest: its manifest (``None`` with ``error``).
+      data: the exported bytes (``None``: its manifest records why there are none).
+      error: why the stored backward cannot be used (damage): every run raises it.
+    """
+
+    def __init__(
+        self, signature: str, manifest: dict[str, Any] | None = None, data: bytes | None = None,
+        error: ResidualStoreError | None = None,
+    ) -> None:
+        self.signature = signature
+        self._manifest = manifest
+        self._data = data
+        self._error = error
+        self._loaded: Backward | None = None
+        self._lock = threading.Lock()
+
+    def load_backward(self, signature: str) -> Backward | None:
+        """The backward (one that raises why, if it cannot run here), registered; ``None`` for
+        another signature."""
+        if signature != self.signature:
+            return None
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = self._deserialized()
+                self._manifest = self._data = None  # the bytes are done with
+            register_backward(self._loaded)
+            return self._loaded
+
+    def _deserialized(self) -> Backward:
+        if self._error is not None:
+            return _refusing(self.signature, self._error)
+        assert self._manifest is not None
+        try:
+            bwd = _loaded(self.signature, self._manifest, self._data)
+        except (BackwardUnavailableError, CorruptContextError) as err:
+            return _refusing(self.signature, err)
+        needed = _exported_device_count(self._data) if self._data is not None else 1
+        if needed > jax.device_count():
+            return _refusing(
+                self.signature,
+                BackwardUnavailableError(
+                    f"the stored backward of signature {self.signature} was exported for {needed} "
+                    "devices (its avals or sharding constraints name a mesh of that size, e.g. "
+                    f"explicit axis types), and this process has {jax.device_count()}: run it where "
+                    "that many devices exist, or make the context with rs.split in this process"
+                ),
+            )
+        return bwd
 
 
-def offer(disk: DiskTier, signature: str) -> None:
-    """Reads and checks the stored backward of ``signature`` now (so deleting the store later
-    cannot take it away) and offers it to :func:`residual_store.backward`, which deserializes it
-    only if a backward of that signature is asked for and the process has no live one. Never
-    raises: a stored backward that cannot be used becomes one that raises when run."""
-    if lookup_backward(signature) is not None or not is_current(signature):
-        return  # a live one; or residual-store 0.1's signatures, which could collide: never run
+def _read(disk: DiskTier, signature: str) -> StoredBackward | None:
+    """The stored backward of ``signature``, read and checked now; ``None`` if none is stored.
+    Never raises for damage: a damaged one becomes one that raises when run."""
     try:
         stored = disk.read_backward(signature)
     except CorruptContextError as err:
@@ -196,38 +240,51 @@ def offer(disk: DiskTier, signature: str) -> None:
             "`residual-store gc` removes the damaged backward, and the next put of that "
             "signature saves it again"
         )
-        offer_backward(signature, functools.partial(_keep, _refusing(signature, damaged)))
-        return
-    if stored is not None:
-        offer_backward(signature, functools.partial(_register, signature, *stored))
+        return StoredBackward(signature, error=damaged)
+    return None if stored is None else StoredBackward(signature, *stored)
 
 
-def load(disk: DiskTier, signature: str) -> bool:
-    """:func:`offer`, then load it at once; whether a backward of ``signature`` is stored (or
-    registered already)."""
-    offer(disk, signature)
-    return find_backward(signature) is not None
+class StoredBackwards:
+    """The loader of one store's stored backwards (a :class:`~residual_store.backward.BackwardLoader`):
+    each signature's read once, at the first ``get`` of it or the first time ``rs.backward``
+    asks for one this process has no live backward of.
 
+    The store registers it while open; the registry holds it weakly, so a closed or collected
+    store is not asked.
+    """
 
-def _register(signature: str, manifest: dict[str, Any], data: bytes | None) -> None:
-    """Deserializes a stored backward and registers it (or one that raises why it cannot run)."""
-    try:
-        bwd = _loaded(signature, manifest, data)
-    except (BackwardUnavailableError, CorruptContextError) as err:
-        _keep(_refusing(signature, err))
-        return
-    needed = _exported_device_count(data) if data is not None else 1
-    if needed > jax.device_count():
-        bwd = _refusing(
-            signature,
-            BackwardUnavailableError(
-                f"the stored backward of signature {signature} was exported for {needed} devices "
-                "(its avals or sharding constraints name a mesh of that size, e.g. explicit axis "
-                f"types), and this process has {jax.device_count()}: run it where that many devices "
-                "exist, or make the context with rs.split in this process"
-            ),
-        )
-    _keep(bwd)
+    def __init__(self, disk: DiskTier) -> None:
+        self._disk = disk
+        self._lock = threading.Lock()
+        self._read: dict[str, StoredBackward] = {}
+
+    def for_context(self, signature: str) -> StoredBackward | None:
+        """What a context of ``signature`` that ``get`` returns holds to load its backward:
+        read and checked now (so deleting the store later cannot take it away), not
+        deserialized; ``None`` when a live backward exists, none is stored, or the signature is
+        residual-store 0.1's (which could collide: never run)."""
+        if lookup_backward(signature) is not None or not is_current(signature):
+            return None
+        return self._stored(signature)
+
+    def load_backward(self, signature: str) -> Backward | None:
+        """The stored backward of ``signature`` in this store, loaded; ``None`` if none is."""
+        if not is_current(signature):
+            return None
+        stored = self._stored(signature)
+        return None if stored is None else stored.load_backward(signature)
+
+    def _stored(self, signature: str) -> StoredBackward | None:
+        # A signature none is stored of is read again next time: a later put may save it.
+        with self._lock:
+            found = self._read.get(signature)
+        if found is not None:
+            return found
+        stored = _read(self._disk, signature)  # outside the lock: a read of the disk
+        if stored is None:
+            return None
+        with self._lock:
+            return self._read.setdefault(signature, stored)
 
 
 def structures(

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from residual_store import _jax_internals
+from residual_store.backward import register_loader, unregister_loader
 from residual_store.context import OWN_KINDS, ResidualContext, check_representable, describe_residual
 from residual_store.errors import (
     ContextNotFoundError,
@@ -193,6 +194,10 @@ class Store:
         self._backwards = backwards.Saver(
             self._disk, self._writer, durable=self._durable, saves=self._committer.saves_backwards,
         ) if self._writer is not None else None
+        # loads the stored backwards rs.backward asks for while the store is open (held weakly there)
+        self._stored_backwards = backwards.StoredBackwards(self._disk) if self._disk is not None else None
+        if self._stored_backwards is not None:
+            register_loader(self._stored_backwards)
         self._loader = Loader()
         self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
         self._closed = False
@@ -479,7 +484,9 @@ class Store:
             self._target,
         )
         ctx = ResidualContext(residuals, stored.spec)
-        self._ensure_backward(stored.spec.signature)
+        if self._stored_backwards is not None:
+            # read and checked now, deserialized only if rs.backward needs it (see store.backwards)
+            ctx._loader = self._stored_backwards.for_context(stored.spec.signature)
         with self._lock:
             if key in self._device or key in self._host or key in self._pending or key in self._deleting:
                 return ctx  # put, delete or another load while this read ran: keep theirs
@@ -489,13 +496,6 @@ class Store:
         for write in spills:
             self._schedule_write(*write)
         return ctx
-
-    def _ensure_backward(self, signature: str) -> None:
-        """Offers the stored backward of ``signature`` to ``rs.backward``, which deserializes it
-        only when asked for a backward the process has no live one of; never raises for a
-        damaged one (see :mod:`residual_store.store.backwards`)."""
-        if self._disk is not None:
-            backwards.offer(self._disk, signature)
 
     def prefetch(self, key: str) -> None:
         """Starts bringing ``key`` to the device in the background; the next ``get`` takes it.
@@ -783,6 +783,8 @@ class Store:
             self.flush()
         finally:
             self._closed = True
+            if self._stored_backwards is not None:
+                unregister_loader(self._stored_backwards)
             self._finalizer.detach()
             if self._writer is not None:
                 self._writer.close()
