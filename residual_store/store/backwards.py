@@ -37,6 +37,7 @@ from residual_store.export import export_backward, load_backward
 from residual_store.keypaths import PathStructure
 from residual_store.placement import has_explicit_axes
 from residual_store.signature import is_current
+from residual_store.store import layout
 
 if TYPE_CHECKING:
     from residual_store.context import ResidualContext
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
     from residual_store.store.workers import Writer
 
 __all__ = [
-    "Saver", "StoredBackward", "StoredBackwards", "check_records", "describe", "explicit_mesh", "serialize",
-    "structures", "unavailable_manifest",
+    "Saver", "StoredBackward", "StoredBackwards", "check_records", "describe", "explicit_mesh", "is_stored",
+    "read", "read_manifest", "serialize", "stored_signatures", "structures", "unavailable_manifest", "write",
 ]
 
 _INTERFACE = "flat"  # how the artifact is called (see serializers.BACKWARD_SCHEMA)
@@ -232,7 +233,7 @@ def _read(disk: DiskTier, signature: str) -> StoredBackward | None:
     """The stored backward of ``signature``, read and checked now; ``None`` if none is stored.
     Never raises for damage: a damaged one becomes one that raises when run."""
     try:
-        stored = disk.read_backward(signature)
+        stored = read(disk, signature)
     except CorruptContextError as err:
         damaged = CorruptContextError(
             f"{err}. The contexts of this signature are intact, but a process without the model "
@@ -389,7 +390,7 @@ class Saver:
     def _export(self, sig: str, bwd: Backward, avals: Any, mesh: Any) -> None:
         """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
         try:
-            if self._disk.has_backward(sig):
+            if is_stored(self._disk, sig):
                 return
             try:
                 data, manifest = serialize(bwd, avals, mesh)
@@ -398,7 +399,7 @@ class Saver:
                     self._warnings.append(str(err))
                 self._record_unavailable(sig, str(err))
                 return
-            self._disk.write_backward(sig, data, manifest, fsync=self._durable)
+            write(self._disk, sig, data, manifest, fsync=self._durable)
         except BaseException:
             with self._lock:  # not saved (a full disk, no answer): the next put of this signature retries
                 self._seen.discard(sig)
@@ -407,8 +408,86 @@ class Saver:
     def _record_unavailable(self, sig: str, reason: str) -> None:
         """Stores why the backward of ``sig`` could not be exported (``ls`` and ``inspect`` show
         it; a process without the model gets it as the reason)."""
-        if not self._disk.has_backward(sig):
-            self._disk.write_backward(sig, None, unavailable_manifest(sig, reason), fsync=self._durable)
+        if not is_stored(self._disk, sig):
+            write(self._disk, sig, None, unavailable_manifest(sig, reason), fsync=self._durable)
+
+
+# -- the stored backward's files: an export and its manifest (the commit) ------------------------
+
+
+def stored_signatures(disk: DiskTier) -> list[str]:
+    """Signatures with a stored backward (a committed manifest)."""
+    suffix = layout.MANIFEST_SUFFIX
+    return [n[: -len(suffix)] for n in disk.backend.list_dir(layout.BACKWARDS) if n.endswith(suffix)]
+
+
+def is_stored(disk: DiskTier, signature: str) -> bool:
+    """Whether the backward of ``signature`` is stored (its manifest is committed)."""
+    return disk.backend.exists(layout.backward_paths(signature)[1])
+
+
+def write(disk: DiskTier, signature: str, data: bytes | None, manifest: bytes, *, fsync: bool) -> None:
+    """The export, then its manifest (the commit: an export without one is a torn write).
+    ``data`` is ``None`` for a backward that could not be exported: the manifest alone records
+    why."""
+    export_path, manifest_path = layout.backward_paths(signature)
+    if data is not None:
+        disk.write_blob(export_path, data, fsync=fsync)
+    try:
+        disk.write_blob(manifest_path, manifest, fsync=fsync)
+    except BaseException:
+        if data is not None:  # no bytes of a failed write stay behind
+            disk.backend.delete(export_path)
+        raise
+
+
+def read_manifest(disk: DiskTier, signature: str) -> dict[str, Any] | None:
+    """The decoded manifest of the stored backward of ``signature`` (the export itself is not
+    read), or ``None`` if none is committed.
+
+    Raises:
+      CorruptContextError: the manifest is unreadable, of a future version or names another
+        signature.
+    """
+    manifest = disk.backend.get_bytes(layout.backward_paths(signature)[1])
+    if manifest is None:
+        return None
+    what = f"stored backward of signature {signature}"
+    try:
+        m = serializers.decode_manifest(manifest, what=what, schema=serializers.BACKWARD_SCHEMA)
+        if m["signature"] != signature:
+            raise serializers.CorruptDataError(f"{what}: its manifest names signature {m['signature']!r}")
+    except serializers.CorruptDataError as err:
+        raise CorruptContextError(str(err)) from err
+    return m
+
+
+def read(disk: DiskTier, signature: str) -> tuple[dict[str, Any], bytes | None] | None:
+    """The manifest and verified export of the stored backward of ``signature`` (the export is
+    ``None`` where the manifest records that it could not be exported), or ``None`` if none is
+    committed.
+
+    Raises:
+      CorruptContextError: its export is missing, its manifest is unreadable, of a future
+        version or names another signature, or the export fails its size or checksum.
+    """
+    m = read_manifest(disk, signature)
+    if m is None or m.get("available") is False:
+        return None if m is None else (m, None)
+    export_path = layout.backward_paths(signature)[0]
+    nbytes = m.get("nbytes")  # read no more than that (jax.export artifacts stay under 2 GiB)
+    valid = isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 <= nbytes
+    data = disk.backend.get_bytes(export_path, max_bytes=min(nbytes, 1 << 31) if valid else 1 << 31)
+    what = f"stored backward of signature {signature}"
+    try:
+        if data is None:
+            raise serializers.CorruptDataError(f"{what}: its export ({export_path}) is missing")
+        if m.get("nbytes", len(data)) != len(data):
+            raise serializers.CorruptDataError(f"{what}: {len(data)} bytes, its manifest says {m['nbytes']}")
+        serializers.verify(np.frombuffer(data, np.uint8), m.get("checksum"), what=what)
+    except serializers.CorruptDataError as err:
+        raise CorruptContextError(str(err)) from err
+    return m, data
 
 
 def _warn_unexportable(reason: str, stacklevel: int) -> None:
