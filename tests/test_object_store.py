@@ -218,13 +218,13 @@ def test_the_command_line_on_an_s3_spec(spec):
 
 
 def test_named_credentials_are_left_as_given():
-    from residual_store.store import backends
+    from residual_store.store import kv_backend
 
     given = {"driver": "s3", "bucket": "b", "aws_credentials": {"type": "anonymous"}}
-    assert backends._with_quiet_credentials(dict(given)) == given
+    assert kv_backend._with_quiet_credentials(dict(given)) == given
     in_context = {"driver": "s3", "bucket": "b", "context": {"aws_credentials": {"type": "profile"}}}
-    assert backends._with_quiet_credentials(dict(in_context)) == in_context
-    assert backends._with_quiet_credentials({"driver": "gcs", "bucket": "b"}) == {"driver": "gcs", "bucket": "b"}
+    assert kv_backend._with_quiet_credentials(dict(in_context)) == in_context
+    assert kv_backend._with_quiet_credentials({"driver": "gcs", "bucket": "b"}) == {"driver": "gcs", "bucket": "b"}
 
 
 # -- a JAX multi-controller job on the object store ---------------------------------------------

@@ -41,7 +41,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import serializers
-from serializers import bundle as bundles
 from residual_store.context import ResidualSpec
 from residual_store.errors import (
     ContextNotFoundError,
@@ -54,9 +53,10 @@ from residual_store.errors import (
 )
 from residual_store.logs import event
 from residual_store.placement import rebuild_sharding
-from residual_store.store.backends import DamagedFileError, open_backend
+from residual_store.store.backend_protocol import DamagedFileError
+from residual_store.store.backends import open_backend
 from residual_store.store.buffers import ReadBuffers
-from residual_store.store import layout
+from residual_store.store import layout, stored_bundles
 from residual_store.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
 from residual_store.store.host import HostArrays, ShardedHost, chunk_index
 from residual_store.store.records import StoredContext, parse_context_manifest
@@ -475,7 +475,7 @@ class DiskTier:
         pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
         for (i, idx, _), x in zip(tasks, results):
             pieces.setdefault(i, {})[idx] = x
-        bundled = self._read_bundle(key, stored) if stored.bundle is not None else {}
+        bundled = stored_bundles.read(self.backend, key, stored, empty=self._empty) if stored.bundle is not None else {}
         out: HostArrays = []
         for i, record in enumerate(stored.records):
             placement = placements[i]
@@ -571,51 +571,9 @@ class DiskTier:
         except (OSError, ValueError) as err:
             raise CorruptContextError(f"{what}: unreadable ({err})") from err
 
-    def _read_bundle(self, key: str, stored: StoredContext) -> dict[int, np.ndarray]:
-        """The bundled residuals of ``key``, as views into one buffer: the bundle read in one
-        call and checked against its whole-file checksum as it lands (no work per residual but
-        its view). On a mismatch the file is checked residual by residual, so that the error
-        names the damaged one."""
-        ref = stored.bundle
-        assert ref is not None
-        what = f"context {key!r}, bundle {ref.path}"
-        try:
-            buffer = self.backend.read_file(ref.path, ref.nbytes, checksum=ref.checksum, empty=self._empty)
-        except serializers.ChecksumMismatchError as err:
-            try:  # which part: a residual (named), or the headers
-                self.check_bundle(key, stored, self.backend.read_file(ref.path, ref.nbytes))
-            except CorruptContextError as found:
-                raise CorruptContextError(f"{found} (the whole {err})") from err
-            raise CorruptContextError(f"{what}: {err}") from err
-        except serializers.CorruptDataError as err:  # missing, truncated, not a regular file
-            raise CorruptContextError(f"{what}: {err}") from err
-        except OSError as err:
-            raise CorruptContextError(f"{what}: unreadable ({err})") from err
-        return dict(zip(stored.bundled, bundles.bundle_views(stored.bundle_arrays, buffer)))
-
     def check_bundle(self, key: str, stored: StoredContext, buffer: np.ndarray | None = None) -> None:
-        """Checks every byte of ``key``'s bundle (read here unless given): each residual's bytes
-        against its checksum, every other byte against the headers its writer wrote (which plain
-        zip readers check): :class:`CorruptContextError` naming the residual or the headers."""
-        ref = stored.bundle
-        if ref is None:
-            return
-        indices = stored.bundled
-        records = [stored.records[i] for i in indices]
-        what = f"context {key!r}, bundle {ref.path}"
-        try:
-            if buffer is None:
-                buffer = self.backend.read_file(ref.path, ref.nbytes)
-            bundle_layout = layout.bundle_layout_of(stored.spec, [(i, r.shape, r.dtype) for i, r in zip(indices, records)])
-            if tuple(a.offset for a in bundle_layout.arrays) != tuple(r.offset for r in records):
-                raise serializers.CorruptDataError("its arrays' offsets are not where this layout puts them")
-            sums = [r.checksum if r.nbytes else None for r in records]
-            names = [f"residual {i} ({r.name})" for i, r in zip(indices, records)]
-            bundles.check_bundle(bundle_layout, buffer, sums, what=what, names=names)
-        except serializers.CorruptDataError as err:
-            raise CorruptContextError(str(err) if str(err).startswith(what) else f"{what}: {err}") from err
-        except OSError as err:
-            raise CorruptContextError(f"{what}: unreadable ({err})") from err
+        """See :func:`residual_store.store.stored_bundles.check`."""
+        stored_bundles.check(self.backend, key, stored, buffer)
 
     def keys(self) -> list[str]:
         suffix = layout.MANIFEST_SUFFIX

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from residual_store.errors import CorruptContextError
 from residual_store.logs import event
 from residual_store.store import backwards, layout
-from residual_store.store.backends import Backend
+from residual_store.store.backend_protocol import Backend
 
 if TYPE_CHECKING:
     from residual_store.store.disk import DiskTier
