@@ -84,6 +84,7 @@ class DiskTier:
     needs_keys = False
     writes_through = False
     saves_backwards = True
+    partial_arrays = False  # one process addresses every device
 
     def __init__(
         self,

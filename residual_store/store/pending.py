@@ -181,7 +181,7 @@ class PendingWork:
                 ctx = pending
         try:
             try:
-                arrays, impls = host_arrays(ctx, staged)
+                arrays, impls = host_arrays(ctx, staged, partial=self._committer.partial_arrays)
                 known = self._weights.checksums(ctx, arrays)
                 spec, nbytes, residuals = ctx.spec, own_nbytes(ctx), ctx.residuals
                 # Only the host arrays from here on: the context's device arrays can go while the

@@ -17,10 +17,10 @@ from residual_store.backward import register_loader, unregister_loader
 from residual_store.context import ResidualContext
 from residual_store.errors import ContextNotFoundError, InvalidArgumentError, ReadOnlyStoreError
 from residual_store.store import backwards, gc
-from residual_store.store.collective import TIMEOUT_S
+from residual_store.store.collective import TIMEOUT_S, committer_for
 from residual_store.store.backends import check_path
 from residual_store.store.budgets import Headroom, parse_budget, parse_bytes, parse_seconds, parse_size
-from residual_store.store.committer import Committer, open_committer
+from residual_store.store.committer import Committer
 from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
 from residual_store.store.host import read_device, stage_shared, to_host, to_numpy
@@ -147,7 +147,7 @@ class Store:
         ) if path is not None else None
         # how writes and deletes reach the disk (collectively, in a job of several processes)
         self._committer: Committer | None = (
-            open_committer(self._disk, collective_timeout) if self._disk is not None else None
+            committer_for(self._disk, collective_timeout) if self._disk is not None else None
         )
         self._write_through = bool(write_through) or (self._committer is not None and self._committer.writes_through)
         self._durable = bool(durable)
@@ -233,7 +233,7 @@ class Store:
             )
         key = new_key() if key is None else validate_key(key)
         # the weights' host copies, now: a donation after put returns cannot break the write
-        staged = stage_shared(ctx) if self._disk is not None and self._write_through else None
+        staged = stage_shared(ctx, partial=self._committer.partial_arrays) if self._committer is not None and self._write_through else None
         if self._backwards is not None:
             self._backwards.save(ctx)
         size = own_nbytes(ctx)
