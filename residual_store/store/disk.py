@@ -1,5 +1,7 @@
-"""The disk tier: committing a write in one process, reading and verifying, deleting and
-recycling (garbage collection is :mod:`residual_store.store.gc`). Where everything lives is
+"""The disk tier: contexts' files. Committing a write in one process, reading and verifying,
+deleting and recycling (garbage collection is :mod:`residual_store.store.gc`; the stored
+backwards' files are :mod:`residual_store.store.backwards`; a context's bundle is read in
+:mod:`residual_store.store.stored_bundles`). Where everything lives is
 :mod:`residual_store.store.layout`.
 
 A commit (:meth:`DiskTier.commit` of a :class:`~residual_store.store.layout.WritePlan`) puts
