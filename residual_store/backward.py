@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from cachetools import LRUCache
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -29,7 +28,10 @@ from residual_store.errors import (
 from residual_store.keypaths import PathStructure
 from residual_store.signature import is_current
 
-__all__ = ["Backward", "Executables", "backward", "find_backward", "lookup_backward", "offer_backward", "register_backward", "staged"]
+__all__ = [
+    "Backward", "BackwardLoader", "Executables", "backward", "find_backward", "loaders", "lookup_backward",
+    "register_backward", "register_loader", "staged", "unregister_loader",
+]
 
 FlatBackward = Callable[[Sequence[Any], Sequence[Any]], Sequence[Any]]
 
@@ -307,31 +309,52 @@ def lookup_backward(signature: str) -> Backward | None:
         return _REGISTRY.get(signature)
 
 
-# Stored backwards on offer: a store that gave out a context of a signature offers to load that
-# signature's stored backward, which is loaded only when a backward is asked for and no live one
-# exists (a process with the split never pays for it). The most recent offers are kept.
-_MAX_OFFERS = 64
-_OFFERS: LRUCache[str, Callable[[], object]] = LRUCache(_MAX_OFFERS)
+class BackwardLoader(Protocol):
+    """Something that can load a stored backward: an open store, or the stored backward a
+    context was read with."""
+
+    def load_backward(self, signature: str) -> Backward | None:
+        """The backward of ``signature``, loaded and registered now if it was not; ``None`` if
+        this loader has none of that signature."""
+        ...
 
 
-def offer_backward(signature: str, load: Callable[[], object]) -> None:
-    """Records that ``load()`` registers the backward of ``signature`` (see :func:`find_backward`);
-    a later offer of the same signature replaces an earlier one."""
+# Weak: a loader is asked while its owner (an open store) holds it; a closed or collected store
+# is not asked, and nothing here keeps a store, its disk tier or its bytes alive.
+_LOADERS: weakref.WeakSet[BackwardLoader] = weakref.WeakSet()
+
+
+def register_loader(loader: BackwardLoader) -> None:
+    """Makes :func:`find_backward` ask ``loader`` for the backwards it has no live one of, for as
+    long as something else holds ``loader`` (or until :func:`unregister_loader`)."""
     with _REGISTRY_LOCK:
-        _OFFERS[signature] = load
+        _LOADERS.add(loader)
 
 
-def find_backward(signature: str) -> Backward | None:
-    """The registered backward of ``signature``, else the one an offer loads (once), else ``None``."""
+def unregister_loader(loader: BackwardLoader) -> None:
+    """Stops :func:`find_backward` asking ``loader`` (a store being closed)."""
+    with _REGISTRY_LOCK:
+        _LOADERS.discard(loader)
+
+
+def loaders() -> tuple[BackwardLoader, ...]:
+    """The loaders :func:`find_backward` asks now."""
+    with _REGISTRY_LOCK:
+        return tuple(_LOADERS)
+
+
+def find_backward(signature: str, loader: BackwardLoader | None = None) -> Backward | None:
+    """The registered backward of ``signature``; else the one ``loader`` loads (the stored
+    backward a context was read with); else the first a registered loader loads; else ``None``.
+    A stored backward is deserialized only here, when no live one exists."""
     found = lookup_backward(signature)
     if found is not None:
         return found
-    with _REGISTRY_LOCK:
-        load = _OFFERS.pop(signature, None)
-    if load is None:
-        return None
-    load()
-    return lookup_backward(signature)
+    for candidate in ((loader,) if loader is not None else ()) + loaders():
+        found = candidate.load_backward(signature)
+        if found is not None:
+            return found
+    return None
 
 
 def backward(ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -> Any:
@@ -359,7 +382,7 @@ def backward(ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -
     """
     if not isinstance(ctx, ResidualContext):
         raise InvalidArgumentError(f"backward expects a rs.ResidualContext, got {type(ctx).__name__}")
-    bwd = ctx._backward or find_backward(ctx.spec.signature)
+    bwd = ctx._backward or find_backward(ctx.spec.signature, ctx._loader)
     if bwd is None:
         sig = ctx.spec.signature
         if not is_current(sig):

@@ -247,7 +247,7 @@ class ResidualContext:
       >>> grads = rs.backward(ctx)
     """
 
-    __slots__ = ("_residuals", "_spec", "_backward", "_nbytes")
+    __slots__ = ("_residuals", "_spec", "_backward", "_loader", "_nbytes")
 
     def __init__(self, residuals: Sequence[Any], spec: ResidualSpec) -> None:
         residuals = tuple(residuals)
@@ -259,6 +259,7 @@ class ResidualContext:
         self._residuals = residuals
         self._spec = spec
         self._backward: Any = None  # the backward that made it, if a split did (kept alive here)
+        self._loader: Any = None  # the stored backward its store read for it, if a store gave it
         self._nbytes: int | None = None  # worked out on first use (the residuals never change)
 
     @property
@@ -324,5 +325,6 @@ class ResidualContext:
         obj._residuals = tuple(residuals)
         obj._spec = spec
         obj._backward = None
+        obj._loader = None
         obj._nbytes = None
         return obj

@@ -246,7 +246,8 @@ def data_dirs(root: str | os.PathLike[str], key: str) -> list[str]:
 def python_env() -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("PYTHONPATH", None)
+    # this checkout's package, not the one an editable install points at (another worktree)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 

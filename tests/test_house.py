@@ -1,6 +1,8 @@
 """House rules of the code that a test can check: every path of a store's tree is spelled in
 ``residual_store/store/paths.py`` only; the store asks its committer how to write, never which
-kind it has; JAX internals are used in ``_jax_internals`` only."""
+kind it has; only the store and its collective module ask whether the job has several
+processes; JAX internals are used in ``_jax_internals`` only; no module is over 700 lines; no
+test is an expected failure that may pass."""
 
 from __future__ import annotations
 
@@ -12,6 +14,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "residual_store"
 MODULES = sorted(PACKAGE.rglob("*.py"))
+TESTS = sorted(Path(__file__).resolve().parent.glob("*.py"))
+MAX_MODULE_LINES = 700
+# the modules that may ask whether the job has several processes (the store decides, its
+# collective module answers); the rest are told (a committer's attributes, a flag)
+_ASK_THE_JOB = {"process_count", "is_multiprocess"}
+_MAY_ASK_THE_JOB = {Path("store") / "store.py", Path("store") / "collective.py"}
 
 # a string that spells a path of the tree: a top folder followed by a slash, or a file name
 # that only the tree has
@@ -58,6 +66,75 @@ def test_the_store_asks_its_committer_not_which_kind_it_has():
     source = (PACKAGE / "store" / "store.py").read_text()
     for name in ("_collective", "CollectiveCommitter", "is_multiprocess", "process_index", "can_rename"):
         assert name not in source, f"store.py branches on the kind of committer or backend ({name})"
+
+
+def _names(source: str) -> set[str]:
+    """The names, attributes and imported names ``source`` uses (not its strings or docstrings)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.add(node.name.rsplit(".", 1)[-1])
+    return found
+
+
+def test_the_check_finds_questions_about_the_job():
+    assert _names('"""jax.process_count() > 1"""\nn = jax.process_count()\n') & _ASK_THE_JOB == {"process_count"}
+    assert _names("from residual_store.store.collective import is_multiprocess\n") & _ASK_THE_JOB == {"is_multiprocess"}
+    assert not _names('x = "is_multiprocess"  # is_multiprocess\n') & _ASK_THE_JOB
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: str(m.relative_to(PACKAGE)))
+def test_only_the_store_and_its_collective_module_ask_whether_the_job_has_several_processes(module):
+    if module.relative_to(PACKAGE) in _MAY_ASK_THE_JOB:
+        return
+    asked = _names(module.read_text()) & _ASK_THE_JOB
+    assert not asked, (
+        f"{module.relative_to(PACKAGE.parent)} asks whether the job has several processes ({sorted(asked)}): "
+        "store/collective.py answers (committer_for, a committer's attributes); pass the answer down"
+    )
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: str(m.relative_to(PACKAGE)))
+def test_no_module_is_over_700_lines(module):
+    lines = len(module.read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, (
+        f"{module.relative_to(PACKAGE.parent)} has {lines} lines (at most {MAX_MODULE_LINES}): split it by concept"
+    )
+
+
+def _loose_xfails(source: str) -> list[int]:
+    """Lines of ``source`` that mark a test ``xfail`` without ``strict=True`` (a test that may
+    pass unnoticed)."""
+    tree = ast.parse(source)
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "xfail"]
+    called = {id(c.func) for c in calls}
+    bare = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "xfail" and id(n) not in called]
+    loose = [
+        c.lineno for c in calls
+        if not any(k.arg == "strict" and isinstance(k.value, ast.Constant) and k.value.value is True for k in c.keywords)
+    ]
+    return sorted(bare + loose)
+
+
+def test_the_check_finds_loose_xfails():
+    source = (
+        "import pytest\n@pytest.mark.xfail\ndef test_a(): pass\n"
+        "@pytest.mark.xfail(reason='x')\ndef test_b(): pass\n"
+        "@pytest.mark.xfail(strict=True, reason='x')\ndef test_c(): pass\n"
+    )
+    assert _loose_xfails(source) == [2, 4]
+
+
+@pytest.mark.parametrize("test_module", TESTS, ids=lambda m: m.name)
+def test_no_test_is_an_expected_failure_that_may_pass(test_module):
+    if test_module == Path(__file__).resolve():
+        return  # its own check's examples
+    loose = _loose_xfails(test_module.read_text())
+    assert not loose, f"{test_module.name}:{loose} mark tests xfail without strict=True"
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if m.name != "_jax_internals.py"], ids=lambda m: m.name)

@@ -12,16 +12,18 @@ import numpy as np
 import pytest
 
 import serializers
-from residual_store.store.backends import DamagedFileError, _KvBackend, open_backend
+from residual_store.store.backend_protocol import DamagedFileError
+from residual_store.store.backends import open_backend
+from residual_store.store.kv_backend import KvBackend
 
 
 def _file_spec(root: Path) -> dict[str, Any]:
     return {"driver": "file", "path": str(root), "file_io_sync": False}  # options: not the fast path
 
 
-def _kv_backend(spec: dict[str, Any]) -> _KvBackend:
+def _kv_backend(spec: dict[str, Any]) -> KvBackend:
     backend = open_backend(spec)
-    assert isinstance(backend, _KvBackend)
+    assert isinstance(backend, KvBackend)
     return backend
 
 
@@ -42,7 +44,7 @@ def _collide(root: Path, key: str) -> None:
 M = np.arange(24, dtype=np.float32).reshape(4, 6)
 
 
-def _read_chunked(kv: _KvBackend, path: str) -> np.ndarray:
+def _read_chunked(kv: KvBackend, path: str) -> np.ndarray:
     """``M``'s chunked array at ``path``, read as the store reads one: chunk by chunk."""
     out = np.empty_like(M)
     for idx in serializers.chunk_indices(M.shape, (2, 3)):

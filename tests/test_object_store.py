@@ -218,13 +218,13 @@ def test_the_command_line_on_an_s3_spec(spec):
 
 
 def test_named_credentials_are_left_as_given():
-    from residual_store.store import backends
+    from residual_store.store import kv_backend
 
     given = {"driver": "s3", "bucket": "b", "aws_credentials": {"type": "anonymous"}}
-    assert backends._with_quiet_credentials(dict(given)) == given
+    assert kv_backend._with_quiet_credentials(dict(given)) == given
     in_context = {"driver": "s3", "bucket": "b", "context": {"aws_credentials": {"type": "profile"}}}
-    assert backends._with_quiet_credentials(dict(in_context)) == in_context
-    assert backends._with_quiet_credentials({"driver": "gcs", "bucket": "b"}) == {"driver": "gcs", "bucket": "b"}
+    assert kv_backend._with_quiet_credentials(dict(in_context)) == in_context
+    assert kv_backend._with_quiet_credentials({"driver": "gcs", "bucket": "b"}) == {"driver": "gcs", "bucket": "b"}
 
 
 # -- a JAX multi-controller job on the object store ---------------------------------------------
@@ -282,7 +282,7 @@ def test_a_store_whose_object_store_goes_away_raises_store_unavailable_within_th
         with pytest.raises(rs.StoreUnavailableError):
             store.get("mb0")
         assert time.monotonic() - t0 < 30
-        assert "mb1" not in store._pending and "mb1" not in store._device and "mb1" not in store._host
+        assert "mb1" not in store._work.pending and "mb1" not in store._device and "mb1" not in store._host
     finally:
         store.close()
     with rs.Store(spec, read_only=True) as direct:

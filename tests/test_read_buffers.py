@@ -147,7 +147,7 @@ def test_a_kvstore_store_reads_into_recycled_buffers_too():
     # the kvstore path; the memory kvstore is one per process: a folder of this test's own
     spec = {"driver": "memory", "path": f"read-buffers-{uuid.uuid4().hex}/"}
     with rs.Store(spec, device_budget=0, host_budget=0) as store:
-        assert type(store._disk.backend).__name__ == "_KvBackend"
+        assert type(store._disk.backend).__name__ == "KvBackend"
         for i, ctx in enumerate(contexts):
             store.put(ctx, f"k{i}")
         store.flush()

@@ -32,6 +32,7 @@ from store_helpers import (
 )
 
 import residual_store as rs
+from residual_store.store import backwards
 
 SIZES = (32, 64, 64, 8)
 
@@ -268,18 +269,18 @@ shutil.copytree(os.path.join(base, "context"), os.path.join(base, "kept_backward
 # 2. a context that fits, of a new signature whose serialized backward does not: the disk is
 # full (files over 4 KiB fail) only while the backward is written (the bundle of the context's
 # residuals is one file larger than that, written just before on the same thread)
-from residual_store.store.disk import DiskTier
-write_backward = DiskTier.write_backward
-def write_backward_on_a_full_disk(self, *args, **kwargs):
+from residual_store.store import backwards
+write_backward = backwards.write
+def write_backward_on_a_full_disk(*args, **kwargs):
     with limited(4 << 10):
-        return write_backward(self, *args, **kwargs)
+        return write_backward(*args, **kwargs)
 with rs.Store(os.path.join(base, "backward")) as store:
     for i, c in enumerate(small):  # the weights are stored now
         store.put(c, f"s{i}")
     store.flush()
-    DiskTier.write_backward = write_backward_on_a_full_disk
+    backwards.write = write_backward_on_a_full_disk
     results["backward"] = attempt(store, ctx(7, 3), "extra")
-    DiskTier.write_backward = write_backward
+    backwards.write = write_backward
 
 # 3. two writers race to store the same weights; the late one then fails
 root = os.path.join(base, "race")
@@ -353,7 +354,7 @@ def test_a_put_that_failed_on_a_full_disk_keeps_its_valid_backward_for_later_con
     before = {p: (root / p).read_bytes() for p in paths}
     with rs.Store(root) as store:
         assert "big" not in store.keys()
-        assert store._disk.read_backward(sig) is not None  # size and checksum verified
+        assert backwards.read(store._disk, sig) is not None  # size and checksum verified
         store.put(big, "big")
         store.flush()
     assert {p: (root / p).read_bytes() for p in paths} == before

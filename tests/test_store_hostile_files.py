@@ -37,6 +37,7 @@ from store_helpers import (
 
 import residual_store as rs
 from residual_store import cli
+from residual_store.store import backwards
 from residual_store.store.disk import DiskTier
 
 SIZES = (4, 8, 2)
@@ -188,7 +189,7 @@ def test_a_hostile_file_gives_a_library_error_quickly(stored, kind, hazard, caps
         assert err is None, repr(err)
         assert_contexts_identical(got, stored.ctx)
         disk = DiskTier(root, read_only=True)
-        err = _refused(lambda: disk.read_backward(stored.sig))
+        err = _refused(lambda: backwards.read(disk, stored.sig))
         assert stored.sig in str(err)
     code, out = _verify(root, capsys)
     assert code == 1 and "DAMAGED" in out, out
@@ -236,13 +237,13 @@ def test_a_declared_shape_is_checked_against_the_file_before_anything_is_allocat
 
 
 READER = """
-import json, os, resource, sys, time
+import gc, json, os, resource, sys, time
 import residual_store as rs
-from residual_store.store import backwards
 
 results = {}
 for root in sys.argv[1:]:
-    backwards._LOADED.clear()
+    store = ctx = None  # the previous root's store and context, and the backward they loaded
+    gc.collect()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.monotonic()
     with rs.Store(root, read_only=True) as store:

@@ -13,7 +13,7 @@ import pytest
 
 import residual_store as rs
 import serializers
-from residual_store.store import backends, records
+from residual_store.store import local_backend, records
 from store_helpers import F32_TOL, assert_trees_close, data_dirs
 
 
@@ -152,7 +152,7 @@ def test_weights_a_store_holds_on_the_device_are_not_read_again(tmp_path, split,
     with rs.Store(root) as store:
         for i, x in enumerate(xs):
             store.put(split(params, x)[1], f"k{i}")
-    batches = _count(monkeypatch, backends._LocalBackend, "read_arrays")  # every array read goes through it
+    batches = _count(monkeypatch, local_backend.LocalBackend, "read_arrays")  # every array read goes through it
 
     def weight_reads():
         return [path for batch in batches for path, *_ in batch[1] if path.startswith("weights/")]
@@ -214,7 +214,7 @@ def test_a_burst_of_durable_puts_shares_one_sync_of_the_manifests_folder(tmp_pat
 
     params, _ = _inputs(12)
     xs = [_inputs(s)[1] for s in range(13, 18)]
-    synced = _count(monkeypatch, backends, "fsync_folder_local")
+    synced = _count(monkeypatch, local_backend, "fsync_folder_local")
     with rs.Store(tmp_path / "s") as store:
         go = threading.Event()
         store._writer.submit(lambda: go.wait(30), 0)  # the puts below queue up behind this

@@ -176,7 +176,7 @@ def test_the_backward_is_exported_on_the_writer_thread(stored, monkeypatch, rng)
         assert where == ["residual-store-writer"]
         release.set()
         store.flush()
-        assert store._disk.has_backward(ctx.spec.signature)
+        assert backwards.is_stored(store._disk, ctx.spec.signature)
     print(f"put of a new signature returned after {returned_after * 1e3:.1f} ms")
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import residual_store as rs
 from residual_store.backward import lookup_backward
-from residual_store.store import backends
+from residual_store.store import local_backend
 from store_helpers import run_python, write_script
 
 # Shapes no other residual has, so jax.live_arrays() can find the activation by shape.
@@ -168,9 +168,9 @@ def test_a_context_read_back_holds_the_callers_live_weights_not_copies(tmp_path,
     _, ctx = fwd(params, h)
     want = fwd.backward(ctx)
     batches = []
-    real = backends._LocalBackend.read_arrays
+    real = local_backend.LocalBackend.read_arrays
     monkeypatch.setattr(
-        backends._LocalBackend, "read_arrays", lambda self, arrays, **kw: batches.append(list(arrays)) or real(self, arrays, **kw)
+        local_backend.LocalBackend, "read_arrays", lambda self, arrays, **kw: batches.append(list(arrays)) or real(self, arrays, **kw)
     )
 
     def weight_reads():

@@ -2,9 +2,10 @@
 a process without the model can run ``rs.backward(store.get(key))``.
 
 Saving (:class:`Saver`, one per writable store) runs on the store's writer thread (exporting
-takes tens of milliseconds; ``put`` returns at once). ``get`` reads and checks the stored backward
-and offers it (``residual_store.backward.offer_backward``): it is deserialized only when
-``rs.backward`` needs it. Loading checks a stored backward like data (its manifest, its checksum, that
+takes tens of milliseconds; ``put`` returns at once). Loading (:class:`StoredBackwards`, one per
+store, registered weakly with :func:`residual_store.backward.register_loader` while the store is
+open): ``get`` reads and checks the stored backward and hands the context a
+:class:`StoredBackward`; it is deserialized only when ``rs.backward`` needs it. Loading checks a stored backward like data (its manifest, its checksum, that
 it names its signature) and matches it to this process's platform and device count. A damaged,
 unreadable or unsuitable stored backward never blocks ``get``: it is registered as a backward
 that raises when run, so only ``rs.backward`` in a process without a live split of that
@@ -18,7 +19,6 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from cachetools import LRUCache
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 import serializers
-from residual_store.backward import Backward, find_backward, lookup_backward, offer_backward, register_backward
+from residual_store.backward import Backward, find_backward, lookup_backward, register_backward
 from residual_store.errors import (
     BackwardUnavailableError,
     CorruptContextError,
@@ -37,6 +37,7 @@ from residual_store.export import export_backward, load_backward
 from residual_store.keypaths import PathStructure
 from residual_store.placement import has_explicit_axes
 from residual_store.signature import is_current
+from residual_store.store import layout
 
 if TYPE_CHECKING:
     from residual_store.context import ResidualContext
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
     from residual_store.store.workers import Writer
 
 __all__ = [
-    "Saver", "check_records", "describe", "explicit_mesh", "load", "offer", "serialize", "structures",
-    "unavailable_manifest",
+    "Saver", "StoredBackward", "StoredBackwards", "check_records", "describe", "explicit_mesh", "is_stored",
+    "read", "read_manifest", "serialize", "stored_signatures", "structures", "unavailable_manifest", "write",
 ]
 
 _INTERFACE = "flat"  # how the artifact is called (see serializers.BACKWARD_SCHEMA)
@@ -53,9 +54,6 @@ _OLD_INTERFACE = (
     "its backward was exported by an earlier development version with pytree arguments, which "
     "this version does not run: put a context of this signature again, or run it with the split"
 )
-_MAX_LOADED = 64
-_LOADED: LRUCache[str, Backward] = LRUCache(_MAX_LOADED)  # owner of loaded backwards (the registry is weak)
-_LOADED_LOCK = threading.Lock()
 
 
 def explicit_mesh(residuals: Sequence[Any]) -> Any:
@@ -174,21 +172,68 @@ def _refusing(signature: str, error: ResidualStoreError) -> Backward:
     )
 
 
-def _keep(bwd: Backward) -> None:
-    with _LOADED_LOCK:
-        _LOADED[bwd.signature] = bwd
-    register_backward(bwd)
+class StoredBackward:
+    """The stored backward of one signature as a store read and checked it, deserialized at its
+    first :meth:`load_backward` (once) and held from then on: a context holds the one its store
+    read for it, so neither closing nor deleting the store takes its backward away.
+
+    Args:
+      signature: the signature it serves.
+      manifest: its manifest (``None`` with ``error``).
+      data: the exported bytes (``None``: its manifest records why there are none).
+      error: why the stored backward cannot be used (damage): every run raises it.
+    """
+
+    def __init__(
+        self, signature: str, manifest: dict[str, Any] | None = None, data: bytes | None = None,
+        error: ResidualStoreError | None = None,
+    ) -> None:
+        self.signature = signature
+        self._manifest = manifest
+        self._data = data
+        self._error = error
+        self._loaded: Backward | None = None
+        self._lock = threading.Lock()
+
+    def load_backward(self, signature: str) -> Backward | None:
+        """The backward (one that raises why, if it cannot run here), registered; ``None`` for
+        another signature."""
+        if signature != self.signature:
+            return None
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = self._deserialized()
+                self._manifest = self._data = None  # the bytes are done with
+            register_backward(self._loaded)
+            return self._loaded
+
+    def _deserialized(self) -> Backward:
+        if self._error is not None:
+            return _refusing(self.signature, self._error)
+        assert self._manifest is not None
+        try:
+            bwd = _loaded(self.signature, self._manifest, self._data)
+        except (BackwardUnavailableError, CorruptContextError) as err:
+            return _refusing(self.signature, err)
+        needed = _exported_device_count(self._data) if self._data is not None else 1
+        if needed > jax.device_count():
+            return _refusing(
+                self.signature,
+                BackwardUnavailableError(
+                    f"the stored backward of signature {self.signature} was exported for {needed} "
+                    "devices (its avals or sharding constraints name a mesh of that size, e.g. "
+                    f"explicit axis types), and this process has {jax.device_count()}: run it where "
+                    "that many devices exist, or make the context with rs.split in this process"
+                ),
+            )
+        return bwd
 
 
-def offer(disk: DiskTier, signature: str) -> None:
-    """Reads and checks the stored backward of ``signature`` now (so deleting the store later
-    cannot take it away) and offers it to :func:`residual_store.backward`, which deserializes it
-    only if a backward of that signature is asked for and the process has no live one. Never
-    raises: a stored backward that cannot be used becomes one that raises when run."""
-    if lookup_backward(signature) is not None or not is_current(signature):
-        return  # a live one; or residual-store 0.1's signatures, which could collide: never run
+def _read(disk: DiskTier, signature: str) -> StoredBackward | None:
+    """The stored backward of ``signature``, read and checked now; ``None`` if none is stored.
+    Never raises for damage: a damaged one becomes one that raises when run."""
     try:
-        stored = disk.read_backward(signature)
+        stored = read(disk, signature)
     except CorruptContextError as err:
         damaged = CorruptContextError(
             f"{err}. The contexts of this signature are intact, but a process without the model "
@@ -196,38 +241,51 @@ def offer(disk: DiskTier, signature: str) -> None:
             "`residual-store gc` removes the damaged backward, and the next put of that "
             "signature saves it again"
         )
-        offer_backward(signature, functools.partial(_keep, _refusing(signature, damaged)))
-        return
-    if stored is not None:
-        offer_backward(signature, functools.partial(_register, signature, *stored))
+        return StoredBackward(signature, error=damaged)
+    return None if stored is None else StoredBackward(signature, *stored)
 
 
-def load(disk: DiskTier, signature: str) -> bool:
-    """:func:`offer`, then load it at once; whether a backward of ``signature`` is stored (or
-    registered already)."""
-    offer(disk, signature)
-    return find_backward(signature) is not None
+class StoredBackwards:
+    """The loader of one store's stored backwards (a :class:`~residual_store.backward.BackwardLoader`):
+    each signature's read once, at the first ``get`` of it or the first time ``rs.backward``
+    asks for one this process has no live backward of.
 
+    The store registers it while open; the registry holds it weakly, so a closed or collected
+    store is not asked.
+    """
 
-def _register(signature: str, manifest: dict[str, Any], data: bytes | None) -> None:
-    """Deserializes a stored backward and registers it (or one that raises why it cannot run)."""
-    try:
-        bwd = _loaded(signature, manifest, data)
-    except (BackwardUnavailableError, CorruptContextError) as err:
-        _keep(_refusing(signature, err))
-        return
-    needed = _exported_device_count(data) if data is not None else 1
-    if needed > jax.device_count():
-        bwd = _refusing(
-            signature,
-            BackwardUnavailableError(
-                f"the stored backward of signature {signature} was exported for {needed} devices "
-                "(its avals or sharding constraints name a mesh of that size, e.g. explicit axis "
-                f"types), and this process has {jax.device_count()}: run it where that many devices "
-                "exist, or make the context with rs.split in this process"
-            ),
-        )
-    _keep(bwd)
+    def __init__(self, disk: DiskTier) -> None:
+        self._disk = disk
+        self._lock = threading.Lock()
+        self._read: dict[str, StoredBackward] = {}
+
+    def for_context(self, signature: str) -> StoredBackward | None:
+        """What a context of ``signature`` that ``get`` returns holds to load its backward:
+        read and checked now (so deleting the store later cannot take it away), not
+        deserialized; ``None`` when a live backward exists, none is stored, or the signature is
+        residual-store 0.1's (which could collide: never run)."""
+        if lookup_backward(signature) is not None or not is_current(signature):
+            return None
+        return self._stored(signature)
+
+    def load_backward(self, signature: str) -> Backward | None:
+        """The stored backward of ``signature`` in this store, loaded; ``None`` if none is."""
+        if not is_current(signature):
+            return None
+        stored = self._stored(signature)
+        return None if stored is None else stored.load_backward(signature)
+
+    def _stored(self, signature: str) -> StoredBackward | None:
+        # A signature none is stored of is read again next time: a later put may save it.
+        with self._lock:
+            found = self._read.get(signature)
+        if found is not None:
+            return found
+        stored = _read(self._disk, signature)  # outside the lock: a read of the disk
+        if stored is None:
+            return None
+        with self._lock:
+            return self._read.setdefault(signature, stored)
 
 
 def structures(
@@ -332,7 +390,7 @@ class Saver:
     def _export(self, sig: str, bwd: Backward, avals: Any, mesh: Any) -> None:
         """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
         try:
-            if self._disk.has_backward(sig):
+            if is_stored(self._disk, sig):
                 return
             try:
                 data, manifest = serialize(bwd, avals, mesh)
@@ -341,7 +399,7 @@ class Saver:
                     self._warnings.append(str(err))
                 self._record_unavailable(sig, str(err))
                 return
-            self._disk.write_backward(sig, data, manifest, fsync=self._durable)
+            write(self._disk, sig, data, manifest, fsync=self._durable)
         except BaseException:
             with self._lock:  # not saved (a full disk, no answer): the next put of this signature retries
                 self._seen.discard(sig)
@@ -350,8 +408,86 @@ class Saver:
     def _record_unavailable(self, sig: str, reason: str) -> None:
         """Stores why the backward of ``sig`` could not be exported (``ls`` and ``inspect`` show
         it; a process without the model gets it as the reason)."""
-        if not self._disk.has_backward(sig):
-            self._disk.write_backward(sig, None, unavailable_manifest(sig, reason), fsync=self._durable)
+        if not is_stored(self._disk, sig):
+            write(self._disk, sig, None, unavailable_manifest(sig, reason), fsync=self._durable)
+
+
+# -- the stored backward's files: an export and its manifest (the commit) ------------------------
+
+
+def stored_signatures(disk: DiskTier) -> list[str]:
+    """Signatures with a stored backward (a committed manifest)."""
+    suffix = layout.MANIFEST_SUFFIX
+    return [n[: -len(suffix)] for n in disk.backend.list_dir(layout.BACKWARDS) if n.endswith(suffix)]
+
+
+def is_stored(disk: DiskTier, signature: str) -> bool:
+    """Whether the backward of ``signature`` is stored (its manifest is committed)."""
+    return disk.backend.exists(layout.backward_paths(signature)[1])
+
+
+def write(disk: DiskTier, signature: str, data: bytes | None, manifest: bytes, *, fsync: bool) -> None:
+    """The export, then its manifest (the commit: an export without one is a torn write).
+    ``data`` is ``None`` for a backward that could not be exported: the manifest alone records
+    why."""
+    export_path, manifest_path = layout.backward_paths(signature)
+    if data is not None:
+        disk.write_blob(export_path, data, fsync=fsync)
+    try:
+        disk.write_blob(manifest_path, manifest, fsync=fsync)
+    except BaseException:
+        if data is not None:  # no bytes of a failed write stay behind
+            disk.backend.delete(export_path)
+        raise
+
+
+def read_manifest(disk: DiskTier, signature: str) -> dict[str, Any] | None:
+    """The decoded manifest of the stored backward of ``signature`` (the export itself is not
+    read), or ``None`` if none is committed.
+
+    Raises:
+      CorruptContextError: the manifest is unreadable, of a future version or names another
+        signature.
+    """
+    manifest = disk.backend.get_bytes(layout.backward_paths(signature)[1])
+    if manifest is None:
+        return None
+    what = f"stored backward of signature {signature}"
+    try:
+        m = serializers.decode_manifest(manifest, what=what, schema=serializers.BACKWARD_SCHEMA)
+        if m["signature"] != signature:
+            raise serializers.CorruptDataError(f"{what}: its manifest names signature {m['signature']!r}")
+    except serializers.CorruptDataError as err:
+        raise CorruptContextError(str(err)) from err
+    return m
+
+
+def read(disk: DiskTier, signature: str) -> tuple[dict[str, Any], bytes | None] | None:
+    """The manifest and verified export of the stored backward of ``signature`` (the export is
+    ``None`` where the manifest records that it could not be exported), or ``None`` if none is
+    committed.
+
+    Raises:
+      CorruptContextError: its export is missing, its manifest is unreadable, of a future
+        version or names another signature, or the export fails its size or checksum.
+    """
+    m = read_manifest(disk, signature)
+    if m is None or m.get("available") is False:
+        return None if m is None else (m, None)
+    export_path = layout.backward_paths(signature)[0]
+    nbytes = m.get("nbytes")  # read no more than that (jax.export artifacts stay under 2 GiB)
+    valid = isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 <= nbytes
+    data = disk.backend.get_bytes(export_path, max_bytes=min(nbytes, 1 << 31) if valid else 1 << 31)
+    what = f"stored backward of signature {signature}"
+    try:
+        if data is None:
+            raise serializers.CorruptDataError(f"{what}: its export ({export_path}) is missing")
+        if m.get("nbytes", len(data)) != len(data):
+            raise serializers.CorruptDataError(f"{what}: {len(data)} bytes, its manifest says {m['nbytes']}")
+        serializers.verify(np.frombuffer(data, np.uint8), m.get("checksum"), what=what)
+    except serializers.CorruptDataError as err:
+        raise CorruptContextError(str(err)) from err
+    return m, data
 
 
 def _warn_unexportable(reason: str, stacklevel: int) -> None:

@@ -35,11 +35,12 @@ from residual_store.context import ResidualSpec
 from residual_store.errors import ResidualStoreError, StoreFullError
 from residual_store.logs import event
 from residual_store.store import layout
+from residual_store.store.committer import Committer
 from residual_store.store.disk import DiskTier
 from residual_store.store.host import HostArrays, ShardedHost
 from residual_store.store.layout import StaleData
 
-__all__ = ["TIMEOUT_S", "Channel", "Collective", "CollectiveCommitter", "is_multiprocess"]
+__all__ = ["TIMEOUT_S", "Channel", "Collective", "CollectiveCommitter", "committer_for", "is_multiprocess"]
 
 TIMEOUT_S = 300.0
 """How long a process waits for the others at one step of a collective operation, by default
@@ -51,6 +52,12 @@ _OPENED_LOCK = threading.Lock()
 
 def is_multiprocess() -> bool:
     return jax.process_count() > 1
+
+
+def committer_for(disk: DiskTier, timeout_s: float = TIMEOUT_S) -> Committer:
+    """The committer of a store on ``disk``: a :class:`CollectiveCommitter` in a job of several
+    processes, else the disk tier itself."""
+    return CollectiveCommitter(disk, timeout_s) if is_multiprocess() else disk
 
 
 def _client() -> Any:
@@ -232,6 +239,7 @@ class CollectiveCommitter:
         self.needs_keys = True  # a fresh key would differ between processes
         self.writes_through = True  # a spill would depend on one process's budgets
         self.saves_backwards = jax.process_index() == 0
+        self.partial_arrays = True  # each process writes the shards of its own devices
 
     def _begin(self, what: str, value: Any = None) -> tuple[Collective, list[Any]]:
         """Begins a collective operation on this store's channel; a store only read from (an

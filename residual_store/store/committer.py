@@ -1,7 +1,8 @@
 """How a store's writes and deletes reach its disk: the :class:`Committer` protocol.
 
 A store with a path commits through one :class:`Committer`, chosen once when it opens
-(:func:`open_committer`): the :class:`~residual_store.store.disk.DiskTier` itself in a single
+(:func:`residual_store.store.collective.committer_for`, the one place that asks whether the job
+has several processes): the :class:`~residual_store.store.disk.DiskTier` itself in a single
 process, a :class:`~residual_store.store.collective.CollectiveCommitter` in a job of several
 processes (``jax.process_count() > 1``). What the two do differently, the store asks the
 committer (its attributes below) instead of asking which one it has.
@@ -13,11 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from residual_store.context import ResidualSpec
-from residual_store.store.disk import DiskTier
 from residual_store.store.host import HostArrays
 from residual_store.store.layout import StaleData
 
-__all__ = ["Committer", "open_committer"]
+__all__ = ["Committer"]
 
 
 class Committer(Protocol):
@@ -30,6 +30,8 @@ class Committer(Protocol):
       needs_keys: ``put`` needs a key (a fresh one would differ between processes).
       writes_through: every put is written at once (a spill depends on one process's budgets).
       saves_backwards: this process writes the stored backwards.
+      partial_arrays: a residual may be sharded over devices of other processes too (each
+        process writes the shards of its own devices); else every array must be addressable.
     """
 
     every_version: bool
@@ -37,6 +39,7 @@ class Committer(Protocol):
     needs_keys: bool
     writes_through: bool
     saves_backwards: bool
+    partial_arrays: bool
 
     def write(
         self,
@@ -57,9 +60,3 @@ class Committer(Protocol):
         its data."""
         ...
 
-
-def open_committer(disk: DiskTier, collective_timeout: float) -> Committer:
-    """The committer of a store on ``disk``: collective in a job of several processes."""
-    from residual_store.store.collective import CollectiveCommitter, is_multiprocess
-
-    return CollectiveCommitter(disk, collective_timeout) if is_multiprocess() else disk

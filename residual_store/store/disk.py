@@ -1,5 +1,7 @@
-"""The disk tier: committing a write in one process, reading and verifying, deleting and
-recycling (garbage collection is :mod:`residual_store.store.gc`). Where everything lives is
+"""The disk tier: contexts' files. Committing a write in one process, reading and verifying,
+deleting and recycling (garbage collection is :mod:`residual_store.store.gc`; the stored
+backwards' files are :mod:`residual_store.store.backwards`; a context's bundle is read in
+:mod:`residual_store.store.stored_bundles`). Where everything lives is
 :mod:`residual_store.store.layout`.
 
 A commit (:meth:`DiskTier.commit` of a :class:`~residual_store.store.layout.WritePlan`) puts
@@ -41,7 +43,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import serializers
-from serializers import bundle as bundles
 from residual_store.context import ResidualSpec
 from residual_store.errors import (
     ContextNotFoundError,
@@ -54,9 +55,10 @@ from residual_store.errors import (
 )
 from residual_store.logs import event
 from residual_store.placement import rebuild_sharding
-from residual_store.store.backends import DamagedFileError, open_backend
+from residual_store.store.backend_protocol import DamagedFileError
+from residual_store.store.backends import open_backend
 from residual_store.store.buffers import ReadBuffers
-from residual_store.store import layout
+from residual_store.store import layout, stored_bundles
 from residual_store.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
 from residual_store.store.host import HostArrays, ShardedHost, chunk_index
 from residual_store.store.records import StoredContext, parse_context_manifest
@@ -84,6 +86,7 @@ class DiskTier:
     needs_keys = False
     writes_through = False
     saves_backwards = True
+    partial_arrays = False  # one process addresses every device
 
     def __init__(
         self,
@@ -475,7 +478,7 @@ class DiskTier:
         pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
         for (i, idx, _), x in zip(tasks, results):
             pieces.setdefault(i, {})[idx] = x
-        bundled = self._read_bundle(key, stored) if stored.bundle is not None else {}
+        bundled = stored_bundles.read(self.backend, key, stored, empty=self._empty) if stored.bundle is not None else {}
         out: HostArrays = []
         for i, record in enumerate(stored.records):
             placement = placements[i]
@@ -571,51 +574,9 @@ class DiskTier:
         except (OSError, ValueError) as err:
             raise CorruptContextError(f"{what}: unreadable ({err})") from err
 
-    def _read_bundle(self, key: str, stored: StoredContext) -> dict[int, np.ndarray]:
-        """The bundled residuals of ``key``, as views into one buffer: the bundle read in one
-        call and checked against its whole-file checksum as it lands (no work per residual but
-        its view). On a mismatch the file is checked residual by residual, so that the error
-        names the damaged one."""
-        ref = stored.bundle
-        assert ref is not None
-        what = f"context {key!r}, bundle {ref.path}"
-        try:
-            buffer = self.backend.read_file(ref.path, ref.nbytes, checksum=ref.checksum, empty=self._empty)
-        except serializers.ChecksumMismatchError as err:
-            try:  # which part: a residual (named), or the headers
-                self.check_bundle(key, stored, self.backend.read_file(ref.path, ref.nbytes))
-            except CorruptContextError as found:
-                raise CorruptContextError(f"{found} (the whole {err})") from err
-            raise CorruptContextError(f"{what}: {err}") from err
-        except serializers.CorruptDataError as err:  # missing, truncated, not a regular file
-            raise CorruptContextError(f"{what}: {err}") from err
-        except OSError as err:
-            raise CorruptContextError(f"{what}: unreadable ({err})") from err
-        return dict(zip(stored.bundled, bundles.bundle_views(stored.bundle_arrays, buffer)))
-
     def check_bundle(self, key: str, stored: StoredContext, buffer: np.ndarray | None = None) -> None:
-        """Checks every byte of ``key``'s bundle (read here unless given): each residual's bytes
-        against its checksum, every other byte against the headers its writer wrote (which plain
-        zip readers check): :class:`CorruptContextError` naming the residual or the headers."""
-        ref = stored.bundle
-        if ref is None:
-            return
-        indices = stored.bundled
-        records = [stored.records[i] for i in indices]
-        what = f"context {key!r}, bundle {ref.path}"
-        try:
-            if buffer is None:
-                buffer = self.backend.read_file(ref.path, ref.nbytes)
-            bundle_layout = layout.bundle_layout_of(stored.spec, [(i, r.shape, r.dtype) for i, r in zip(indices, records)])
-            if tuple(a.offset for a in bundle_layout.arrays) != tuple(r.offset for r in records):
-                raise serializers.CorruptDataError("its arrays' offsets are not where this layout puts them")
-            sums = [r.checksum if r.nbytes else None for r in records]
-            names = [f"residual {i} ({r.name})" for i, r in zip(indices, records)]
-            bundles.check_bundle(bundle_layout, buffer, sums, what=what, names=names)
-        except serializers.CorruptDataError as err:
-            raise CorruptContextError(str(err) if str(err).startswith(what) else f"{what}: {err}") from err
-        except OSError as err:
-            raise CorruptContextError(f"{what}: unreadable ({err})") from err
+        """See :func:`residual_store.store.stored_bundles.check`."""
+        stored_bundles.check(self.backend, key, stored, buffer)
 
     def keys(self) -> list[str]:
         suffix = layout.MANIFEST_SUFFIX
@@ -719,74 +680,3 @@ class DiskTier:
         with self._lock:
             for key in [k for k in self._stat_cache if k not in listed]:
                 del self._stat_cache[key]
-
-    # -- stored backwards ---------------------------------------------------------------------
-
-    def backward_signatures(self) -> list[str]:
-        """Signatures with a stored backward (a committed manifest)."""
-        suffix = layout.MANIFEST_SUFFIX
-        return [n[: -len(suffix)] for n in self.backend.list_dir(layout.BACKWARDS) if n.endswith(suffix)]
-
-    def has_backward(self, signature: str) -> bool:
-        return self.backend.exists(layout.backward_paths(signature)[1])
-
-    def write_backward(self, signature: str, data: bytes | None, manifest: bytes, *, fsync: bool) -> None:
-        """The export, then its manifest (the commit: an export without one is a torn write).
-        ``data`` is ``None`` for a backward that could not be exported: the manifest alone
-        records why."""
-        export_path, manifest_path = layout.backward_paths(signature)
-        if data is not None:
-            self.write_blob(export_path, data, fsync=fsync)
-        try:
-            self.write_blob(manifest_path, manifest, fsync=fsync)
-        except BaseException:
-            if data is not None:  # no bytes of a failed write stay behind
-                self.backend.delete(export_path)
-            raise
-
-    def backward_manifest(self, signature: str) -> dict[str, Any] | None:
-        """The decoded manifest of the stored backward of ``signature`` (the export itself is
-        not read), or ``None`` if none is committed.
-
-        Raises:
-          CorruptContextError: the manifest is unreadable, of a future version or names another
-            signature.
-        """
-        manifest = self.backend.get_bytes(layout.backward_paths(signature)[1])
-        if manifest is None:
-            return None
-        what = f"stored backward of signature {signature}"
-        try:
-            m = serializers.decode_manifest(manifest, what=what, schema=serializers.BACKWARD_SCHEMA)
-            if m["signature"] != signature:
-                raise serializers.CorruptDataError(f"{what}: its manifest names signature {m['signature']!r}")
-        except serializers.CorruptDataError as err:
-            raise CorruptContextError(str(err)) from err
-        return m
-
-    def read_backward(self, signature: str) -> tuple[dict[str, Any], bytes | None] | None:
-        """The manifest and verified export of the stored backward of ``signature`` (the export
-        is ``None`` where the manifest records that it could not be exported), or ``None`` if
-        none is committed.
-
-        Raises:
-          CorruptContextError: its export is missing, its manifest is unreadable, of a future
-            version or names another signature, or the export fails its size or checksum.
-        """
-        m = self.backward_manifest(signature)
-        if m is None or m.get("available") is False:
-            return None if m is None else (m, None)
-        export_path = layout.backward_paths(signature)[0]
-        nbytes = m.get("nbytes")  # read no more than that (jax.export artifacts stay under 2 GiB)
-        valid = isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 <= nbytes
-        data = self.backend.get_bytes(export_path, max_bytes=min(nbytes, 1 << 31) if valid else 1 << 31)
-        what = f"stored backward of signature {signature}"
-        try:
-            if data is None:
-                raise serializers.CorruptDataError(f"{what}: its export ({export_path}) is missing")
-            if m.get("nbytes", len(data)) != len(data):
-                raise serializers.CorruptDataError(f"{what}: {len(data)} bytes, its manifest says {m['nbytes']}")
-            serializers.verify(np.frombuffer(data, np.uint8), m.get("checksum"), what=what)
-        except serializers.CorruptDataError as err:
-            raise CorruptContextError(str(err)) from err
-        return m, data

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from residual_store.errors import CorruptContextError
 from residual_store.logs import event
-from residual_store.store import layout
-from residual_store.store.backends import Backend
+from residual_store.store import backwards, layout
+from residual_store.store.backend_protocol import Backend
 
 if TYPE_CHECKING:
     from residual_store.store.disk import DiskTier
@@ -98,7 +98,7 @@ def _collect_locked(disk: DiskTier, older_than: float, dry_run: bool, progress: 
     for sig in sorted(stems):
         if sig in signatures:
             try:
-                if disk.read_backward(sig) is not None:
+                if backwards.read(disk, sig) is not None:
                     continue  # intact and needed
             except CorruptContextError:
                 pass  # damaged: removed, so a later put of this signature saves it again

@@ -112,10 +112,6 @@ def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
         else:
             whole = np.asarray(x)  # uneven or empty shards: no grid of blocks to write
         return ShardedHost(record, shape, dtype, None, {}, whole)
-    if not x.is_fully_addressable and jax.process_count() == 1:
-        raise InvalidArgumentError(
-            "a store cannot write an array sharded over devices it cannot address"
-        )
     # Several processes: each holds the distinct shards (replica_id == 0) of its own devices;
     # the disk tier's collective write puts each process's chunks in one array.
     chunks: dict[tuple[int, ...], np.ndarray] = {}
@@ -166,6 +162,13 @@ def _to_host(x: Any) -> tuple[np.ndarray | ShardedHost, str | None]:
     return (_sharded_host(x, record) if record is not None else np.asarray(x)), impl
 
 
+def _check_addressable(x: Any, partial: bool) -> None:
+    """Raises unless ``x`` is addressable here whole, or ``partial`` (each process of a job
+    writes the shards of its own devices)."""
+    if not partial and isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise InvalidArgumentError("a store cannot write an array sharded over devices it cannot address")
+
+
 def _on_cpu(x: jax.Array) -> bool:
     return all(_is_host_memory(d) for d in x.sharding.device_set)
 
@@ -175,7 +178,9 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(jax.random.key_data(x) if _is_key_dtype(x.dtype) else x)
 
 
-def stage_shared(ctx: ResidualContext) -> dict[int, tuple[np.ndarray | ShardedHost, str | None]]:
+def stage_shared(
+    ctx: ResidualContext, *, partial: bool = False
+) -> dict[int, tuple[np.ndarray | ShardedHost, str | None]]:
     """The host arrays of ``ctx``'s weights and constants (by residual index), taken by ``put``
     on the caller's thread, so that donating the weights after the put (the optimizer's jit
     with ``donate_argnums``) cannot break the write that follows in the background.
@@ -185,6 +190,8 @@ def stage_shared(ctx: ResidualContext) -> dict[int, tuple[np.ndarray | ShardedHo
     of reusing a buffer a view holds), elsewhere the device-to-host copy that JAX caches on the
     array (``copy_to_host_async`` first, so that the weights' copies overlap), made once per
     array however many contexts hold it.
+
+    ``partial``: as in :func:`host_arrays`.
 
     Raises:
       InvalidArgumentError: a weight was deleted (donated) before the put; it names it.
@@ -203,6 +210,7 @@ def stage_shared(ctx: ResidualContext) -> dict[int, tuple[np.ndarray | ShardedHo
                 pass
     staged = {}
     for i, x in zip(shared, arrays):
+        _check_addressable(x, partial)
         try:
             staged[i] = _to_host(x)
         except RuntimeError as err:
@@ -213,14 +221,19 @@ def stage_shared(ctx: ResidualContext) -> dict[int, tuple[np.ndarray | ShardedHo
 
 
 def host_arrays(
-    ctx: ResidualContext, staged: Mapping[int, tuple[np.ndarray | ShardedHost, str | None]] | None = None
+    ctx: ResidualContext,
+    staged: Mapping[int, tuple[np.ndarray | ShardedHost, str | None]] | None = None,
+    *,
+    partial: bool = False,
 ) -> tuple[HostArrays, list[str | None]]:
     """The residuals on the host (typed keys as their key data) and each key's impl; those in
     ``staged`` (see :func:`stage_shared`) as they were taken then.
 
     A residual sharded over several devices with a ``NamedSharding`` becomes a
     :class:`ShardedHost` (its shards' blocks, never the gathered array); the others become NumPy
-    arrays.
+    arrays. ``partial``: a residual may be sharded over other processes' devices too (a job of
+    several processes: each writes its own shards); else one that is not addressable here whole
+    is refused.
 
     Raises:
       InvalidArgumentError: a residual was deleted (donated) since the put; it names it.
@@ -233,6 +246,7 @@ def host_arrays(
         else:
             if isinstance(x, jax.Array) and x.is_deleted():
                 raise _deleted(ctx, i, "after it was put, before the store wrote it")
+            _check_addressable(x, partial)
             try:
                 host, impl = _to_host(x)
             except RuntimeError as err:

@@ -262,7 +262,7 @@ def backward_info(disk: DiskTier | None, signature: str) -> BackwardInfo:
     if disk is None:
         return BackwardInfo(signature, False, reason="a memory-only store stores no backwards")
     try:
-        status = backwards.describe(disk.backward_manifest(signature))
+        status = backwards.describe(backwards.read_manifest(disk, signature))
     except CorruptContextError as err:
         return BackwardInfo(signature, False, reason=f"damaged: {err}")
     return BackwardInfo(
@@ -342,7 +342,7 @@ def _verify_context(disk: DiskTier, key: str) -> StoredContext:
 
 def _verify_backward(disk: DiskTier, signature: str) -> None:
     """Reads and checks the stored backward of ``signature``, if any."""
-    stored = disk.read_backward(signature)
+    stored = backwards.read(disk, signature)
     if stored is not None:
         backwards.check_records(signature, stored[0])
 
@@ -381,7 +381,7 @@ def verify(
             done += stored.nbytes
         if progress is not None:
             progress(done, total)
-    stored_backwards = set(disk.backward_signatures())
+    stored_backwards = set(backwards.stored_signatures(disk))
     broken: dict[str, str] = {}
     checked = sorted(stored_backwards if every_backward else stored_backwards & signatures)
     for signature in checked:

@@ -3,51 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import os
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import jax
 import numpy as np
 
 from residual_store import _jax_internals
-from residual_store.context import OWN_KINDS, ResidualContext, check_representable, describe_residual
-from residual_store.errors import (
-    ContextNotFoundError,
-    CorruptContextError,
-    InvalidArgumentError,
-    ReadOnlyStoreError,
-    StoreFullError,
-)
+from residual_store.backward import register_loader, unregister_loader
+from residual_store.context import ResidualContext
+from residual_store.errors import ContextNotFoundError, InvalidArgumentError, ReadOnlyStoreError
 from residual_store.store import backwards, gc
-from residual_store.store.collective import TIMEOUT_S
+from residual_store.store.collective import TIMEOUT_S, committer_for
 from residual_store.store.backends import check_path
 from residual_store.store.budgets import Headroom, parse_budget, parse_bytes, parse_seconds, parse_size
-from residual_store.store.committer import Committer, open_committer
+from residual_store.store.committer import Committer
 from residual_store.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store.store.disk import DiskTier
-from residual_store.store.host import (
-    for_writing,
-    holds_device_memory,
-    host_arrays,
-    place,
-    read_device,
-    stage_shared,
-    to_device,
-    to_host,
-    to_numpy,
-)
+from residual_store.store.host import read_device, stage_shared, to_host, to_numpy
 from residual_store.store import inspection
 from residual_store.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store.store.keys import new_key, validate_key
-from residual_store.store.layout import StaleData
-from residual_store.store.schedule import loads_ahead
 from residual_store.store.tiers import Tiers, own_nbytes
+from residual_store.store.pending import PendingWork
+from residual_store.store.reads import Reads
 from residual_store.store.weights import LiveWeights
 from residual_store.store.workers import Loader, Writer
 
@@ -56,14 +38,6 @@ __all__ = ["Store"]
 StorePath = str | os.PathLike[str] | Mapping[str, Any] | None
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
-_AHEAD = 2  # loads a schedule keeps in flight at most
-_LOOKAHEAD = 64  # keys of a schedule looked at for loading ahead
-
-
-def _check_representable(key: str, spec: Any) -> None:
-    """Raises if a stored dtype has no exact counterpart in this process (64-bit types without
-    ``jax_enable_x64``, which JAX would silently narrow to 32 bits)."""
-    check_representable(spec.avals, describe_residual(spec, f"context {key!r}"), "loading it")
 
 
 def _shut_down(writer: Writer | None, loader: Loader, janitor: Loader) -> None:
@@ -160,7 +134,7 @@ class Store:
             raise InvalidArgumentError(f"device must be a jax.Device or None, got {type(device).__name__}")
         self._target = device
         device_budget = parse_budget(device_budget, "device_budget", read_device(device))
-        self._headroom = Headroom.of(device_headroom, read_device(device))
+        headroom = Headroom.of(device_headroom, read_device(device))
         host_budget = parse_size(host_budget, "host_budget")
         self._tiers = Tiers(device_budget, host_budget, demote=to_host)
         self._device, self._host = self._tiers.device, self._tiers.host
@@ -173,18 +147,11 @@ class Store:
         ) if path is not None else None
         # how writes and deletes reach the disk (collectively, in a job of several processes)
         self._committer: Committer | None = (
-            open_committer(self._disk, collective_timeout) if self._disk is not None else None
+            committer_for(self._disk, collective_timeout) if self._disk is not None else None
         )
         self._write_through = bool(write_through) or (self._committer is not None and self._committer.writes_through)
         self._durable = bool(durable)
         self._lock = threading.RLock()
-        self._pending: dict[str, tuple[ResidualContext, object]] = {}
-        self._loading: dict[str, Future[ResidualContext]] = {}
-        self._writes: dict[str, Future[Any]] = {}  # key -> its newest scheduled write, until done
-        self._disk_io = {"reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0}
-        self._pending_reads = 0  # gets served from a pending write's host copy (no disk read)
-        self._deleting: dict[str, object] = {}  # keys deleted here whose disk removal is queued
-        self._on_disk: set[str] = set()
         self._weights = LiveWeights()  # hashed once, not per put; read back without reading
         writes = self._disk is not None and not self._read_only
         # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
@@ -193,8 +160,21 @@ class Store:
         self._backwards = backwards.Saver(
             self._disk, self._writer, durable=self._durable, saves=self._committer.saves_backwards,
         ) if self._writer is not None else None
+        # loads the stored backwards rs.backward asks for while the store is open (held weakly there)
+        self._stored_backwards = backwards.StoredBackwards(self._disk) if self._disk is not None else None
+        if self._stored_backwards is not None:
+            register_loader(self._stored_backwards)
         self._loader = Loader()
         self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
+        self._work = PendingWork(
+            lock=self._lock, tiers=self._tiers, disk=self._disk, committer=self._committer, writer=self._writer,
+            janitor=self._janitor, weights=self._weights, target=self._target, headroom=headroom,
+            write_through=self._write_through, durable=self._durable,
+        )
+        self._reads = Reads(
+            lock=self._lock, tiers=self._tiers, work=self._work, disk=self._disk, weights=self._weights,
+            target=self._target, loader=self._loader, stored_backwards=self._stored_backwards,
+        )
         self._closed = False
         # A collected store's pending writes still complete (the writer runs its queue first).
         self._finalizer = weakref.finalize(self, _shut_down, self._writer, self._loader, self._janitor)
@@ -253,153 +233,30 @@ class Store:
             )
         key = new_key() if key is None else validate_key(key)
         # the weights' host copies, now: a donation after put returns cannot break the write
-        staged = stage_shared(ctx) if self._disk is not None and self._write_through else None
+        staged = stage_shared(ctx, partial=self._committer.partial_arrays) if self._committer is not None and self._write_through else None
         if self._backwards is not None:
             self._backwards.save(ctx)
         size = own_nbytes(ctx)
         with self._lock:
             if self._disk is None:
-                self._check_memory_capacity(key, size)
-            self._forget_memory(key)
-            self._on_disk.discard(key)
-            self._pending.pop(key, None)  # a write of an older context under this key is superseded
-            self._loading.pop(key, None)  # so is a prefetch of it
-            self._deleting.pop(key, None)
+                self._tiers.check_capacity(key, size)
+            self._tiers.forget(key)
+            self._work.on_disk.discard(key)
+            self._work.pending.pop(key, None)  # a write of an older context under this key is superseded
+            self._reads.loading.pop(key, None)  # so is a prefetch of it
+            self._work.deleting.pop(key, None)
             self._tiers.admit(key, ctx)
-            spills = self._rebalance(protect=key if self._tiers.put_protects(key) else None)
-            to_write = [self._mark_pending(key, ctx)] if self._disk is not None and (
+            spills = self._work.rebalance(protect=key if self._tiers.put_protects(key) else None)
+            to_write = [self._work.mark(key, ctx)] if self._disk is not None and (
                 self._write_through
-                or (key not in self._device and key not in self._host and key not in self._pending)
+                or (key not in self._device and key not in self._host and key not in self._work.pending)
             ) else []
-            self._release_pending()
+            self._work.release()
         for write in to_write:
-            self._schedule_write(*write, staged=staged)
+            self._work.schedule(*write, staged=staged)
         for write in spills:
-            self._schedule_write(*write)
+            self._work.schedule(*write)
         return key
-
-    def _check_memory_capacity(self, key: str, size: int) -> None:
-        """A memory-only store refuses a put its tiers cannot hold, before anything changes."""
-        if self._tiers.would_overflow(key, size):
-            raise StoreFullError(
-                f"memory-only store cannot take context {key!r} ({size:,} bytes of intermediates): "
-                f"device budget {self._device.budget}, host budget {self._host.budget}, "
-                f"{self._tiers.nbytes:,} bytes held; give the store a path "
-                "to spill to disk, raise a budget, or delete contexts"
-            )
-
-    def _forget_memory(self, key: str) -> None:
-        self._tiers.forget(key)
-
-    def _rebalance(self, protect: str | None = None) -> list[tuple[str, ResidualContext, object]]:
-        """Moves least recently used contexts down until each tier is within budget.
-
-        Returns contexts pushed out of host memory that still need a disk write, already marked
-        pending (under the lock, so no ``get`` finds them in no tier at all), for
-        :meth:`_schedule_write`.
-        """
-        limit = self._headroom.device_limit(self._device.nbytes) if self._headroom is not None else None
-        spills = [
-            self._mark_pending(k, ctx) for k, ctx in self._tiers.rebalance(protect, limit) if self._needs_write(k)
-        ]
-        self._release_pending()
-        return spills
-
-    def _release_pending(self) -> None:
-        """Under the lock: a context waiting for its write that the device tier does not hold
-        keeps host copies only (the host tier's, else :func:`for_writing`'s), so its device
-        arrays go now: a budget bounds the device memory of the store's contexts, pending writes
-        included."""
-        for key, (ctx, token) in list(self._pending.items()):
-            if key in self._device:
-                continue  # the device tier holds this very context: no memory beyond its budget
-            host = self._host.peek(key)
-            if host is None and holds_device_memory(ctx):
-                host = for_writing(ctx, self._target)
-            if host is not None and host is not ctx:
-                self._pending[key] = (host, token)
-
-    def _needs_write(self, key: str) -> bool:
-        return (
-            self._disk is not None
-            and not self._read_only
-            and not self._write_through
-            and key not in self._on_disk
-            and key not in self._pending
-        )
-
-    # -- background writes --------------------------------------------------------------------
-
-    def _mark_pending(self, key: str, ctx: ResidualContext) -> tuple[str, ResidualContext, object]:
-        """Records, under ``self._lock``, that ``ctx`` is the version of ``key`` to write next."""
-        token = object()
-        self._pending[key] = (ctx, token)
-        return key, ctx, token
-
-    def _schedule_write(self, key: str, ctx: ResidualContext, token: object, staged: Any = None) -> None:
-        assert self._writer is not None
-        assert self._committer is not None
-        # The job holds the context only where every version is written (collectively); else it
-        # takes the pending one when it runs, which by then may be a host copy (the device
-        # arrays released when the context left the device tier: _release_pending).
-        held = ctx if self._committer.every_version else None
-        future = self._writer.submit(functools.partial(self._write, key, held, token, staged), ctx.nbytes)
-        with self._lock:  # the newest write of the key: what flush(key) waits for
-            self._writes[key] = future
-        future.add_done_callback(functools.partial(self._forget_write, key))
-
-    def _forget_write(self, key: str, future: Future[Any]) -> None:
-        with self._lock:
-            if self._writes.get(key) is future and future.exception() is None:
-                del self._writes[key]
-
-    def _write(self, key: str, ctx: ResidualContext | None, token: object, staged: Any = None) -> None:
-        """On the writer thread: writes the version ``token`` of ``key`` (``ctx``, or with
-        ``None`` the pending context of that version), unless a later put (or delete) superseded
-        it; a stale version never lands. In a multi-process job every process takes part in every
-        collective write, in order. ``staged``: the host arrays of the context's weights its put
-        took (:func:`stage_shared`)."""
-        assert self._committer is not None
-        with self._lock:
-            pending, current = self._pending.get(key, (None, None))
-            if current is not token and not self._committer.every_version:
-                return
-            if ctx is None:
-                assert pending is not None
-                ctx = pending
-        try:
-            try:
-                arrays, impls = host_arrays(ctx, staged)
-                known = self._weights.checksums(ctx, arrays)
-                spec, nbytes, residuals = ctx.spec, own_nbytes(ctx), ctx.residuals
-                # Only the host arrays from here on: the context's device arrays can go while the
-                # commit runs (a slow, durable one most of all) once nothing else holds them.
-                residuals = tuple(x if k not in OWN_KINDS else None for x, k in zip(residuals, spec.kinds))
-                del ctx, pending
-                stale = self._committer.write(key, spec, arrays, impls, fsync=self._durable, known=known)
-            except BaseException:
-                with self._lock:  # a put that failed is not in the store (flush raises why)
-                    if self._pending.get(key, (None, None))[1] is token:
-                        self._forget_memory(key)
-                raise
-            self._drop_later(stale)
-            self._weights.hold(residuals, impls, known[1])
-            with self._lock:
-                self._disk_io["writes"] += 1
-                self._disk_io["bytes_written"] += nbytes
-                if self._pending.get(key, (None, None))[1] is token:
-                    self._on_disk.add(key)
-        finally:
-            with self._lock:
-                if self._pending.get(key, (None, None))[1] is token:
-                    del self._pending[key]
-
-    def _drop_later(self, stale: StaleData | None) -> None:
-        """Hands data no manifest references any more to the janitor, off the write path."""
-        if stale is not None:
-            assert self._disk is not None
-            assert self._committer is not None
-            self._janitor.submit(functools.partial(self._disk.drop_data, stale, recycle=self._committer.recycles))
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
 
@@ -413,89 +270,15 @@ class Store:
         self._check_open()
         key = validate_key(key)
         with self._lock:
-            if key in self._deleting:
+            if key in self._work.deleting:
                 raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
-            prefetched = self._loading.pop(key, None)
+            prefetched = self._reads.loading.pop(key, None)
             self._tiers.schedule.consume(key)
-        if prefetched is not None:
-            ctx = prefetched.result()  # kept for this get even when the budgets could not hold it
-        else:
-            ctx, spills = self._get_from_memory(key)
-            for write in spills:
-                self._schedule_write(*write)
-            if ctx is None:
-                ctx = self._load_and_promote(key)
+        # a prefetched context is kept for this get even when the budgets could not hold it
+        ctx = prefetched.result() if prefetched is not None else self._reads.load(key)
         # only now: a load ahead may push out the context just got (the schedule is done with it)
-        self._prefetch_ahead()
+        self._reads.ahead()
         return ctx
-
-    def _get_from_memory(
-        self, key: str
-    ) -> tuple[ResidualContext | None, list[tuple[str, ResidualContext, object]]]:
-        """The context from device, host or a pending write, brought to the device tier.
-
-        A context the device budget cannot hold is served as a device copy and left where it is,
-        so a get under a small budget costs one copy, not a round trip.
-        """
-        with self._lock:
-            ctx = self._device.get(key)
-            if ctx is not None:
-                return ctx, []
-            in_host = key in self._host
-            source = self._host.get(key) if in_host else self._pending.get(key, (None, None))[0]
-            if source is None:
-                return None, []
-            if not in_host:
-                self._pending_reads += 1
-            size = own_nbytes(source)
-            stays = not self._device.fits(size)
-            if not stays and self._disk is None and in_host:
-                try:  # a memory-only store has no tier below host: promoting must not push one out
-                    self._check_memory_capacity(key, size)
-                except StoreFullError:
-                    stays = True
-            if stays:
-                return to_device(source, self._target), []
-            if in_host:
-                self._host.remove(key, moved=True)
-            ctx = to_device(source, self._target)
-            self._device.add(key, ctx)
-            return ctx, self._rebalance(protect=key)
-
-    def _load_and_promote(self, key: str) -> ResidualContext:
-        if self._disk is None:
-            raise ContextNotFoundError(f"no context {key!r} in this memory-only store")
-        live = self._weights.on(self._target)  # kept alive until placed: not read again
-        stored, arrays = self._disk.read(key, skip=live)  # sharded: only this process's chunks
-        with self._lock:
-            self._disk_io["reads"] += 1
-            self._disk_io["bytes_read"] += sum(
-                r.nbytes for r in stored.records if not (r.shared and not r.chunked and r.path in live)
-            )
-        _check_representable(key, stored.spec)
-        residuals = place(
-            arrays, [r.shared for r in stored.records], stored.key_impls,
-            functools.partial(self._weights.device_array, [r.path for r in stored.records], arrays, live, self._target),
-            self._target,
-        )
-        ctx = ResidualContext(residuals, stored.spec)
-        self._ensure_backward(stored.spec.signature)
-        with self._lock:
-            if key in self._device or key in self._host or key in self._pending or key in self._deleting:
-                return ctx  # put, delete or another load while this read ran: keep theirs
-            self._on_disk.add(key)
-            self._device.add(key, ctx)
-            spills = self._rebalance(protect=key)
-        for write in spills:
-            self._schedule_write(*write)
-        return ctx
-
-    def _ensure_backward(self, signature: str) -> None:
-        """Offers the stored backward of ``signature`` to ``rs.backward``, which deserializes it
-        only when asked for a backward the process has no live one of; never raises for a
-        damaged one (see :mod:`residual_store.store.backwards`)."""
-        if self._disk is not None:
-            backwards.offer(self._disk, signature)
 
     def prefetch(self, key: str) -> None:
         """Starts bringing ``key`` to the device in the background; the next ``get`` takes it.
@@ -505,15 +288,14 @@ class Store:
         self._check_open()
         key = validate_key(key)
         with self._lock:
-            if key in self._device or key in self._loading:
+            if key in self._device or key in self._reads.loading:
                 return
-            in_memory = (key in self._host or key in self._pending) and key not in self._deleting
-        if not in_memory and (self._disk is None or key in self._deleting or key not in self._disk):
+            in_memory = (key in self._host or key in self._work.pending) and key not in self._work.deleting
+        if not in_memory and (self._disk is None or key in self._work.deleting or key not in self._disk):
             raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
 
         with self._lock:
-            if key not in self._loading:
-                self._loading[key] = self._loader.submit(functools.partial(self._load, key))
+            self._reads.start(key)
 
     def schedule(self, keys: Sequence[str]) -> None:
         """Declares the order of the coming gets: ``keys`` as they will be got, keys not yet put
@@ -549,55 +331,7 @@ class Store:
         checked = [validate_key(k) for k in keys]
         with self._lock:
             self._tiers.schedule.declare(checked)
-        self._prefetch_ahead()
-
-    def _prefetch_ahead(self) -> None:
-        """Starts loading the contexts the schedule names next: the very next one, then as many
-        as fit the device budget together with it, at most ``_AHEAD`` loads in flight, stopping
-        at the first not yet put (its room is the put's)."""
-        with self._lock:
-            if not self._tiers.schedule:
-                return
-            upcoming = list(itertools.islice(self._tiers.schedule.upcoming(), _LOOKAHEAD))
-            in_flight = sum(1 for f in self._loading.values() if not f.done())
-        start = loads_ahead(
-            upcoming, self._own_size, self._on_device_or_loading, self._device.budget, _AHEAD - in_flight
-        )
-        with self._lock:
-            for key in start:
-                if key not in self._loading and key not in self._device and key not in self._deleting:
-                    self._loading[key] = self._loader.submit(functools.partial(self._load, key))
-
-    def _on_device_or_loading(self, key: str) -> bool:
-        with self._lock:
-            return key in self._device or key in self._loading
-
-    def _own_size(self, key: str) -> int | None:
-        """The own bytes of ``key`` wherever it is, or ``None`` if the store does not hold it."""
-        with self._lock:
-            if key in self._deleting:
-                return None
-            for tier in (self._device, self._host):
-                size = tier.size_of(key)
-                if size is not None:
-                    return size
-            pending = self._pending.get(key)
-            if pending is not None:
-                return own_nbytes(pending[0])
-        if self._disk is None:
-            return None
-        try:
-            stored = self._disk.stat(key)
-        except (ContextNotFoundError, CorruptContextError):
-            return None
-        return sum(r.nbytes for r in stored.records if not r.shared)
-
-    def _load(self, key: str) -> ResidualContext:
-        """On a loader thread: ``key`` from memory or disk, on the device."""
-        ctx, spills = self._get_from_memory(key)
-        for write in spills:
-            self._schedule_write(*write)
-        return ctx if ctx is not None else self._load_and_promote(key)
+        self._reads.ahead()
 
     def pop(self, key: str) -> ResidualContext:
         """``get`` then ``delete``."""
@@ -614,13 +348,13 @@ class Store:
         self._check_writable("delete")
         key = validate_key(key)
         with self._lock:
-            found = key not in self._deleting and (
-                key in self._device or key in self._host or key in self._pending or key in self._loading
+            found = key not in self._work.deleting and (
+                key in self._device or key in self._host or key in self._work.pending or key in self._reads.loading
             )
-            self._forget_memory(key)
-            self._pending.pop(key, None)
-            self._loading.pop(key, None)
-            self._on_disk.discard(key)
+            self._tiers.forget(key)
+            self._work.pending.pop(key, None)
+            self._reads.loading.pop(key, None)
+            self._work.on_disk.discard(key)
         if self._disk is None or self._writer is None:
             if not found:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
@@ -628,27 +362,12 @@ class Store:
         # In a multi-process job the delete is collective, in call order with the puts: every
         # process checks here, and process 0 removes the manifest only once all have begun.
         with self._lock:
-            if not found and key not in self._deleting and key not in self._disk:
+            if not found and key not in self._work.deleting and key not in self._disk:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
-            if not found and key in self._deleting:
+            if not found and key in self._work.deleting:
                 raise ContextNotFoundError(f"context {key!r} was already deleted from store {self!r}")
-            token = object()
-            self._deleting[key] = token
-        self._writer.submit(functools.partial(self._delete_on_disk, key, token), 0)
-
-    def _delete_on_disk(self, key: str, token: object) -> None:
-        """On the writer thread, after any pending write of ``key``: removes its manifest (with
-        every process, in a multi-process job, even where it was put again since)."""
-        assert self._committer is not None
-        try:
-            with self._lock:
-                superseded = self._deleting.get(key) is not token  # put again since
-            if self._committer.every_version or not superseded:
-                self._drop_later(self._committer.delete(key)[1])
-        finally:
-            with self._lock:
-                if self._deleting.get(key) is token:
-                    del self._deleting[key]
+            token = self._work.mark_deleting(key)
+        self._work.schedule_delete(key, token)
 
     # -- listing ------------------------------------------------------------------------------
 
@@ -656,8 +375,8 @@ class Store:
         """Every key: in memory, pending, and committed on disk (by any process)."""
         self._check_open()
         with self._lock:
-            keys = set(self._device.keys()) | set(self._host.keys()) | set(self._pending)
-            deleting = set(self._deleting)
+            keys = set(self._device.keys()) | set(self._host.keys()) | set(self._work.pending)
+            deleting = set(self._work.deleting)
         if self._disk is not None:
             keys.update(self._disk.keys())
         return sorted(keys - deleting)
@@ -667,9 +386,9 @@ class Store:
         if not isinstance(key, str):
             return False
         with self._lock:
-            if key in self._deleting:
+            if key in self._work.deleting:
                 return False
-            if key in self._device or key in self._host or key in self._pending:
+            if key in self._device or key in self._host or key in self._work.pending:
                 return True
         try:
             validate_key(key)
@@ -700,11 +419,10 @@ class Store:
                 name: {"bytes": tier.nbytes, "contexts": len(tier), "bytes_in": tier.bytes_in, "bytes_out": tier.bytes_out}
                 for name, tier in (("device", self._device), ("host", self._host))
             }
-            io = dict(self._disk_io)
-            # waiting for their writes in no tier: host copies (see _release_pending)
-            waiting = [c for k, (c, _) in self._pending.items() if k not in self._device and k not in self._host]
+            io = dict(self._work.io)
+            waiting = self._work.waiting()  # host copies, in no tier (see PendingWork.release)
             result["pending"] = {
-                "bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting), "reads": self._pending_reads,
+                "bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting), "reads": self._reads.pending_reads,
             }
         result["disk"] = {**inspection.disk_bytes(self._disk), **io}
         return result
@@ -744,8 +462,7 @@ class Store:
                 self._backwards.emit_warnings()  # of background saves, at this flush's caller
 
     def _flush_keys(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            futures = [self._writes.get(k) for k in keys]
+        futures = self._work.newest(keys)
         for key, future in zip(keys, futures):
             if future is None and key not in self:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
@@ -783,6 +500,8 @@ class Store:
             self.flush()
         finally:
             self._closed = True
+            if self._stored_backwards is not None:
+                unregister_loader(self._stored_backwards)
             self._finalizer.detach()
             if self._writer is not None:
                 self._writer.close()
@@ -813,12 +532,12 @@ class Store:
         self._check_open()
         key = validate_key(key)
         with self._lock:
-            if key in self._deleting:
+            if key in self._work.deleting:
                 raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
-            pending = self._pending.get(key)
+            pending = self._work.pending.get(key)
             for ctx in (self._device.peek(key), self._host.peek(key), pending[0] if pending else None):
                 if ctx is not None:
-                    return ctx, pending is not None or key not in self._on_disk
+                    return ctx, pending is not None or key not in self._work.on_disk
         return None, False
 
     def info(self, key: str) -> ContextInfo:

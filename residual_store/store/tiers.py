@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from residual_store.context import ResidualContext
-from residual_store.errors import InvalidArgumentError
+from residual_store.errors import InvalidArgumentError, StoreFullError
 from residual_store.store.schedule import Schedule
 
 __all__ = ["MemoryTier", "Tiers", "own_nbytes", "spill_order"]
@@ -215,3 +215,14 @@ class Tiers:
             used -= sizes[k]
             host += sizes[k]
         return host_budget is not None and host > host_budget
+
+    def check_capacity(self, key: str, size: int) -> None:
+        """Raises :class:`StoreFullError` if a put of ``size`` bytes under ``key`` would push
+        anything out of host memory: a memory-only store refuses it before anything changes."""
+        if self.would_overflow(key, size):
+            raise StoreFullError(
+                f"memory-only store cannot take context {key!r} ({size:,} bytes of intermediates): "
+                f"device budget {self.device.budget}, host budget {self.host.budget}, "
+                f"{self.nbytes:,} bytes held; give the store a path "
+                "to spill to disk, raise a budget, or delete contexts"
+            )
