@@ -61,7 +61,7 @@ def _worker(
     from jax.sharding import PartitionSpec as P
 
     import residual_store as rs
-    from residual_store import _jax_internals
+    from residual_store._src import _jax_internals
 
     assert jax.device_count() == 4, jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("data",))

@@ -199,7 +199,7 @@ def new_signature_cost(repeats: int) -> dict[str, float]:
 
     from residual_store.demo import DemoConfig, init_transformer, transformer_loss
 
-    split_module = importlib.import_module("residual_store.split")  # (rs.split is the function)
+    split_module = importlib.import_module("residual_store._src.split")  # (rs.split is the function)
     cfg = DemoConfig()
     params = init_transformer(jax.random.key(0), cfg)
     tokens = jax.random.randint(jax.random.key(1), (cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
@@ -238,7 +238,7 @@ def export_cost(repeats: int) -> dict[str, float]:
     and for every platform (what a store saves per signature, on its writer thread), against
     compiling that backward."""
     from residual_store.demo import DemoConfig, init_transformer, transformer_loss
-    from residual_store.export import PLATFORMS, export_backward
+    from residual_store._src.export import PLATFORMS, export_backward
 
     cfg = DemoConfig()
     params = init_transformer(jax.random.key(0), cfg)

@@ -874,7 +874,7 @@ def _print_object_store(rows: list[dict[str, Any]] | str, repeats: int) -> None:
 def measure_first_put(base: Path, repeats: int) -> dict[str, float]:
     """Median seconds of a put that saves the signature's backward, of a later put, and of the
     export itself (see Part 3 of the module docstring)."""
-    from residual_store.store import backwards
+    from residual_store._src.store import backwards
 
     cfg = SCHEDULE
     params = init_transformer(jax.random.key(0), cfg)

@@ -16,47 +16,47 @@ __version__ = "0.1.0"
 
 # every public name -> the module that defines it (the static face below lists the same)
 _EXPORTS = {
-    "split": "residual_store.split",
-    "Split": "residual_store.split",
-    "backward": "residual_store.backward",
-    "is_inexact": "residual_store.filters",
-    "Store": "residual_store.store",
-    "flush_on_sigterm": "residual_store.store.preemption",
-    "VerifyReport": "residual_store.store.inspection",
-    "ContextInfo": "residual_store.store.inspection",
-    "ResidualInfo": "residual_store.store.inspection",
-    "BackwardInfo": "residual_store.store.inspection",
-    "StoreUsage": "residual_store.store.inspection",
-    "SignatureUsage": "residual_store.store.inspection",
-    "enable_compilation_cache": "residual_store.compile_cache",
-    "ResidualContext": "residual_store.context",
-    "ResidualSpec": "residual_store.context",
-    "CallSpec": "residual_store.context",
-    "InputAval": "residual_store.context",
-    "CacheInfo": "residual_store.cache",
-    "ResidualStoreError": "residual_store.errors",
-    "SignatureMismatchError": "residual_store.errors",
-    "InvalidArgumentError": "residual_store.errors",
-    "ContextNotFoundError": "residual_store.errors",
-    "InvalidKeyError": "residual_store.errors",
-    "CorruptContextError": "residual_store.errors",
-    "StoreFullError": "residual_store.errors",
-    "BackwardUnavailableError": "residual_store.errors",
-    "StoreNotFoundError": "residual_store.errors",
-    "ReadOnlyStoreError": "residual_store.errors",
-    "StoreUnavailableError": "residual_store.errors",
-    "ResidualStoreWarning": "residual_store.errors",
-    "RecomputeWarning": "residual_store.errors",
+    "split": "residual_store._src.split",
+    "Split": "residual_store._src.split",
+    "backward": "residual_store._src.backward",
+    "is_inexact": "residual_store._src.filters",
+    "Store": "residual_store._src.store",
+    "flush_on_sigterm": "residual_store._src.store.preemption",
+    "VerifyReport": "residual_store._src.store.inspection",
+    "ContextInfo": "residual_store._src.store.inspection",
+    "ResidualInfo": "residual_store._src.store.inspection",
+    "BackwardInfo": "residual_store._src.store.inspection",
+    "StoreUsage": "residual_store._src.store.inspection",
+    "SignatureUsage": "residual_store._src.store.inspection",
+    "enable_compilation_cache": "residual_store._src.compile_cache",
+    "ResidualContext": "residual_store._src.context",
+    "ResidualSpec": "residual_store._src.context",
+    "CallSpec": "residual_store._src.context",
+    "InputAval": "residual_store._src.context",
+    "CacheInfo": "residual_store._src.cache",
+    "ResidualStoreError": "residual_store._src.errors",
+    "SignatureMismatchError": "residual_store._src.errors",
+    "InvalidArgumentError": "residual_store._src.errors",
+    "ContextNotFoundError": "residual_store._src.errors",
+    "InvalidKeyError": "residual_store._src.errors",
+    "CorruptContextError": "residual_store._src.errors",
+    "StoreFullError": "residual_store._src.errors",
+    "BackwardUnavailableError": "residual_store._src.errors",
+    "StoreNotFoundError": "residual_store._src.errors",
+    "ReadOnlyStoreError": "residual_store._src.errors",
+    "StoreUnavailableError": "residual_store._src.errors",
+    "ResidualStoreWarning": "residual_store._src.errors",
+    "RecomputeWarning": "residual_store._src.errors",
 }
 
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
-    from residual_store.backward import backward
-    from residual_store.cache import CacheInfo
-    from residual_store.compile_cache import enable_compilation_cache
-    from residual_store.context import CallSpec, InputAval, ResidualContext, ResidualSpec
-    from residual_store.errors import (
+    from residual_store._src.backward import backward
+    from residual_store._src.cache import CacheInfo
+    from residual_store._src.compile_cache import enable_compilation_cache
+    from residual_store._src.context import CallSpec, InputAval, ResidualContext, ResidualSpec
+    from residual_store._src.errors import (
         BackwardUnavailableError,
         ContextNotFoundError,
         CorruptContextError,
@@ -71,11 +71,11 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         StoreNotFoundError,
         StoreUnavailableError,
     )
-    from residual_store.filters import is_inexact
-    from residual_store.split import Split, split
-    from residual_store.store import Store
-    from residual_store.store.preemption import flush_on_sigterm
-    from residual_store.store.inspection import (
+    from residual_store._src.filters import is_inexact
+    from residual_store._src.split import Split, split
+    from residual_store._src.store import Store
+    from residual_store._src.store.preemption import flush_on_sigterm
+    from residual_store._src.store.inspection import (
         BackwardInfo,
         ContextInfo,
         ResidualInfo,

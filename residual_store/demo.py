@@ -258,7 +258,7 @@ def _save_comparison(
     its backward). Per row: the contexts' own bytes, the medians of ``repeats`` steps (after one
     to compile) and the gradients' largest relative difference from ``jax.grad``."""
     import residual_store as rs
-    from residual_store.store.tiers import own_nbytes
+    from residual_store._src.store.tiers import own_nbytes
 
     want = reference(params, tokens, drop_keys)
 
@@ -336,7 +336,7 @@ def run_demo(
     import tempfile
 
     import residual_store as rs
-    from residual_store.store.tiers import own_nbytes
+    from residual_store._src.store.tiers import own_nbytes
 
     key = jax.random.key(cfg.seed)
     params = init_transformer(key, cfg)

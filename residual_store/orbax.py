@@ -46,13 +46,13 @@ except ImportError as err:  # pragma: no cover - exercised in a process without 
         "default: pip install 'residual-store[orbax]'"
     ) from err
 
-from residual_store import _jax_internals
-from residual_store.backward import Backward, find_backward
-from residual_store.context import ResidualContext
-from residual_store.errors import InvalidArgumentError
-from residual_store.store import Store
-from residual_store.store.host import check_live, detached
-from residual_store.store.keys import validate_key
+from residual_store._src import _jax_internals
+from residual_store._src.backward import Backward, find_backward
+from residual_store._src.context import ResidualContext
+from residual_store._src.errors import InvalidArgumentError
+from residual_store._src.store import Store
+from residual_store._src.store.host import check_live, detached
+from residual_store._src.store.keys import validate_key
 
 if TYPE_CHECKING:
     from etils import epath

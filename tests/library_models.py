@@ -42,7 +42,7 @@ from flax import nnx
 
 import residual_store as rs
 from libraries import flat  # noqa: F401 - {keystr: leaf}, shared with the resume tests
-from residual_store.filters import is_array
+from residual_store._src.filters import is_array
 
 IN, HIDDEN, OUT, BATCH, SEQ, LAYERS, HEADS = 4, 8, 2, 4, 4, 3, 2
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import residual_store as rs
-from residual_store.backward import find_backward, loaders, lookup_backward
+from residual_store._src.backward import find_backward, loaders, lookup_backward
 
 
 def _loss_a(w, x):

@@ -208,7 +208,7 @@ def test_the_exit_hook_runs_before_the_thread_pools_stop():
     assert callable(getattr(threading, "_register_atexit", None)), "threading._register_atexit is gone"
     from concurrent.futures import thread as futures_thread
 
-    from residual_store.store import workers as io
+    from residual_store._src.store import workers as io
 
     hooks = [getattr(h, "func", h) for h in getattr(threading, "_threading_atexits", [])]
     assert io.drain_all in hooks

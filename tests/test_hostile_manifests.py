@@ -24,8 +24,8 @@ import pytest
 from store_helpers import assert_contexts_identical, raw, read_manifest, tree_files
 
 import residual_store as rs
-from residual_store.store import backwards
-from residual_store.store.disk import DiskTier
+from residual_store._src.store import backwards
+from residual_store._src.store.disk import DiskTier
 from serializers.manifest import SELF_CHECKSUM_FIELD, seal_manifest
 
 
@@ -69,7 +69,7 @@ def stored(tmp_path: Path, split) -> tuple[Path, dict[str, Any]]:
 def stored_in_folders(tmp_path: Path, split, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any]]:
     """``stored``, each own residual in a folder of its own (no bundle: what the manifests of
     versions 1 to 3 describe), so that a manifest relabelled as an older version is one."""
-    from residual_store.store import layout
+    from residual_store._src.store import layout
 
     monkeypatch.setattr(layout, "_BUNDLE_CAP", -1)  # no residual fits a bundle
     root, ctxs = _stored(tmp_path, split)

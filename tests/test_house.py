@@ -1,5 +1,5 @@
 """House rules of the code that a test can check: every path of a store's tree is spelled in
-``residual_store/store/paths.py`` only; the store asks its committer how to write, never which
+``residual_store/_src/store/paths.py`` only; the store asks its committer how to write, never which
 kind it has; only the store and its collective module ask whether the job has several
 processes; JAX internals are used in ``_jax_internals`` only; no module is over 700 lines; no
 test is an expected failure that may pass."""
@@ -19,7 +19,7 @@ MAX_MODULE_LINES = 700
 # the modules that may ask whether the job has several processes (the store decides, its
 # collective module answers); the rest are told (a committer's attributes, a flag)
 _ASK_THE_JOB = {"process_count", "is_multiprocess"}
-_MAY_ASK_THE_JOB = {Path("store") / "store.py", Path("store") / "collective.py"}
+_MAY_ASK_THE_JOB = {Path("_src") / "store" / "store.py", Path("_src") / "store" / "collective.py"}
 
 # a string that spells a path of the tree: a top folder followed by a slash, or a file name
 # that only the tree has
@@ -63,7 +63,7 @@ def test_every_path_of_the_tree_is_spelled_in_paths_only(module):
 
 
 def test_the_store_asks_its_committer_not_which_kind_it_has():
-    source = (PACKAGE / "store" / "store.py").read_text()
+    source = (PACKAGE / "_src" / "store" / "store.py").read_text()
     for name in ("_collective", "CollectiveCommitter", "is_multiprocess", "process_index", "can_rename"):
         assert name not in source, f"store.py branches on the kind of committer or backend ({name})"
 
@@ -83,7 +83,7 @@ def _names(source: str) -> set[str]:
 
 def test_the_check_finds_questions_about_the_job():
     assert _names('"""jax.process_count() > 1"""\nn = jax.process_count()\n') & _ASK_THE_JOB == {"process_count"}
-    assert _names("from residual_store.store.collective import is_multiprocess\n") & _ASK_THE_JOB == {"is_multiprocess"}
+    assert _names("from residual_store._src.store.collective import is_multiprocess\n") & _ASK_THE_JOB == {"is_multiprocess"}
     assert not _names('x = "is_multiprocess"  # is_multiprocess\n') & _ASK_THE_JOB
 
 
@@ -147,7 +147,7 @@ def test_jax_internals_are_used_in_one_module(module):
         elif isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module]
         assert not any(n == "jax._src" or n.startswith("jax._src.") for n in names), (
-            f"{module.name}:{node.lineno} imports JAX internals: they belong in residual_store/_jax_internals.py"
+            f"{module.name}:{node.lineno} imports JAX internals: they belong in residual_store/_src/_jax_internals.py"
         )
 
 
@@ -182,8 +182,8 @@ def test_the_check_finds_private_imports():
     public = {"Store", "__version__"}
     source = (
         "import residual_store as rs\nfrom residual_store import Store, __version__\n"
-        "from residual_store.demo import run_demo\nfrom residual_store.store.disk import DiskTier\n"
-        "from residual_store import _jax_internals\nfrom .store import keys\nimport residual_store.store.layout\n"
+        "from residual_store.demo import run_demo\nfrom residual_store._src.store.disk import DiskTier\n"
+        "from residual_store import _jax_internals\nfrom .store import keys\nimport residual_store._src.store.layout\n"
     )
     assert [line for line, _, _ in _private_imports(source, public)] == [4, 5, 6, 7]
 
@@ -225,13 +225,13 @@ def test_public_functions_keep_their_names_whatever_is_imported_first():
     import sys
 
     code = (
-        "import sys, types, residual_store.split, residual_store.backward, residual_store as rs\n"
+        "import sys, types, residual_store._src.split, residual_store._src.backward, residual_store as rs\n"
         "assert 'jax' in sys.modules\n"
-        "assert rs.split is sys.modules['residual_store.split'].split and callable(rs.backward)\n"
+        "assert rs.split is sys.modules['residual_store._src.split'].split and callable(rs.backward)\n"
         "assert not isinstance(rs.backward, types.ModuleType) and 'split' in dir(rs)\n"
         "from residual_store import backward, Store\n"
-        "assert backward is sys.modules['residual_store.backward'].backward and Store is rs.Store\n"
-        "import residual_store.store.store\n"
+        "assert backward is sys.modules['residual_store._src.backward'].backward and Store is rs.Store\n"
+        "import residual_store._src.store.store\n"
         "try:\n    rs.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)

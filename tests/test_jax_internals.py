@@ -1,7 +1,7 @@
-"""Each assumption residual_store._jax_internals makes about JAX, checked by name.
+"""Each assumption residual_store._src._jax_internals makes about JAX, checked by name.
 
 When one of these fails after a JAX upgrade, the test name says which assumption broke; fix
-the shim tagged with it in ``residual_store/_jax_internals.py`` (the only module that touches
+the shim tagged with it in ``residual_store/_src/_jax_internals.py`` (the only module that touches
 JAX internals; ``origins.py``, ``canonical.py``'s jaxpr text and ``jaxpr_walks.py`` are built
 on its shims).
 """
@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from residual_store import _jax_internals as ji
-from residual_store import jaxpr_walks
-from residual_store.canonical import _jaxpr_hook, jaxpr_text
-from residual_store.origins import output_origins
+from residual_store._src import _jax_internals as ji
+from residual_store._src import jaxpr_walks
+from residual_store._src.canonical import _jaxpr_hook, jaxpr_text
+from residual_store._src.origins import output_origins
 
 
 def test_assumption_EVAL_JAXPR():
@@ -371,7 +371,7 @@ def test_assumption_DEBUG_INFO():
     """A custom_vjp applied to a value not differentiated stays a ``custom_vjp_call`` in the
     forward of jax.vjp, its rules' debug info (with this file and line) in its params; the
     canonical text writes none of it, nor an equation's source info."""
-    from residual_store.canonical import Canonicalizer
+    from residual_store._src.canonical import Canonicalizer
 
     assert "func_src_info" in ji._lu.DebugInfo._fields, "DEBUG_INFO: DebugInfo has no func_src_info"
     kernel = _custom(False)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import serializers
-from residual_store.store.backend_protocol import DamagedFileError
-from residual_store.store.backends import open_backend
-from residual_store.store.kv_backend import KvBackend
+from residual_store._src.store.backend_protocol import DamagedFileError
+from residual_store._src.store.backends import open_backend
+from residual_store._src.store.kv_backend import KvBackend
 
 
 def _file_spec(root: Path) -> dict[str, Any]:

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store.backward import Backward
-from residual_store.export import export_backward, load_backward
-from residual_store.keypaths import PathStructure
+from residual_store._src.backward import Backward
+from residual_store._src.export import export_backward, load_backward
+from residual_store._src.keypaths import PathStructure
 from serializers.manifest import seal_manifest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -368,7 +368,7 @@ def test_the_stored_backward_is_deserialized_only_when_a_backward_needs_it(store
     program = textwrap.dedent(
         """
         import shutil, sys, residual_store as rs
-        from residual_store.store import backwards
+        from residual_store._src.store import backwards
         loads = []
         real = backwards.load_backward
         backwards.load_backward = lambda *a, **k: loads.append(1) or real(*a, **k)

@@ -22,7 +22,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import residual_store as rs
-from residual_store import names
+from residual_store._src import names
 
 IN, HIDDEN, OUT, BATCH = 3, 4, 2, 2
 THIS_FILE = os.path.basename(__file__)

@@ -12,7 +12,7 @@ import pytest
 
 import library_models as lm
 import residual_store as rs
-from residual_store import remat
+from residual_store._src import remat
 from store_helpers import run_python, write_script
 from test_bw_split import block, block_params, mlp_params, mlp_stage
 from test_libraries import assert_close_by_path

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store.canonical import Canonicalizer
-from residual_store.signature import treedef_fingerprint
+from residual_store._src.canonical import Canonicalizer
+from residual_store._src.signature import treedef_fingerprint
 from signature_cases import CASES, DISTINCT, SAME, inputs, signature_of
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import residual_store as rs
-from residual_store import rebuild, remat, trace
-from residual_store.context import check_save_record
+from residual_store._src import rebuild, remat, trace
+from residual_store._src.context import check_save_record
 
 
 def _stage(w, x):

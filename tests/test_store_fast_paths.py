@@ -14,7 +14,7 @@ import pytest
 import residual_store as rs
 import serializers
 from serializers import manifest
-from residual_store.store import host, layout
+from residual_store._src.store import host, layout
 from store_helpers import mixed_inputs, mixed_loss
 
 
@@ -65,7 +65,7 @@ def test_a_write_planned_from_its_template_is_the_write_planned_in_full(context,
     ]
     assert fast.stored == full.stored
     # what a reader makes of the bytes is what the plan says
-    from residual_store.store.records import parse_context_manifest
+    from residual_store._src.store.records import parse_context_manifest
 
     assert parse_context_manifest(key, fast.manifest).records == full.records
 
@@ -159,7 +159,7 @@ def test_a_get_of_many_residuals_gives_arrays_that_compute(context, tmp_path):
 def test_the_layout_a_writer_knows_is_the_one_its_manifest_gives(context, monkeypatch, bundle, template):
     """A replaced context's folder is recycled by layout: the layout its writer remembered
     (``StoredContext.layout``) is the one any process computes from the manifest."""
-    from residual_store.store.records import parse_context_manifest
+    from residual_store._src.store.records import parse_context_manifest
 
     layout._templates.clear()
     if not bundle:

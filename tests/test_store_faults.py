@@ -32,7 +32,7 @@ from store_helpers import (
 )
 
 import residual_store as rs
-from residual_store.store import backwards
+from residual_store._src.store import backwards
 
 SIZES = (32, 64, 64, 8)
 
@@ -269,7 +269,7 @@ shutil.copytree(os.path.join(base, "context"), os.path.join(base, "kept_backward
 # 2. a context that fits, of a new signature whose serialized backward does not: the disk is
 # full (files over 4 KiB fail) only while the backward is written (the bundle of the context's
 # residuals is one file larger than that, written just before on the same thread)
-from residual_store.store import backwards
+from residual_store._src.store import backwards
 write_backward = backwards.write
 def write_backward_on_a_full_disk(*args, **kwargs):
     with limited(4 << 10):

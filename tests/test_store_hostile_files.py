@@ -37,8 +37,8 @@ from store_helpers import (
 
 import residual_store as rs
 from residual_store import cli
-from residual_store.store import backwards
-from residual_store.store.disk import DiskTier
+from residual_store._src.store import backwards
+from residual_store._src.store.disk import DiskTier
 
 SIZES = (4, 8, 2)
 DEADLINE_S = 10.0  # far above what any refusal takes (milliseconds), far below a hang

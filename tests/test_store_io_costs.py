@@ -13,7 +13,7 @@ import pytest
 
 import residual_store as rs
 import serializers
-from residual_store.store import local_backend, records
+from residual_store._src.store import local_backend, records
 from store_helpers import F32_TOL, assert_trees_close, data_dirs
 
 
@@ -77,7 +77,7 @@ def test_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_manifest(tm
         store.put(ctx, "k")
         store.flush()
         parses = _count(monkeypatch, records, "parse_context_manifest")
-        from residual_store.store import disk
+        from residual_store._src.store import disk
         monkeypatch.setattr(disk, "parse_context_manifest", records.parse_context_manifest)
         assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
         assert parses == []
@@ -99,7 +99,7 @@ def test_a_delete_after_this_stores_put_parses_nothing_and_after_anothers_drops_
         store.put(split(params, x)[1], "k")
         store.put(split(params, _inputs(21)[1])[1], "other")
         store.flush()
-        from residual_store.store import disk
+        from residual_store._src.store import disk
         parses = _count(monkeypatch, disk, "parse_context_manifest")
         (own,) = data_dirs(root, "k")
         store.delete("k")

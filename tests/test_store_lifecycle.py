@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import pytest
 
 import residual_store as rs
-from residual_store.context import ResidualContext
-from residual_store.store import disk as disk_module
+from residual_store._src.context import ResidualContext
+from residual_store._src.store import disk as disk_module
 
 
 def _loss(w, x):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store.store import disk, host
+from residual_store._src.store import disk, host
 
 _D = 64
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store.store.schedule import Schedule
-from residual_store.store.tiers import own_nbytes
+from residual_store._src.store.schedule import Schedule
+from residual_store._src.store.tiers import own_nbytes
 
 N = 64
 
@@ -92,7 +92,7 @@ def test_contexts_brought_back_count_the_same_with_writes_held_or_done(tmp_path,
     writes still held at a gate (a slow disk: no disk read at all) or from disk once written."""
     import threading
 
-    from residual_store.store import disk
+    from residual_store._src.store import disk
 
     gates: list[threading.Event] = []
     commit = disk.DiskTier.commit

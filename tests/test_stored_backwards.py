@@ -20,7 +20,7 @@ import pytest
 
 import residual_store as rs
 from models import init_mlp, mlp_loss
-from residual_store.store import backwards
+from residual_store._src.store import backwards
 from store_helpers import unbundled
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

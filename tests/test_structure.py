@@ -16,7 +16,7 @@ import pytest
 
 import residual_store as rs
 from libraries import MAKERS
-from residual_store import structure
+from residual_store._src import structure
 
 Point = collections.namedtuple("Point", "x y")
 

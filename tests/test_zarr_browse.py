@@ -119,7 +119,7 @@ def _files(root):
 
 
 def test_a_version_1_store_is_read_and_upgraded_by_its_first_write(tmp_path, split, monkeypatch):
-    from residual_store.store import layout
+    from residual_store._src.store import layout
 
     root = tmp_path / "store"
     params, x = _inputs(7)
@@ -282,7 +282,7 @@ def test_a_write_with_arrays_of_its_own_folder_lists_them(tmp_path, split, monke
     folders of their own (here: no bundle) is an ordinary group, and zarr lists its arrays."""
     import zarr
 
-    from residual_store.store import layout
+    from residual_store._src.store import layout
 
     monkeypatch.setattr(layout, "_BUNDLE_CAP", -1)
     root = tmp_path / "store"

@@ -1,0 +1,330 @@
+"""Typed residuals: :class:`ResidualSpec` says what each saved array is, :class:`ResidualContext`
+holds the arrays.
+
+A context is what a split forward hands back instead of ``jax.vjp``'s opaque closure. It is a
+registered pytree (leaves: the residual arrays; auxiliary data: the spec), so it passes through
+``jax.jit``, ``jax.tree.map`` and ``jax.device_put`` like any other pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from residual_store._src.errors import SignatureMismatchError
+
+__all__ = [
+    "CallSpec",
+    "InputAval",
+    "OWN_KINDS",
+    "ResidualContext",
+    "ResidualKind",
+    "ResidualSpec",
+    "SHARED_KINDS",
+    "check_representable",
+    "check_save_record",
+    "describe_residual",
+]
+
+ResidualKind = Literal["weight", "input", "constant", "intermediate"]
+"""``weight``: a leaf of an argument in ``weight_argnums`` (shared by every context of the split);
+``input``: any other primal argument itself (a pipeline stage's input activation, the batch);
+``constant``: an array the function closes over; ``intermediate``: a value computed by the
+forward."""
+
+SHARED_KINDS: frozenset[str] = frozenset({"weight", "constant"})
+"""Residuals held by reference: the model's memory, stored once per store, never counted against
+budgets."""
+
+OWN_KINDS: frozenset[str] = frozenset({"input", "intermediate"})
+"""Residuals that are the context's own memory: counted against budgets, offloaded, stored with
+the context."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputAval:
+    """One leaf of the arguments a forward was called with (see :class:`CallSpec`).
+
+    Attributes:
+      shape, dtype, weak_type: the leaf's aval (``dtype`` as ``str``, e.g. ``"bfloat16"`` or
+        ``"key<fry>"``).
+      placement: the text the signature records of its sharding and memory kind.
+      sharding: the ``NamedSharding`` record (canonical JSON) for a leaf sharded over several
+        devices, so another process can place it alike; ``None`` otherwise.
+      memory_kind: the memory kind of its sharding (``"device"``, ``"pinned_host"``...).
+      key_impl: the PRNG implementation of a typed key leaf.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    weak_type: bool
+    placement: str
+    sharding: str | None = None
+    memory_kind: str | None = None
+    key_impl: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """How a forward was called: what a split needs to rebuild the backward of a context from
+    avals alone, without running or compiling the forward (in a process where it never ran).
+
+    Attributes:
+      n_args: the number of positional arguments.
+      argnums, weight_argnums, static_argnums, has_aux: the split's options.
+      in_avals: one :class:`InputAval` per leaf of the non-static arguments.
+      in_tree: the structure of the non-static arguments as a record of
+        :mod:`residual_store._src.structure` (nested tuples of scalars), or ``None`` when it holds
+        values no record can describe (then ``unrecorded`` says which).
+      statics: ``((position, value record), ...)`` of the static arguments, or ``None`` likewise.
+      context_mesh: the abstract mesh the forward was traced under (``jax.set_mesh``), as
+        ``(axis names, axis sizes, axis types)``, or ``None``.
+      unrecorded: why ``in_tree`` or ``statics`` is ``None``.
+      differentiated: with a split ``filter``, whether each leaf of ``in_avals`` is
+        differentiated; ``None`` without one (every leaf of ``argnums`` is).
+      save: the split's ``save`` choice: ``"all"``, ``"auto"``, or ``"policy:<qualified name>"``
+        for a checkpoint policy.
+      now, parent: for the ``later`` context of a B/W split (``split.backward(ctx, ct,
+        now=...)``), the arguments whose gradients B returned and the signature of the context
+        it was split from (whose call this record otherwise is); ``None`` for any other.
+    """
+
+    n_args: int
+    argnums: int | tuple[int, ...]
+    weight_argnums: tuple[int, ...]
+    static_argnums: tuple[int, ...]
+    has_aux: bool
+    in_avals: tuple[InputAval, ...]
+    in_tree: Any = None
+    statics: Any = None
+    context_mesh: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None = None
+    unrecorded: str | None = None
+    differentiated: tuple[bool, ...] | None = None
+    now: tuple[int, ...] | None = None
+    parent: str | None = None
+    save: str = "all"
+
+
+SAVE_WORDS = ("all", "auto")
+"""The ``save`` choices a record spells as themselves; a checkpoint policy is ``POLICY_PREFIX``
+followed by its qualified name (see :class:`residual_store._src.remat.SaveChoice`)."""
+POLICY_PREFIX = "policy:"
+_MAX_SAVE_RECORD = 300  # characters: a record read from a manifest is capped
+
+
+def check_save_record(v: Any) -> str:
+    """``v``, if it spells a ``save`` choice as :attr:`CallSpec.save` does.
+
+    Raises:
+      ValueError: it does not (a manifest's record is malformed).
+    """
+    if v in SAVE_WORDS or (isinstance(v, str) and v.startswith(POLICY_PREFIX) and len(v) <= _MAX_SAVE_RECORD):
+        return v
+    raise ValueError(f"save must be 'all', 'auto' or 'policy:<name>', got {str(v)[:40]!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualSpec:
+    """What a context's residuals are, without the arrays: hashable, cheap, process-independent.
+
+    Attributes:
+      signature: the digest naming the forward/backward pair (see :mod:`residual_store._src.signature`).
+      avals: one ``jax.ShapeDtypeStruct`` per residual leaf.
+      names: where each leaf came from: ``"input params['w1']"``, ``"tanh model.py:12"``, or a
+        ``checkpoint_name`` label.
+      input_paths: for leaves that *are* a primal input, its key path (``"params['w1']"``);
+        ``None`` for constants and intermediates.
+      kinds: ``"weight"``, ``"input"``, ``"constant"`` or ``"intermediate"`` per leaf.
+      call: how the forward was called (:class:`CallSpec`); ``None`` for contexts written by
+        residual-store 0.1, which did not record it.
+    """
+
+    signature: str
+    avals: tuple[jax.ShapeDtypeStruct, ...]
+    names: tuple[str, ...]
+    input_paths: tuple[str | None, ...]
+    kinds: tuple[ResidualKind, ...]
+    call: CallSpec | None = None
+
+    @functools.cached_property
+    def leaf_nbytes(self) -> tuple[int, ...]:
+        """Bytes of each residual (a typed key: its key data), worked out once per spec: every
+        put and get of a context of hundreds of residuals asks, and its arrays match ``avals``."""
+        return tuple(_aval_nbytes(a) for a in self.avals)
+
+    @functools.cached_property
+    def own_nbytes(self) -> int:
+        """Bytes of the context's own residuals (intermediates and inputs; not weights nor
+        constants): what offloading a context of this spec frees."""
+        return sum(n for n, k in zip(self.leaf_nbytes, self.kinds) if k in OWN_KINDS)
+
+    def __hash__(self) -> int:
+        # the fields' hash, worked out once: specs key the caches every put and get consults,
+        # and hashing hundreds of avals costs more than what those caches save
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            h = hash((self.signature, self.avals, self.names, self.input_paths, self.kinds, self.call))
+            self.__dict__["_hash"] = h
+            return h
+
+    def __post_init__(self) -> None:
+        n = len(self.avals)
+        if not (len(self.names) == len(self.input_paths) == len(self.kinds) == n):
+            raise ValueError(
+                f"ResidualSpec fields disagree in length: {n} avals, {len(self.names)} names, "
+                f"{len(self.input_paths)} input paths, {len(self.kinds)} kinds"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all residual leaves, as the avals describe them."""
+        return sum(_aval_nbytes(a) for a in self.avals)
+
+
+@functools.lru_cache(maxsize=256)
+def _narrowed(dtype: Any, x64: bool) -> np.dtype | None:
+    """What JAX makes ``dtype`` now, where that is another dtype; ``x64`` (the flag now) only
+    keys the cache."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    canonical = jax.dtypes.canonicalize_dtype(dtype)
+    return None if canonical == dtype else np.dtype(canonical)
+
+
+def check_representable(avals: Sequence[Any], describe: Callable[[int], str], before: str) -> None:
+    """Raises if a dtype of ``avals`` has no exact counterpart in this process: a 64-bit type
+    while ``jax_enable_x64`` is off (JAX would narrow it to 32 bits, and a backward traced for
+    it would be handed 32-bit values). ``describe(i)`` names aval ``i`` in the message,
+    ``before`` what to turn x64 on before (``"loading it"``). A lookup per aval: it runs on
+    every backward call.
+
+    Raises:
+      SignatureMismatchError: for the first such dtype, saying how to turn x64 on.
+    """
+    x64 = bool(jax.config.jax_enable_x64)
+    if x64:  # every dtype is its own canonical one
+        return
+    for i, aval in enumerate(avals):
+        narrowed = _narrowed(aval.dtype, x64)
+        if narrowed is not None:
+            raise SignatureMismatchError(
+                f"{describe(i)} is {np.dtype(aval.dtype).name}, which this process cannot represent: "
+                f"jax_enable_x64 is off, and JAX would make it {narrowed.name}. Set "
+                f"jax.config.update('jax_enable_x64', True) (or JAX_ENABLE_X64=1) before {before}"
+            )
+
+
+def describe_residual(spec: ResidualSpec, context: str) -> Callable[[int], str]:
+    """Names residual ``i`` of ``spec`` for :func:`check_representable`:
+    ``"<context>, residual 3 (tanh model.py:12)"``."""
+    return lambda i: f"{context}, residual {i} ({spec.names[i]})"
+
+
+def _aval_nbytes(aval: Any) -> int:
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        size = int(np.prod(aval.shape, dtype=np.int64))
+        key_shape = jax.eval_shape(lambda k: jax.random.key_data(k), aval).shape
+        return size and int(np.prod(key_shape, dtype=np.int64)) * 4
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+@jax.tree_util.register_pytree_node_class
+class ResidualContext:
+    """The residuals of one forward call, typed and named; feed it to ``rs.backward``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, residual_store as rs
+      >>> fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+      >>> loss, ctx = fwd(jnp.ones((3, 2)), jnp.ones((4, 3)))
+      >>> ctx.spec.names[0], ctx.spec.kinds[0]
+      ('input x', 'input')
+      >>> grads = rs.backward(ctx)
+    """
+
+    __slots__ = ("_residuals", "_spec", "_backward", "_loader", "_nbytes")
+
+    def __init__(self, residuals: Sequence[Any], spec: ResidualSpec) -> None:
+        residuals = tuple(residuals)
+        if len(residuals) != len(spec.avals):
+            raise ValueError(
+                f"a ResidualContext for signature {spec.signature} needs {len(spec.avals)} "
+                f"residual arrays, got {len(residuals)}"
+            )
+        self._residuals = residuals
+        self._spec = spec
+        self._backward: Any = None  # the backward that made it, if a split did (kept alive here)
+        self._loader: Any = None  # the stored backward its store read for it, if a store gave it
+        self._nbytes: int | None = None  # worked out on first use (the residuals never change)
+
+    @property
+    def residuals(self) -> tuple[Any, ...]:
+        """The residual arrays, one per ``spec.avals`` entry."""
+        return self._residuals
+
+    @property
+    def spec(self) -> ResidualSpec:
+        """The :class:`ResidualSpec`: signature, avals, names, input paths, kinds."""
+        return self._spec
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this context holds, each distinct array counted once.
+
+        Weights and constants are held by reference, not copied; :meth:`describe` splits the
+        total.
+        """
+        if self._nbytes is None:
+            seen: set[int] = set()
+            total = 0
+            for x, n in zip(self._residuals, self._spec.leaf_nbytes):
+                if id(x) not in seen and hasattr(x, "dtype"):
+                    seen.add(id(x))
+                    total += n
+            self._nbytes = total
+        return self._nbytes
+
+    def describe(self) -> str:
+        """A readable table: one row per residual with name, shape, dtype, bytes and kind."""
+        rows = [("#", "name", "shape", "dtype", "bytes", "kind")]
+        for i, (aval, name, kind) in enumerate(
+            zip(self._spec.avals, self._spec.names, self._spec.kinds)
+        ):
+            shape = "(" + ", ".join(str(d) for d in aval.shape) + ")"
+            rows.append((str(i), name, shape, str(aval.dtype), f"{_aval_nbytes(aval):,}", kind))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        held = {k: 0 for k in ("weight", "input", "constant", "intermediate")}
+        for aval, kind in zip(self._spec.avals, self._spec.kinds):
+            held[kind] += _aval_nbytes(aval)
+        lines.append(
+            f"signature {self._spec.signature}: {self.nbytes:,} bytes held; its own "
+            f"{held['intermediate'] + held['input']:,} ({held['intermediate']:,} intermediate, "
+            f"{held['input']:,} input), by reference {held['weight']:,} weight and "
+            f"{held['constant']:,} constant bytes"
+        )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"ResidualContext(signature={self._spec.signature!r}, "
+            f"residuals={len(self._residuals)}, nbytes={self.nbytes})"
+        )
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], ResidualSpec]:
+        return self._residuals, self._spec
+
+    @classmethod
+    def tree_unflatten(cls, spec: ResidualSpec, residuals: Sequence[Any]) -> ResidualContext:
+        obj = object.__new__(cls)
+        obj._residuals = tuple(residuals)
+        obj._spec = spec
+        obj._backward = None
+        obj._loader = None
+        obj._nbytes = None
+        return obj

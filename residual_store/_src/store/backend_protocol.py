@@ -1,0 +1,103 @@
+"""What a storage backend of the disk tier is: the operations the disk tier needs (write and
+read arrays, put and get small objects atomically, list, delete, rename), and the error a
+backend raises for an entry that is not what the store puts there.
+
+The backends: :mod:`residual_store._src.store.local_backend` (a local folder) and
+:mod:`residual_store._src.store.kv_backend` (any tensorstore kvstore); :func:`residual_store._src.store.backends.open_backend`
+picks one for a path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import numpy as np
+
+from residual_store._src.errors import CorruptContextError
+
+__all__ = ["Backend", "DamagedFileError", "Empty", "damaged"]
+
+
+class DamagedFileError(CorruptContextError, OSError):
+    """An entry below a local store's root is not what the store puts there: a symbolic link, a
+    FIFO, a device, a folder where a file belongs (or a file where a folder does), or a file
+    larger than it can be. The store never follows such a link nor blocks on such a file: the
+    read, write or removal that met it is refused, and nothing outside the root is touched.
+
+    A :class:`~residual_store._src.errors.CorruptContextError` (the store is damaged), and an
+    ``OSError`` so that a failed write cleans up as for any other I/O error."""
+
+
+def damaged(err: Exception) -> DamagedFileError:
+    """``err`` (an ``OSError`` of a refused entry) as a :class:`DamagedFileError`."""
+    return DamagedFileError(str(err))
+
+
+Empty = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+"""Gives the aligned buffer an array is read into (see :func:`serializers.read_arrays_local`)."""
+
+
+class Backend(Protocol):
+    """The operations the disk tier runs on its medium (keys are paths below the store's root)."""
+
+    description: str
+
+    can_rename: bool
+    # each read waits on a request (an object store): reads go out together, whatever their size
+    latency_bound: bool
+
+    # values: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard)
+    def write_arrays(
+        self,
+        arrays: Mapping[str, Any],
+        *,
+        fsync: bool,
+        reuse: bool = False,
+        write_metadata: bool = True,
+        attributes: Mapping[str, Mapping[str, Any]] | None = None,
+        files: Mapping[str, bytes] | None = None,  # small files written with the arrays
+        keep_metadata: bool = False,  # with reuse: the arrays there have these attributes too
+        sync_folders: Sequence[str] = (),  # with fsync: folders to sync with the rest
+        temporaries: Mapping[str, bytes] | None = None,  # files the caller will publish
+        fresh: bool = False,  # the paths are new (a write's own folder): nothing there to replace
+    ) -> None: ...
+    def rename(self, src: str, dst: str) -> bool: ...
+    def write_shared_arrays(
+        self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
+    ) -> None: ...
+    # with a checksum, verified (serializers.CorruptDataError on a mismatch)
+    # empty(shape, dtype): the aligned buffer to read into (None: a fresh one)
+    def read_array(
+        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None, *, empty: Empty | None = None
+    ) -> np.ndarray: ...
+    def read_arrays(
+        self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]], *, empty: Empty | None = None
+    ) -> list[np.ndarray]: ...
+    def read_chunk(
+        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
+    ) -> np.ndarray: ...
+    def read_file(
+        self, key: str, nbytes: int, *, checksum: str | None = None, empty: Empty | None = None
+    ) -> np.ndarray: ...  # a file of exactly nbytes (a bundle), as aligned uint8
+    def array_exists(self, path: str) -> bool: ...
+    def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None: ...
+    def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes | None: ...
+    def list_dir(self, prefix: str) -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+    def delete_tree(self, prefix: str) -> None: ...
+    def age_seconds(self, prefix: str) -> float | None: ...
+    def tree_bytes(self, prefix: str) -> int | None: ...  # bytes of the files under it (None: unknown)
+    def version(self, key: str) -> Any | None: ...
+    def exists(self, key: str) -> bool: ...
+    def is_file(self) -> bool: ...
+    def root_exists(self) -> bool: ...
+    def is_empty(self) -> bool: ...
+    def list_temporary(self, prefix: str) -> list[str]: ...
+    def gc_lock(self, *, exclusive: bool) -> AbstractContextManager[None]: ...
+    def touch(self, prefix: str) -> bool: ...
+    def sync_folder(self, prefix: str) -> None: ...  # a rename into it survives a power loss
+    # where a write of ``key`` may stage its bytes first (None: no renames, put_bytes it)
+    def temporary_for(self, key: str) -> str | None: ...
+    def publish(self, temporary: str, key: str, *, fsync: bool) -> None: ...  # rename it into place

@@ -1,0 +1,682 @@
+"""The disk tier: contexts' files. Committing a write in one process, reading and verifying,
+deleting and recycling (garbage collection is :mod:`residual_store._src.store.gc`; the stored
+backwards' files are :mod:`residual_store._src.store.backwards`; a context's bundle is read in
+:mod:`residual_store._src.store.stored_bundles`). Where everything lives is
+:mod:`residual_store._src.store.layout`.
+
+A commit (:meth:`DiskTier.commit` of a :class:`~residual_store._src.store.layout.WritePlan`) puts
+every array first (the context's own under a fresh ``data/<key>.<write id>/``, or a recycled
+folder of the same layout renamed to that name; weights under their content digest, skipped when
+already there, a new one written under a temporary name and renamed into place, so a weight other
+contexts hold is never rewritten) and the manifest under a temporary name beside its final one,
+all synced with ``durable=True``; then it renames the manifest into place, which is the commit
+(a single-object put on kvstores). A crash at any point before the rename leaves no manifest, so
+the context is either whole or absent; what it left behind is unreferenced and removed by
+:func:`residual_store._src.store.gc.collect`. The folder the manifests are renamed into is synced once for a burst of
+commits (:meth:`DiskTier.sync_commits`, before the store's ``flush`` returns). Two writers of
+one key: each commit replaces the manifest whole, so readers see one complete context or the
+other (last rename wins; a read that loses the race to a commit reads the new manifest again).
+
+Sharded residuals: a ``jax.Array`` with a :class:`~jax.sharding.NamedSharding` over several
+devices is written shard by shard, never gathered: one zarr chunk per distinct shard (the shards
+with ``replica_id == 0``), so the array's chunk shape is the shard shape. Its record lists a
+checksum per chunk, and the context's spec records the sharding (mesh axis names, sizes and
+types, the ``PartitionSpec``, the mesh's device ids). A reader with as many devices as the mesh
+rebuilds the mesh and the sharding, and reads each of its devices' chunks; a reader with fewer
+devices reads the whole array (see :meth:`DiskTier.read`). Fully replicated, uneven and empty
+shardings are stored as one chunk (the whole array, from one replica where there is one) with
+the same sharding record.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from cachetools import LRUCache
+from collections.abc import Container, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding
+
+import serializers
+from residual_store._src.context import ResidualSpec
+from residual_store._src.errors import (
+    ContextNotFoundError,
+    CorruptContextError,
+    InvalidArgumentError,
+    ReadOnlyStoreError,
+    StoreFullError,
+    StoreNotFoundError,
+    StoreUnavailableError,
+)
+from residual_store._src.logs import event
+from residual_store._src.placement import rebuild_sharding
+from residual_store._src.store.backend_protocol import DamagedFileError
+from residual_store._src.store.backends import open_backend
+from residual_store._src.store.buffers import ReadBuffers
+from residual_store._src.store import layout, stored_bundles
+from residual_store._src.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
+from residual_store._src.store.host import HostArrays, ShardedHost, chunk_index
+from residual_store._src.store.records import StoredContext, parse_context_manifest
+
+__all__ = ["DiskTier", "STORE_MARKER"]
+
+_MAX_FREE_PER_LAYOUT = 64
+_STAT_CACHE_MAX = 4096  # parsed manifests kept for listing (least recently used dropped)
+_READ_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
+# an object store's reads each wait on a request: this many go out at once
+_REQUEST_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-request")
+_PARALLEL_READ_BYTES = 16 << 20  # a context this large is read two arrays at a time
+_SMALL_READ_BYTES = 64 << 10  # what one more file costs to open and read, counted as bytes
+_READ_ATTEMPTS = 8
+
+
+class DiskTier:
+    """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete.
+
+    In a single process it is also the store's :class:`~residual_store._src.store.committer.Committer`.
+    """
+
+    every_version = False  # a superseded put is never written
+    recycles = True
+    needs_keys = False
+    writes_through = False
+    saves_backwards = True
+    partial_arrays = False  # one process addresses every device
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Mapping[str, Any],
+        *,
+        create: bool = True,
+        read_only: bool = False,
+        read_buffer_bytes: int = 0,
+        timeout: float | None = None,
+    ) -> None:
+        self.backend = open_backend(path, timeout=timeout)
+        self.read_only = bool(read_only)
+        # the host buffers reads fill, reused once their arrays are gone (0: always fresh ones)
+        self.buffers = ReadBuffers(read_buffer_bytes) if read_buffer_bytes > 0 else None
+        self._empty = self.buffers.empty if self.buffers is not None else None
+        self._lock = threading.Lock()
+        # key -> (manifest version, parsed manifest), least recently used first
+        self._stat_cache: LRUCache[str, tuple[Any, StoredContext]] = LRUCache(_STAT_CACHE_MAX)
+        self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
+        self._version = STORE_VERSION  # of the store's marker (an older store is upgraded by a write)
+        self._groups_checked = False  # whether this store's root zarr groups are known to exist
+        self._unsynced: set[str] = set()  # folders commits renamed manifests into, not synced yet
+        if self._has_marker():
+            return
+        where = self.backend.description
+        if self.read_only or not create:
+            what = "no such folder" if not self.backend.root_exists() else f"not a residual store (no {STORE_MARKER})"
+            raise StoreNotFoundError(
+                f"{where}: {what}; check the path, or open it with create=True (and "
+                "read_only=False) to make a new store"
+            )
+        if self.backend.is_file():
+            raise InvalidArgumentError(f"{where} is a file, not a folder: a store needs a folder")
+        try:
+            if not self.backend.is_empty():
+                if self._has_marker():
+                    return  # another process of the job made the store meanwhile
+                # gc removes what no context references under data/ and weights/: never in a
+                # folder of someone else's files
+                raise InvalidArgumentError(
+                    f"{where} holds files but no residual store (no {STORE_MARKER}); give the "
+                    "store an empty or new folder"
+                )
+            self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
+            self.ensure_groups()
+        except (NotADirectoryError, FileExistsError) as err:  # a part of the path is a file
+            raise InvalidArgumentError(
+                f"{where}: a part of this path is a file, not a folder ({err}); a store needs a folder"
+            ) from err
+
+    def _has_marker(self) -> bool:
+        """Whether the root holds a store marker this version can open; a marker of a later
+        format version, or a damaged one, is refused (:class:`CorruptContextError`) before
+        anything is read or written."""
+        try:
+            data = self.backend.get_bytes(STORE_MARKER)
+        except IsADirectoryError as err:
+            raise CorruptContextError(
+                f"{self.backend.description}: the store marker {STORE_MARKER} is not a file"
+            ) from err
+        if data is None:
+            return False
+        self._version = layout.marker_version(data, f"{self.backend.description}: store marker {STORE_MARKER}")
+        return True
+
+    def ensure_groups(self) -> None:
+        """Makes the store's zarr groups (the root, ``data``, ``weights``) where they are
+        missing, and a version 1 store's marker version 2, once per tier, before its first write.
+        Each is one atomic put of the same bytes, so processes that do it at once agree."""
+        if self._groups_checked:
+            return
+        for path, data in layout.root_group().items():
+            if not self.backend.exists(path):
+                self.backend.put_bytes(path, data, fsync=False)
+        if self._version < STORE_VERSION:
+            self.backend.put_bytes(STORE_MARKER, STORE_FORMAT, fsync=False)
+            event(logging.INFO, "upgraded", store=self.description, version=STORE_VERSION)
+            self._version = STORE_VERSION
+        self._groups_checked = True
+
+    def check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ReadOnlyStoreError(f"{what}: the store at {self.description} was opened read_only=True")
+
+    @property
+    def description(self) -> str:
+        return self.backend.description
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def write(
+        self,
+        key: str,
+        spec: ResidualSpec,
+        arrays: HostArrays,
+        impls: Sequence[str | None],
+        *,
+        fsync: bool,
+        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
+    ) -> StaleData | None:
+        """Plans and commits a context (:meth:`commit`); ``known``: checksums and content
+        digests of whole arrays already computed, by residual index."""
+        plan = layout.plan_write(
+            key, spec, arrays, impls, write_id=layout.new_write_id(), whole_sums=known[0], digests=known[1]
+        )
+        return self.commit(plan, fsync=fsync)
+
+    def commit(self, plan: layout.WritePlan, *, fsync: bool) -> StaleData | None:
+        """Writes ``plan``'s arrays, then its manifest (the commit); raises
+        :class:`StoreFullError` leaving nothing behind.
+
+        Returns the data of the context this write replaced, if any: it is unreferenced now, and
+        the caller hands it to :meth:`drop_data` off the write path.
+        """
+        key = plan.key
+        self.check_writable(f"put {key!r}")
+        self.ensure_groups()
+        previous = self._committed_data(key)
+        reuse = self._claim_free(plan.layout, plan.data_dir)
+        shared = plan.shared
+        created: list[str] = []  # weights this write added: removed again if it fails
+        manifest_path = layout.manifest_path(key)
+        # The manifest is written (and synced) with the arrays under a temporary name, and only
+        # renamed into place, its commit, once they and the weights are there.
+        staged = self.backend.temporary_for(manifest_path)
+        committing = False  # whether the manifest's put (or rename) has been asked for
+        try:
+            try:
+                self._write_own(plan, staged, fsync=fsync, reuse=reuse)
+            except DamagedFileError as err:
+                if not reuse:
+                    raise
+                # The recycled folder was tampered with (a link planted in it): nothing was
+                # written through it. It goes (links unlinked, never followed), and the write
+                # takes a fresh folder: a planted link must not stop the put, nor every later one.
+                event(logging.WARNING, "recycled folder damaged", key=key, data_dir=plan.data_dir, error=str(err))
+                self.backend.delete_tree(plan.data_dir)
+                reuse = False
+                self._write_own(plan, staged, fsync=fsync, reuse=False)
+            # Under the shared gc lock from "which weights exist" to the commit: gc (which takes
+            # it exclusively) cannot remove a weight between this check and the manifest that
+            # references it.
+            with self.backend.gc_lock(exclusive=False):
+                created = [p for p in shared if not self.backend.array_exists(p)]
+                self.backend.write_shared_arrays({p: shared[p] for p in created}, fsync=fsync)
+                committing = True
+                if staged is not None:  # its folder is synced by sync_commits, once for a burst
+                    self.backend.publish(staged, manifest_path, fsync=False)
+                    if fsync:
+                        with self._lock:
+                            self._unsynced.add(layout.CONTEXTS)
+                else:
+                    self.backend.put_bytes(manifest_path, plan.manifest, fsync=fsync)
+        except StoreUnavailableError as err:
+            # The store does not answer: asking it to remove what this write put would only wait
+            # again. What is there is unreferenced (gc removes it), unless the manifest's put was
+            # under way: it may still land, and then finds every array of its context there.
+            event(logging.WARNING, "put failed", key=key, error=f"{type(err).__name__}: {err}",
+                  commit_unknown=committing)
+            raise
+        except (serializers.DiskFullError, OSError) as err:
+            event(logging.WARNING, "put failed", key=key, error=f"{type(err).__name__}: {err}")
+            if staged is not None:
+                self.backend.delete(staged)
+            self._undo_write(plan.data_dir, created)
+            if serializers.is_disk_full(err):
+                raise StoreFullError(
+                    f"the disk cannot take context {key!r} ({plan.nbytes:,} bytes to write under "
+                    f"{self.description}): {err}"
+                ) from err
+            raise
+        self._remember_commit(plan)
+        event(logging.DEBUG, "commit", key=key, data_dir=plan.data_dir, new_weights=len(created),
+              bytes=plan.nbytes)
+        return previous
+
+    def _write_own(self, plan: layout.WritePlan, staged: str | None, *, fsync: bool, reuse: bool) -> None:
+        """The context's own arrays, its group's ``zarr.json`` and (with ``staged``) its
+        manifest under that temporary name: into the recycled folder now named ``data_dir``
+        (``reuse``), else into a fresh one."""
+        self.backend.write_arrays(
+            plan.own, fsync=fsync, reuse=reuse, keep_metadata=reuse, attributes=plan.attributes,
+            files=plan.files,  # the group's zarr.json and the bundle
+            temporaries={staged: plan.manifest} if staged is not None else None,
+            # a recycled folder's new name must survive with the commit
+            sync_folders=(layout.DATA,) if reuse else (),
+            fresh=not reuse,  # else a folder named for this write alone: nothing to replace
+        )
+
+    def sync_commits(self) -> None:
+        """Makes the commits since the last call survive a power loss: one sync of the folder
+        their manifests were renamed into (their arrays and manifests are synced already, before
+        each rename). The store calls it when its writer runs out of work, before ``flush``
+        returns."""
+        with self._lock:
+            folders, self._unsynced = self._unsynced, set()
+        try:
+            for folder in sorted(folders):
+                self.backend.sync_folder(folder)
+        except BaseException:
+            with self._lock:
+                self._unsynced |= folders
+            raise
+
+    def _committed_data(self, key: str) -> StaleData | None:
+        """The data of ``key``'s committed context (which a write of ``key`` replaces), if any:
+        from its manifest, which this tier's own last commit of it left parsed in the stat cache
+        (``None`` for a damaged one, a FIFO, a folder: it is replaced, gc takes its data)."""
+        try:
+            return layout.data_of(self.stat(key))
+        except (ContextNotFoundError, CorruptContextError):
+            return None
+
+    def _remember_commit(self, plan: layout.WritePlan) -> None:
+        """Caches this commit's parsed manifest under the manifest file's version: a ``get`` or
+        the next ``put`` of the key in this process neither reads nor parses it while the file
+        is unchanged."""
+        version = self.backend.version(layout.manifest_path(plan.key))
+        if version is not None:
+            self._cache_stat(plan.key, version, plan.stored)
+
+    def _cache_stat(self, key: str, version: Any, stored: StoredContext) -> None:
+        with self._lock:
+            self._stat_cache[key] = (version, stored)
+
+    def _undo_write(self, data_dir: str, weights: Sequence[str]) -> None:
+        """Removes what a failed write left: its data folder, and the weights it added that no
+        committed manifest references (another writer may have committed one meanwhile)."""
+        self.backend.delete_tree(data_dir)
+        if not weights:
+            return
+        with self.backend.gc_lock(exclusive=True):
+            found = self.references()
+            for path in weights:
+                if found is not None and path not in found[0]:
+                    self.backend.delete_tree(path)
+
+    def references(self) -> tuple[set[str], set[str]] | None:
+        """Every data folder and shared array a committed manifest references, and their
+        signatures; ``None`` if a manifest is unreadable (it may reference anything)."""
+        referenced: set[str] = set()
+        signatures: set[str] = set()
+        for _, stored in self.iter_manifests():
+            if not isinstance(stored, StoredContext):
+                return None
+            referenced.add(stored.data_dir)
+            referenced.update(r.path for r in stored.records if r.shared)
+            signatures.add(stored.spec.signature)
+        return referenced, signatures
+
+    def write_blob(self, name: str, data: bytes, *, fsync: bool) -> None:
+        self.check_writable(f"write {name}")
+        try:
+            self.backend.put_bytes(name, data, fsync=fsync)
+        except OSError as err:  # put_bytes leaves nothing behind on failure
+            if serializers.is_disk_full(err):
+                raise StoreFullError(
+                    f"the disk cannot take {name} ({len(data):,} bytes under {self.description}): {err}"
+                ) from err
+            raise
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def read_manifest_bytes(self, key: str) -> bytes | None:
+        return self.backend.get_bytes(layout.manifest_path(key))
+
+    def parse_manifest(self, key: str, data: bytes) -> StoredContext:
+        """The manifest of ``key``, self checksum and every field checked (see
+        :func:`~residual_store._src.store.records.parse_context_manifest`)."""
+        return parse_context_manifest(key, data)
+
+    def stat(self, key: str) -> StoredContext:
+        """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed.
+
+        Parsed manifests are cached while the file's version (inode, size, mtime) is unchanged,
+        so listing a large store again costs one ``stat`` per context.
+        """
+        return self._stat(key, self.backend.version(layout.manifest_path(key)))
+
+    def _stat(self, key: str, version: Any) -> StoredContext:
+        """:meth:`stat`, the manifest file's ``version`` already looked up."""
+        if version is not None:
+            with self._lock:
+                cached = self._stat_cache.get(key)  # (marks it recently used)
+                if cached is not None and cached[0] == version:
+                    return cached[1]
+        self.forget_stat(key)
+        data = self.read_manifest_bytes(key)
+        if data is None:
+            raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
+        stored = self.parse_manifest(key, data)
+        if version is not None:
+            self._cache_stat(key, version, stored)
+        return stored
+
+    def _manifest_token(self, key: str) -> Any:
+        """What tells one commit of ``key`` from the next: the manifest file's version where the
+        backend has one (no read), else its bytes."""
+        version = self.backend.version(layout.manifest_path(key))
+        return ("version", version) if version is not None else ("bytes", self.read_manifest_bytes(key))
+
+    def _manifest_now(self, key: str) -> tuple[Any, StoredContext]:
+        """The token (:meth:`_manifest_token`) and parsed manifest of ``key``'s current commit;
+        a manifest seen before is not read or parsed again."""
+        token = self._manifest_token(key)
+        if token[0] == "version":
+            return token, self._stat(key, token[1])
+        if token[1] is None:
+            raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
+        return token, self.parse_manifest(key, token[1])
+
+    def forget_stat(self, key: str) -> None:
+        with self._lock:
+            self._stat_cache.pop(key, None)
+
+    def read(
+        self, key: str, *, place: bool = True, skip: Container[str] = ()
+    ) -> tuple[StoredContext, HostArrays]:
+        """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one.
+
+        Arrays come back as NumPy arrays, except, with ``place`` (the default), a sharded
+        residual whose mesh this process has the devices for (at least as many as the mesh has):
+        that one comes back as a :class:`ShardedHost` with its rebuilt ``placement``, holding only
+        the chunks this process's devices need (:func:`to_device_sharded` puts them on the
+        devices). On a process with fewer devices, or with ``place=False``, it comes back whole
+        (every chunk read and verified) as a NumPy array, to be loaded on the default device.
+
+        Shared arrays (weights) stored whole at a path in ``skip`` are not read: the caller holds
+        them already, and they come back as ``None``.
+
+        A context replaced by another writer while it is read (its commit removes the data this
+        read was reading) is read again from its new manifest: only a manifest that stays the
+        same makes a failed read corruption.
+        """
+        for _ in range(_READ_ATTEMPTS):
+            token, stored = self._manifest_now(key)
+            try:
+                return stored, self._read_arrays(key, stored, place=place, skip=skip)
+            except CorruptContextError:
+                if self._manifest_token(key) == token:
+                    raise
+        raise CorruptContextError(
+            f"context {key!r} was replaced {_READ_ATTEMPTS} times while being read; try again"
+        )
+
+    def _read_arrays(
+        self, key: str, stored: StoredContext, *, place: bool = False, skip: Container[str] = ()
+    ) -> HostArrays:
+        """Reads and verifies the arrays (chunk by chunk for chunked ones): from a folder, a
+        small context in this thread (handing a few reads to other threads costs more than they
+        take), a large one two reads at a time (file reads and checksums release the GIL); from
+        an object store, up to 16 requests at a time."""
+        n = len(stored.records)
+        placements: list[NamedSharding | None] = [None] * n
+        by_shard = [False] * n  # read only the chunks of this process's devices
+        tasks: list[tuple[int, tuple[int, ...] | None, str]] = []  # (residual, chunk, checksum)
+        for i, record in enumerate(stored.records):
+            sharding = stored.sharding(i) if stored.sharded else None
+            if place and sharding:
+                placements[i] = placement = self._placement(key, i, record, sharding)
+            else:
+                placement = None
+            if record.bundled:  # read with the whole bundle below
+                continue
+            if record.shared and not record.chunked and sharding is None and record.path in skip:
+                continue
+            if not record.chunked:
+                tasks.append((i, None, record.checksum))
+                continue
+            assert record.chunk_shape is not None and record.chunk_checksums is not None
+            sums = dict(record.chunk_checksums)
+            # The recorded mesh and spec give shards of the chunk shape; anything else is read whole.
+            shards = placement is not None and tuple(placement.shard_shape(record.shape)) == record.chunk_shape
+            by_shard[i] = shards
+            if shards:
+                assert placement is not None
+                index_map = placement.addressable_devices_indices_map(record.shape)
+                wanted = sorted({chunk_index(r, record.chunk_shape) for r in index_map.values()})
+            else:
+                wanted = list(sums)
+            tasks += [(i, idx, sums[idx]) for idx in wanted]
+        read = functools.partial(self._read_task, key, stored)
+        nbytes = sum(stored.records[i].nbytes for i, chunk, _ in tasks if chunk is None)
+        if self.backend.latency_bound:
+            pool, parallel = _REQUEST_POOL, len(tasks) > 1
+        else:
+            pool, parallel = _READ_POOL, len(tasks) > 1 and nbytes + len(tasks) * _SMALL_READ_BYTES >= _PARALLEL_READ_BYTES
+        results = list(pool.map(read, tasks)) if parallel else self._read_in_turn(key, stored, tasks)
+        pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
+        for (i, idx, _), x in zip(tasks, results):
+            pieces.setdefault(i, {})[idx] = x
+        bundled = stored_bundles.read(self.backend, key, stored, empty=self._empty) if stored.bundle is not None else {}
+        out: HostArrays = []
+        for i, record in enumerate(stored.records):
+            placement = placements[i]
+            if i in bundled and placement is None:  # the common case: a view of the bundle
+                out.append(bundled[i])
+                continue
+            got, sharding = ({None: bundled[i]} if i in bundled else pieces.get(i, {})), stored.sharding(i)
+            dtype = serializers.numpy_dtype(record.dtype)
+            if by_shard[i]:
+                assert sharding is not None and record.chunk_shape is not None
+                out.append(ShardedHost(sharding, record.shape, dtype, record.chunk_shape, got, None, placement))
+                continue
+            if record.chunked:  # every chunk, into one array
+                assert record.chunk_shape is not None
+                whole = serializers.aligned_empty(record.shape, dtype)
+                for idx, chunk in got.items():
+                    assert idx is not None
+                    whole[serializers.chunk_region(idx, record.chunk_shape)] = chunk
+            elif None not in got:  # skipped: the caller holds it
+                out.append(None)
+                continue
+            else:
+                whole = got[None]
+            if placement is None:
+                out.append(whole)
+            else:
+                assert sharding is not None
+                out.append(ShardedHost(sharding, record.shape, dtype, None, {}, whole, placement))
+        return out
+
+    @staticmethod
+    def _placement(
+        key: str, i: int, record: serializers.ArrayRecord, sharding: Mapping[str, Any]
+    ) -> NamedSharding | None:
+        try:
+            return rebuild_sharding(sharding)
+        except Exception as err:  # JAX raises several types for a bad mesh or spec
+            raise CorruptContextError(
+                f"context {key!r}, residual {i} ({record.name}): cannot rebuild its sharding "
+                f"{sharding} on this process's devices ({type(err).__name__}: {err})"
+            ) from err
+
+    def _read_in_turn(
+        self, key: str, stored: StoredContext, tasks: Sequence[tuple[int, tuple[int, ...] | None, str]]
+    ) -> list[np.ndarray]:
+        """Every task in this thread: whole arrays in one call of the backend (which examines
+        each folder on the way once); after a failure there, one array at a time again, so that
+        the error names the context and the residual."""
+        if any(chunk is not None for _, chunk, _ in tasks):
+            return [self._read_task(key, stored, task) for task in tasks]
+        records = stored.records
+        try:
+            return self.backend.read_arrays(
+                [(records[i].path, records[i].shape, records[i].dtype, expected) for i, _, expected in tasks],
+                empty=self._empty,
+            )
+        except StoreUnavailableError:
+            raise  # the store did not answer: asking again, array by array, would not help
+        except (serializers.CorruptDataError, serializers.UnsupportedDTypeError, OSError, ValueError):
+            return [self._read_task(key, stored, task) for task in tasks]
+
+    def _read_task(self, key: str, stored: StoredContext, task: tuple[int, tuple[int, ...] | None, str]) -> np.ndarray:
+        i, chunk, expected = task
+        return self._read_one(key, i, stored.records[i], chunk, expected)
+
+    def _read_one(
+        self,
+        key: str,
+        i: int,
+        record: serializers.ArrayRecord,
+        chunk: tuple[int, ...] | None = None,
+        expected: str | None = None,
+    ) -> np.ndarray:
+        """One array (or one chunk of a chunked one), verified against its checksum: a whole
+        array while it is read, a chunk once read."""
+        what = f"context {key!r}, residual {i} ({record.name}) at {record.path}"
+        if chunk is not None:
+            what += f", chunk {serializers.chunk_index_key(chunk)}"
+        if expected is None:
+            expected = record.checksum if chunk is None else dict(record.chunk_checksums or ())[chunk]
+        try:
+            if chunk is None:
+                return self.backend.read_array(record.path, record.shape, record.dtype, checksum=expected, empty=self._empty)
+            assert record.chunk_shape is not None
+            x = self.backend.read_chunk(record.path, record.shape, record.dtype, record.chunk_shape, chunk)
+            serializers.verify(x, expected, what=what)
+            return x
+        except (serializers.CorruptDataError, serializers.UnsupportedDTypeError) as err:
+            # the serializers name only the array: say which context and residual it is
+            raise CorruptContextError(f"{what}: {err}") from err
+        except StoreUnavailableError:
+            raise  # no answer is no damage
+        except (OSError, ValueError) as err:
+            raise CorruptContextError(f"{what}: unreadable ({err})") from err
+
+    def check_bundle(self, key: str, stored: StoredContext, buffer: np.ndarray | None = None) -> None:
+        """See :func:`residual_store._src.store.stored_bundles.check`."""
+        stored_bundles.check(self.backend, key, stored, buffer)
+
+    def keys(self) -> list[str]:
+        suffix = layout.MANIFEST_SUFFIX
+        return [n[: -len(suffix)] for n in self.backend.list_dir(layout.CONTEXTS) if n.endswith(suffix)]
+
+    def __contains__(self, key: str) -> bool:
+        try:
+            return self.read_manifest_bytes(key) is not None
+        except CorruptContextError:  # there but damaged (a FIFO, a folder): get refuses it, delete removes it
+            return True
+
+    # -- deleting -----------------------------------------------------------------------------
+
+    @staticmethod
+    def data_of(manifest: bytes, key: str) -> StaleData | None:
+        """The data folder of ``key``'s (replaced or deleted) manifest, for :meth:`drop_data`;
+        ``None`` unless the manifest passes every check (its data_dir is then ``key``'s own):
+        a damaged or hostile manifest never gets a folder removed, gc finds its data later."""
+        try:
+            stored = parse_context_manifest(key, manifest)
+        except CorruptContextError:
+            return None
+        return layout.data_of(stored)
+
+    def _claim_free(self, layout: str, data_dir: str) -> bool:
+        """Renames a recycled folder of this layout to ``data_dir``; whether one was found."""
+        if not self.backend.can_rename:
+            return False
+        while True:
+            with self._lock:
+                free = self._free.get(layout)
+                if not free:
+                    return False
+                candidate = free.pop()
+            # touched first, so the folder is young under its new name (gc's age rule) from the
+            # moment it has one; a folder gc took meanwhile fails the touch or the rename
+            if self.backend.touch(candidate) and self.backend.rename(candidate, data_dir):
+                return True
+
+    def forget_recycled(self, path: str) -> None:
+        """No writer of this process claims the recycled folder ``path`` any more (gc takes it)."""
+        with self._lock:
+            for pool in self._free.values():
+                if path in pool:
+                    pool.remove(path)
+
+    def drop_data(self, stale: StaleData, *, recycle: bool = True) -> None:
+        """Disposes of a data folder that no manifest references any more.
+
+        With ``recycle``, in a local folder it is kept for reuse by a later write of the same
+        layout (same shapes and dtypes), which then overwrites its files in place instead of
+        creating some 50 files and folders (file creation dominates small writes); otherwise it
+        is removed.
+        """
+        self.check_writable("drop data")
+        if recycle and self.backend.can_rename:
+            with self._lock:
+                pool = self._free.setdefault(stale.layout, [])
+                room = len(pool) < _MAX_FREE_PER_LAYOUT
+            if room:
+                target = layout.recycled_path(stale.layout, layout.new_write_id())
+                if self.backend.rename(stale.data_dir, target):
+                    with self._lock:
+                        pool.append(target)
+                    return
+        self.backend.delete_tree(stale.data_dir)
+
+    def delete(self, key: str) -> tuple[bool, StaleData | None]:
+        """Removes ``key``'s manifest, so it vanishes atomically.
+
+        Returns whether it was there and its data, for the caller to :meth:`drop_data`.
+        """
+        self.check_writable(f"delete {key!r}")
+        manifest = layout.manifest_path(key)
+        version = self.backend.version(manifest)
+        with self._lock:
+            cached = self._stat_cache.pop(key, None)
+        if version is not None and cached is not None and cached[0] == version:
+            stale = layout.data_of(cached[1])  # the file parsed before, unchanged since
+        else:
+            try:
+                data = self.read_manifest_bytes(key)
+            except CorruptContextError:  # not a regular file, oversized: removed all the same
+                data = b""
+            if data is None:
+                return False, None
+            stale = self.data_of(data, key)
+        self.backend.delete(manifest)
+        return True, stale
+
+    def iter_manifests(self) -> Iterator[tuple[str, StoredContext | CorruptContextError]]:
+        keys = self.keys()
+        for key in keys:
+            try:
+                yield key, self.stat(key)
+            except ContextNotFoundError:
+                continue  # deleted meanwhile
+            except CorruptContextError as err:
+                yield key, err
+        listed = set(keys)  # a whole listing: forget the contexts gone (deleted by any process)
+        with self._lock:
+            for key in [k for k in self._stat_cache if k not in listed]:
+                del self._stat_cache[key]

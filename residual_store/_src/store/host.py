@@ -1,0 +1,494 @@
+"""Residuals between JAX and the host: ``jax.Array`` <-> host arrays, shard by shard.
+
+What the disk tier writes is host memory: each residual as a NumPy array (a typed PRNG key as
+its key data), or, sharded over several devices with a ``NamedSharding``, as the blocks of its
+distinct shards (:class:`ShardedHost`), never gathered. What it reads comes back the same way and
+is placed on the devices here, each device given its own block. The memory tiers move contexts
+between device memory and JAX's host memory space (``pinned_host``) here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from residual_store._src import _jax_internals
+from residual_store._src.context import OWN_KINDS, SHARED_KINDS, ResidualContext
+from residual_store._src.errors import InvalidArgumentError
+from residual_store._src.placement import sharding_record
+
+__all__ = [
+    "HostArrays",
+    "ShardedHost",
+    "check_live",
+    "chunk_index",
+    "detached",
+    "host_arrays",
+    "host_memory_kind",
+    "is_whole_on",
+    "place",
+    "read_device",
+    "stage_shared",
+    "to_device",
+    "to_device_sharded",
+    "to_host",
+    "to_numpy",
+]
+
+
+HostArrays = list["np.ndarray | ShardedHost"]
+"""A context's residuals on the host: whole arrays, or shards of a sharded one."""
+
+
+
+def _is_key_dtype(dtype: Any) -> bool:
+    try:
+        return _is_key_dtype_cached(dtype)
+    except TypeError:  # an unhashable dtype-like
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+@functools.lru_cache(maxsize=256)
+def _is_key_dtype_cached(dtype: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedHost:
+    """A residual sharded over a mesh, on the host.
+
+    Written and read as chunks of a regular grid whose chunk shape is the shard shape (``chunks``:
+    chunk index -> block; a writer holds one per distinct shard, a reader those its devices
+    need), or, for a sharding whose shards are no such grid (fully replicated, uneven, empty),
+    as the ``whole`` array (``chunk_shape`` is then ``None``).
+
+    Attributes:
+      sharding: the manifest's record of the ``NamedSharding`` (see :func:`sharding_record`).
+      placement: on a read that could rebuild the sharding here, the ``NamedSharding`` to place
+        the array with (:func:`to_device_sharded`).
+    """
+
+    sharding: dict[str, Any]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...] | None
+    chunks: Mapping[Any, np.ndarray]  # chunk index (tuple of ints) -> block
+    whole: np.ndarray | None = None
+    placement: NamedSharding | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+
+def chunk_index(region: Sequence[slice] | None, chunk_shape: Sequence[int]) -> tuple[int, ...]:
+    """The index of the chunk that starts where ``region`` (a shard's slices) starts."""
+    assert region is not None
+    return tuple((s.start or 0) // c for s, c in zip(region, chunk_shape))
+
+
+
+def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
+    """``x`` (sharded) on the host: the block of each distinct shard, copied shard by shard."""
+    shape = tuple(int(d) for d in x.shape)
+    dtype = np.dtype(x.dtype)
+    shard_shape = tuple(int(d) for d in x.sharding.shard_shape(x.shape))
+    if x.size == 0 or shard_shape == shape or any(d % c for d, c in zip(shape, shard_shape)):
+        if x.sharding.is_fully_replicated:  # any one replica is the whole array
+            whole = np.asarray(x.addressable_shards[0].data)
+        elif not x.is_fully_addressable:
+            raise InvalidArgumentError(
+                f"a store cannot write an array of shape {shape} sharded unevenly over the devices "
+                "of several processes; shard it evenly (every dimension divisible by its shards)"
+            )
+        else:
+            whole = np.asarray(x)  # uneven or empty shards: no grid of blocks to write
+        return ShardedHost(record, shape, dtype, None, {}, whole)
+    # Several processes: each holds the distinct shards (replica_id == 0) of its own devices;
+    # the disk tier's collective write puts each process's chunks in one array.
+    chunks: dict[tuple[int, ...], np.ndarray] = {}
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            chunks[chunk_index(shard.index, shard_shape)] = np.asarray(shard.data)
+    return ShardedHost(record, shape, dtype, shard_shape, chunks)
+
+
+
+def to_device_sharded(host: ShardedHost) -> jax.Array:
+    """Places a :class:`ShardedHost` read with a ``placement``: each device gets its chunk
+    (``device_put`` per device, no whole array on any one device), assembled with
+    ``jax.make_array_from_single_device_arrays``."""
+    sharding = host.placement
+    assert sharding is not None
+    if host.chunk_shape is None:
+        return jax.device_put(host.whole, sharding)
+    index_map = sharding.addressable_devices_indices_map(host.shape)
+    devices = list(index_map)
+    blocks = [host.chunks[chunk_index(index_map[d], host.chunk_shape)] for d in devices]
+    singles = jax.device_put(blocks, devices)
+    return jax.make_array_from_single_device_arrays(host.shape, sharding, singles)
+
+
+
+def _deleted(ctx: ResidualContext, i: int, when: str) -> InvalidArgumentError:
+    spec = ctx.spec
+    what = "weight" if spec.kinds[i] in SHARED_KINDS else "residual"
+    where = f" ({spec.input_paths[i]})" if spec.input_paths[i] else ""
+    return InvalidArgumentError(
+        f"the context's {what} {i}{where}, {spec.names[i]!r}, was deleted (donated to a jit with "
+        f"donate_argnums, or .delete()) {when}: the store cannot write it. Put the context "
+        "before donating the arrays it holds (a put takes its weights at once), and call "
+        "store.flush() before donating its other arrays"
+    )
+
+
+def _to_host(x: Any) -> tuple[np.ndarray | ShardedHost, str | None]:
+    """One residual on the host (a typed key as its key data), and its key's impl."""
+    impl = None
+    if _is_key_dtype(x.dtype):
+        impl = str(jax.random.key_impl(x))
+        x = jax.random.key_data(x)
+    if isinstance(x, jax.Array) and isinstance(x.sharding, SingleDeviceSharding):
+        return np.asarray(x), impl  # (the common case: one device, no sharding to record)
+    record = sharding_record(x)
+    return (_sharded_host(x, record) if record is not None else np.asarray(x)), impl
+
+
+def _check_addressable(x: Any, partial: bool) -> None:
+    """Raises unless ``x`` is addressable here whole, or ``partial`` (each process of a job
+    writes the shards of its own devices)."""
+    if not partial and isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise InvalidArgumentError("a store cannot write an array sharded over devices it cannot address")
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    return all(_is_host_memory(d) for d in x.sharding.device_set)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """One residual as a whole NumPy array in host memory (a typed key as its key data)."""
+    return np.asarray(jax.random.key_data(x) if _is_key_dtype(x.dtype) else x)
+
+
+def stage_shared(
+    ctx: ResidualContext, *, partial: bool = False
+) -> dict[int, tuple[np.ndarray | ShardedHost, str | None]]:
+    """The host arrays of ``ctx``'s weights and constants (by residual index), taken by ``put``
+    on the caller's thread, so that donating the weights after the put (the optimizer's jit
+    with ``donate_argnums``) cannot break the write that follows in the background.
+
+    This is the copy the write needs anyway, taken earlier, never an extra one: on a CPU
+    ``np.asarray`` is a view of the device buffer (which then stays valid: XLA copies instead
+    of reusing a buffer a view holds), elsewhere the device-to-host copy that JAX caches on the
+    array (``copy_to_host_async`` first, so that the weights' copies overlap), made once per
+    array however many contexts hold it.
+
+    ``partial``: as in :func:`host_arrays`.
+
+    Raises:
+      InvalidArgumentError: a weight was deleted (donated) before the put; it names it.
+    """
+    shared = [i for i, kind in enumerate(ctx.spec.kinds) if kind in SHARED_KINDS]
+    arrays = [ctx.residuals[i] for i in shared]
+    for i, x in zip(shared, arrays):
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise _deleted(ctx, i, "before it was put")
+    for x in arrays:
+        # (on a CPU the host copy is a view of the buffer: nothing to start)
+        if isinstance(x, jax.Array) and not _on_cpu(x) and not _is_key_dtype(x.dtype):
+            try:
+                x.copy_to_host_async()
+            except Exception:  # noqa: BLE001 - a hint: the copy below is what counts
+                pass
+    staged = {}
+    for i, x in zip(shared, arrays):
+        _check_addressable(x, partial)
+        try:
+            staged[i] = _to_host(x)
+        except RuntimeError as err:
+            if isinstance(x, jax.Array) and x.is_deleted():  # donated by another thread just now
+                raise _deleted(ctx, i, "while it was put") from err
+            raise
+    return staged
+
+
+def host_arrays(
+    ctx: ResidualContext,
+    staged: Mapping[int, tuple[np.ndarray | ShardedHost, str | None]] | None = None,
+    *,
+    partial: bool = False,
+) -> tuple[HostArrays, list[str | None]]:
+    """The residuals on the host (typed keys as their key data) and each key's impl; those in
+    ``staged`` (see :func:`stage_shared`) as they were taken then.
+
+    A residual sharded over several devices with a ``NamedSharding`` becomes a
+    :class:`ShardedHost` (its shards' blocks, never the gathered array); the others become NumPy
+    arrays. ``partial``: a residual may be sharded over other processes' devices too (a job of
+    several processes: each writes its own shards); else one that is not addressable here whole
+    is refused.
+
+    Raises:
+      InvalidArgumentError: a residual was deleted (donated) since the put; it names it.
+    """
+    arrays: HostArrays = []
+    impls: list[str | None] = []
+    for i, x in enumerate(ctx.residuals):
+        if staged is not None and i in staged:
+            host, impl = staged[i]
+        else:
+            if isinstance(x, jax.Array) and x.is_deleted():
+                raise _deleted(ctx, i, "after it was put, before the store wrote it")
+            _check_addressable(x, partial)
+            try:
+                host, impl = _to_host(x)
+            except RuntimeError as err:
+                if isinstance(x, jax.Array) and x.is_deleted():
+                    raise _deleted(ctx, i, "while the store wrote it") from err
+                raise
+        arrays.append(host)
+        impls.append(impl)
+    return arrays, impls
+
+
+
+def host_memory_kind(device: Any) -> str | None:
+    """``"pinned_host"`` if ``device`` has that memory space, else ``None``."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 - backends without memory spaces.
+        return None
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+
+
+def to_host(ctx: ResidualContext) -> ResidualContext:
+    """A copy of ``ctx`` with its own residuals in host memory; weights stay where they are."""
+    copies: dict[int, Any] = {}
+
+    def move(x: Any, kind: str) -> Any:
+        if kind not in OWN_KINDS:
+            return x
+        if id(x) not in copies:
+            copies[id(x)] = _host_copy(x)
+        return copies[id(x)]
+
+    return ResidualContext.tree_unflatten(
+        ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)]
+    )
+
+
+def _host_copy(x: Any) -> Any:
+    """One residual in host memory, with its sharding (``pinned_host`` where the devices have
+    it); a typed key stays where it is (a few bytes), a NumPy array is host memory."""
+    if isinstance(x, jax.Array) and not _is_key_dtype(x.dtype):
+        sharding = x.sharding
+        kind = host_memory_kind(next(iter(sharding.device_set)))
+        if kind is not None and sharding.memory_kind != kind:
+            return jax.device_put(x, sharding.with_memory_kind(kind))
+        if kind is None:
+            return np.asarray(jax.device_get(x))
+    return x
+
+
+def check_live(ctx: ResidualContext, when: str) -> None:
+    """Raises :class:`InvalidArgumentError` naming the first array of ``ctx`` that was deleted
+    (donated), ``when`` saying when (``"before it was saved"``)."""
+    for i, x in enumerate(ctx.residuals):
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise _deleted(ctx, i, when)
+
+
+def detached(
+    contexts: Mapping[str, ResidualContext], weights: dict[int, tuple[jax.Array, jax.Array]] | None = None
+) -> dict[str, ResidualContext]:
+    """Copies of ``contexts`` that share no buffer with them, for a checkpoint that writes after
+    its ``save`` returned: deleting or donating the originals' arrays then cannot touch them.
+
+    Every array, weights included, is copied once however many contexts hold it (a weight they
+    all hold stays one array, which a store writes once), all in one ``jax.device_put``: to
+    ``pinned_host`` memory with its sharding where the devices have it (asynchronously: JAX
+    completes a copy before it frees its source), else on its devices; a typed key is copied
+    where it is. NumPy residuals are kept as they are.
+
+    ``weights``: the weights copied by earlier calls (id -> (array, copy)), reused and added to,
+    so that contexts copied a few at a time (to bound the memory of the originals) still share
+    one copy of each weight.
+
+    Raises:
+      InvalidArgumentError: an array was deleted (donated) already; it names it.
+    """
+    weights = {} if weights is None else weights
+    copies: dict[int, jax.Array] = {}
+    arrays: dict[int, jax.Array] = {}
+    for ctx in contexts.values():
+        check_live(ctx, "before it was saved")
+        for x, kind in zip(ctx.residuals, ctx.spec.kinds):
+            if not isinstance(x, jax.Array) or id(x) in copies or id(x) in arrays:
+                continue
+            known = weights.get(id(x)) if kind in SHARED_KINDS else None
+            if known is not None and known[0] is x:
+                copies[id(x)] = known[1]
+            else:
+                arrays[id(x)] = x
+    sources = list(arrays.values())
+    copies.update(zip(arrays, jax.device_put(sources, [_host_sharding(x) for x in sources], may_alias=False)))
+    for ctx in contexts.values():
+        for x, kind in zip(ctx.residuals, ctx.spec.kinds):
+            if kind in SHARED_KINDS and id(x) in arrays:
+                weights[id(x)] = (x, copies[id(x)])  # (the array kept: its id stays its own)
+    return {
+        key: ResidualContext.tree_unflatten(ctx.spec, [copies.get(id(x), x) for x in ctx.residuals])
+        for key, ctx in contexts.items()
+    }
+
+
+def _host_sharding(x: jax.Array) -> Any:
+    """Where :func:`detached` copies ``x``: its sharding in host memory, where it has one."""
+    kind = None if _is_key_dtype(x.dtype) else host_memory_kind(next(iter(x.sharding.device_set)))
+    return x.sharding.with_memory_kind(kind) if kind is not None else x.sharding
+
+
+def holds_device_memory(ctx: ResidualContext) -> bool:
+    """Whether ``ctx``'s own residuals are in device memory (the first one's place tells: a
+    context is moved whole), so that keeping it keeps device memory."""
+    for x, kind in zip(ctx.residuals, ctx.spec.kinds):
+        if kind not in OWN_KINDS or (isinstance(x, jax.Array) and _is_key_dtype(x.dtype)):
+            continue  # (a typed key stays on the device: a few bytes)
+        if not isinstance(x, jax.Array):
+            return False  # a host copy already
+        sharding = x.sharding
+        return sharding.memory_kind in (None, next(iter(sharding.device_set)).default_memory().kind)
+    return False
+
+
+def _is_host_memory(device: jax.Device) -> bool:
+    """Whether ``device``'s memory is the host's (a CPU)."""
+    return device.platform == "cpu"
+
+
+def for_writing(ctx: ResidualContext, device: jax.Device | None = None) -> ResidualContext:
+    """A copy of ``ctx`` whose own residuals are in host memory, for a write that has not run
+    yet, so that the device arrays can go now: an array on a CPU, where device memory is host
+    memory, whole on the device a read would place it on (``device``, see :func:`read_device`)
+    as a NumPy view of its buffer (no copy, and :func:`to_device` puts it back there); any other
+    as :func:`to_host` copies it (asynchronously to ``pinned_host``, with its sharding; JAX
+    completes the copy before it frees the source)."""
+    target = read_device(device)
+    copies: dict[int, Any] = {}
+
+    def move(x: Any, kind: str) -> Any:
+        if kind not in OWN_KINDS:
+            return x
+        if id(x) not in copies:
+            view = isinstance(x, jax.Array) and _is_host_memory(target) and is_whole_on(x, target)
+            copies[id(x)] = np.asarray(x) if view and not _is_key_dtype(x.dtype) else _host_copy(x)
+        return copies[id(x)]
+
+    return ResidualContext.tree_unflatten(ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)])
+
+
+def read_device(device: jax.Device | None) -> jax.Device:
+    """Where a read's host arrays go: ``device``, or where ``jax.device_put`` puts a host array
+    given no device in this thread (``jax.default_device``, else this process's first device)."""
+    if device is not None:
+        return device
+    default = jax.config.jax_default_device
+    if isinstance(default, jax.Device):
+        return default
+    return jax.local_devices(backend=default)[0] if isinstance(default, str) else jax.local_devices()[0]
+
+
+def is_whole_on(x: Any, device: jax.Device) -> bool:
+    """Whether ``x`` is a live ``jax.Array`` held whole on ``device`` in its default memory:
+    what a read of its bytes placed on ``device`` would be."""
+    if not isinstance(x, jax.Array) or x.is_deleted():
+        return False
+    sharding = x.sharding
+    return (
+        isinstance(sharding, SingleDeviceSharding)
+        and sharding.device_set == {device}
+        and sharding.memory_kind in (None, device.default_memory().kind)
+    )
+
+
+def to_device(ctx: ResidualContext, device: jax.Device | None = None) -> ResidualContext:
+    """A copy of ``ctx`` in device memory (the default memory space of its arrays' devices; a
+    NumPy host copy goes to ``device``, else the default device); shared arrays stay shared."""
+    copies: dict[int, Any] = {}
+
+    def move(x: Any) -> Any:
+        if id(x) in copies:
+            return copies[id(x)]
+        if isinstance(x, jax.Array):
+            sharding = x.sharding
+            default = next(iter(sharding.device_set)).default_memory().kind
+            moved = x if sharding.memory_kind in (None, default) else jax.device_put(
+                x, sharding.with_memory_kind(default)
+            )
+        else:
+            moved = jax.device_put(x, device)
+        copies[id(x)] = moved
+        return moved
+
+    return ResidualContext.tree_unflatten(ctx.spec, [move(x) for x in ctx.residuals])
+
+
+def device_put_all(arrays: Sequence[np.ndarray], device: jax.Device | None = None) -> list[jax.Array]:
+    """``jax.device_put(arrays, device)`` for a read's host arrays, hundreds at a time: the
+    C-contiguous ones in a canonical dtype (all a read makes, but for x64 values with x64 off,
+    which the store refuses before placing) without ``jax.device_put``'s per-array work."""
+    if len(arrays) < _MANY:
+        return jax.device_put(list(arrays), device)
+    fast = [i for i, x in enumerate(arrays)
+            if type(x) is np.ndarray and x.flags.c_contiguous and x.dtype == _canonical_dtype(x.dtype)]
+    out: list[Any] = [None] * len(arrays)
+    target = read_device(device)
+    for i, y in zip(fast, _jax_internals.device_put_many([arrays[i] for i in fast], target, device is not None)):
+        out[i] = y
+    rest = [i for i in range(len(arrays)) if out[i] is None]
+    for i, y in zip(rest, jax.device_put([arrays[i] for i in rest], device)):
+        out[i] = y
+    return out
+
+
+_MANY = 8  # below this many arrays, jax.device_put's fixed cost is what there is
+
+
+@functools.lru_cache(maxsize=256)
+def _canonical_dtype(dtype: np.dtype) -> np.dtype:
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def place(
+    arrays: HostArrays,
+    shared: Sequence[bool],
+    key_impls: Sequence[str | None],
+    shared_array: Callable[[int], jax.Array],
+    device: jax.Device | None = None,
+) -> list[jax.Array]:
+    """The residuals of a read context on the devices: the context's own arrays in one
+    ``device_put`` onto ``device`` (``None``: the default one; on CPU it aliases a suitably
+    aligned NumPy buffer instead of copying), a
+    sharded one block by block onto its devices, a shared one (a weight) from ``shared_array(i)``,
+    which keeps one device array per stored weight; typed PRNG keys wrapped again."""
+    own = [i for i, s in enumerate(shared) if not s]
+    plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
+    placed = dict(zip(plain, device_put_all([arrays[i] for i in plain], device)))
+    for i in own:
+        host = arrays[i]
+        if isinstance(host, ShardedHost):
+            placed[i] = to_device_sharded(host)
+    out = []
+    for i, impl in enumerate(key_impls):
+        x = placed[i] if i in placed else shared_array(i)
+        out.append(jax.random.wrap_key_data(x, impl=impl) if impl is not None else x)
+    return out

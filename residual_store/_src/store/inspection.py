@@ -1,0 +1,392 @@
+"""What a store holds, read without running anything: a context's record (no arrays read), the
+stored backward of a signature, the bytes each part of the store takes on disk, and
+verification reports.
+
+The frozen records here are what :meth:`Store.info <residual_store.Store.info>`,
+:meth:`~residual_store.Store.backward_info`, :meth:`~residual_store.Store.usage` and
+:meth:`~residual_store.Store.verify` return; the functions build them from a
+:class:`~residual_store._src.store.disk.DiskTier` or a context in memory and change nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from residual_store._src.context import SHARED_KINDS, ResidualSpec
+from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidArgumentError
+from residual_store._src.store import backwards, layout
+from residual_store._src.store.disk import DiskTier
+from residual_store._src.store.records import StoredContext, check_signature
+
+__all__ = [
+    "BackwardInfo",
+    "ContextInfo",
+    "Progress",
+    "ResidualInfo",
+    "SignatureUsage",
+    "StoreUsage",
+    "USAGE_PARTS",
+    "VerifyReport",
+    "backward_info",
+    "context_info",
+    "disk_bytes",
+    "measure",
+    "memory_info",
+    "verify",
+]
+
+Progress = Callable[[int, int | None], None]
+"""Called as work goes on with ``(bytes done, bytes in all)``; ``None`` where the whole is not
+known beforehand (what ``gc`` removes, what ``usage`` measures)."""
+
+USAGE_PARTS = {"data": layout.DATA, "weights": layout.WEIGHTS, "contexts": layout.CONTEXTS, "backwards": layout.BACKWARDS}
+"""The parts of a store's tree :func:`measure` reports, by name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualInfo:
+    """One residual of a context, as its record says (no array read).
+
+    Attributes:
+      name: where it came from (``"tanh model.py:12"``, ``"input params['w']"``).
+      shape, dtype: its shape, and its dtype's name (``"float32"``, ``"key<fry>"``).
+      nbytes: bytes of its data (a typed key: its key data).
+      kind: ``"weight"``, ``"input"``, ``"constant"`` or ``"intermediate"``.
+      input_path: the key path of the primal input it is, or ``None``.
+      shared: stored once for every context that holds it (a weight).
+      path: where it lies in the store's tree (``None`` for a context not yet written).
+      checksum: the checksum of its bytes (``None`` for a context not yet written).
+      chunk_shape: the chunk shape of a residual stored as a grid of chunks, else ``None``.
+      chunks: how many chunks it is stored as.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    kind: str
+    input_path: str | None
+    shared: bool
+    path: str | None = None
+    checksum: str | None = None
+    chunk_shape: tuple[int, ...] | None = None
+    chunks: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextInfo:
+    """A context's record: what :meth:`Store.get <residual_store.Store.get>` would return,
+    described without reading its arrays.
+
+    Attributes:
+      key: its key.
+      signature: the signature of its forward/backward pair.
+      residuals: one :class:`ResidualInfo` per residual, in the context's order.
+      created: when it was committed (seconds since the epoch), ``None`` while it is only in
+        memory (a memory-only store, or a put whose write is pending).
+      jax_version: the JAX version that wrote it, ``None`` while it is only in memory.
+    """
+
+    key: str
+    signature: str
+    residuals: tuple[ResidualInfo, ...]
+    created: float | None = None
+    jax_version: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every residual, weights included."""
+        return sum(r.nbytes for r in self.residuals)
+
+    @property
+    def own_nbytes(self) -> int:
+        """Bytes of the residuals that are the context's own (not shared weights)."""
+        return sum(r.nbytes for r in self.residuals if not r.shared)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardInfo:
+    """The stored backward of a signature: whether a process without the model can run it.
+
+    Attributes:
+      signature: the signature.
+      stored: whether a runnable backward is stored.
+      platforms: the platforms it was exported for (``("cpu", "cuda")``).
+      left_out: platforms it could not be exported for, with why.
+      jax_version: the JAX version that exported it (or recorded why it could not).
+      reason: why none is runnable (``stored`` is ``False``): none stored yet, not exportable,
+        damaged.
+    """
+
+    signature: str
+    stored: bool
+    platforms: tuple[str, ...] = ()
+    left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    jax_version: str | None = None
+    reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SignatureUsage:
+    """Bytes the contexts of one signature hold, as their records say.
+
+    Attributes:
+      contexts: how many contexts.
+      intermediate: bytes of their intermediates (their own).
+      inputs: bytes of their per-context inputs (their own).
+      weights: bytes of the weights they hold, each counted once.
+    """
+
+    contexts: int = 0
+    intermediate: int = 0
+    inputs: int = 0
+    weights: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreUsage:
+    """Bytes a store takes on disk.
+
+    Attributes:
+      total: bytes of every file of the store, or ``None`` where the storage cannot say (a
+        kvstore listing gives no sizes).
+      parts: bytes under each part of the tree (``"data"``, ``"weights"``, ``"contexts"``,
+        ``"backwards"``), each ``None`` where not measurable.
+      recycled: bytes of data folders kept for reuse (part of ``"data"``; ``gc`` frees them).
+      signatures: per signature, what its contexts hold (:class:`SignatureUsage`).
+      unreadable: contexts whose manifest could not be read (not counted in ``signatures``).
+    """
+
+    total: int | None
+    parts: Mapping[str, int | None]
+    recycled: int | None
+    signatures: Mapping[str, SignatureUsage]
+    unreadable: int = 0
+
+    @property
+    def measured(self) -> bool:
+        """Whether the bytes on disk could be measured (``total`` is known)."""
+        return self.total is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """What :meth:`Store.verify <residual_store.Store.verify>` found.
+
+    Attributes:
+      verified: contexts whose every byte matched its checksums.
+      damaged: key -> why, for each damaged context (the reason names the residual where one is
+        at fault).
+      backwards_verified: stored backwards found intact.
+      damaged_backwards: signature -> why, for each damaged stored backward.
+
+    Example:
+      >>> import residual_store as rs
+      >>> report = rs.VerifyReport(verified=2, damaged={"mb1": "residual 3 (tanh): checksum mismatch"})
+      >>> report.ok, sorted(report.damaged)
+      (False, ['mb1'])
+    """
+
+    verified: int
+    damaged: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    backwards_verified: int = 0
+    damaged_backwards: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Whether nothing checked is damaged."""
+        return not self.damaged and not self.damaged_backwards
+
+
+# -- records ----------------------------------------------------------------------------------
+
+
+def disk_bytes(disk: DiskTier | None) -> dict[str, int]:
+    """What ``stats()`` reports of the committed contexts on ``disk`` (``None``: a memory-only
+    store): ``bytes`` (each shared weight once), ``contexts``, and ``own_bytes`` (the contexts'
+    own arrays); damaged manifests are left out."""
+    found = {"bytes": 0, "contexts": 0, "own_bytes": 0}
+    if disk is None:
+        return found
+    seen: set[str] = set()
+    for _, stored in disk.iter_manifests():
+        if isinstance(stored, CorruptContextError):
+            continue
+        found["contexts"] += 1
+        for record in stored.records:
+            if not record.shared:
+                found["own_bytes"] += record.nbytes
+            if record.path not in seen:
+                seen.add(record.path)
+                found["bytes"] += record.nbytes
+    return found
+
+
+def memory_info(key: str, spec: ResidualSpec) -> ContextInfo:
+    """The record of a context held in memory only, from its spec."""
+    residuals = tuple(
+        ResidualInfo(name, tuple(aval.shape), str(aval.dtype), nbytes, kind, path, kind in SHARED_KINDS)
+        for name, aval, nbytes, kind, path in zip(spec.names, spec.avals, spec.leaf_nbytes, spec.kinds, spec.input_paths)
+    )
+    return ContextInfo(key, spec.signature, residuals)
+
+
+def context_info(stored: StoredContext) -> ContextInfo:
+    """The record of a committed context: its spec's, with where and how each residual lies as
+    its validated manifest says."""
+    base = memory_info(stored.key, stored.spec)
+    residuals = tuple(
+        dataclasses.replace(
+            info, nbytes=r.nbytes, shared=r.shared, path=r.path, checksum=r.checksum, chunk_shape=r.chunk_shape,
+            chunks=len(r.chunk_checksums) if r.chunk_checksums is not None else 1,
+        )
+        for info, r in zip(base.residuals, stored.records)
+    )
+    return dataclasses.replace(base, residuals=residuals, created=stored.created, jax_version=stored.jax_version)
+
+
+def backward_info(disk: DiskTier | None, signature: str) -> BackwardInfo:
+    """The stored backward of ``signature`` (its manifest only; the export is not read).
+
+    Raises:
+      InvalidArgumentError: ``signature`` is not one this library writes.
+    """
+    try:
+        check_signature(signature, "backward_info")
+    except CorruptContextError:
+        raise InvalidArgumentError(
+            f"backward_info expects a context's signature (rs2- and 32 hex digits, as info(key).signature "
+            f"gives), got {signature!r:.80}"
+        ) from None
+    if disk is None:
+        return BackwardInfo(signature, False, reason="a memory-only store stores no backwards")
+    try:
+        status = backwards.describe(backwards.read_manifest(disk, signature))
+    except CorruptContextError as err:
+        return BackwardInfo(signature, False, reason=f"damaged: {err}")
+    return BackwardInfo(
+        signature,
+        status["stored"],
+        platforms=tuple(status.get("platforms", ())),
+        left_out=dict(status.get("left_out", {})),
+        jax_version=status.get("jax_version"),
+        reason=status.get("reason"),
+    )
+
+
+# -- disk usage -------------------------------------------------------------------------------
+
+
+def _signature_usage(manifests: Iterable[StoredContext], progress: Progress | None) -> dict[str, SignatureUsage]:
+    """Per signature: its contexts, their own bytes by kind, the weights they hold once."""
+    totals: dict[str, dict[str, int]] = {}
+    seen: set[str] = set()
+    counted = 0
+    for stored in manifests:
+        entry = totals.setdefault(stored.spec.signature, dict.fromkeys(("contexts", "intermediate", "inputs", "weights"), 0))
+        entry["contexts"] += 1
+        for record, kind in zip(stored.records, stored.spec.kinds):
+            if not record.shared:  # the context's own: intermediates and per-context inputs
+                entry["inputs" if kind == "input" else "intermediate"] += record.nbytes
+            elif record.path not in seen:
+                seen.add(record.path)
+                entry["weights"] += record.nbytes
+            else:
+                continue
+            counted += record.nbytes
+        if progress is not None:
+            progress(counted, None)
+    return {sig: SignatureUsage(**entry) for sig, entry in sorted(totals.items())}
+
+
+def measure(disk: DiskTier, progress: Progress | None = None) -> StoreUsage:
+    """The bytes of each part of the store on disk (measured on a folder; ``None`` on kvstores,
+    whose listings give no sizes) and what its manifests record per signature."""
+    unreadable = 0
+    manifests = []
+    for _, stored in disk.iter_manifests():
+        if isinstance(stored, CorruptContextError):
+            unreadable += 1
+        else:
+            manifests.append(stored)
+    signatures = _signature_usage(manifests, progress)
+    parts: dict[str, int | None] = {}
+    for name, prefix in USAGE_PARTS.items():
+        parts[name] = disk.backend.tree_bytes(prefix)
+        if progress is not None and parts[name] is not None:
+            progress(sum(p or 0 for p in parts.values()), None)
+    return StoreUsage(
+        total=disk.backend.tree_bytes(""),
+        parts=parts,
+        recycled=disk.backend.tree_bytes(layout.FREE_DIR),
+        signatures=signatures,
+        unreadable=unreadable,
+    )
+
+
+# -- verification -----------------------------------------------------------------------------
+
+
+def _verify_context(disk: DiskTier, key: str) -> StoredContext:
+    """Reads and checks every byte of ``key`` (arrays, their zarr metadata, its bundle's
+    headers as plain zip readers check them); :class:`CorruptContextError` names the damage."""
+    stored, _ = disk.read(key, place=False)
+    check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
+    if check_metadata is not None:
+        for r in {r.path: r for r in stored.records if not r.bundled}.values():
+            check_metadata(r.path, r.shape, r.dtype, r.chunk_shape)
+    disk.check_bundle(key, stored)
+    return stored
+
+
+def _verify_backward(disk: DiskTier, signature: str) -> None:
+    """Reads and checks the stored backward of ``signature``, if any."""
+    stored = backwards.read(disk, signature)
+    if stored is not None:
+        backwards.check_records(signature, stored[0])
+
+
+def _planned_bytes(disk: DiskTier, keys: Sequence[str]) -> int | None:
+    """What reading ``keys`` reads, as their manifests say (``None`` if one is unreadable)."""
+    try:
+        return sum(disk.stat(k).nbytes for k in keys)
+    except (ContextNotFoundError, CorruptContextError):
+        return None
+
+
+def verify(
+    disk: DiskTier, keys: Sequence[str], *, every_backward: bool, progress: Progress | None = None
+) -> VerifyReport:
+    """Checks the committed ``keys`` and the stored backwards of their signatures (with
+    ``every_backward``, every stored backward), changing nothing.
+
+    Raises:
+      CorruptContextError: the store's own folders cannot be listed.
+    """
+    total = _planned_bytes(disk, keys) if progress is not None else None
+    damaged: dict[str, str] = {}
+    signatures: set[str] = set()
+    verified = done = 0
+    for key in keys:
+        try:
+            stored = _verify_context(disk, key)
+        except ContextNotFoundError:
+            continue  # deleted meanwhile, by another process: nothing to check
+        except CorruptContextError as err:
+            damaged[key] = str(err)
+        else:
+            verified += 1
+            signatures.add(stored.spec.signature)
+            done += stored.nbytes
+        if progress is not None:
+            progress(done, total)
+    stored_backwards = set(backwards.stored_signatures(disk))
+    broken: dict[str, str] = {}
+    checked = sorted(stored_backwards if every_backward else stored_backwards & signatures)
+    for signature in checked:
+        try:
+            _verify_backward(disk, signature)
+        except CorruptContextError as err:
+            broken[signature] = str(err)
+    return VerifyReport(verified, damaged, len(checked) - len(broken), broken)

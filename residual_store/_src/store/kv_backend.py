@@ -1,0 +1,306 @@
+"""Any tensorstore kvstore (``memory``, ``file`` with options, ``gcs``, ``s3``) as the disk
+tier's backend: requests bounded by a timeout, refusals and silences reported as
+:class:`~residual_store._src.errors.StoreUnavailableError`."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+import serializers
+from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
+from residual_store._src.store.backend_protocol import Empty, damaged
+
+__all__ = ["KvBackend"]
+
+
+def _requests(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A :class:`KvBackend` method whose requests to a store that does not answer, or that
+    refuses them, raise :class:`StoreUnavailableError` (one line, saying what to do)."""
+
+    @functools.wraps(method)
+    def wrapper(self: KvBackend, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except StoreUnavailableError:
+            raise
+        except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
+            if not (serializers.is_unavailable(err) or (self.remote and _refused(err))):
+                raise
+            raise self.unavailable(err) from err
+
+    return wrapper
+
+
+def _refused(err: BaseException) -> bool:
+    """A request the store refused (credentials or permissions): an answer, but no data."""
+    return isinstance(err, PermissionError) or str(err).startswith(("PERMISSION_DENIED", "UNAUTHENTICATED"))
+
+
+# tensorstore's context resource for the retries of each networked driver (all three take
+# max_retries, initial_delay and max_delay)
+_RETRY_RESOURCES = {"s3": "s3_request_retries", "gcs": "gcs_request_retries", "http": "http_request_retries"}
+_LOCAL_DRIVERS = ("file", "memory")
+
+
+def _with_timeout(spec: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    """``spec`` whose retries fit in ``timeout`` seconds: tensorstore retries a failed request
+    up to 32 times, waiting up to 32 s between tries (minutes before an unreachable store is
+    reported); with a timeout, 3 tries, 1/10 then 1/5 of it apart, so a refused connection is
+    reported well within it and no request goes on retrying after the store gave up on it. A
+    spec that names its own retries keeps them."""
+    name = _RETRY_RESOURCES.get(spec.get("driver"))  # type: ignore[arg-type]
+    context = spec.get("context")
+    if timeout is None or name is None or name in spec or (isinstance(context, Mapping) and name in context):
+        return spec
+    if context is not None and not isinstance(context, Mapping):
+        return spec  # tensorstore says what is wrong with it
+    retries = {"max_retries": 3, "initial_delay": f"{max(1, round(timeout * 100))}ms",
+               "max_delay": f"{max(1, round(timeout * 250))}ms"}
+    return {**spec, "context": {**(context or {}), name: retries}}
+
+
+class KvBackend:
+    """Any tensorstore kvstore spec (``memory``, ``file`` with options, ``gcs``, ``s3``).
+
+    With a ``timeout``, every request waits at most that many seconds and tensorstore's
+    retries are fitted into it (:func:`_with_timeout`); a request that outlives it, or that
+    the store refuses or gives up on, raises :class:`StoreUnavailableError`. A spec tensorstore
+    refuses raises :class:`InvalidArgumentError`."""
+
+    def __init__(self, spec: Mapping[str, Any], timeout: float | None = None) -> None:
+        self.description = repr(dict(spec))
+        self.timeout = timeout
+        self.remote = spec.get("driver") not in _LOCAL_DRIVERS
+        self.spec = _with_timeout(_with_quiet_credentials(dict(spec)), timeout)
+        self.context = serializers.default_context()
+        try:
+            opened = ts.KvStore.open(self._with_slash(self.spec), context=self.context)
+            self.kv = serializers.wait_request(opened, timeout, "opening the kvstore")
+        except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
+            if serializers.is_unavailable(err):
+                raise self.unavailable(err) from err
+            message = str(err).split(" [tensorstore_spec=", 1)[0].strip().splitlines()
+            raise InvalidArgumentError(
+                f"tensorstore refuses the kvstore spec {self.description}: "
+                f"{message[0] if message else type(err).__name__}; see "
+                "https://google.github.io/tensorstore/kvstore/index.html for the drivers and their options"
+            ) from None
+
+    def unavailable(self, err: BaseException) -> StoreUnavailableError:
+        """The :class:`StoreUnavailableError` of a request that met ``err``."""
+        text = err.strerror if isinstance(err, OSError) and isinstance(err.strerror, str) else str(err)
+        why = (text.strip().splitlines() or [type(err).__name__])[0]
+        limit = (f"within the timeout of {self.timeout:g} s" if self.timeout is not None
+                 else "(no timeout: give rs.Store(..., timeout=SECONDS) to bound each request)")
+        return StoreUnavailableError(
+            f"{self.description}: the object store did not answer {limit}, or refused the "
+            f"request: {why}. Check the endpoint, the network and the credentials, or give a "
+            "longer timeout"
+        )
+
+    @staticmethod
+    def _with_slash(spec: dict[str, Any]) -> dict[str, Any]:
+        path = spec.get("path", "")
+        if path and not path.endswith("/"):
+            spec = {**spec, "path": path + "/"}
+        return spec
+
+    can_rename = False
+    latency_bound = True
+
+    @_requests
+    def write_arrays(
+        self,
+        arrays: Mapping[str, Any],
+        *,
+        fsync: bool,
+        reuse: bool = False,
+        write_metadata: bool = True,
+        attributes: Mapping[str, Mapping[str, Any]] | None = None,
+        files: Mapping[str, bytes] | None = None,
+        keep_metadata: bool = False,
+        sync_folders: Sequence[str] = (),
+        temporaries: Mapping[str, bytes] | None = None,
+        fresh: bool = False,
+    ) -> None:
+        """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
+        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer;
+        with ``fresh``, no listing to clear the paths first."""
+        serializers.write_arrays_kv(
+            self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes,
+            fresh=fresh, timeout=self.timeout,
+        )
+        for key, data in (files or {}).items():  # a bundle's parts go out as one object
+            self.put_bytes(key, data if isinstance(data, bytes) else b"".join(data), fsync=fsync)
+
+    def rename(self, src: str, dst: str) -> bool:
+        return False  # kvstores have no atomic rename of a prefix
+
+    @_requests
+    def write_shared_arrays(
+        self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
+    ) -> None:
+        """Content-addressed arrays written in place (no rename on kvstores): every writer puts
+        the same bytes, ``zarr.json`` last, and nothing is deleted, not even on failure, so a
+        writer cannot tear an array another one completed. ``write_metadata=False``: each of
+        several writers puts its chunks, and one puts the ``zarr.json`` after all are done."""
+        serializers.write_arrays_kv(
+            self.spec, arrays, context=self.context, write_metadata=write_metadata, content_addressed=True,
+            timeout=self.timeout,
+        )
+
+    @_requests
+    def read_array(
+        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None, *, empty: Empty | None = None
+    ) -> np.ndarray:
+        # one request for the chunk object: zarr.json is for other readers (see check_metadata)
+        x = serializers.read_raw(
+            self.kv, path, shape, dtype, empty=empty or serializers.aligned_empty, timeout=self.timeout
+        )
+        if checksum is not None:
+            serializers.verify(x, checksum, what=f"array {path!r}")
+        return x
+
+    def read_arrays(
+        self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]], *, empty: Empty | None = None
+    ) -> list[np.ndarray]:
+        return [self.read_array(*a, empty=empty) for a in arrays]
+
+    @_requests
+    def read_chunk(
+        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...], index: tuple[int, ...]
+    ) -> np.ndarray:
+        return serializers.read_raw(
+            self.kv, path, shape, dtype, chunk_shape=chunk_shape, chunk_index=index, timeout=self.timeout
+        )
+
+    @_requests
+    def read_file(
+        self, key: str, nbytes: int, *, checksum: str | None = None, empty: Empty | None = None
+    ) -> np.ndarray:
+        """The object ``key`` of exactly ``nbytes`` bytes (one request), verified against its
+        ``checksum``."""
+        result = self._wait(self.kv.read(key), f"reading {key}")
+        what = f"file {key!r}"
+        if result.state != "value":
+            raise serializers.CorruptDataError(f"{what} is missing")
+        if len(result.value) != nbytes:
+            kind = "truncated" if len(result.value) < nbytes else "too long"
+            raise serializers.CorruptDataError(f"{what} is {kind}: {len(result.value)} bytes, expected {nbytes}")
+        out = (empty or serializers.aligned_empty)((nbytes,), np.dtype(np.uint8))
+        out[:] = np.frombuffer(result.value, dtype=np.uint8)
+        if checksum is not None:
+            serializers.verify(out, checksum, what=what)
+        return out
+
+    @_requests
+    def check_metadata(
+        self, path: str, shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...] | None = None
+    ) -> None:
+        """Checks the array's ``zarr.json`` (which the store's own reads skip, but plain ``zarr``
+        needs): :class:`DamagedFileError` if it is missing or wrong."""
+        try:
+            serializers.check_array_metadata(self.kv, path, shape, dtype, chunk_shape, timeout=self.timeout)
+        except (serializers.CorruptDataError, serializers.UnsupportedDTypeError, ValueError) as err:
+            raise damaged(err) from None
+
+    def array_exists(self, path: str) -> bool:
+        return self.get_bytes(f"{path}/zarr.json") is not None
+
+    @_requests
+    def put_bytes(self, key: str, data: bytes, *, fsync: bool) -> None:
+        self._wait(self.kv.write(key, data), f"writing {key}")
+
+    def _wait(self, future: Any, what: str) -> Any:
+        return serializers.wait_request(future, self.timeout, what)
+
+    @_requests
+    def get_bytes(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        result = self._wait(self.kv.read(key), f"reading {key}")
+        if result.state != "value":
+            return None
+        limit = serializers.MAX_MANIFEST_BYTES if max_bytes is None else max_bytes
+        if len(result.value) > limit:
+            raise CorruptContextError(
+                f"{self.description}: {key} is {len(result.value):,} bytes, over the {limit:,} allowed"
+            )
+        return bytes(result.value)
+
+    @_requests
+    def list_dir(self, prefix: str) -> list[str]:
+        prefix = prefix.rstrip("/") + "/"
+        end = prefix[:-1] + chr(ord("/") + 1)
+        keys = self._wait(self.kv.list(ts.KvStore.KeyRange(prefix, end)), f"listing {prefix}")
+        names = {k.decode()[len(prefix) :].split("/", 1)[0] for k in keys}
+        return sorted(n for n in names if n and not n.startswith("."))
+
+    @_requests
+    def delete(self, key: str) -> None:
+        self._wait(self.kv.delete_range(ts.KvStore.KeyRange(key, key + "\x00")), f"deleting {key}")
+
+    @_requests
+    def delete_tree(self, prefix: str) -> None:
+        serializers.delete_prefix(self.spec, prefix.rstrip("/"), context=self.context, timeout=self.timeout)
+
+    def age_seconds(self, prefix: str) -> float | None:
+        return None  # kvstores have no portable mtime: gc only removes with older_than=0
+
+    def tree_bytes(self, prefix: str) -> int | None:
+        return None  # listing a kvstore gives keys, not sizes: unknown without reading everything
+
+    def exists(self, key: str) -> bool:
+        return self.get_bytes(key) is not None
+
+    def is_file(self) -> bool:
+        return False
+
+    def root_exists(self) -> bool:
+        return True  # a kvstore prefix exists as soon as anything is under it
+
+    @_requests
+    def is_empty(self) -> bool:
+        prefix = ts.KvStore.KeyRange("", "")
+        return not self._wait(self.kv.list(prefix), "listing the store")
+
+    def list_temporary(self, prefix: str) -> list[str]:
+        return []  # every object is written in one put: nothing temporary is left behind
+
+    def version(self, key: str) -> Any | None:
+        return None  # no cheap version: manifests are read each time
+
+    def gc_lock(self, *, exclusive: bool) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # no cross-process lock: gc needs older_than=0 (see age_seconds)
+
+    def touch(self, prefix: str) -> bool:
+        return True  # nothing to refresh: gc on a kvstore has no age rule
+
+    def sync_folder(self, prefix: str) -> None:
+        pass  # no renames on kvstores
+
+    def temporary_for(self, key: str) -> None:
+        return None  # no renames: a single-object put is atomic
+
+    def publish(self, temporary: str, key: str, *, fsync: bool) -> None:
+        raise NotImplementedError("kvstores have no renames; put_bytes instead")
+
+
+_ENVIRONMENT_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def _with_quiet_credentials(spec: dict[str, Any]) -> dict[str, Any]:
+    """An ``s3`` spec that names no credentials, opened where the environment holds them: the
+    same credentials (the AWS default chain reads the environment first) through tensorstore's
+    ``environment`` provider, so the SDK does not also look for ``~/.aws/config`` and print an
+    error line for each file it cannot open. Any other spec as it is."""
+    named = "aws_credentials" in spec or "aws_credentials" in (spec.get("context") or {})
+    if spec.get("driver") != "s3" or named or not all(os.environ.get(k) for k in _ENVIRONMENT_CREDENTIALS):
+        return spec
+    return {**spec, "aws_credentials": {"type": "environment"}}

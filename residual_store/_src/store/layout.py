@@ -1,0 +1,599 @@
+"""The store's tree, pure (no I/O): where each thing lives, and what a write puts where.
+
+The paths come from :mod:`residual_store._src.store.paths`, which spells every one; they are
+re-exported here.
+
+:func:`plan_write` turns a context's host arrays into a :class:`WritePlan`: every array's path
+and bytes, its manifest record, the manifest itself and the write's group metadata. The plan is
+committed by one process (:meth:`~residual_store._src.store.disk.DiskTier.commit`) or by all the
+processes of a job (:mod:`residual_store._src.store.collective`); both write the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import xxhash
+
+import serializers
+from serializers import bundle as bundles
+from serializers.checksums import checksum_parts
+from residual_store._src.context import SHARED_KINDS, ResidualSpec
+from residual_store._src.errors import CorruptContextError, ResidualStoreError
+from residual_store._src.store.host import HostArrays, ShardedHost
+from residual_store._src.store.records import BundleRef, StoredContext, spec_to_map
+from residual_store._src.store import paths
+from residual_store._src.store.paths import (  # noqa: F401 - re-exported
+    STORE_MARKER,
+    STORE_VERSION,
+    STORE_FORMAT,
+    CONTEXTS,
+    DATA,
+    WEIGHTS,
+    BACKWARDS,
+    FREE_DIR,
+    TRASH_DIR,
+    MANIFEST_SUFFIX,
+    GROUPS,
+    new_write_id,
+    manifest_path,
+    data_dir,
+    own_array_path,
+    bundle_path,
+    weight_path,
+    staging_path,
+    recycled_path,
+    trash_path,
+    backward_paths,
+    is_node_metadata,
+    group_metadata_path,
+    in_bundle_name,
+    is_data_dir_of,
+    is_weight_path,
+)
+
+__all__ = [  # and, re-exported, every name of paths.__all__
+    "ArrayWrite",
+    "BundleWrite",
+    "ChunkSums",
+    "StaleData",
+    "WritePlan",
+    "bundle_layout_of",
+    "chunk_sums",
+    "chunked_digest_of",
+    "data_of",
+    "layout_digest",
+    "marker_version",
+    "plan_write",
+    "root_group",
+    *paths.__all__,
+]
+
+
+
+def root_group() -> dict[str, bytes]:
+    """The ``zarr.json`` of every group a store has from the start, by path."""
+    root = serializers.encode_group_metadata(
+        {"residual_store": {"format": "residual-store", "version": STORE_VERSION,
+                            "contexts": "the msgpack manifests under contexts/ are the commits"}}
+    )
+    return {
+        group_metadata_path(""): root,
+        group_metadata_path(DATA): serializers.encode_group_metadata({}),
+        group_metadata_path(WEIGHTS): serializers.encode_group_metadata({}),
+    }
+
+
+class StaleData(NamedTuple):
+    """A data folder no manifest references any more, and its layout (for reuse)."""
+
+    data_dir: str
+    layout: str
+
+
+def marker_version(data: bytes, what: str) -> int:
+    """The format version the store marker ``data`` records (``what``: the marker, for errors).
+
+    Raises:
+      CorruptContextError: the marker is damaged, its version is invalid, or newer than
+        :data:`STORE_VERSION` (a later residual-store's store: nothing may be read or written).
+    """
+    try:
+        marker = json.loads(data[: 1 << 16].decode("utf-8")) if len(data) <= 1 << 16 else None
+    except (UnicodeDecodeError, ValueError):
+        marker = None
+    if not isinstance(marker, dict) or marker.get("format") != "residual-store":
+        raise CorruptContextError(f"{what} is damaged (not a residual-store marker): {data[:80]!r}")
+    version = marker.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptContextError(f"{what} has an invalid format version {version!r}")
+    if version > STORE_VERSION:
+        raise CorruptContextError(
+            f"{what} has format version {version}, newer than the version {STORE_VERSION} this "
+            f"residual-store reads: upgrade residual-store to open it (nothing was read or "
+            "written)"
+        )
+    return version
+
+
+def layout_digest(
+    spec: ResidualSpec, arrays: Iterable[tuple[int, str, tuple[int, ...], str, tuple[int, ...] | None]]
+) -> str:
+    """A digest of (name, shape, dtype, chunk shape, zarr attributes) of each own array, given as
+    ``(residual index, name in the folder, shape, dtype, chunk shape or None)``, the attributes
+    those of ``spec``'s residual: a folder of equal layout can take another write's arrays in
+    place, each ``zarr.json`` unchanged. Remembered per spec and arrays (every write of one
+    signature has the same layout)."""
+    own = tuple((i, name, tuple(int(d) for d in shape), dtype, None if chunks is None else tuple(int(c) for c in chunks))
+                for i, name, shape, dtype, chunks in arrays)
+    try:
+        return _layout_digest(spec, own)
+    except TypeError:  # a spec holding an unhashable value
+        return _layout_digest.__wrapped__(spec, own)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_digest(spec: ResidualSpec, own: tuple[tuple[int, str, tuple[int, ...], str, tuple[int, ...] | None], ...]) -> str:
+    h = hashlib.sha256()
+    for i, name, shape, dtype, chunks in sorted(own, key=lambda t: (t[1], str(t[2:]))):
+        grid = "" if chunks is None else f"|{chunks}"
+        attrs = json.dumps(_array_attributes(spec, i), sort_keys=True)
+        h.update(f"{name}|{shape}|{dtype}{grid}|{attrs};".encode())
+    return h.hexdigest()[:16]
+
+
+def data_of(stored: StoredContext) -> StaleData:
+    """The data folder of a committed context and its layout (see :func:`layout_digest`)."""
+    if stored.layout is not None:
+        return StaleData(stored.data_dir, stored.layout)
+    prefix = stored.data_dir + "/"
+    return StaleData(stored.data_dir, layout_digest(stored.spec, (
+        (i, in_bundle_name(i) if r.bundled else r.path[len(prefix):], r.shape, r.dtype, r.chunk_shape)
+        for i, r in enumerate(stored.records)
+        if r.path.startswith(prefix)
+    )))
+
+
+def chunked_digest_of(
+    dtype: np.dtype, shape: tuple[int, ...], chunk_shape: tuple[int, ...], digests: Mapping[Any, str]
+) -> str:
+    """The content address of a chunked weight from every chunk's content digest (chunk index ->
+    digest; several processes that each hold some chunks can gather them): a digest of those and
+    of its dtype, shape and chunk shape, so equal weights sharded alike are stored once."""
+    h = xxhash.xxh3_128()
+    h.update(f"{np.dtype(dtype).str}{tuple(shape)}{tuple(chunk_shape)};".encode())
+    for idx in sorted(digests):
+        h.update(f"{tuple(idx)}={digests[idx]};".encode())
+    return h.hexdigest()
+
+
+ChunkSums = Mapping[int, Mapping[tuple[int, ...], tuple[str, str | None]]]
+"""Per chunked residual: chunk index -> (checksum, content digest or ``None``); the digest only
+for weights, which are stored under a digest of their chunks' digests."""
+
+
+def chunk_sums(spec: ResidualSpec, arrays: HostArrays) -> dict[int, dict[tuple[int, ...], tuple[str, str | None]]]:
+    """The :data:`ChunkSums` of the chunks this process holds."""
+    out: dict[int, dict[tuple[int, ...], tuple[str, str | None]]] = {}
+    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+        if isinstance(x, ShardedHost) and x.chunk_shape is not None:
+            shared = kind in SHARED_KINDS
+            out[i] = {
+                idx: (serializers.checksum(c), serializers.content_digest(c) if shared else None)
+                for idx, c in sorted(x.chunks.items())
+            }
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayWrite:
+    """One residual's array in a :class:`WritePlan`.
+
+    ``data`` is a NumPy array or a :class:`serializers.ChunkedArray` (this process's chunks of a
+    sharded residual); ``whole`` says it is a whole array (so, in a job of several processes,
+    process 0 alone writes it).
+    """
+
+    index: int  # of the residual (the first one, for a weight held twice)
+    path: str
+    data: Any
+    shared: bool
+    whole: bool
+    attributes: Mapping[str, Any] | None = None  # zarr attributes (own arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class BundleWrite:
+    """A write's bundle: the file at ``ref.path`` written from ``parts`` one after another (its
+    headers and its arrays' own buffers), ``ref`` what the manifest says of it."""
+
+    ref: BundleRef
+    parts: tuple[memoryview | bytes, ...]
+
+
+_BUNDLE_CAP = 1 << 31
+"""Bytes of arrays one bundle takes at most (a classic zip holds 4 GiB): the rest keep folders."""
+
+
+def _bundled(spec: ResidualSpec, arrays: HostArrays) -> list[int]:
+    """The residuals that go into the write's bundle: the context's own whole arrays, in order,
+    as long as the bundle stays within a classic zip's limits."""
+    out: list[int] = []
+    entries, nbytes = 1, 0
+    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+        if kind in SHARED_KINDS or (isinstance(x, ShardedHost) and x.chunk_shape is not None):
+            continue
+        size = int(x.nbytes)
+        if entries + 2 > bundles.MAX_BUNDLE_ENTRIES or nbytes + size > _BUNDLE_CAP:
+            break
+        out.append(i)
+        entries, nbytes = entries + 2, nbytes + size
+    return out
+
+
+def bundle_layout_of(spec: ResidualSpec, arrays: Sequence[tuple[int, tuple[int, ...], str]]) -> bundles.BundleLayout:
+    """The bundle layout of ``spec``'s residuals given as ``(index, shape, zarr dtype)``: each at
+    ``<i>/`` with the attributes its own folder would have, the group's naming the signature.
+    A pure function of its arguments, remembered per spec (every write of one signature has the
+    same layout), so a reader (``verify``) rebuilds exactly what the writer wrote."""
+    own = tuple((int(i), tuple(int(d) for d in shape), str(dtype)) for i, shape, dtype in arrays)
+    try:
+        return _bundle_layout_of(spec, own)
+    except TypeError:  # a spec holding an unhashable value
+        return _bundle_layout_of.__wrapped__(spec, own)
+
+
+@functools.lru_cache(maxsize=32)
+def _bundle_layout_of(spec: ResidualSpec, own: tuple[tuple[int, tuple[int, ...], str], ...]) -> bundles.BundleLayout:
+    return bundles.bundle_layout(
+        [(str(i), shape, dtype) for i, shape, dtype in own],
+        [_array_attributes(spec, i) for i, _, _ in own],
+        {"residual_store": {"signature": spec.signature,
+                            "bundle": "the own arrays of one write of a context, by residual index"}},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class WritePlan:
+    """Everything one write of a context puts on disk, in the order it must land: the arrays
+    (``arrays``, one per residual in leaf order; a weight held twice is written once), the
+    group metadata of ``data_dir``, then ``manifest``, whose presence is the commit."""
+
+    key: str
+    data_dir: str
+    layout: str  # of the own arrays: a recycled folder of this layout can take the write
+    arrays: tuple[ArrayWrite, ...]
+    records: tuple[serializers.ArrayRecord, ...]
+    manifest: bytes
+    group: bytes  # data_dir's zarr.json
+    stored: StoredContext  # what parsing ``manifest`` gives
+    bundle: BundleWrite | None = None  # the own arrays not in ``arrays``
+
+    @property
+    def own(self) -> dict[str, Any]:
+        """The arrays under ``data_dir`` in folders of their own, by path."""
+        return {a.path: a.data for a in self.arrays if not a.shared}
+
+    @property
+    def files(self) -> dict[str, bytes | tuple[memoryview | bytes, ...]]:
+        """The other files under ``data_dir``: its group's ``zarr.json``, and its bundle."""
+        out: dict[str, bytes | tuple[memoryview | bytes, ...]] = {group_metadata_path(self.data_dir): self.group}
+        if self.bundle is not None:
+            out[self.bundle.ref.path] = self.bundle.parts
+        return out
+
+    @property
+    def shared(self) -> dict[str, Any]:
+        """The weights and constants, by content address (each once)."""
+        return {a.path: a.data for a in self.arrays if a.shared}
+
+    @property
+    def attributes(self) -> dict[str, Mapping[str, Any]]:
+        """The zarr attributes of the own arrays, by path."""
+        return {a.path: a.attributes for a in self.arrays if a.attributes is not None}
+
+    @property
+    def nbytes(self) -> int:
+        arrays = sum(int(getattr(d, "nbytes", 0)) for d in {**self.own, **self.shared}.values())
+        return arrays + (self.bundle.ref.nbytes if self.bundle is not None else 0)
+
+
+def _array_attributes(spec: ResidualSpec, i: int) -> dict[str, Any]:
+    """The zarr attributes of an own array: what plain zarr shows of it (the manifest decides)."""
+    return {"residual_store": {
+        "index": i, "name": spec.names[i], "kind": spec.kinds[i], "input_path": spec.input_paths[i],
+    }}
+
+
+def plan_write(
+    key: str,
+    spec: ResidualSpec,
+    arrays: HostArrays,
+    impls: Sequence[str | None],
+    *,
+    write_id: str,
+    sums: ChunkSums | None = None,
+    whole_sums: Mapping[int, str] | None = None,
+    digests: Mapping[int, str] | None = None,
+) -> WritePlan:
+    """The :class:`WritePlan` of ``key``'s context (its residuals ``arrays`` on the host).
+
+    ``sums`` gives the chunks' checksums and digests (every process's, in a collective write;
+    computed here from ``arrays`` when ``None``); ``whole_sums`` and ``digests`` any checksums
+    and content digests of whole arrays already computed (by residual index).
+    """
+    folder = data_dir(key, write_id)
+    if sums is None:
+        template = _template_for(spec, arrays, impls)
+        if template is not None:
+            return _plan_from_template(template, key, spec, arrays, impls, folder, whole_sums, digests)
+    sums = chunk_sums(spec, arrays) if sums is None else sums
+    writes: list[ArrayWrite] = []
+    weights: set[str] = set()  # the paths of the weights in writes (a weight held twice is written once)
+    records = []
+    shardings: list[dict[str, Any] | None] = []
+    bundle, in_bundle = _plan_bundle(spec, arrays, folder)
+    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
+        shared = kind in SHARED_KINDS
+        shardings.append(x.sharding if isinstance(x, ShardedHost) else None)
+        chunk_fields: dict[str, Any] = {}
+        if i in in_bundle:
+            offset, checksum = in_bundle[i]
+            records.append(serializers.ArrayRecord.for_writing(
+                name=spec.names[i], path=own_array_path(folder, i), shape=x.shape,
+                dtype=serializers.zarr_dtype_name(x.dtype), nbytes=int(x.nbytes), checksum=checksum,
+                input_path=spec.input_paths[i], shared=False, offset=offset,
+            ))
+            continue
+        if isinstance(x, ShardedHost) and x.chunk_shape is not None:
+            table = sorted(sums.get(i, {}).items())
+            grid = serializers.chunk_grid(x.shape, x.chunk_shape)
+            if len(table) != int(np.prod(grid)):
+                raise ResidualStoreError(
+                    f"collective write of context {key!r}: residual {i} ({spec.names[i]}) has {len(table)} of its "
+                    f"{int(np.prod(grid))} shards among all processes"
+                )
+            checksums = [(idx, chk) for idx, (chk, _) in table]
+            chunk_fields = {"chunk_shape": x.chunk_shape, "chunk_checksums": checksums}
+            checksum = serializers.chunked_checksum(checksums)
+            data: Any = serializers.ChunkedArray(x.shape, x.dtype, x.chunk_shape, x.chunks)
+            digest = chunked_digest_of(x.dtype, x.shape, x.chunk_shape, {idx: str(d) for idx, (_, d) in table}) if shared else None
+            whole = False
+        else:
+            data = x.whole if isinstance(x, ShardedHost) else x
+            assert data is not None
+            checksum = (whole_sums or {}).get(i) or serializers.checksum(data)
+            digest = ((digests or {}).get(i) or serializers.content_digest(data)) if shared else None
+            whole = True
+        path = weight_path(digest) if shared else own_array_path(folder, i)
+        if not (shared and path in weights):
+            writes.append(ArrayWrite(i, path, data, shared, whole, None if shared else _array_attributes(spec, i)))
+            if shared:
+                weights.add(path)
+        records.append(serializers.ArrayRecord.for_writing(
+            name=spec.names[i], path=path, shape=x.shape, dtype=serializers.zarr_dtype_name(x.dtype),
+            nbytes=int(x.nbytes), checksum=checksum, input_path=spec.input_paths[i], shared=shared,
+            **chunk_fields,
+        ))
+    created = time.time()
+    fields: dict[str, Any] = {
+        "key": key,
+        "signature": spec.signature,
+        "created": created,
+        "jax_version": jax.__version__,
+        "spec": spec_to_map(spec, impls, shardings),
+        "data_dir": folder,
+        "arrays": records,
+    }
+    if bundle is not None:
+        fields["bundle"] = bundle.ref.to_map()
+    manifest = serializers.encode_manifest(fields)
+    group = serializers.encode_group_metadata({"residual_store": {
+        "key": key,
+        "signature": spec.signature,
+        "manifest": manifest_path(key),
+        # a bundled array is the group <i> inside the zip file "bundle" names (zarr's ZipStore)
+        "arrays": [
+            {"path": r.path, "name": r.name, "kind": k}
+            | ({"bundle": bundle.ref.path, "in_bundle": str(i)} if bundle is not None and r.bundled else {})
+            for i, (r, k) in enumerate(zip(records, spec.kinds))
+        ],
+    }}, no_members=all(a.shared for a in writes))  # the folder holds no array: zarr skips bundle.zip
+    layout = layout_digest(spec, [
+        *((a.index, a.path[len(folder) + 1:], a.data.shape, serializers.zarr_dtype_name(a.data.dtype),
+           getattr(a.data, "chunk_shape", None) if not a.whole else None)
+          for a in writes if not a.shared),
+        *((i, in_bundle_name(i), records[i].shape, records[i].dtype, None) for i in in_bundle),
+    ])
+    stored = StoredContext(
+        key, spec, tuple(records), tuple(impls), created, jax.__version__, folder, tuple(shardings),
+        bundle.ref if bundle is not None else None, layout,
+    )
+    return WritePlan(key, folder, layout, tuple(writes), tuple(records), manifest, group, stored, bundle)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Template:
+    """What every write of one signature shares, worked out at its first write: the host
+    arrays' shapes and dtypes it holds for, each residual's record but for its path and checksum
+    (checked once), the spec's map, the bundle's layout, the group's ``zarr.json`` split where
+    the paths go, and the layout digest. For a context whose own arrays all go in its bundle
+    and whose residuals are all NumPy arrays: a write of it then costs a few operations per
+    residual (its checksum, its path), not a record built and checked."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    bundled: tuple[int, ...]
+    bundle: bundles.BundleLayout
+    records: tuple[serializers.ArrayRecord, ...]  # path and checksum placeholders
+    record_maps: tuple[dict[str, Any], ...]  # the records' manifest maps
+    spec_map: dict[str, Any]
+    group_parts: tuple[str, ...]  # the group's JSON around the key, the manifest's path, each path
+    layout: str
+
+    @functools.cached_property
+    def bundled_set(self) -> frozenset[int]:
+        return frozenset(self.bundled)
+
+
+_TEMPLATE_PATH = "\x00"  # never in a real path, key or checksum: where the group's values go
+_TEMPLATES_MAX = 16
+
+
+def _template_for(spec: ResidualSpec, arrays: HostArrays, impls: Sequence[str | None]) -> _Template | None:
+    """The template of writes of ``spec`` with these host arrays, or ``None`` where there is
+    none (a sharded residual, own arrays past the bundle's limits)."""
+    try:
+        cache_key = (spec, tuple(impls), _BUNDLE_CAP)  # (tests change the cap)
+        template = _templates.get(cache_key)
+    except TypeError:  # a spec holding an unhashable value
+        return None
+    if template is None:
+        if any(type(x) is not np.ndarray for x in arrays):
+            return None
+        template = _make_template(spec, arrays, impls)
+        if template is None:
+            return None
+        with _templates_lock:
+            _templates[cache_key] = template
+            while len(_templates) > _TEMPLATES_MAX:
+                del _templates[next(iter(_templates))]
+    shapes, dtypes = template.shapes, template.dtypes
+    for i, x in enumerate(arrays):
+        if type(x) is not np.ndarray or x.shape != shapes[i] or x.dtype != dtypes[i]:
+            return None
+    return template
+
+
+_templates: dict[tuple[ResidualSpec, tuple[str | None, ...], int], _Template] = {}
+_templates_lock = threading.Lock()
+
+
+def _make_template(spec: ResidualSpec, arrays: Sequence[np.ndarray], impls: Sequence[str | None]) -> _Template | None:
+    bundled = _bundled(spec, arrays)
+    if len(bundled) != sum(kind not in SHARED_KINDS for kind in spec.kinds):
+        return None
+    dtype_names = [serializers.zarr_dtype_name(x.dtype) for x in arrays]
+    bundle = bundle_layout_of(spec, [(i, arrays[i].shape, dtype_names[i]) for i in bundled])
+    offsets = {i: where.offset for i, where in zip(bundled, bundle.arrays)}
+    placeholder = serializers.checksum(b"")
+    records = tuple(
+        serializers.ArrayRecord.for_writing(
+            name=spec.names[i], path="p", shape=x.shape, dtype=dtype_names[i], nbytes=int(x.nbytes),
+            checksum=placeholder, input_path=spec.input_paths[i], shared=kind in SHARED_KINDS,
+            offset=offsets.get(i),
+        ).checked()
+        for i, (x, kind) in enumerate(zip(arrays, spec.kinds))
+    )
+    bundle_path_text = bundle_path(_TEMPLATE_PATH)[len(_TEMPLATE_PATH):]  # "/bundle.zip"
+    group = serializers.encode_group_metadata({"residual_store": {
+        "key": _TEMPLATE_PATH, "signature": spec.signature, "manifest": _TEMPLATE_PATH,
+        "arrays": [
+            {"path": _TEMPLATE_PATH, "name": r.name, "kind": k}
+            | ({"bundle": _TEMPLATE_PATH + bundle_path_text, "in_bundle": str(i)} if r.bundled else {})
+            for i, (r, k) in enumerate(zip(records, spec.kinds))
+        ],
+    }}, no_members=True).decode()  # every own array is in the bundle
+    placeholder_json = json.dumps(_TEMPLATE_PATH)[1:-1]
+    pieces = group.split(placeholder_json)
+    if len(pieces) != len(records) + len(bundled) + 3:  # a name holding the placeholder: no template
+        return None
+    layout = layout_digest(spec, [(i, in_bundle_name(i), arrays[i].shape, dtype_names[i], None) for i in bundled])
+    return _Template(
+        tuple(x.shape for x in arrays), tuple(x.dtype for x in arrays), tuple(bundled), bundle, records,
+        tuple(r.to_dict() for r in records), spec_to_map(spec, impls), tuple(pieces), layout,
+    )
+
+
+def _plan_from_template(
+    template: _Template,
+    key: str,
+    spec: ResidualSpec,
+    arrays: HostArrays,
+    impls: Sequence[str | None],
+    folder: str,
+    whole_sums: Mapping[int, str] | None,
+    digests: Mapping[int, str] | None,
+) -> WritePlan:
+    """:func:`plan_write` of a context that has a :class:`_Template`: the same plan, records
+    and bytes, made from the template."""
+    if not serializers.is_safe_relpath(folder):
+        raise ValueError(f"refusing to write to {folder!r}: not a safe relative path")
+    whole_sums, digests = whole_sums or {}, digests or {}
+    data = [arrays[i] for i in template.bundled]
+    parts, crcs = bundles.bundle_parts(template.bundle, data)
+    ref = BundleRef(bundle_path(folder), template.bundle.nbytes, checksum_parts(parts))
+    bundle = BundleWrite(ref, tuple(parts))
+    where: list[str] = [""] * len(arrays)  # each residual's path
+    checksums: list[str] = [""] * len(arrays)
+    for i, crc in zip(template.bundled, crcs):
+        where[i], checksums[i] = own_array_path(folder, i), bundles.crc_checksum(crc)
+    writes: list[ArrayWrite] = []
+    weights: set[str] = set()
+    for i, x in enumerate(arrays):
+        if where[i]:
+            continue
+        checksums[i] = whole_sums.get(i) or serializers.checksum(x)
+        where[i] = weight_path(digests.get(i) or serializers.content_digest(x))
+        if where[i] not in weights:
+            writes.append(ArrayWrite(i, where[i], x, True, True, None))
+            weights.add(where[i])
+    records = tuple(r.relocated(p, c) for r, p, c in zip(template.records, where, checksums))
+    maps = []
+    for m, p, c in zip(template.record_maps, where, checksums):
+        m = dict(m)
+        m["path"], m["checksum"] = p, c
+        maps.append(m)
+    created = time.time()
+    fields: dict[str, Any] = {
+        "key": key, "signature": spec.signature, "created": created, "jax_version": jax.__version__,
+        "spec": template.spec_map, "data_dir": folder, "arrays": maps, "bundle": ref.to_map(),
+    }
+    manifest = serializers.encode_manifest(fields, records_checked=True)
+    # the group's values where the template's JSON has them (keys sorted: each array's bundle
+    # folder, if bundled, and path; then the key and the manifest's path); the paths are safe
+    # relative paths, which JSON writes as they are
+    values: list[str] = []
+    bundled = template.bundled_set
+    for i, p in enumerate(where):
+        if i in bundled:
+            values.append(folder)
+        values.append(p)
+    values += [json.dumps(key)[1:-1], json.dumps(manifest_path(key))[1:-1]]
+    pieces = template.group_parts
+    text = [pieces[0]]
+    for v, piece in zip(values, pieces[1:]):
+        text += [v, piece]
+    group = "".join(text).encode()
+    stored = StoredContext(
+        key, spec, records, tuple(impls), created, jax.__version__, folder, tuple(None for _ in records), ref,
+        template.layout,
+    )
+    return WritePlan(key, folder, template.layout, tuple(writes), records, manifest, group, stored, bundle)
+
+
+def _plan_bundle(
+    spec: ResidualSpec, arrays: HostArrays, folder: str
+) -> tuple[BundleWrite | None, dict[int, tuple[int, str]]]:
+    """The write's bundle (``None`` if it has no own whole array), and for each residual in it
+    its offset and checksum (its CRC-32: the zip's own, computed once)."""
+    indices = _bundled(spec, arrays)
+    if not indices:
+        return None, {}
+    data = [x.whole if isinstance(x, ShardedHost) else x for x in (arrays[i] for i in indices)]
+    layout = bundle_layout_of(spec, [(i, d.shape, serializers.zarr_dtype_name(d.dtype)) for i, d in zip(indices, data)])
+    parts, crcs = bundles.bundle_parts(layout, data)
+    ref = BundleRef(bundle_path(folder), layout.nbytes, checksum_parts(parts))
+    placed = {
+        i: (where.offset, bundles.crc_checksum(crc)) for i, where, crc in zip(indices, layout.arrays, crcs)
+    }
+    return BundleWrite(ref, tuple(parts)), placed

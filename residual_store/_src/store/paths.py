@@ -1,0 +1,154 @@
+"""Where each thing of a store lives: every path of the store's tree is spelled here and
+nowhere else (the other modules ask these functions and constants)::
+
+    residual-store.json                  store marker: format and version
+    zarr.json                            zarr v3 root group (attributes: format, version)
+    contexts/<key>.manifest              msgpack manifest; its presence is the commit
+    data/zarr.json                       zarr v3 group of the contexts' own data
+    data/<key>.<write id>/zarr.json      zarr v3 group of one write (attributes: key, signature,
+                                         and every array of the context, weights included; no
+                                         member where the folder holds no array)
+    data/<key>.<write id>/bundle.zip     the bundle: a zarr v3 group in one zip holding the
+                                         context's own single-chunk arrays, <i>/ for residual <i>
+    data/<key>.<write id>/<i>/           zarr v3 array: residual <i>, the context's own, when not
+                                         in the bundle (a sharded one, or one past its limits)
+    data/.free/<layout>.<id>/            a replaced context's data folder, kept for reuse
+    data/.trash/<id>/                    a folder gc took, being removed
+    weights/zarr.json                    zarr v3 group of the shared arrays
+    weights/<digest>/                    zarr v3 array: a weight or constant, stored once
+    backwards/<signature>.export         the serialized backward (jax.export)
+    backwards/<signature>.manifest       its manifest (written last)
+
+Paths are relative to the store's root, ``/``-separated, and safe relative paths
+(:func:`serializers.is_safe_relpath`) for every key :func:`~residual_store._src.store.keys.validate_key`
+accepts.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from serializers.bundle import BUNDLE_FILE
+
+__all__ = [
+    "BACKWARDS",
+    "CONTEXTS",
+    "DATA",
+    "FREE_DIR",
+    "GROUPS",
+    "MANIFEST_SUFFIX",
+    "STORE_FORMAT",
+    "STORE_MARKER",
+    "STORE_VERSION",
+    "TRASH_DIR",
+    "WEIGHTS",
+    "backward_paths",
+    "bundle_path",
+    "data_dir",
+    "group_metadata_path",
+    "in_bundle_name",
+    "is_data_dir_of",
+    "is_node_metadata",
+    "is_weight_path",
+    "manifest_path",
+    "new_write_id",
+    "own_array_path",
+    "recycled_path",
+    "staging_path",
+    "trash_path",
+    "weight_path",
+]
+
+STORE_MARKER = "residual-store.json"
+STORE_VERSION = 2
+"""Version 2 adds the zarr v3 groups; version 1 stores are read, and upgraded by a write."""
+STORE_FORMAT = b'{"format": "residual-store", "version": 2}\n'
+
+CONTEXTS = "contexts"
+DATA = "data"
+WEIGHTS = "weights"
+BACKWARDS = "backwards"
+FREE_DIR = f"{DATA}/.free"
+TRASH_DIR = f"{DATA}/.trash"
+MANIFEST_SUFFIX = ".manifest"
+_EXPORT_SUFFIX = ".export"
+_GROUP_METADATA = "zarr.json"  # zarr v3's name for a node's metadata
+
+GROUPS = ("", DATA, WEIGHTS)
+"""The folders that are zarr groups in every store (the root, ``data``, ``weights``)."""
+
+
+def new_write_id() -> str:
+    """A fresh write id: 12 lowercase hex digits (what ``data_dir`` and recycled names take)."""
+    return uuid.uuid4().hex[:12]
+
+
+def manifest_path(key: str) -> str:
+    return f"{CONTEXTS}/{key}{MANIFEST_SUFFIX}"
+
+
+def data_dir(key: str, write_id: str) -> str:
+    """The folder of one write's own arrays; ``write_id`` is 12 lowercase hex digits."""
+    return f"{DATA}/{key}.{write_id}"
+
+
+def own_array_path(folder: str, i: int) -> str:
+    return f"{folder}/{i}"
+
+
+def bundle_path(folder: str) -> str:
+    """A write's bundle: its own single-chunk arrays in one file (:mod:`serializers.bundle`)."""
+    return f"{folder}/{BUNDLE_FILE}"
+
+
+def in_bundle_name(i: int) -> str:
+    """What the layout digest calls residual ``i`` in the bundle (never a folder's name)."""
+    return f"{BUNDLE_FILE}/{i}"
+
+
+def weight_path(digest: str) -> str:
+    return f"{WEIGHTS}/{digest}"
+
+
+def staging_path(path: str, write_id: str) -> str:
+    """Where a collective write assembles a sharded weight before renaming it into place."""
+    return f"{path}.{write_id}.tmp"
+
+
+def recycled_path(layout: str, unique: str) -> str:
+    return f"{FREE_DIR}/{layout}.{unique}"
+
+
+def trash_path(unique: str) -> str:
+    return f"{TRASH_DIR}/{unique}"
+
+
+def backward_paths(signature: str) -> tuple[str, str]:
+    """The stored backward's export and its manifest (the manifest is its commit)."""
+    return f"{BACKWARDS}/{signature}{_EXPORT_SUFFIX}", f"{BACKWARDS}/{signature}{MANIFEST_SUFFIX}"
+
+
+def is_node_metadata(name: str) -> bool:
+    """Whether an entry of a group's folder is the group's own metadata, not a child."""
+    return name == _GROUP_METADATA
+
+
+def group_metadata_path(folder: str) -> str:
+    return f"{folder}/{_GROUP_METADATA}" if folder else _GROUP_METADATA
+
+
+_WRITE_ID = re.compile(r"[0-9a-f]{12}")
+_WEIGHT_PATH = re.compile(re.escape(WEIGHTS) + r"/[0-9a-f]{32}")
+
+
+def is_data_dir_of(key: str, folder: object) -> bool:
+    """Whether ``folder`` is a folder :func:`data_dir` makes for ``key`` (some write id): two
+    keys never have one folder (the key is all of its name but the last 13 characters)."""
+    prefix = f"{DATA}/{key}."
+    return isinstance(folder, str) and folder.startswith(prefix) and bool(_WRITE_ID.fullmatch(folder[len(prefix):]))
+
+
+def is_weight_path(path: object) -> bool:
+    """Whether ``path`` is where :func:`weight_path` puts a weight (a 32-hex-digit digest)."""
+    return isinstance(path, str) and bool(_WEIGHT_PATH.fullmatch(path))

@@ -1,0 +1,387 @@
+"""Tracing one call of a split: its forward and its backward, as a frozen :class:`Traced` record.
+
+A split traces ``fun`` once per signature to a jaxpr; the forward evaluates that jaxpr under
+``jax.vjp`` and returns the output, aux and the residuals it *computes* (inputs and closed-over
+constants are taken live by the context: see :mod:`residual_store._src.slots`). The backward is traced
+too, not compiled, so that the signature covers what both compute. ``save`` other than ``"all"``
+rewrites the forward to keep fewer bytes (:func:`residual_store._src.remat.keep_fewest_bytes`).
+
+Nothing here compiles, runs, or keeps state: the split owns the compiled executables and the
+registry of backwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from residual_store._src import _jax_internals, filters, names, placement, remat, slots, structure
+from residual_store._src.context import CallSpec, InputAval, ResidualSpec
+from residual_store._src.errors import InvalidArgumentError, SignatureMismatchError
+from residual_store._src.halves import GradParts
+from residual_store._src.origins import output_origins
+from residual_store._src.signature import compute_signature
+
+__all__ = ["Options", "Traced", "trace"]
+
+FlatBackward = Callable[[Sequence[Any], Sequence[Any]], list[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a split was made with, as a trace reads it (checked by :class:`~residual_store._src.split.Split`)."""
+
+    fun: Callable[..., Any]
+    argnums: tuple[int, ...]
+    single: bool  # argnums was an int: one gradient, not a tuple of them
+    static_argnums: tuple[int, ...]  # sorted
+    weight_argnums: tuple[int, ...]  # a subset of argnums
+    has_aux: bool
+    filter: Callable[[Any], bool] | None
+    save: remat.SaveChoice
+    param_names: tuple[str, ...] | None  # fun's positional parameters, when introspectable
+
+    @property
+    def argnums_option(self) -> int | tuple[int, ...]:
+        """``argnums`` as the user passed it (an int or a tuple): how records spell it."""
+        return self.argnums[0] if self.single else self.argnums
+
+    @property
+    def label(self) -> str:
+        """How messages name the split."""
+        name = getattr(self.fun, "__qualname__", type(self.fun).__name__)
+        return f"Split({name}, argnums={self.argnums_option})"
+
+    def arg_name(self, index: int) -> str:
+        """The name of positional argument ``index`` (its parameter's, else ``args[index]``)."""
+        known = self.param_names
+        return known[index] if known is not None and index < len(known) else f"args[{index}]"
+
+    def dyn_positions(self, n_args: int) -> list[int]:
+        """The positions of the arguments that are traced (not static)."""
+        return [i for i in range(n_args) if i not in self.static_argnums]
+
+    def leaf_paths(self, dyn: tuple[Any, ...], n_args: int) -> list[str]:
+        """Per leaf of the traced arguments ``dyn``, its path (``params['w']``)."""
+        positions = self.dyn_positions(n_args)
+        return [
+            self.arg_name(positions[path[0].idx]) + jax.tree_util.keystr(path[1:])
+            for path, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]
+        ]
+
+    def check_arity(self, args: tuple[Any, ...]) -> None:
+        """Raises :class:`SignatureMismatchError` if ``fun`` cannot take ``args``."""
+        needed = max(self.argnums + self.static_argnums) + 1
+        if len(args) < needed:
+            raise SignatureMismatchError(
+                f"{self.label} differentiates/uses argument {needed - 1} but was called with "
+                f"{len(args)} arguments"
+            )
+        try:
+            inspect.signature(self.fun).bind(*args)
+        except TypeError as err:
+            raise SignatureMismatchError(f"bad arguments for {self.label}: {err}") from None
+        except ValueError:
+            pass  # no introspectable signature (builtins); JAX's trace will complain if needed
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """One signature's forward, traced (not compiled), with its backward's parts."""
+
+    closed: Any  # fun's jaxpr
+    traced: Any  # jax.stages.Traced of the forward executable
+    jitted: Any  # jax.jit of the forward, for calls inside the caller's jax.jit
+    consts: tuple[Any, ...]
+    slots: tuple[slots.Slot, ...]  # per residual, in the spec's order
+    n_out: int
+    out_tree: Any
+    aux_tree: Any | None
+    out_avals: tuple[Any, ...]
+    spec: ResidualSpec
+    parts: GradParts  # its spec is ``spec``
+    flat_backward: FlatBackward  # (residuals, float cotangents) -> gradient leaves in argnums order
+    backward_jit: Any  # jax.jit of flat_backward
+    backward_jaxpr: Any  # flat_backward's jaxpr on parts' avals
+    grad_tree: Any  # the gradients' template
+
+
+@dataclasses.dataclass(frozen=True)
+class _VjpFound:
+    """What the forward's trace finds inside ``jax.vjp``: the residuals' tree and their slots."""
+
+    vjp_tree: Any
+    slots: tuple[slots.Slot, ...]
+
+
+def trace(
+    opts: Options,
+    args: tuple[Any, ...],
+    leaves: Sequence[Any],
+    treedef: Any,
+    statics: tuple[Any, ...],
+    in_avals: Sequence[InputAval] | None,
+    context_mesh: Any,
+    recorded_mask: Sequence[bool] | None = None,
+) -> Traced:
+    """Traces the forward and the backward of one signature (``leaves``: arrays, or
+    ``ShapeDtypeStruct``s when rebuilding from a record, with the recorded choice of
+    differentiated leaves); compiles nothing."""
+    n_args = len(args)
+    positions = opts.dyn_positions(n_args)
+    paths = opts.leaf_paths(jax.tree.unflatten(treedef, list(leaves)), n_args)
+    counts = [c.num_leaves for c in treedef.children()]
+    leaf_args = [pos for pos, count in zip(positions, counts) for _ in range(count)]
+    differentiated = _differentiated(opts, leaves, leaf_args, paths, recorded_mask)
+    diff_idx = [j for j, d in enumerate(differentiated) if d]
+    static_pairs = list(zip(opts.static_argnums, statics))
+
+    def full_args(flat: Sequence[Any]) -> list[Any]:
+        rebuilt = list(filters.thaw(jax.tree.unflatten(treedef, flat)))
+        for index, value in static_pairs:
+            rebuilt.insert(index, value)
+        return rebuilt
+
+    fun = opts.fun
+    closed, out_shape = jax.make_jaxpr(lambda *flat: fun(*full_args(flat)), return_shape=True)(*leaves)
+    out_tree, aux_tree, out_avals = _out_trees(opts, out_shape)
+    n_out = len(out_avals)
+    n_consts = len(closed.consts)
+    found: list[_VjpFound] = []  # invariant: the forward is traced once, so this gets one record
+
+    def forward(consts: list[Any], flat: list[Any]) -> list[Any]:
+        def primal(*diff: Any) -> tuple[list[Any], list[Any]]:
+            merged = list(flat)
+            for j, value in zip(diff_idx, diff):
+                merged[j] = value
+            outs = _jax_internals.eval_jaxpr(closed.jaxpr, consts, *merged)
+            return outs[:n_out], outs[n_out:]
+
+        out, vjp_fn, aux = jax.vjp(primal, *[flat[j] for j in diff_idx], has_aux=True)
+        res, vjp_tree = jax.tree.flatten(vjp_fn)
+        sources = list(consts) + list(flat)
+        found_slots, computed = [], []
+        for r in res:  # a residual that *is* a constant or an input is taken live, not returned
+            hit = next((i for i, s in enumerate(sources) if s is r), None)
+            if hit is None:
+                found_slots.append((slots.FROM_OUTPUT, n_out + len(aux) + len(computed)))
+                computed.append(r)
+            else:
+                found_slots.append(slots.of_input(hit, n_consts))
+        found.append(_VjpFound(vjp_tree, tuple(found_slots)))
+        return list(out) + list(aux) + computed
+
+    consts = [jnp.asarray(c) if not isinstance(c, jax.Array) else c for c in closed.consts]
+    forward_jit = jax.jit(forward)
+    traced = forward_jit.trace(consts, list(leaves))
+    (vjp,) = found
+    res_slots = vjp.slots
+    flat_bwd, grad_tree, templates = _flat_backward(opts, vjp.vjp_tree, out_avals, treedef, positions, differentiated)
+    if opts.save.recomputable is not None:  # keep the fewest bytes; the backward recomputes the rest
+        weights = [False] * n_consts + [pos not in opts.weight_argnums for pos in leaf_args]
+        forward_jit, res_slots, flat_bwd = remat.keep_fewest_bytes(
+            traced, res_slots, n_consts, weights, flat_bwd, opts.save.recomputable
+        )
+        traced = forward_jit.trace(consts, list(leaves))
+    jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
+    residual_types = slots.gather(res_slots, jaxpr_in[:n_consts], jaxpr_in[n_consts:], jaxpr_out)
+    float_out = [i for i, a in enumerate(out_avals) if jax.dtypes.issubdtype(a.dtype, np.inexact)]
+    bwd_jit = jax.jit(flat_bwd)
+    parts = GradParts(
+        residual_avals=tuple(placement.abstract(a) for a in residual_types),
+        cotangent_avals=tuple(placement.abstract(jaxpr_out[i]) for i in float_out),
+        templates=templates,
+        single=opts.single,
+    )
+    bwd_traced = bwd_jit.trace(list(parts.residual_avals), list(parts.cotangent_avals))
+    if in_avals is None:
+        in_avals = [placement.input_aval(x) for x in leaves]
+    call = _record_call(opts, n_args, treedef, static_pairs, in_avals, context_mesh, differentiated)
+    signature = compute_signature(
+        call=call,
+        in_tree=treedef,
+        statics=static_pairs,
+        out_tree=out_tree,
+        aux_tree=aux_tree,
+        forward=traced.jaxpr,
+        forward_consts=consts,
+        slots=res_slots,
+        backward=bwd_traced.jaxpr,
+    )
+    spec = _spec(opts, signature, call, res_slots, residual_types, paths, leaf_args, n_consts, traced)
+    return Traced(
+        closed=closed,
+        traced=traced,
+        jitted=forward_jit,
+        consts=tuple(consts),
+        slots=res_slots,
+        n_out=n_out,
+        out_tree=out_tree,
+        aux_tree=aux_tree,
+        out_avals=tuple(out_avals),
+        spec=spec,
+        parts=dataclasses.replace(parts, spec=spec),
+        flat_backward=flat_bwd,
+        backward_jit=bwd_jit,
+        backward_jaxpr=bwd_traced.jaxpr,
+        grad_tree=grad_tree,
+    )
+
+
+def _out_trees(opts: Options, out_shape: Any) -> tuple[Any, Any | None, list[Any]]:
+    """The output's tree, aux's tree (``None`` without ``has_aux``) and the output's avals."""
+    if not opts.has_aux:
+        return jax.tree.structure(out_shape), None, jax.tree.leaves(out_shape)
+    if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
+        raise InvalidArgumentError(
+            "has_aux=True needs the function to return a pair (out, aux), got "
+            f"{jax.tree.structure(out_shape)}"
+        )
+    return jax.tree.structure(out_shape[0]), jax.tree.structure(out_shape[1]), jax.tree.leaves(out_shape[0])
+
+
+def _differentiated(
+    opts: Options, leaves: Sequence[Any], leaf_args: list[int], paths: list[str], recorded: Sequence[bool] | None
+) -> list[bool]:
+    """Per input leaf, whether it is differentiated: every leaf of ``argnums``, or those
+    ``filter`` accepts (as recorded, when rebuilding: the predicate may not understand
+    abstract leaves)."""
+    if recorded is not None and opts.filter is not None and len(recorded) == len(leaves):
+        chosen = [bool(d) for d in recorded]
+    else:
+        chosen = [pos in opts.argnums and (opts.filter is None or bool(opts.filter(x)))
+                  for x, pos in zip(leaves, leaf_args)]
+    for j, d in enumerate(chosen):
+        if d and not jax.dtypes.issubdtype(leaves[j].dtype, np.inexact):
+            hint = (
+                "the filter chose it" if opts.filter is not None else
+                "pass filter=rs.is_inexact to differentiate only the floating leaves of a "
+                "model that holds others (as eqx.filter_grad and nnx.grad do), or pass integer "
+                "tokens, PRNG keys and masks as other positional arguments"
+            )
+            raise InvalidArgumentError(
+                f"argument {paths[j]} has dtype {leaves[j].dtype} and cannot be differentiated: {hint}"
+            )
+    if opts.filter is not None and not any(chosen):
+        raise InvalidArgumentError(f"{opts.label} has no leaf to differentiate (the filter rejects them all)")
+    return chosen
+
+
+def _record_call(
+    opts: Options,
+    n_args: int,
+    treedef: Any,
+    static_pairs: list[tuple[int, Any]],
+    in_avals: Sequence[InputAval],
+    context_mesh: Any,
+    differentiated: Sequence[bool],
+) -> CallSpec:
+    """How the forward was called, for a split in another process to trace it again."""
+    try:
+        tree_record = structure.encode_treedef(treedef)
+        statics_record: Any = tuple((i, structure.encode_value(v)) for i, v in static_pairs)
+        unrecorded = None
+    except structure.UnrecordableError as err:
+        tree_record = statics_record = None
+        unrecorded = str(err)
+    return CallSpec(
+        n_args=n_args,
+        argnums=opts.argnums_option,
+        weight_argnums=opts.weight_argnums,
+        static_argnums=opts.static_argnums,
+        has_aux=opts.has_aux,
+        in_avals=tuple(in_avals),
+        in_tree=tree_record,
+        statics=statics_record,
+        context_mesh=context_mesh,
+        unrecorded=unrecorded,
+        differentiated=None if opts.filter is None else tuple(differentiated),
+        save=opts.save.record,
+    )
+
+
+def _spec(
+    opts: Options,
+    signature: str,
+    call: CallSpec,
+    res_slots: Sequence[slots.Slot],
+    residual_types: Sequence[Any],
+    paths: list[str],
+    leaf_args: list[int],
+    n_consts: int,
+    traced: Any,
+) -> ResidualSpec:
+    """The residuals' spec: their avals, names, input paths and kinds."""
+    output_slots = [i for src, i in res_slots if src == slots.FROM_OUTPUT]
+    # Intermediates are placed after the nearest weight (else differentiated input) feeding
+    # them; the forward jaxpr's inputs are the constants, then the flat input leaves.
+    weights = [n_consts + j for j, pos in enumerate(leaf_args) if pos in opts.weight_argnums]
+    diffs = [n_consts + j for j, pos in enumerate(leaf_args) if pos in opts.argnums]
+    found = output_origins(traced.jaxpr, output_slots, weights=weights, inputs=diffs)
+    origins = dict(zip(output_slots, found))
+    labels, input_paths, kinds = [], [], []
+    for src, i in res_slots:
+        if src == slots.FROM_CONST:
+            labels.append(names.constant_name(i))
+            input_paths.append(None)
+            kinds.append("constant")
+        elif src == slots.FROM_INPUT:
+            labels.append(names.input_name(paths[i]))
+            input_paths.append(paths[i])
+            kinds.append("weight" if leaf_args[i] in opts.weight_argnums else "input")
+        else:
+            labels.append(names.origin_name(origins[i], paths, n_consts))
+            input_paths.append(None)
+            kinds.append("intermediate")
+    return ResidualSpec(
+        signature=signature,
+        avals=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in residual_types),
+        names=tuple(labels),
+        input_paths=tuple(input_paths),
+        kinds=tuple(kinds),
+        call=call,
+    )
+
+
+def _flat_backward(
+    opts: Options,
+    vjp_tree: Any,
+    out_avals: Sequence[Any],
+    treedef: Any,
+    positions: list[int],
+    differentiated: Sequence[bool],
+) -> tuple[FlatBackward, Any, tuple[tuple[int, Any], ...]]:
+    """``(residuals, float cotangents) -> gradient leaves in argnums order``, a template of
+    the gradients (the differentiated arguments with ``0`` leaves, ``None`` where a leaf is
+    passed through; a tuple when argnums is a tuple), and each argument's template by
+    position, in argnums order."""
+    float_out = [jax.dtypes.issubdtype(a.dtype, np.inexact) for a in out_avals]
+    zero_cts = [
+        None if is_float else np.zeros(a.shape, jax.dtypes.float0)
+        for a, is_float in zip(out_avals, float_out)
+    ]
+    # vjp_fn returns one gradient per differentiated leaf, in flat-input order; the result
+    # follows argnums, each argument's leaves in its own order.
+    marks = list(filters.thaw(jax.tree.unflatten(treedef, [0 if d else None for d in differentiated]), None))
+    by_pos = {p: marks[k] for k, p in enumerate(positions)}
+    starts = np.cumsum([0] + [c.num_leaves for c in treedef.children()])
+    leaf_range = {p: range(int(starts[k]), int(starts[k + 1])) for k, p in enumerate(positions)}
+    rank = {j: r for r, j in enumerate(j for j, d in enumerate(differentiated) if d)}
+    perm = [rank[j] for p in opts.argnums for j in leaf_range[p] if differentiated[j]]
+    grad_struct = tuple(by_pos[p] for p in opts.argnums)
+    grad_tree = grad_struct[0] if opts.single else grad_struct
+
+    def flat_backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
+        vjp_fn = jax.tree.unflatten(vjp_tree, residuals)
+        given = iter(cts)
+        full = [next(given) if z is None else z for z in zero_cts]
+        grads = list(vjp_fn(full))
+        return [grads[k] for k in perm]
+
+    return flat_backward, grad_tree, tuple((p, by_pos[p]) for p in opts.argnums)

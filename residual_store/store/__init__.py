@@ -1,5 +1,0 @@
-"""The residual store: tiers (device, host, disk), the disk format, background I/O."""
-
-from residual_store.store.store import Store
-
-__all__ = ["Store"]
