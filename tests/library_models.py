@@ -42,7 +42,6 @@ from flax import nnx
 
 import residual_store as rs
 from libraries import flat  # noqa: F401 - {keystr: leaf}, shared with the resume tests
-from residual_store._src.filters import is_array
 
 IN, HIDDEN, OUT, BATCH, SEQ, LAYERS, HEADS = 4, 8, 2, 4, 4, 3, 2
 
@@ -112,7 +111,7 @@ def reference(case: Case) -> Callable[..., tuple[Any, Any, Any]]:
     def call(*args: Any) -> tuple[Any, Any, Any]:
         # a whole Equinox module holds Python leaves (flags, functions): run it unjitted, as
         # eqx.filter_jit would keep them static
-        return jitted(*args) if all(is_array(x) for x in jax.tree.leaves(args)) else run(*args)
+        return jitted(*args) if all(eqx.is_array(x) for x in jax.tree.leaves(args)) else run(*args)
 
     return call
 

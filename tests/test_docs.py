@@ -36,8 +36,9 @@ def test_markdown_python_blocks_run(code):
         "store.schedule", "store.store", "store.budgets", "store.inspection", "orbax",
     ],
 )
-def test_docstring_examples(name):
-    module = importlib.import_module(f"residual_store.{name}")
+def test_internals_docstring_examples(name):
+    public = name in ("pipeline", "orbax")
+    module = importlib.import_module(f"residual_store.{name}" if public else f"residual_store._src.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
