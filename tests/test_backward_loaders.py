@@ -40,7 +40,7 @@ def _inputs(rng):
     return jax.random.normal(kw, (4, 3)), jax.random.normal(kx, (5, 4))
 
 
-def test_a_collected_store_leaves_no_loader(tmp_path):
+def test_internals_a_collected_store_leaves_no_loader(tmp_path):
     before = len(loaders())
     store = rs.Store(tmp_path / "s")
     assert len(loaders()) == before + 1
@@ -49,7 +49,7 @@ def test_a_collected_store_leaves_no_loader(tmp_path):
     assert len(loaders()) == before
 
 
-def test_a_closed_store_is_not_asked(tmp_path, rng):
+def test_internals_a_closed_store_is_not_asked(tmp_path, rng):
     w, x = _inputs(rng)
     sig = _stored(tmp_path / "s", _loss_a, w, x)
     store = rs.Store(tmp_path / "s", read_only=True)
@@ -61,7 +61,7 @@ def test_a_closed_store_is_not_asked(tmp_path, rng):
     gc.collect()
 
 
-def test_two_stores_each_find_their_own_backward(tmp_path, rng):
+def test_internals_two_stores_each_find_their_own_backward(tmp_path, rng):
     w, x = _inputs(rng)
     sig_a = _stored(tmp_path / "a", _loss_a, w, x)
     sig_b = _stored(tmp_path / "b", _loss_b, w, x)
@@ -79,7 +79,7 @@ def test_two_stores_each_find_their_own_backward(tmp_path, rng):
     assert lookup_backward(sig_a) is None and lookup_backward(sig_b) is None
 
 
-def test_an_open_store_loads_a_backward_no_context_of_it_was_read_for(tmp_path, rng):
+def test_internals_an_open_store_loads_a_backward_no_context_of_it_was_read_for(tmp_path, rng):
     w, x = _inputs(rng)
     sig = _stored(tmp_path / "s", _loss_b, w, x)
     with rs.Store(tmp_path / "s", read_only=True) as store:

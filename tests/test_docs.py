@@ -85,7 +85,7 @@ def test_api_reference_builds(tmp_path):
     assert (tmp_path / "serializers.html").exists()
 
 
-def test_format_md_names_the_versions_this_library_writes():
+def test_internals_format_md_names_the_versions_this_library_writes():
     """docs/format.md's title and layout section name the store layout and manifest versions
     that the code writes (the title once said 3 where the layout is 2)."""
     from residual_store._src.store.layout import STORE_FORMAT, STORE_VERSION

@@ -201,7 +201,7 @@ def test_two_writer_processes_that_just_end_keep_all_of_their_contexts(ended):
     _check_store(root, [f"{p}{i}" for p in "ab" for i in range(N)])
 
 
-def test_the_exit_hook_runs_before_the_thread_pools_stop():
+def test_internals_the_exit_hook_runs_before_the_thread_pools_stop():
     """The drain is registered with ``threading._register_atexit`` (CPython's hook for this, also
     used by ``concurrent.futures``): it runs in reverse order of registration, so ours, registered
     after ``concurrent.futures.thread`` is imported, runs before the pools refuse work."""

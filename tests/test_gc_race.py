@@ -222,7 +222,7 @@ def test_a_real_full_disk_leaves_no_bytes_and_the_backward_is_saved_later(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_gc_paused_after_reading_the_manifests_never_removes_what_a_writer_commits_meanwhile(tmp_path):
+def test_internals_a_gc_paused_after_reading_the_manifests_never_removes_what_a_writer_commits_meanwhile(tmp_path):
     """The race made deterministic: gc reads the manifests while the weight and a recycled
     folder are old and unreferenced, then waits; a writer reuses both and commits; gc goes on.
     The gc lock, the touch before a claim and the rename into the trash keep the context whole."""

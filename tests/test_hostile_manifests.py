@@ -159,7 +159,7 @@ def test_a_flipped_signature_character_is_corruption_not_a_missing_backward(stor
     assert "checksum mismatch" in _get_refused(root, "a")
 
 
-def test_a_flipped_bit_in_a_stored_backward_manifest_is_corruption(stored):
+def test_internals_a_flipped_bit_in_a_stored_backward_manifest_is_corruption(stored):
     root, _ = stored
     sig = read_manifest(root, "a")["signature"]
     path = root / "backwards" / f"{sig}.manifest"
@@ -364,7 +364,7 @@ def _unsealed(m: dict[str, Any], version: int) -> bytes:
     return msgpack.packb(m, use_bin_type=True)
 
 
-def test_version_2_manifests_still_read_and_are_cross_checked(stored_in_folders):
+def test_internals_version_2_manifests_still_read_and_are_cross_checked(stored_in_folders):
     root, ctxs = stored_in_folders
     a, b = read_manifest(root, "a"), read_manifest(root, "b")
     _replace(_path(root, "a"), _unsealed(a, 2))
@@ -396,7 +396,7 @@ def test_version_2_manifests_still_read_and_are_cross_checked(stored_in_folders)
         assert_contexts_identical(store.get("b"), ctxs["b"])
 
 
-def test_version_1_manifests_still_read(stored_in_folders):
+def test_internals_version_1_manifests_still_read(stored_in_folders):
     """A residual-store 0.1 manifest: rs1- signature, no call record, every primal input stored
     once and called "input"."""
     root, ctxs = stored_in_folders

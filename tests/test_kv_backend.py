@@ -57,7 +57,7 @@ def _chunked(keep: Any = lambda idx: True) -> serializers.ChunkedArray:
     return serializers.ChunkedArray(M.shape, M.dtype, (2, 3), blocks)
 
 
-def test_kv_backend_writes_the_local_backends_bytes(tmp_path: Path) -> None:
+def test_internals_kv_backend_writes_the_local_backends_bytes(tmp_path: Path) -> None:
     arrays = {"data/k/0": np.arange(5, dtype=np.int16), "data/k/1": np.float32(3), "data/k/2": _chunked()}
     local = open_backend(tmp_path / "local")
     kv = _kv_backend(_file_spec(tmp_path / "kv"))
@@ -72,7 +72,7 @@ def test_kv_backend_writes_the_local_backends_bytes(tmp_path: Path) -> None:
     assert kv.array_exists("weights/w") and kv.array_exists("data/k/2")
 
 
-def test_kv_reads_are_one_request_and_refuse_what_does_not_fit(tmp_path: Path) -> None:
+def test_internals_kv_reads_are_one_request_and_refuse_what_does_not_fit(tmp_path: Path) -> None:
     """A read takes the chunk object alone (no zarr.json: the manifest gives shape and dtype);
     a missing, truncated or oversized chunk is a CorruptDataError naming the object, a missing
     zarr.json (what ``verify`` checks for plain zarr readers) a DamagedFileError."""
@@ -93,7 +93,7 @@ def test_kv_reads_are_one_request_and_refuse_what_does_not_fit(tmp_path: Path) -
         kv.read_array("data/k/0", M.shape, "float32")
 
 
-def test_write_metadata_false_then_metadata_last() -> None:
+def test_internals_write_metadata_false_then_metadata_last() -> None:
     kv = _kv_backend({"driver": "memory", "path": f"kv-backend-{uuid.uuid4().hex}/"})
     kv.write_arrays({"data/c/0": _chunked(lambda i: i[0] == 0)}, fsync=False, write_metadata=False)
     kv.write_arrays({"data/c/0": _chunked(lambda i: i[0] == 1)}, fsync=False, write_metadata=False)
@@ -104,7 +104,7 @@ def test_write_metadata_false_then_metadata_last() -> None:
     kv.check_metadata("data/c/0", M.shape, "float32", (2, 3))
 
 
-def test_failed_write_leaves_no_array_and_others_chunks(tmp_path: Path) -> None:
+def test_internals_failed_write_leaves_no_array_and_others_chunks(tmp_path: Path) -> None:
     kv = _kv_backend(_file_spec(tmp_path))
     kv.write_arrays({"data/c/0": _chunked(lambda i: i == (0, 1))}, fsync=False, write_metadata=False)
     _collide(tmp_path, "data/c/0/c.1.1")
@@ -114,7 +114,7 @@ def test_failed_write_leaves_no_array_and_others_chunks(tmp_path: Path) -> None:
     assert sorted(_files(tmp_path)) == ["data/c/0/c.0.1", "data/c/0/c.1.1/x"]
 
 
-def test_failing_shared_write_cannot_tear_a_complete_weight(tmp_path: Path) -> None:
+def test_internals_failing_shared_write_cannot_tear_a_complete_weight(tmp_path: Path) -> None:
     kv = _kv_backend(_file_spec(tmp_path))
     kv.write_shared_arrays({"weights/w": M}, fsync=False)
     _collide(tmp_path, "weights/v/c.1.1")
@@ -130,7 +130,7 @@ def test_failing_shared_write_cannot_tear_a_complete_weight(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("where", ["file", "memory"])
-def test_delete_tree_removes_a_prefix_and_nothing_beside_it(tmp_path: Path, where: str) -> None:
+def test_internals_delete_tree_removes_a_prefix_and_nothing_beside_it(tmp_path: Path, where: str) -> None:
     spec = _file_spec(tmp_path) if where == "file" else {"driver": "memory", "path": f"{uuid.uuid4().hex}/"}
     backend = _kv_backend(spec)
     a = np.arange(6, dtype=np.float32)
@@ -143,7 +143,7 @@ def test_delete_tree_removes_a_prefix_and_nothing_beside_it(tmp_path: Path, wher
         assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["k.10"]
 
 
-def test_a_fresh_write_clears_nothing_and_a_replacing_one_clears_the_old_array(tmp_path: Path) -> None:
+def test_internals_a_fresh_write_clears_nothing_and_a_replacing_one_clears_the_old_array(tmp_path: Path) -> None:
     """A put into a folder named for it alone (``fresh``, what the store's puts are) skips the
     listing that clears a path; a write without it replaces whatever array was there."""
     kv = _kv_backend(_file_spec(tmp_path))

@@ -231,7 +231,7 @@ def test_a_damaged_or_foreign_structure_record(stored, tmp_path, damage):
         assert report["error"].startswith("CorruptContextError: the stored backward of signature rs2-"), report
 
 
-def test_the_artifact_is_lowered_for_cpu_and_cuda_and_its_cpu_half_runs(rng):
+def test_internals_the_artifact_is_lowered_for_cpu_and_cuda_and_its_cpu_half_runs(rng):
     params, x = _params(rng), jax.random.normal(rng, (3, 4))
     _, ctx = FWD(params, x)
     bwd = ctx._backward
@@ -249,7 +249,7 @@ def test_the_artifact_is_lowered_for_cpu_and_cuda_and_its_cpu_half_runs(rng):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_an_artifact_without_this_platform_names_the_platforms_it_has(rng, monkeypatch):
+def test_internals_an_artifact_without_this_platform_names_the_platforms_it_has(rng, monkeypatch):
     params, x = _params(rng), jnp.ones((3, 4))
     _, ctx = FWD(params, x)
     bwd = ctx._backward
@@ -273,7 +273,7 @@ def _cpu_only_primitive():
     return prim
 
 
-def test_a_platform_that_cannot_lower_it_is_left_out_with_the_reason(rng):
+def test_internals_a_platform_that_cannot_lower_it_is_left_out_with_the_reason(rng):
     prim = _cpu_only_primitive()
     aval = jax.ShapeDtypeStruct((3,), jnp.float32)
     bwd = Backward(
@@ -361,7 +361,7 @@ def test_importing_the_types_after_the_backward_was_loaded_still_rebuilds_them(s
 
 
 @pytest.mark.subprocess
-def test_the_stored_backward_is_deserialized_only_when_a_backward_needs_it(stored):
+def test_internals_the_stored_backward_is_deserialized_only_when_a_backward_needs_it(stored):
     """``get`` reads and checks the stored backward (deleting the store afterwards cannot take it
     away) but does not deserialize it; the first ``rs.backward`` without a live split does, once."""
     root, _, _, _ = stored

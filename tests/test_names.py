@@ -265,12 +265,12 @@ def test_names_are_not_part_of_the_signature():
     assert sa.names != sb.names and intermediates(sa)[0].startswith(f"tanh {THIS_FILE}:")
 
 
-def test_names_module_docstring_examples():
+def test_internals_names_module_docstring_examples():
     result = doctest.testmod(names)
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_parameter_owner_and_module_path():
+def test_internals_parameter_owner_and_module_path():
     assert names.parameter_owner("s['blocks'][0]['mlp']['kernel'].value") == "s['blocks'][0]['mlp']"
     assert names.parameter_owner("p.layers[1].weight") == "p.layers[1]"
     assert names.parameter_owner("params['mlp/~/linear_1']['w']") == "params['mlp/~/linear_1']"

@@ -217,7 +217,7 @@ def test_the_command_line_on_an_s3_spec(spec):
         assert not any(n in out.stderr for n in SDK_NOISE), out.stderr
 
 
-def test_named_credentials_are_left_as_given():
+def test_internals_named_credentials_are_left_as_given():
     from residual_store._src.store import kv_backend
 
     given = {"driver": "s3", "bucket": "b", "aws_credentials": {"type": "anonymous"}}

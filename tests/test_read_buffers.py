@@ -22,7 +22,7 @@ def _address(x: np.ndarray) -> int:
 
 
 @pytest.mark.slow
-def test_a_buffer_is_reused_only_once_every_array_aliasing_it_is_gone():
+def test_internals_a_buffer_is_reused_only_once_every_array_aliasing_it_is_gone():
     pool = ReadBuffers(1 << 22)
     a = pool.empty((64, 128), np.float32)
     where = _address(a)
@@ -43,7 +43,7 @@ def test_a_buffer_is_reused_only_once_every_array_aliasing_it_is_gone():
     assert len({_address(g) for g in got}) == 3  # never the same buffer twice at once
 
 
-def test_other_shapes_of_the_same_bytes_share_buffers_and_sizes_are_bounded():
+def test_internals_other_shapes_of_the_same_bytes_share_buffers_and_sizes_are_bounded():
     pool = ReadBuffers(4 * 4096)
     a = pool.empty((1100,), np.float32)  # 4400 bytes and room to align: two pages
     where = _address(a)
@@ -63,7 +63,7 @@ def test_other_shapes_of_the_same_bytes_share_buffers_and_sizes_are_bounded():
     assert pool.nbytes == 3 * 4096
 
 
-def test_threads_never_get_the_same_buffer():
+def test_internals_threads_never_get_the_same_buffer():
     pool = ReadBuffers(64 << 20)
     held: list[list[np.ndarray]] = [[] for _ in range(4)]
 

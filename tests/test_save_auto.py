@@ -366,7 +366,7 @@ def test_custom_rules_closing_over_an_array(name, save, rng):
     assert _own(ctx) <= _own(rs.split(loss)(x)[1])
 
 
-def test_a_constant_residual_is_neither_kept_nor_recomputed(rng):
+def test_internals_a_constant_residual_is_neither_kept_nor_recomputed(rng):
     """A residual that is a constant of the forward's jaxpr: nothing kept, nothing recomputed;
     the rebuild reads it from the constants."""
     c = jax.random.normal(rng, (3,))

@@ -170,7 +170,7 @@ def test_memory_kind_is_part_of_the_signature_and_both_backwards_are_right(rng):
     assert fwd.cache_info().backward_compiles == 2
 
 
-def test_treedef_fingerprint_has_no_addresses():
+def test_internals_treedef_fingerprint_has_no_addresses():
     Point = namedtuple("Point", "x y")
     tree = {"a": [1, Point(2, 3)], "b": (None, 4)}
     text = treedef_fingerprint(jax.tree.structure(tree))
@@ -180,7 +180,7 @@ def test_treedef_fingerprint_has_no_addresses():
     assert text != treedef_fingerprint(jax.tree.structure({"a": [1, (2, 3)], "b": (None, 4)}))
 
 
-def test_scrub_takes_addresses_and_source_locations_out_of_reprs():
+def test_internals_scrub_takes_addresses_and_source_locations_out_of_reprs():
     """A value written by its repr (the last resort) loses what moves between processes and
     edits: memory addresses, decimal ids, file names with lines; a string value stays whole."""
 

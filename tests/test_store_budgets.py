@@ -25,14 +25,14 @@ from store_helpers import assert_contexts_identical, python_env
         (None, None),
     ],
 )
-def test_sizes_with_units(text, want):
+def test_internals_sizes_with_units(text, want):
     assert budgets.parse_size(text, "host_budget") == want
 
 
 @pytest.mark.parametrize(
     "bad", ["10", "8G", "1.5", "-1MiB", "1e9B", "GiB", "8 GiBs", "0.5B", "50%", 1.5, True, -1, [], b"1MiB"]
 )
-def test_sizes_that_are_not_sizes_are_refused_by_name(bad):
+def test_internals_sizes_that_are_not_sizes_are_refused_by_name(bad):
     with pytest.raises(rs.InvalidArgumentError, match="host_budget"):
         budgets.parse_size(bad, "host_budget")
 
@@ -49,7 +49,7 @@ class _Device:
         return self.stats
 
 
-def test_a_share_is_of_the_devices_memory_limit():
+def test_internals_a_share_is_of_the_devices_memory_limit():
     device = _Device({"bytes_limit": 80 << 30, "bytes_in_use": 1 << 30})
     assert budgets.parse_budget("50%", "device_budget", device) == 40 << 30
     assert budgets.parse_budget("12.5 %", "device_budget", device) == 10 << 30
@@ -93,7 +93,7 @@ def _keys_seen_by_another_process(path) -> list[str]:
 
 
 @pytest.mark.subprocess
-def test_flush_of_one_key_waits_for_its_put_only(tmp_path, rng, monkeypatch):
+def test_internals_flush_of_one_key_waits_for_its_put_only(tmp_path, rng, monkeypatch):
     """k2's write is held at a gate: ``flush("k1")`` returns with k1 visible to another
     process and k2 not yet; ``flush("k2")`` waits for the gate; both read back bitwise."""
     gate, waiting = threading.Event(), threading.Event()
@@ -134,7 +134,7 @@ def test_flush_of_one_key_waits_for_its_put_only(tmp_path, rng, monkeypatch):
             store.flush("../k1")
 
 
-def test_flush_of_a_key_raises_its_writes_error(tmp_path, rng, monkeypatch):
+def test_internals_flush_of_a_key_raises_its_writes_error(tmp_path, rng, monkeypatch):
     commit = disk.DiskTier.commit
 
     def failing(self, plan, **kw):
@@ -155,7 +155,7 @@ def test_flush_of_a_key_raises_its_writes_error(tmp_path, rng, monkeypatch):
 
 
 @pytest.mark.slow
-def test_device_headroom_spills_when_the_devices_free_memory_runs_low(tmp_path, rng, monkeypatch):
+def test_internals_device_headroom_spills_when_the_devices_free_memory_runs_low(tmp_path, rng, monkeypatch):
     """A device whose memory statistics the test controls: while its free memory is above the
     headroom, contexts stay on the device (no budget); when the model's own memory grows into
     the headroom, the next put moves the store's contexts off until the shortfall is given back."""

@@ -49,7 +49,7 @@ def _parts(plan):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key", ["a", "run-7.mb-3_x"])
-def test_a_write_planned_from_its_template_is_the_write_planned_in_full(context, key, monkeypatch):
+def test_internals_a_write_planned_from_its_template_is_the_write_planned_in_full(context, key, monkeypatch):
     layout._templates.clear()
     first = _plan(context, "warm", "0" * 12, monkeypatch, template=True)  # makes the template
     fast = _plan(context, key, "abcdef012345", monkeypatch, template=True)
@@ -71,7 +71,7 @@ def test_a_write_planned_from_its_template_is_the_write_planned_in_full(context,
 
 
 @pytest.mark.slow
-def test_a_template_holds_only_for_arrays_of_its_shapes_and_dtypes(context, monkeypatch):
+def test_internals_a_template_holds_only_for_arrays_of_its_shapes_and_dtypes(context, monkeypatch):
     layout._templates.clear()
     arrays, impls = host.host_arrays(context)
     layout.plan_write("k", context.spec, arrays, impls, write_id="0" * 12)
@@ -84,7 +84,7 @@ def test_a_template_holds_only_for_arrays_of_its_shapes_and_dtypes(context, monk
 
 
 @pytest.mark.slow
-def test_records_checked_skips_only_the_records(context, monkeypatch):
+def test_internals_records_checked_skips_only_the_records(context, monkeypatch):
     plan = _plan(context, "a", "0" * 12, monkeypatch, template=True)
     fields = serializers.decode_manifest(plan.manifest, what="test")
     fields.pop(manifest.SELF_CHECKSUM_FIELD, None)
@@ -106,7 +106,7 @@ def test_records_checked_skips_only_the_records(context, monkeypatch):
 _DTYPES = [np.float32, np.float16, jnp.bfloat16, np.int32, np.uint8, np.bool_, np.int8, np.uint32]
 
 
-def test_host_arrays_placed_many_at_a_time_are_what_device_put_makes(rng):
+def test_internals_host_arrays_placed_many_at_a_time_are_what_device_put_makes(rng):
     """``host.device_put_all`` (``_jax_internals.device_put_many`` past a few arrays) gives
     the aval, sharding, commitment and values ``jax.device_put`` gives, aliasing an aligned CPU
     buffer as it does; arrays it cannot take (not contiguous, a dtype JAX narrows) go through
@@ -156,7 +156,7 @@ def test_a_get_of_many_residuals_gives_arrays_that_compute(context, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("bundle", [True, False])
 @pytest.mark.parametrize("template", [True, False])
-def test_the_layout_a_writer_knows_is_the_one_its_manifest_gives(context, monkeypatch, bundle, template):
+def test_internals_the_layout_a_writer_knows_is_the_one_its_manifest_gives(context, monkeypatch, bundle, template):
     """A replaced context's folder is recycled by layout: the layout its writer remembered
     (``StoredContext.layout``) is the one any process computes from the manifest."""
     from residual_store._src.store.records import parse_context_manifest
@@ -172,7 +172,7 @@ def test_the_layout_a_writer_knows_is_the_one_its_manifest_gives(context, monkey
 
 
 @pytest.mark.slow
-def test_a_name_holding_the_templates_placeholder_is_planned_in_full(context):
+def test_internals_a_name_holding_the_templates_placeholder_is_planned_in_full(context):
     """The template's group metadata is split where a placeholder stands; a residual named with
     that character (free text) gets no template, and its group metadata is still right."""
     import dataclasses

@@ -310,7 +310,7 @@ def disk_full(tmp_path_factory):
 
 
 @pytest.mark.subprocess
-def test_disk_full_raises_store_full_and_leaves_nothing(disk_full, split):
+def test_internals_disk_full_raises_store_full_and_leaves_nothing(disk_full, split):
     base, results, model = disk_full
     result, root = results["context"], base / "context"
     assert result["error"] == "StoreFullError", result
@@ -340,7 +340,7 @@ np.savez(out, **{jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves})
 
 
 @pytest.mark.subprocess
-def test_a_put_that_failed_on_a_full_disk_keeps_its_valid_backward_for_later_contexts(disk_full, split, tmp_path):
+def test_internals_a_put_that_failed_on_a_full_disk_keeps_its_valid_backward_for_later_contexts(disk_full, split, tmp_path):
     """The backward a put saved before its context failed to fit stays (docs/format.md says
     why: it is complete and verified, other writers may rely on it, gc removes it once no
     context has its signature). It verifies, a later put of the signature uses it as it is (not
@@ -368,7 +368,7 @@ def test_a_put_that_failed_on_a_full_disk_keeps_its_valid_backward_for_later_con
 
 
 @pytest.mark.subprocess
-def test_disk_full_while_saving_the_backward_is_store_full(disk_full, split):
+def test_internals_disk_full_while_saving_the_backward_is_store_full(disk_full, split):
     base, results, model = disk_full
     result, root = results["backward"], base / "backward"
     assert result["error"] == "StoreFullError", result
@@ -390,7 +390,7 @@ def test_disk_full_while_saving_the_backward_is_store_full(disk_full, split):
 
 
 @pytest.mark.subprocess
-def test_a_failed_write_of_shared_weights_never_damages_a_committed_context(disk_full, split):
+def test_internals_a_failed_write_of_shared_weights_never_damages_a_committed_context(disk_full, split):
     """A writer that races another to store the same weights, then fails, must leave the other
     writer's committed context intact (weights are never rewritten in place)."""
     base, results, model = disk_full

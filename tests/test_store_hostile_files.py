@@ -162,7 +162,7 @@ def stored(tmp_path, split, params):
 @pytest.mark.slow
 @pytest.mark.parametrize("hazard", HAZARDS)
 @pytest.mark.parametrize("kind", FILE_KINDS)
-def test_a_hostile_file_gives_a_library_error_quickly(stored, kind, hazard, capsys):
+def test_internals_a_hostile_file_gives_a_library_error_quickly(stored, kind, hazard, capsys):
     _plant(stored.files[kind], hazard)
     root = stored.root
 

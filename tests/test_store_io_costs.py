@@ -69,7 +69,7 @@ def test_a_durable_put_into_a_recycled_folder_fsyncs_each_file_once_and_two_fold
         assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
 
 
-def test_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_manifest(tmp_path, split, monkeypatch):
+def test_internals_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_manifest(tmp_path, split, monkeypatch):
     params, x = _inputs(3)
     _, ctx = split(params, x)
     root = tmp_path / "s"
@@ -90,7 +90,7 @@ def test_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_manifest(tm
         assert len(parses) == 1
 
 
-def test_a_delete_after_this_stores_put_parses_nothing_and_after_anothers_drops_the_new_data(
+def test_internals_a_delete_after_this_stores_put_parses_nothing_and_after_anothers_drops_the_new_data(
     tmp_path, split, monkeypatch
 ):
     root = tmp_path / "s"
@@ -118,7 +118,7 @@ def test_a_delete_after_this_stores_put_parses_nothing_and_after_anothers_drops_
     assert not (root / "data" / own).exists() and not (root / "data" / replaced).exists()
 
 
-def test_contexts_of_one_signature_parse_their_spec_once_and_examine_each_folder_once(tmp_path, split, monkeypatch):
+def test_internals_contexts_of_one_signature_parse_their_spec_once_and_examine_each_folder_once(tmp_path, split, monkeypatch):
     """A fresh store's gets of contexts of one signature: the spec part of their manifests is
     parsed once in the process (every such manifest has the same spec map), and each get
     examines the one folder of its bundle once, whatever its number of residuals."""
@@ -145,7 +145,7 @@ def test_contexts_of_one_signature_parse_their_spec_once_and_examine_each_folder
         assert_trees_close(rs.backward(ctx), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
 
 
-def test_weights_a_store_holds_on_the_device_are_not_read_again(tmp_path, split, monkeypatch):
+def test_internals_weights_a_store_holds_on_the_device_are_not_read_again(tmp_path, split, monkeypatch):
     params, _ = _inputs(5)
     xs = [_inputs(s)[1] for s in (6, 7)]
     root = tmp_path / "s"
@@ -209,7 +209,7 @@ def test_a_live_weight_is_hashed_once_for_every_put_that_holds_it(tmp_path, spli
         assert_trees_close(rs.backward(fresh.get("k3")), jax.grad(_loss, argnums=(0, 1))(new, xs[0]), **F32_TOL)
 
 
-def test_a_burst_of_durable_puts_shares_one_sync_of_the_manifests_folder(tmp_path, split, monkeypatch):
+def test_internals_a_burst_of_durable_puts_shares_one_sync_of_the_manifests_folder(tmp_path, split, monkeypatch):
     import threading
 
     params, _ = _inputs(12)

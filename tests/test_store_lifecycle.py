@@ -90,7 +90,7 @@ def test_dropped_stores_leave_no_threads(tmp_path, fwd):
 
 
 @pytest.mark.slow
-def test_a_store_dropped_after_a_failed_write_leaves_no_threads(tmp_path, fwd, monkeypatch, capfd):
+def test_internals_a_store_dropped_after_a_failed_write_leaves_no_threads(tmp_path, fwd, monkeypatch, capfd):
     _warm_up(fwd, tmp_path / "warm")
     before = _threads_settle(0, timeout=0)
 
@@ -108,7 +108,7 @@ def test_a_store_dropped_after_a_failed_write_leaves_no_threads(tmp_path, fwd, m
     assert "injected failure writing k0" in err and "without close()" in err
 
 
-def test_a_failed_write_still_raises_from_flush_with_its_traceback_text(tmp_path, fwd, monkeypatch):
+def test_internals_a_failed_write_still_raises_from_flush_with_its_traceback_text(tmp_path, fwd, monkeypatch):
     def failing_write(self, key, *args, **kwargs):
         raise OSError(5, "injected")
 
@@ -159,7 +159,7 @@ def test_the_stat_cache_forgets_contexts_deleted_by_another_store(tmp_path, fwd)
         assert len(reader._disk._stat_cache) == 0
 
 
-def test_the_stat_cache_is_bounded(tmp_path, fwd, monkeypatch):
+def test_internals_the_stat_cache_is_bounded(tmp_path, fwd, monkeypatch):
     monkeypatch.setattr(disk_module, "_STAT_CACHE_MAX", 5)
     with rs.Store(tmp_path / "s", durable=False) as store:
         for i in range(12):
@@ -233,7 +233,7 @@ def test_a_backward_on_deleted_arrays_names_the_residual(fwd):
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype"])
-def test_a_tampered_context_on_the_first_backward_names_the_residual(change):
+def test_internals_a_tampered_context_on_the_first_backward_names_the_residual(change):
     split = rs.split(lambda w, x: jnp.sum(jnp.sin(x @ w) ** 2))  # fresh: nothing compiled yet
     _, ctx = split(jnp.ones((4, 3)), jnp.ones((2, 4)))
     leaves, spec = list(ctx.residuals), ctx.spec
@@ -246,7 +246,7 @@ def test_a_tampered_context_on_the_first_backward_names_the_residual(change):
     rs.backward(ctx)  # the intact context still runs
 
 
-def test_a_store_marker_of_a_future_version_is_refused_and_left_alone(tmp_path, fwd):
+def test_internals_a_store_marker_of_a_future_version_is_refused_and_left_alone(tmp_path, fwd):
     root = tmp_path / "s"
     with rs.Store(root) as store:
         store.put(_ctx(fwd), "a")
@@ -265,7 +265,7 @@ def test_a_store_marker_of_a_future_version_is_refused_and_left_alone(tmp_path, 
 @pytest.mark.parametrize(
     "content", [b"", b"garbage", b'{"format": "other", "version": 1}', b'{"format": "residual-store"}']
 )
-def test_a_damaged_store_marker_is_refused(tmp_path, content):
+def test_internals_a_damaged_store_marker_is_refused(tmp_path, content):
     root = tmp_path / "s"
     rs.Store(root).close()
     (root / disk_module.STORE_MARKER).write_bytes(content)

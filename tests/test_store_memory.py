@@ -84,7 +84,7 @@ def _check_puts(store, w, gate, values, budget, budget_contexts, one, pinned, ba
 @pytest.mark.parametrize("budget_contexts", [0, 2])
 @pytest.mark.parametrize("write_through", [True, False])
 @pytest.mark.parametrize("pinned", [True, False], ids=["copy-to-pinned-host", "cpu-views"])
-def test_device_memory_stays_within_the_budget_while_writes_are_pending(
+def test_internals_device_memory_stays_within_the_budget_while_writes_are_pending(
     tmp_path, gate, monkeypatch, budget_contexts, write_through, pinned
 ):
     if pinned:  # what a GPU does: pending contexts become pinned_host copies, and a write's
@@ -121,7 +121,7 @@ def test_device_memory_stays_within_the_budget_while_writes_are_pending(
                 np.testing.assert_array_equal(np.asarray(a), b)
 
 
-def test_a_pending_context_is_served_from_its_host_copy(tmp_path, gate, rng):
+def test_internals_a_pending_context_is_served_from_its_host_copy(tmp_path, gate, rng):
     """A get of a context whose write is held returns it on the device, bitwise, from the host
     copy (nothing read from disk), and its gradient is the in-memory one."""
     w = jax.random.normal(rng, (_D, _D)) / np.sqrt(_D)

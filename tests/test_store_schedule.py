@@ -47,7 +47,7 @@ def _on_disk(path):
 
 
 @pytest.mark.slow
-def test_a_put_spills_the_context_needed_last(tmp_path, contexts):
+def test_internals_a_put_spills_the_context_needed_last(tmp_path, contexts):
     fwd, ctxs, size = contexts
     for declared, expect_spilled in ((["mb1", "mb0", "mb2"], "mb2"), (None, "mb0"), (["mb2", "mb1"], "mb0")):
         path = tmp_path / f"s{expect_spilled}{declared is None}"
@@ -65,7 +65,7 @@ def test_a_put_spills_the_context_needed_last(tmp_path, contexts):
                 _check(fwd.backward(store.get(f"mb{i}")), ctxs[i][1])
 
 
-def test_fifo_order_reads_only_what_cannot_fit_and_lru_reads_more(tmp_path, contexts):
+def test_internals_fifo_order_reads_only_what_cannot_fit_and_lru_reads_more(tmp_path, contexts):
     """F0..F3 then B0..B3 under a device budget of two contexts: the schedule keeps mb0 and mb1
     on the device and reads mb2 and mb3 once each (2 = 4 - 2); LRU keeps mb2 and mb3, which are
     needed last, and reads all four."""
@@ -86,7 +86,7 @@ def test_fifo_order_reads_only_what_cannot_fit_and_lru_reads_more(tmp_path, cont
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["writes-held", "writes-done"])
-def test_contexts_brought_back_count_the_same_with_writes_held_or_done(tmp_path, contexts, monkeypatch, held):
+def test_internals_contexts_brought_back_count_the_same_with_writes_held_or_done(tmp_path, contexts, monkeypatch, held):
     """docs/store.md's count without ``flush``: F0..F7 then B0..B7 under a device budget of two
     contexts brings back the six that could not fit (LRU: all eight), from the host copies of
     writes still held at a gate (a slow disk: no disk read at all) or from disk once written."""
@@ -128,7 +128,7 @@ def test_contexts_brought_back_count_the_same_with_writes_held_or_done(tmp_path,
         assert counts == {"schedule": (6, 0), "lru": (8, 0)}
 
 
-def test_f_then_b_loads_each_spilled_context_once(tmp_path, contexts):
+def test_internals_f_then_b_loads_each_spilled_context_once(tmp_path, contexts):
     """F1..F8 then B8..B1, device budget two contexts, no host tier: six contexts cannot fit,
     and each is read back exactly once, loaded ahead while the previous backward runs."""
     fwd, ctxs, size = contexts
@@ -146,7 +146,7 @@ def test_f_then_b_loads_each_spilled_context_once(tmp_path, contexts):
     assert stats["disk"]["bytes_read"] >= 6 * size
 
 
-def test_a_get_out_of_order_and_keys_not_named_still_work(tmp_path, contexts):
+def test_internals_a_get_out_of_order_and_keys_not_named_still_work(tmp_path, contexts):
     fwd, ctxs, size = contexts
     with rs.Store(tmp_path / "s", device_budget=2 * size, host_budget=0) as store:
         store.schedule(["mb0", "mb1", "later-key"])  # a key not put yet is fine
@@ -158,7 +158,7 @@ def test_a_get_out_of_order_and_keys_not_named_still_work(tmp_path, contexts):
         _check(fwd.backward(store.get("mb2")), ctxs[2][1])
 
 
-def test_bad_schedules_raise_and_change_nothing(tmp_path, contexts):
+def test_internals_bad_schedules_raise_and_change_nothing(tmp_path, contexts):
     _, ctxs, size = contexts
     with rs.Store(tmp_path / "s", device_budget=2 * size, host_budget=0, write_through=False) as store:
         store.schedule(["mb1", "mb0", "mb2"])
@@ -176,7 +176,7 @@ def test_bad_schedules_raise_and_change_nothing(tmp_path, contexts):
         store.schedule(["mb0"])
 
 
-def test_memory_only_store_with_a_schedule_refuses_what_it_cannot_hold(contexts):
+def test_internals_memory_only_store_with_a_schedule_refuses_what_it_cannot_hold(contexts):
     """The capacity check simulates the schedule's order: nothing put is ever dropped."""
     fwd, ctxs, size = contexts
     with rs.Store(None, device_budget=size, host_budget=size) as store:
@@ -190,7 +190,7 @@ def test_memory_only_store_with_a_schedule_refuses_what_it_cannot_hold(contexts)
             _check(fwd.backward(store.get(f"mb{i}")), ctxs[i][1])
 
 
-def test_schedule_positions():
+def test_internals_schedule_positions():
     s = Schedule()
     assert not s and s.next_use("a") is None
     s.declare(["a", "b", "a", "c"])

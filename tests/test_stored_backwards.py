@@ -152,7 +152,7 @@ def test_contexts_from_residual_store_0_1_are_read_and_their_backward_never_run(
     assert _read(root, "without_model")["backward"].startswith("BackwardUnavailableError: context signature rs1-")
 
 
-def test_the_backward_is_exported_on_the_writer_thread(stored, monkeypatch, rng):
+def test_internals_the_backward_is_exported_on_the_writer_thread(stored, monkeypatch, rng):
     """``put`` of a new signature returns before its backward is exported: the export waits for
     the test to release it, which a ``put`` that exported on the caller's thread would never see."""
     root, _, _, _ = stored

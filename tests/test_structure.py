@@ -50,18 +50,18 @@ def _as_msgpack(record):
 
 
 @pytest.mark.parametrize("library", sorted(MAKERS))
-def test_parameter_trees_of_every_library_round_trip(library):
+def test_internals_parameter_trees_of_every_library_round_trip(library):
     _, params = MAKERS[library]()
     _round_trip_tree(params)
 
 
-def test_builtin_and_named_nodes_round_trip():
+def test_internals_builtin_and_named_nodes_round_trip():
     _round_trip_tree({"a": [1, (2, None)], "b": Point(1, 2), "c": collections.OrderedDict(z=1, a=2)})
     _round_trip_tree(collections.defaultdict(list, {"k": 1}))
     _round_trip_tree(())
 
 
-def test_static_values_round_trip_without_calling_constructors(monkeypatch):
+def test_internals_static_values_round_trip_without_calling_constructors(monkeypatch):
     value = (Config(), Point(1, "two"), 2**80, b"raw", np.float32(1.5), jnp.bfloat16, None, 3.25, Mode.EVAL,
              collections.OrderedDict(b=1, a=("x", 2)))  # OrderedDict: e.g. Penzai's NamedArray axes
     record = structure.encode_value(value)
@@ -81,12 +81,12 @@ def test_static_values_round_trip_without_calling_constructors(monkeypatch):
         ({"f": object()}, "not a module-level name"),
     ],
 )
-def test_what_no_record_describes_is_refused_by_name(value, message):
+def test_internals_what_no_record_describes_is_refused_by_name(value, message):
     with pytest.raises(structure.UnrecordableError, match=message):
         structure.encode_value(value)
 
 
-def test_a_class_defined_inside_a_function_is_unrecordable():
+def test_internals_a_class_defined_inside_a_function_is_unrecordable():
     @jax.tree_util.register_dataclass
     @dataclasses.dataclass
     class Local:
@@ -105,7 +105,7 @@ def test_a_class_defined_inside_a_function_is_unrecordable():
         (("node", ("os", "path.__class__"), None, ()), "not a module-level name"),
     ],
 )
-def test_hostile_tree_records_are_refused(record, message):
+def test_internals_hostile_tree_records_are_refused(record, message):
     before = set(sys.modules)
     with pytest.raises(structure.UnresolvableError, match=message):
         structure.decode_treedef(record)
@@ -121,13 +121,13 @@ def test_hostile_tree_records_are_refused(record, message):
         ("ref", "importlib", "nonexistent"),
     ],
 )
-def test_hostile_value_records_never_call_anything(record):
+def test_internals_hostile_value_records_never_call_anything(record):
     with pytest.raises(structure.UnresolvableError):
         structure.decode_value(record)
 
 
 @pytest.mark.parametrize("record", [("nope", 1), (1, 2), ["list"], ("tuple",), ("int", "x1")])
-def test_malformed_records_are_value_errors(record):
+def test_internals_malformed_records_are_value_errors(record):
     with pytest.raises(ValueError):
         structure.decode_value(record)
 

@@ -136,7 +136,7 @@ def test_du_and_inspect_tell_inputs_from_weights(tmp_path, rng):
 
 
 @pytest.mark.slow
-def test_a_deleted_split_is_collected_and_its_contexts_keep_their_backward(rng):
+def test_internals_a_deleted_split_is_collected_and_its_contexts_keep_their_backward(rng):
     x = jax.random.normal(rng, (5,))
     fwd = rs.split(lambda v: jnp.sum(jnp.sin(v) ** 2))
     _, ctx = fwd(x)
@@ -159,7 +159,7 @@ def _manifest(root, key):
 
 
 @pytest.mark.slow
-def test_a_context_read_back_holds_the_callers_live_weights_not_copies(tmp_path, rng, monkeypatch):
+def test_internals_a_context_read_back_holds_the_callers_live_weights_not_copies(tmp_path, rng, monkeypatch):
     """A store's get of a context it wrote takes the weights from the live arrays the put held
     (no read, no second copy on the device) while the caller holds them; a weight deleted
     (donated) since is read from disk again. Gradients: bit for bit the in-memory ones."""

@@ -118,7 +118,7 @@ def _files(root):
     return sorted((str(p.relative_to(root)), p.read_bytes()) for p in root.rglob("*") if p.is_file())
 
 
-def test_a_version_1_store_is_read_and_upgraded_by_its_first_write(tmp_path, split, monkeypatch):
+def test_internals_a_version_1_store_is_read_and_upgraded_by_its_first_write(tmp_path, split, monkeypatch):
     from residual_store._src.store import layout
 
     root = tmp_path / "store"
@@ -277,7 +277,7 @@ def test_which_entries_plain_zarr_warns_about(tmp_path, split):
     assert got == {"root": own, "data": [".free"], "tree": sorted([*own, ".free", "bundle.zip"])}
 
 
-def test_a_write_with_arrays_of_its_own_folder_lists_them(tmp_path, split, monkeypatch):
+def test_internals_a_write_with_arrays_of_its_own_folder_lists_them(tmp_path, split, monkeypatch):
     """Only a write whose folder holds no array says it has no member: one whose residuals have
     folders of their own (here: no bundle) is an ordinary group, and zarr lists its arrays."""
     import zarr
