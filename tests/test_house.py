@@ -236,3 +236,42 @@ def test_public_functions_keep_their_names_whatever_is_imported_first():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
     assert out.returncode == 0, out.stderr
+
+
+_THREAD_MAKERS = {"ThreadPoolExecutor", "ProcessPoolExecutor", "Thread", "Timer"}
+
+
+def _threads_made_at_import(source: str) -> list[int]:
+    """Lines of ``source`` that make a thread or pool when the module is imported: a call of
+    one of ``_THREAD_MAKERS`` outside every function (a class body runs at import too)."""
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in _THREAD_MAKERS:
+                found.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def test_the_check_finds_pools_made_at_import():
+    source = (
+        "import threading\nfrom concurrent.futures import ThreadPoolExecutor\n"
+        "POOL = ThreadPoolExecutor(2)\n"
+        "def lazy():\n    return ThreadPoolExecutor(2)\n"
+        "class Holder:\n    t = threading.Thread(target=print)\n"
+    )
+    assert _threads_made_at_import(source) == [3, 7]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: str(m.relative_to(PACKAGE)))
+def test_no_thread_or_pool_is_made_at_import(module):
+    lines = _threads_made_at_import(module.read_text())
+    assert not lines, f"{module.relative_to(PACKAGE.parent)} makes threads at import (lines {lines}): make them on first use"

@@ -67,12 +67,22 @@ __all__ = ["DiskTier", "STORE_MARKER"]
 
 _MAX_FREE_PER_LAYOUT = 64
 _STAT_CACHE_MAX = 4096  # parsed manifests kept for listing (least recently used dropped)
-_READ_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
-# an object store's reads each wait on a request: this many go out at once
-_REQUEST_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-request")
 _PARALLEL_READ_BYTES = 16 << 20  # a context this large is read two arrays at a time
 _SMALL_READ_BYTES = 64 << 10  # what one more file costs to open and read, counted as bytes
 _READ_ATTEMPTS = 8
+
+
+@functools.cache
+def _read_pool() -> ThreadPoolExecutor:
+    """The threads that read a large context two arrays at a time (made on first use)."""
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
+
+
+@functools.cache
+def _request_pool() -> ThreadPoolExecutor:
+    """The threads of an object store's reads, each waiting on a request: this many go out at
+    once (made on first use)."""
+    return ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-request")
 
 
 class DiskTier:
@@ -471,9 +481,9 @@ class DiskTier:
         read = functools.partial(self._read_task, key, stored)
         nbytes = sum(stored.records[i].nbytes for i, chunk, _ in tasks if chunk is None)
         if self.backend.latency_bound:
-            pool, parallel = _REQUEST_POOL, len(tasks) > 1
+            pool, parallel = _request_pool(), len(tasks) > 1
         else:
-            pool, parallel = _READ_POOL, len(tasks) > 1 and nbytes + len(tasks) * _SMALL_READ_BYTES >= _PARALLEL_READ_BYTES
+            pool, parallel = _read_pool(), len(tasks) > 1 and nbytes + len(tasks) * _SMALL_READ_BYTES >= _PARALLEL_READ_BYTES
         results = list(pool.map(read, tasks)) if parallel else self._read_in_turn(key, stored, tasks)
         pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
         for (i, idx, _), x in zip(tasks, results):
