@@ -8,6 +8,7 @@ import gc
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import residual_store as rs
 from residual_store._src.backward import find_backward, loaders, lookup_backward
@@ -90,4 +91,33 @@ def test_internals_an_open_store_loads_a_backward_no_context_of_it_was_read_for(
         _, ctx = fwd(w, fresh)
         np.testing.assert_allclose(bwd(ctx), jax.grad(_loss_b)(w, fresh), rtol=1e-5, atol=1e-6)
     del store, bwd, fwd, ctx
+    gc.collect()
+
+
+class _Unreachable:
+    """A loader whose store cannot be reached (an object store that stopped answering)."""
+
+    calls = 0
+
+    def load_backward(self, signature: str):
+        self.calls += 1
+        raise rs.StoreUnavailableError("the object store did not answer")
+
+
+def test_internals_an_unreachable_store_does_not_hide_another_that_has_the_backward(tmp_path, rng):
+    w, x = _inputs(rng)
+    sig = _stored(tmp_path / "s", _loss_a, w, x)
+    down = _Unreachable()
+    with rs.Store(tmp_path / "s", read_only=True) as store:
+        # the unreachable loader is asked first (as a context's own would be), then the open store
+        bwd = find_backward(sig, down)
+        assert bwd is not None and down.calls == 1
+        fresh = jax.random.normal(jax.random.fold_in(rng, 2), x.shape)
+        _, ctx = rs.split(_loss_a)(w, fresh)
+        np.testing.assert_allclose(bwd(ctx), jax.grad(_loss_a)(w, fresh), rtol=1e-5, atol=1e-6)
+        # no store has an unknown signature: the unreachable one's error says why
+        with pytest.raises(rs.StoreUnavailableError, match="did not answer"):
+            find_backward("0" * len(sig), down)
+        assert find_backward("0" * len(sig)) is None
+    del store, bwd, ctx
     gc.collect()

@@ -24,6 +24,7 @@ from residual_store._src.errors import (
     BackwardUnavailableError,
     InvalidArgumentError,
     SignatureMismatchError,
+    StoreUnavailableError,
 )
 from residual_store._src.keypaths import PathStructure
 from residual_store._src.signature import is_current
@@ -346,14 +347,22 @@ def loaders() -> tuple[BackwardLoader, ...]:
 def find_backward(signature: str, loader: BackwardLoader | None = None) -> Backward | None:
     """The registered backward of ``signature``; else the one ``loader`` loads (the stored
     backward a context was read with); else the first a registered loader loads; else ``None``.
-    A stored backward is deserialized only here, when no live one exists."""
+    A stored backward is deserialized only here, when no live one exists. A store that cannot
+    be reached does not hide the others: its error is raised only if no other store has it."""
     found = lookup_backward(signature)
     if found is not None:
         return found
+    unreachable: StoreUnavailableError | None = None
     for candidate in ((loader,) if loader is not None else ()) + loaders():
-        found = candidate.load_backward(signature)
+        try:
+            found = candidate.load_backward(signature)
+        except StoreUnavailableError as err:
+            unreachable = unreachable or err
+            continue
         if found is not None:
             return found
+    if unreachable is not None:
+        raise unreachable
     return None
 
 
