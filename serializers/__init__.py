@@ -59,7 +59,6 @@ from serializers.local import (
     read_array_local,
     read_arrays_local,
     read_chunk_local,
-    write_array_local,
     write_arrays_local,
     write_chunks_local,
 )
@@ -85,7 +84,6 @@ from serializers.zarr import (
     check_chunk_shape,
     chunk_grid,
     chunk_index_key,
-    chunk_indices,
     chunk_key,
     chunk_region,
     chunk_shape,
@@ -137,7 +135,6 @@ __all__ = [
     "chunk_key",
     "check_chunk_shape",
     "chunk_grid",
-    "chunk_indices",
     "chunk_index_key",
     "chunk_region",
     "ChunkedArray",
@@ -164,7 +161,6 @@ __all__ = [
     "check_array_metadata",
     # the local fast path (serializers.local)
     "aligned_empty",
-    "write_array_local",
     "write_arrays_local",
     "read_array_local",
     "read_arrays_local",

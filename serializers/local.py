@@ -84,7 +84,6 @@ from serializers.zarr import (
 # them keeps working.
 __all__ = [
     "write_arrays_local",
-    "write_array_local",
     "read_array_local",
     "read_arrays_local",
     "write_chunks_local",
@@ -339,19 +338,6 @@ def write_arrays_local(
     except BaseException as e:
         undo.fail(e, f"{describe_arrays(list(arrays))} under {root!r}")
         raise
-
-
-def write_array_local(
-    root: PathLike,
-    path: str,
-    arr: Any,
-    *,
-    fsync: bool = False,
-    attributes: Mapping[str, Any] | None = None,
-) -> None:
-    """Writes one array under the local folder ``root`` (with zarr ``attributes``, if given);
-    see :func:`write_arrays_local`."""
-    write_arrays_local(root, {path: arr}, fsync=fsync, attributes=_one(path, attributes))
 
 
 def _one(path: str, attributes: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]] | None:

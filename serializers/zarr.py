@@ -67,7 +67,6 @@ __all__ = [
     "CHUNK_KEY_SEPARATOR",
     "check_chunk_shape",
     "chunk_grid",
-    "chunk_indices",
     "chunk_index_key",
     "chunk_region",
     "ChunkedArray",
@@ -231,11 +230,6 @@ def chunk_grid(shape: Shape, chunk_shape: Shape | None = None) -> tuple[int, ...
     """The number of chunks along each dimension (0 along a zero-length dimension)."""
     cs = check_chunk_shape(shape, chunk_shape)
     return tuple(int(d) // c for d, c in zip(shape, cs))
-
-
-def chunk_indices(shape: Shape, chunk_shape: Shape | None = None) -> list[tuple[int, ...]]:
-    """Every chunk index of the grid, in C order (``[()]`` for a 0-d array, ``[]`` if empty)."""
-    return [tuple(int(i) for i in idx) for idx in np.ndindex(*chunk_grid(shape, chunk_shape))]
 
 
 def chunk_index_key(index: Sequence[int]) -> str:

@@ -202,7 +202,7 @@ def unbundled(root: str | os.PathLike[str], manifest: dict[str, Any]) -> dict[st
             continue
         a = np.frombuffer(data[offset : offset + record["nbytes"]], serializers.numpy_dtype(record["dtype"]))
         a = a.reshape(record["shape"])
-        serializers.write_array_local(root, record["path"], a)
+        serializers.write_arrays_local(root, {record["path"]: a})
         record["checksum"] = serializers.checksum(a)
     return m
 

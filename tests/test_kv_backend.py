@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import serializers
+from zarr3_reference import chunk_indices
 from residual_store._src.store.backend_protocol import DamagedFileError
 from residual_store._src.store.backends import open_backend
 from residual_store._src.store.kv_backend import KvBackend
@@ -32,7 +33,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _blocks(a: np.ndarray, cs: tuple[int, ...]) -> dict[tuple[int, ...], np.ndarray]:
-    return {idx: a[serializers.chunk_region(idx, cs)] for idx in serializers.chunk_indices(a.shape, cs)}
+    return {idx: a[serializers.chunk_region(idx, cs)] for idx in chunk_indices(a.shape, cs)}
 
 
 def _collide(root: Path, key: str) -> None:
@@ -47,7 +48,7 @@ M = np.arange(24, dtype=np.float32).reshape(4, 6)
 def _read_chunked(kv: KvBackend, path: str) -> np.ndarray:
     """``M``'s chunked array at ``path``, read as the store reads one: chunk by chunk."""
     out = np.empty_like(M)
-    for idx in serializers.chunk_indices(M.shape, (2, 3)):
+    for idx in chunk_indices(M.shape, (2, 3)):
         out[serializers.chunk_region(idx, (2, 3))] = kv.read_chunk(path, M.shape, "float32", (2, 3), idx)
     return out
 

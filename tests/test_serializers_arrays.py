@@ -35,7 +35,6 @@ from serializers import (
     checksum,
     chunk_grid,
     chunk_index_key,
-    chunk_indices,
     chunk_key,
     chunk_region,
     encode_group_metadata,
@@ -51,7 +50,6 @@ from serializers import (
     read_chunk_local,
     register_zarr_dtypes,
     write_array_async,
-    write_array_local,
     write_arrays,
     write_arrays_kv,
     write_arrays_local,
@@ -59,7 +57,7 @@ from serializers import (
     zarr_dtype_name,
     zarr_metadata,
 )
-from zarr3_reference import write_array, write_chunks
+from zarr3_reference import chunk_indices, write_array, write_chunks
 
 DTYPE_NAMES = list(SUPPORTED_DTYPES)
 SHAPES = [(), (0, 3), (7,), (2, 3)]
@@ -101,7 +99,7 @@ def test_round_trip_every_dtype_both_paths_and_across(
     tmp_path: Path, name: str, shape: tuple[int, ...]
 ) -> None:
     a = _array(name, shape)
-    write_array_local(tmp_path, "fast/x", a)
+    write_arrays_local(tmp_path, {"fast/x": a})
     write_array(_kv(tmp_path), "ts/x", a)
 
     for written in ("fast/x", "ts/x"):
@@ -135,7 +133,7 @@ def test_chunk_keys(tmp_path: Path) -> None:
 
 def test_read_result_is_aligned_and_writable(tmp_path: Path) -> None:
     for i, shape in enumerate([(), (1,), (3,), (17, 5)]):
-        write_array_local(tmp_path, f"a{i}", np.ones(shape, np.float32))
+        write_arrays_local(tmp_path, {f"a{i}": np.ones(shape, np.float32)})
         out = read_array_local(tmp_path, f"a{i}", shape, np.float32)
         assert out.ctypes.data % 64 == 0 and out.flags.writeable and out.flags.c_contiguous
 
@@ -212,7 +210,7 @@ def test_write_arrays_local_and_fsync(tmp_path: Path) -> None:
 def test_non_contiguous_and_big_endian_inputs(tmp_path: Path) -> None:
     a = np.arange(24, dtype=np.float32).reshape(4, 6)
     for i, x in enumerate([a.T, a[:, ::2], a.astype(">f4")]):
-        write_array_local(tmp_path, f"f{i}", x)
+        write_arrays_local(tmp_path, {f"f{i}": x})
         write_array(_kv(tmp_path), f"t{i}", x)
         want = np.ascontiguousarray(x).astype("<f4")
         _same_bits(read_array_local(tmp_path, f"f{i}", x.shape, np.float32), want)
@@ -222,7 +220,7 @@ def test_non_contiguous_and_big_endian_inputs(tmp_path: Path) -> None:
 def test_overwrite_with_another_rank_replaces_chunks(tmp_path: Path) -> None:
     for shape in [(2, 3), (6,), (), (2, 1, 3), (0,), (4,)]:
         a = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
-        write_array_local(tmp_path, "a", a)
+        write_arrays_local(tmp_path, {"a": a})
         _same_bits(read_array(_kv(tmp_path), "a", shape, np.int32), a)
         write_array(_kv(tmp_path), "b", a)
         _same_bits(read_array_local(tmp_path, "b", shape, np.int32), a)
@@ -232,7 +230,7 @@ def test_overwrite_with_another_rank_replaces_chunks(tmp_path: Path) -> None:
 def test_unsupported_dtype_and_unsafe_path(tmp_path: Path) -> None:
     for bad in [np.array(["a"]), np.array([object()]), np.array([1], "datetime64[s]")]:
         with pytest.raises(UnsupportedDTypeError):
-            write_array_local(tmp_path, "a", bad)
+            write_arrays_local(tmp_path, {"a": bad})
         with pytest.raises(UnsupportedDTypeError):
             write_array(_kv(tmp_path), "a", bad)
     assert isinstance(UnsupportedDTypeError("x"), TypeError)
@@ -244,7 +242,7 @@ def test_unsupported_dtype_and_unsafe_path(tmp_path: Path) -> None:
     assert zarr_dtype_name(np.dtype(">i8")) == "int64"
     for path in ["../a", "/a", "a//b", "a/", ""]:
         with pytest.raises(ValueError, match="unsafe"):
-            write_array_local(tmp_path, path, np.zeros(1))
+            write_arrays_local(tmp_path, {path: np.zeros(1)})
         with pytest.raises(ValueError, match="unsafe"):
             write_array(_kv(tmp_path), path, np.zeros(1))
         with pytest.raises(ValueError, match="unsafe"):
@@ -266,9 +264,9 @@ def test_local_root() -> None:
 def test_plain_zarr_reads_what_both_paths_wrote(tmp_path: Path, name: str) -> None:
     register_zarr_dtypes()
     a = _array(name, (3, 4))
-    write_array_local(tmp_path, "f", a)
+    write_arrays_local(tmp_path, {"f": a})
     write_array(_kv(tmp_path), "t", a)
-    write_array_local(tmp_path, "s", np.float64(2.5))
+    write_arrays_local(tmp_path, {"s": np.float64(2.5)})
     write_array(_kv(tmp_path), "e", np.zeros((0, 3), np.int16))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # zarr warns about some dtypes' spec status
@@ -314,7 +312,7 @@ def test_truncated_long_and_missing_chunk(
     read = _readers(tmp_path)[reader]
     a = _array("float32", shape)
     chunk = tmp_path / "a" / chunk_key(shape)  # type: ignore[operator]
-    write_array_local(tmp_path, "a", a)
+    write_arrays_local(tmp_path, {"a": a})
 
     with open(chunk, "r+b") as f:
         f.truncate(a.nbytes - 1)
@@ -333,7 +331,7 @@ def test_truncated_long_and_missing_chunk(
 @pytest.mark.parametrize("reader", [0, 1], ids=["fast", "tensorstore"])
 def test_missing_or_mismatching_metadata(tmp_path: Path, reader: int) -> None:
     read = _readers(tmp_path)[reader]
-    write_array_local(tmp_path, "a", np.zeros((2, 3), np.float32))
+    write_arrays_local(tmp_path, {"a": np.zeros((2, 3), np.float32)})
     with pytest.raises(CorruptDataError, match="'a'"):
         read("a", (3, 2), "float32")
     with pytest.raises(CorruptDataError, match="'a'"):
@@ -347,7 +345,7 @@ def test_missing_or_mismatching_metadata(tmp_path: Path, reader: int) -> None:
 
 def test_fast_reader_refuses_other_layouts(tmp_path: Path) -> None:
     meta = tmp_path / "a" / "zarr.json"
-    write_array_local(tmp_path, "a", np.zeros((2, 3), np.float32))
+    write_arrays_local(tmp_path, {"a": np.zeros((2, 3), np.float32)})
     good = json.loads(meta.read_bytes())
     for change in [
         {"codecs": [{"name": "bytes", "configuration": {"endian": "big"}}]},
@@ -403,7 +401,7 @@ _EFBIG_SCRIPT = textwrap.dedent(
     """
     import json, os, resource, signal, sys
     import numpy as np
-    from serializers import DiskFullError, write_array_local, write_arrays, write_arrays_kv
+    from serializers import DiskFullError, write_arrays, write_arrays_kv, write_arrays_local
     from zarr3_reference import write_array
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -413,7 +411,7 @@ _EFBIG_SCRIPT = textwrap.dedent(
     small = np.ones(16, np.float32)
     results = {}
     for name, write in [
-        ("fast", lambda: write_array_local(root + "/fast", "ctx/a", big, fsync=True)),
+        ("fast", lambda: write_arrays_local(root + "/fast", {"ctx/a": big}, fsync=True)),
         ("fast_batch", lambda: __import__("serializers").write_arrays_local(
             root + "/fast_batch", {"s": small, "b": big})),
         ("ts", lambda: write_array({"driver": "file", "path": root + "/ts"}, "ctx/a", big)),
@@ -849,7 +847,7 @@ def test_writers_write_attributes_and_every_reader_ignores_them(tmp_path: Path) 
             _same_bits(read_chunk_local(root, "p/m", m.shape, "bfloat16", (2, 3), idx), block)
             _same_bits(read_chunk(_kv(root), "p/m", m.shape, "bfloat16", (2, 3), idx), block)
         check_array_metadata_local(root, "p/m", m.shape, "bfloat16", (2, 3))
-    write_array_local(tmp_path / "one", "x", a, attributes={"k": 1})
+    write_arrays_local(tmp_path / "one", {"x": a}, attributes={"x": {"k": 1}})
     write_chunks_local(tmp_path / "one", "y", m.shape, m.dtype, (2, 3), _blocks(m, (2, 3)), attributes={"k": 2})
     for p, k in (("x", 1), ("y", 2)):
         assert json.loads((tmp_path / "one" / p / "zarr.json").read_bytes())["attributes"] == {"k": k}

@@ -20,7 +20,9 @@ from typing import Any
 
 import tensorstore as ts
 
-from serializers import ChunkedArray, KvStoreSpec, write_array_async
+import numpy as np
+
+from serializers import ChunkedArray, KvStoreSpec, chunk_grid, write_array_async
 from serializers.kv import _write_chunked_async
 from serializers.zarr import DTypeLike, Shape
 
@@ -60,3 +62,9 @@ def write_chunks(
     """
     arr = ChunkedArray(shape, dtype, chunk_shape, chunks)
     _write_chunked_async(kvstore, path, arr, context=context, delete_array_on_error=False).result()
+
+
+def chunk_indices(shape: Shape, chunk_shape: Shape | None = None) -> list[tuple[int, ...]]:
+    """Every chunk index of the grid, in C order (``[()]`` for a 0-d array, ``[]`` if empty):
+    what the tests walk to compare chunks (the library writes and reads whole grids)."""
+    return [tuple(int(i) for i in idx) for idx in np.ndindex(*chunk_grid(shape, chunk_shape))]

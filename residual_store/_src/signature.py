@@ -41,7 +41,7 @@ import jaxlib
 from residual_store._src.canonical import Canonicalizer, canonicalizer, jaxpr_text
 from residual_store._src.context import CallSpec
 
-__all__ = ["SIGNATURE_PREFIX", "compute_signature", "is_current", "treedef_fingerprint"]
+__all__ = ["SIGNATURE_PREFIX", "compute_signature", "is_current"]
 
 SIGNATURE_PREFIX = "rs2-"
 _FORMAT_TAG = "residual-store/signature/2"
@@ -50,11 +50,6 @@ _FORMAT_TAG = "residual-store/signature/2"
 def is_current(signature: str) -> bool:
     """Whether ``signature`` is of the format this version computes."""
     return signature.startswith(SIGNATURE_PREFIX)
-
-
-def treedef_fingerprint(treedef: Any) -> str:
-    """A canonical text for a ``PyTreeDef``: node types and static node data, recursively."""
-    return Canonicalizer().value(treedef)
 
 
 def compute_signature(
