@@ -46,8 +46,10 @@ class Schedule:
         return bool(self._positions)
 
     def next_use(self, key: str) -> int | None:
-        """How many gets ahead ``key`` is next needed (0: next), or ``None`` if the schedule does
-        not name it again."""
+        """Where ``key`` is next needed, counted in declared positions from the first one not yet
+        got (0: next), or ``None`` if the schedule does not name it again. Positions got early
+        (out of order) still count until the gets before them are done: the numbers order keys by
+        their next use, which is what eviction needs, not a count of the gets in between."""
         q = self._positions.get(key)
         return None if not q else q[0] - self._cursor
 
