@@ -187,7 +187,7 @@ WORKER = textwrap.dedent(
             store.flush()
             store.pop("k1")
             store.flush()
-            from residual_store import _jax_internals
+            from residual_store._src import _jax_internals
             entries = _jax_internals.distributed_client().key_value_dir_get("residual_store/")
             result["coordinator_ops"] = sorted({"/".join(k.split("/")[:3]) for k, _ in entries})
         elif phase == "resume_split":  # a new pair with the model: fresh splits, no forward run
@@ -346,7 +346,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_fresh_split_in_a_new_pair_resumes_sharded_contexts(tmp_path, forward_store):
+def test_internals_a_fresh_split_in_a_new_pair_resumes_sharded_contexts(tmp_path, forward_store):
     """``fwd = rs.split(loss); fwd.backward(store.get(k))`` in two processes that never ran the
     forward: the split rebuilds the backward of the sharded contexts from their recorded avals
     and shardings, compiles only the backward, and the gradients are right."""
@@ -360,7 +360,7 @@ def test_a_fresh_split_in_a_new_pair_resumes_sharded_contexts(tmp_path, forward_
         np.testing.assert_allclose(np.asarray(result["grads"][name]), expected[name], rtol=1e-5, atol=1e-6)
 
 
-def test_two_processes_put_then_resume_backward(tmp_path, forward_store):
+def test_internals_two_processes_put_then_resume_backward(tmp_path, forward_store):
     root, fwd_result = forward_store
     assert fwd_result["sharded"] >= 1  # some residuals span both processes' devices
     assert fwd_result["signatures_equal"]  # same signature in both processes
@@ -418,7 +418,7 @@ def test_two_processes_put_then_resume_backward(tmp_path, forward_store):
 
 
 @pytest.mark.parametrize("where", ["folder", "kvstore"])
-def test_a_process_dying_mid_put_commits_nothing(tmp_path, where):
+def test_internals_a_process_dying_mid_put_commits_nothing(tmp_path, where):
     root = str(tmp_path / "store")
     spec = root if where == "folder" else json.dumps({"driver": "file", "path": root, "file_io_sync": True})
     result = _run_pair(tmp_path, "crash", spec, expect=(0, 3))
@@ -437,7 +437,7 @@ def test_a_process_dying_mid_put_commits_nothing(tmp_path, where):
     assert children(os.path.join(root, "weights")) == []
 
 
-def test_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_path):
+def test_internals_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_path):
     """SIGKILL of one writer while the pair puts several contexts: the survivor's flush raises
     within the collective timeout, and a single process finds only whole, verifiable contexts."""
     root = str(tmp_path / "store")
@@ -498,7 +498,7 @@ def test_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_path):
     assert [n for n in (os.listdir(weights) if os.path.isdir(weights) else []) if n.endswith(".tmp")] == []
 
 
-def test_command_line_on_a_multiprocess_store(tmp_path, forward_store):
+def test_internals_command_line_on_a_multiprocess_store(tmp_path, forward_store):
     src, _ = forward_store
     ls = _cli("ls", src, "--json")
     assert ls.returncode == 0, ls.stderr
@@ -543,7 +543,7 @@ def test_command_line_on_a_multiprocess_store(tmp_path, forward_store):
     assert _cli("verify", root, "mb1").returncode == 0
 
 
-def test_two_processes_on_a_tensorstore_kvstore(tmp_path, kvstore_store, forward_store):
+def test_internals_two_processes_on_a_tensorstore_kvstore(tmp_path, kvstore_store, forward_store):
     """The collective put and get through tensorstore's kvstore API write the same files as the
     local fast path, and the resumed backwards give the same gradients."""
     folder, spec, fwd_result = kvstore_store
@@ -583,7 +583,7 @@ def test_two_processes_on_a_tensorstore_kvstore(tmp_path, kvstore_store, forward
         )
 
 
-def test_collective_delete_and_puts_that_disagree(tmp_path):
+def test_internals_collective_delete_and_puts_that_disagree(tmp_path):
     root = str(tmp_path / "store")
     result = _run_pair(tmp_path, "ops", root)
     assert result["keyless"] is not None and "needs a key" in result["keyless"]
