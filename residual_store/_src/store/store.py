@@ -240,10 +240,7 @@ class Store:
         with self._lock:
             if self._disk is None:
                 self._tiers.check_capacity(key, size)
-            self._tiers.forget(key)
-            self._work.on_disk.discard(key)
-            self._work.pending.pop(key, None)  # a write of an older context under this key is superseded
-            self._reads.loading.pop(key, None)  # so is a prefetch of it
+            self._forget(key)  # a write or prefetch of an older context under this key is superseded
             self._work.deleting.pop(key, None)
             self._tiers.admit(key, ctx)
             spills = self._work.rebalance(protect=key if self._tiers.put_protects(key) else None)
@@ -351,10 +348,7 @@ class Store:
             found = key not in self._work.deleting and (
                 key in self._device or key in self._host or key in self._work.pending or key in self._reads.loading
             )
-            self._tiers.forget(key)
-            self._work.pending.pop(key, None)
-            self._reads.loading.pop(key, None)
-            self._work.on_disk.discard(key)
+            self._forget(key)
         if self._disk is None or self._writer is None:
             if not found:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
@@ -509,6 +503,14 @@ class Store:
             self._janitor.close()
             if self._disk is not None and self._disk.buffers is not None:
                 self._disk.buffers.clear()
+
+    def _forget(self, key: str) -> None:
+        """Drops every copy of ``key`` this store holds or is making: in the tiers, a pending
+        write, a prefetch, and the note that it is on disk (under the lock)."""
+        self._tiers.forget(key)
+        self._work.pending.pop(key, None)
+        self._reads.loading.pop(key, None)
+        self._work.on_disk.discard(key)
 
     def _check_open(self) -> None:
         if self._closed:
