@@ -275,3 +275,81 @@ def test_the_check_finds_pools_made_at_import():
 def test_no_thread_or_pool_is_made_at_import(module):
     lines = _threads_made_at_import(module.read_text())
     assert not lines, f"{module.relative_to(PACKAGE.parent)} makes threads at import (lines {lines}): make them on first use"
+
+
+def _collaborator_questions(source: str) -> list[str]:
+    """What ``source`` does to its collaborators that a facade must not: an ``is None`` test of
+    one (``self._disk is None``), or an edit of another object's state (``self._work.pending[k] =``,
+    ``self._work.deleting.pop(k)``, ``self._reads.loading.clear()``)."""
+    found = []
+    mutators = {"pop", "popitem", "clear", "update", "add", "discard", "remove", "setdefault", "append"}
+
+    def own_attribute(node: ast.AST, depth: int) -> bool:
+        """``self._x`` (depth 1) or ``self._x.y`` (depth 2)."""
+        for _ in range(depth):
+            if not isinstance(node, ast.Attribute):
+                return False
+            node = node.value
+        return isinstance(node, ast.Name) and node.id == "self"
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Constant) and o.value is None for o in operands) and any(
+                own_attribute(o, 1) for o in operands
+            ):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for target in targets:
+                inner = target.value if isinstance(target, ast.Subscript) else target
+                if own_attribute(inner, 2):
+                    found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators:
+            if own_attribute(node.func.value, 2):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_check_finds_a_facade_editing_its_collaborators():
+    source = (
+        "class S:\n def f(self, k):\n  if self._disk is None: pass\n  self._work.pending[k] = 1\n"
+        "  self._work.deleting.pop(k, None)\n  del self._reads.loading[k]\n  self._ledger.begin_put(k)\n"
+        "  if self._x.y is None: pass\n  self._n = 1\n"
+    )
+    assert sorted(f.split(":")[0] for f in _collaborator_questions(source)) == ["line 3", "line 4", "line 5", "line 6"]
+
+
+def test_the_store_asks_its_parts_and_edits_none_of_their_state():
+    found = _collaborator_questions((PACKAGE / "_src" / "store" / "store.py").read_text())
+    assert not found, f"store.py tests a collaborator against None or edits another object's state: {found}"
+
+
+def _plain_locks(source: str) -> list[int]:
+    """Lines of ``threading.Lock()``/``RLock()``/``Condition()`` made without a StoreLock."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("Lock", "RLock"):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("Condition"):
+            if not (node.args and ast.unparse(node.args[0]) == "StoreLock()"):
+                found.append(node.lineno)
+    return found
+
+
+def test_the_check_finds_plain_locks():
+    source = (
+        "import threading\na = threading.Lock()\nb = threading.RLock()\nc = threading.Condition()\n"
+        "d = threading.Condition(StoreLock())\ne = StoreLock()\n"
+    )
+    assert _plain_locks(source) == [2, 3, 4]
+
+
+@pytest.mark.parametrize("module", sorted((PACKAGE / "_src" / "store").glob("*.py")), ids=lambda m: m.name)
+def test_every_lock_of_the_store_is_one_a_signal_handler_waits_out(module):
+    """A SIGTERM handler waits for the writers; a plain lock the main thread holds when the signal
+    lands, and a writer needs, would deadlock it (critical.py)."""
+    if module.name == "critical.py":
+        return  # where StoreLock wraps its RLock
+    lines = _plain_locks(module.read_text())
+    assert not lines, f"{module.name} makes plain locks (lines {lines}): use critical.StoreLock"

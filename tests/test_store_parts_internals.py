@@ -70,19 +70,24 @@ def _tier(name: str, budget: int | None, *keys: str) -> MemoryTier:
 
 
 class _Demote:
-    """A ``demote`` for :class:`Tiers` that records what it moved to host memory."""
+    """What :class:`Tiers` moved to the host tier (its owed copies, :meth:`Tiers.take_owed`),
+    each settled with its host copy as the store does outside its lock."""
 
-    def __init__(self) -> None:
-        self.moved: list[ResidualContext] = []
+    def __init__(self, tiers: Tiers) -> None:
+        self._tiers = tiers
+        self._moved: list[ResidualContext] = []
 
-    def __call__(self, ctx: ResidualContext) -> ResidualContext:
-        self.moved.append(ctx)
-        return host.to_host(ctx)
+    @property
+    def moved(self) -> list[ResidualContext]:
+        for key, ctx in self._tiers.take_owed():
+            assert self._tiers.settle(key, ctx, host.to_host(ctx))
+            self._moved.append(ctx)
+        return self._moved
 
 
 def _tiers(device: int | None, host_budget: int | None) -> tuple[Tiers, _Demote]:
-    demote = _Demote()
-    return Tiers(device, host_budget, demote), demote
+    tiers = Tiers(device, host_budget)
+    return tiers, _Demote(tiers)
 
 
 def test_internals_the_contexts_have_weights_that_are_not_their_own():

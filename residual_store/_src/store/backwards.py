@@ -17,7 +17,8 @@ signature ever sees it (:class:`~residual_store._src.errors.CorruptContextError`
 from __future__ import annotations
 
 import functools
-import threading
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from residual_store._src.keypaths import PathStructure
 from residual_store._src.placement import has_explicit_axes
 from residual_store._src.signature import is_current
 from residual_store._src.store import layout
+from residual_store._src.store.critical import StoreLock
 
 if TYPE_CHECKING:
     from residual_store._src.context import ResidualContext
@@ -193,7 +195,7 @@ class StoredBackward:
         self._data = data
         self._error = error
         self._loaded: Backward | None = None
-        self._lock = threading.Lock()
+        self._lock = StoreLock()
 
     def load_backward(self, signature: str) -> Backward | None:
         """The backward (one that raises why, if it cannot run here), registered; ``None`` for
@@ -256,7 +258,7 @@ class StoredBackwards:
 
     def __init__(self, disk: DiskTier) -> None:
         self._disk = disk
-        self._lock = threading.Lock()
+        self._lock = StoreLock()
         self._read: dict[str, StoredBackward] = {}
 
     def for_context(self, signature: str) -> StoredBackward | None:
@@ -355,7 +357,7 @@ class Saver:
         self._writer = writer
         self._durable = durable
         self._saves = saves  # False: another process (process 0) saves them for the job
-        self._lock = threading.Lock()
+        self._lock = StoreLock()
         self._seen: set[str] = set()  # signatures whose backward this store saved, or is saving
         self._warnings: list[str] = []  # from the writer thread, emitted on the caller's
 
@@ -374,7 +376,7 @@ class Saver:
             return
         if bwd.unexportable is not None:
             reason = f"the backward of signature {sig} cannot be serialized with jax.export: {bwd.unexportable}"
-            _warn_unexportable(reason, stacklevel=4)
+            _warn_unexportable(reason)
             self._writer.submit(functools.partial(self._record_unavailable, sig, reason), 0)
             return
         mesh = explicit_mesh(ctx.residuals)
@@ -385,7 +387,7 @@ class Saver:
         with self._lock:
             pending, self._warnings = self._warnings, []
         for reason in pending:
-            _warn_unexportable(reason, stacklevel=4)
+            _warn_unexportable(reason)
 
     def _export(self, sig: str, bwd: Backward, avals: Any, mesh: Any) -> None:
         """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
@@ -490,10 +492,22 @@ def read(disk: DiskTier, signature: str) -> tuple[dict[str, Any], bytes | None] 
     return m, data
 
 
-def _warn_unexportable(reason: str, stacklevel: int) -> None:
+def _warn_unexportable(reason: str) -> None:
     warnings.warn(
         f"{reason}; processes without the model cannot run it. The context is stored; only "
         "processes that define the function can run its backward.",
         ResidualStoreWarning,
-        stacklevel=stacklevel,
+        stacklevel=_user_stacklevel(),
     )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points ``warnings.warn``, called by our caller, at the first
+    frame outside this package (the user's put or flush), however deep the library's calls."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level

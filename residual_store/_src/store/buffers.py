@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 import serializers
+from residual_store._src.store.critical import StoreLock
 from serializers.local import ALIGNMENT as _ALIGN  # XLA's CPU client adopts such buffers
 
 __all__ = ["DEFAULT_READ_BUFFER_BYTES", "ReadBuffers"]
@@ -58,7 +58,7 @@ class ReadBuffers:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
-        self._lock = threading.Lock()
+        self._lock = StoreLock()
         # size -> buffers of that many bytes, least recently handed out first
         self._buffers: dict[int, list[np.ndarray]] = {}
         self._nbytes = 0

@@ -23,7 +23,6 @@ import hashlib
 import itertools
 import json
 import logging
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,6 +35,7 @@ from residual_store._src.errors import ResidualStoreError, StoreFullError
 from residual_store._src.logs import event
 from residual_store._src.store import layout
 from residual_store._src.store.committer import Committer
+from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.host import HostArrays, ShardedHost
 from residual_store._src.store.layout import StaleData
@@ -47,7 +47,7 @@ TIMEOUT_S = 300.0
 (``rs.Store(..., collective_timeout=...)``)."""
 
 _OPENED: dict[str, int] = {}  # channel name -> stores opened at that location by this process
-_OPENED_LOCK = threading.Lock()
+_OPENED_LOCK = StoreLock()
 
 
 def is_multiprocess() -> bool:
@@ -233,7 +233,7 @@ class CollectiveCommitter:
         self.timeout_s = timeout_s
         self.backend = disk.backend
         self._channel: Channel | None = None  # made at the first collective operation
-        self._lock = threading.Lock()
+        self._lock = StoreLock()
         self.recycles = False  # each process would have to claim the same folder
         self.every_version = True  # every process takes part in every write, in put order
         self.needs_keys = True  # a fresh key would differ between processes

@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from cachetools import LRUCache
 from collections.abc import Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +58,7 @@ from residual_store._src.store.backend_protocol import DamagedFileError
 from residual_store._src.store.backends import open_backend
 from residual_store._src.store.buffers import ReadBuffers
 from residual_store._src.store import layout, stored_bundles
+from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
 from residual_store._src.store.host import HostArrays, ShardedHost, chunk_index
 from residual_store._src.store.records import StoredContext, parse_context_manifest
@@ -83,6 +83,11 @@ def _request_pool() -> ThreadPoolExecutor:
     """The threads of an object store's reads, each waiting on a request: this many go out at
     once (made on first use)."""
     return ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-request")
+
+
+def _same_data(a: StoredContext, b: StoredContext) -> bool:
+    """Whether two manifests send a read to the same bytes (data folder, bundle, checksums)."""
+    return a is b or (a.data_dir, a.bundle, a.records, a.shardings) == (b.data_dir, b.bundle, b.records, b.shardings)
 
 
 class DiskTier:
@@ -112,7 +117,7 @@ class DiskTier:
         # the host buffers reads fill, reused once their arrays are gone (0: always fresh ones)
         self.buffers = ReadBuffers(read_buffer_bytes) if read_buffer_bytes > 0 else None
         self._empty = self.buffers.empty if self.buffers is not None else None
-        self._lock = threading.Lock()
+        self._lock = StoreLock()
         # key -> (manifest version, parsed manifest), least recently used first
         self._stat_cache: LRUCache[str, tuple[Any, StoredContext]] = LRUCache(_STAT_CACHE_MAX)
         self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
@@ -369,10 +374,14 @@ class DiskTier:
         return parse_context_manifest(key, data)
 
     def stat(self, key: str) -> StoredContext:
-        """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed.
+        """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed
+        (or deleted between the look-up of its version and its read), :class:`CorruptContextError`
+        if it is damaged.
 
         Parsed manifests are cached while the file's version (inode, size, mtime) is unchanged,
-        so listing a large store again costs one ``stat`` per context.
+        so listing a large store again costs one ``stat`` per context. A version can come back
+        for another file (a reused inode, a coarse clock): :meth:`read` never trusts the cache
+        to judge a failed read.
         """
         return self._stat(key, self.backend.version(layout.manifest_path(key)))
 
@@ -392,22 +401,6 @@ class DiskTier:
             self._cache_stat(key, version, stored)
         return stored
 
-    def _manifest_token(self, key: str) -> Any:
-        """What tells one commit of ``key`` from the next: the manifest file's version where the
-        backend has one (no read), else its bytes."""
-        version = self.backend.version(layout.manifest_path(key))
-        return ("version", version) if version is not None else ("bytes", self.read_manifest_bytes(key))
-
-    def _manifest_now(self, key: str) -> tuple[Any, StoredContext]:
-        """The token (:meth:`_manifest_token`) and parsed manifest of ``key``'s current commit;
-        a manifest seen before is not read or parsed again."""
-        token = self._manifest_token(key)
-        if token[0] == "version":
-            return token, self._stat(key, token[1])
-        if token[1] is None:
-            raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
-        return token, self.parse_manifest(key, token[1])
-
     def forget_stat(self, key: str) -> None:
         with self._lock:
             self._stat_cache.pop(key, None)
@@ -416,6 +409,15 @@ class DiskTier:
         self, key: str, *, place: bool = True, skip: Container[str] = ()
     ) -> tuple[StoredContext, HostArrays]:
         """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one.
+
+        While ``key`` is replaced or deleted under it (in this process or another, in a folder or
+        on a kvstore), a read returns one whole, verified context (the one it began with or a
+        later one, never a mix) or raises :class:`ContextNotFoundError` (deleted) or
+        :class:`CorruptContextError` (damaged: the manifest stayed the same across a failed
+        read); no :mod:`serializers` error or ``OSError`` escapes (but
+        :class:`StoreUnavailableError`). A commit removes or recycles (overwrites in place) the
+        data it replaces, so a read may find it gone or torn: after any failure the manifest is
+        read again, and a new one is read from the start.
 
         Arrays come back as NumPy arrays, except, with ``place`` (the default), a sharded
         residual whose mesh this process has the devices for (at least as many as the mesh has):
@@ -426,21 +428,26 @@ class DiskTier:
 
         Shared arrays (weights) stored whole at a path in ``skip`` are not read: the caller holds
         them already, and they come back as ``None``.
-
-        A context replaced by another writer while it is read (its commit removes the data this
-        read was reading) is read again from its new manifest: only a manifest that stays the
-        same makes a failed read corruption.
         """
-        for _ in range(_READ_ATTEMPTS):
-            token, stored = self._manifest_now(key)
+        failed: tuple[StoredContext, CorruptContextError] | None = None  # the last failed read
+        for attempt in range(_READ_ATTEMPTS + 1):
+            stored = self.stat(key)  # after a failure, read again (forgotten below); not found: deleted
+            if failed is not None and _same_data(stored, failed[0]):
+                raise failed[1]  # the manifest stayed the same: the data is damaged
+            if attempt == _READ_ATTEMPTS:
+                break
             try:
                 return stored, self._read_arrays(key, stored, place=place, skip=skip)
-            except CorruptContextError:
-                if self._manifest_token(key) == token:
-                    raise
-        raise CorruptContextError(
-            f"context {key!r} was replaced {_READ_ATTEMPTS} times while being read; try again"
-        )
+            except StoreUnavailableError:
+                raise  # no answer is no damage, and asking again would wait again
+            except CorruptContextError as err:
+                failed = (stored, err)
+            except (serializers.SerializationError, OSError, ValueError) as err:  # none known: all the same
+                found = CorruptContextError(f"context {key!r}: unreadable ({type(err).__name__}: {err})")
+                found.__cause__ = err
+                failed = (stored, found)
+            self.forget_stat(key)  # a version may come back for another file (inode reused, coarse mtime)
+        raise CorruptContextError(f"context {key!r} was replaced {_READ_ATTEMPTS} times while being read; try again")
 
     def _read_arrays(
         self, key: str, stored: StoredContext, *, place: bool = False, skip: Container[str] = ()

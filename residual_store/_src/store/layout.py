@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -29,6 +28,7 @@ from serializers import bundle as bundles
 from serializers.checksums import checksum_parts
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import CorruptContextError, ResidualStoreError
+from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.host import HostArrays, ShardedHost
 from residual_store._src.store.records import BundleRef, StoredContext, spec_to_map
 from residual_store._src.store import paths
@@ -475,7 +475,7 @@ def _template_for(spec: ResidualSpec, arrays: HostArrays, impls: Sequence[str | 
 
 
 _templates: dict[tuple[ResidualSpec, tuple[str | None, ...], int], _Template] = {}
-_templates_lock = threading.Lock()
+_templates_lock = StoreLock()
 
 
 def _make_template(spec: ResidualSpec, arrays: Sequence[np.ndarray], impls: Sequence[str | None]) -> _Template | None:

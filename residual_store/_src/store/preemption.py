@@ -7,28 +7,54 @@ here completes them first:
 
 - with no handler of the program's own before it, it raises ``SystemExit(143)`` in the main
   thread: the stack unwinds (``with`` blocks close their stores, locks are released) and the
-  interpreter's exit drain completes every store's queued writes, as on any normal exit; the
-  exit status is 143, what a shell reports for a process ended by ``SIGTERM``;
+  interpreter's exit drain completes every store's queued writes, as on any normal exit, within
+  ``timeout`` if one is set; the exit status is 143, what a shell reports for a process ended by
+  ``SIGTERM``;
 - with one (a training loop's "save and stop" flag, Orbax's preemption handling), it completes
-  every store's queued writes, durable where the store is, then calls that handler, which
-  decides what happens next.
+  every store's queued writes, durable where the store is, waiting at most ``timeout``, then
+  calls that handler, which decides what happens next.
+
+Python runs the handler in the main thread, between two bytecodes of whatever it was doing. Two
+rules keep that safe:
+
+- **Deferred out of critical sections.** If the signal lands while the main thread holds a
+  store's lock (or any other lock the writers need: a ``StoreLock``, see ``critical.py``), the
+  writer threads could not finish while the handler waits for them. The handler then only notes
+  the signal, and runs when that thread releases its outermost such lock (at the end of the
+  ``with`` block of ``put``, ``get``...): no wait for the writers ever waits on a lock held by
+  the code it interrupted. The bound counts from the signal's arrival.
+- **One at a time.** A ``SIGTERM`` that comes while an earlier one is handled (deferred, draining,
+  running the program's handler, or unwinding and draining at exit after the ``SystemExit``) is
+  noted on stderr and ignored: launchers that send ``SIGTERM`` twice do not cut the drain short.
+  Only once the bound is past can a further ``SIGTERM`` end a process already ending (with
+  status 143); with ``timeout=None`` nothing but ``SIGKILL`` does. Once the program's handler
+  returns (the process goes on), the next ``SIGTERM`` is handled afresh.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import signal
-import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from residual_store._src.errors import InvalidArgumentError
-from residual_store._src.store.workers import drain_all
+from residual_store._src.store.critical import in_critical_section, run_when_outside
+from residual_store._src.store.workers import bound_exit_drain, drain_within, draining_at_exit
 
 __all__ = ["flush_on_sigterm"]
 
 _Handler = Callable[[int, FrameType | None], Any]
+
+# what the handler is doing (set in the main thread only, where every handler runs)
+_IDLE = "idle"  # no SIGTERM being handled
+_DEFERRED = "deferred"  # one came inside a critical section: it runs when the lock is released
+_HANDLING = "handling"  # draining the writes, or running the program's handler
+_EXITING = "exiting"  # it ended the process (SystemExit): unwinding, then the exit drain
 
 
 class _FlushThenPrevious:
@@ -37,29 +63,63 @@ class _FlushThenPrevious:
     def __init__(self, previous: Any, timeout: float | None) -> None:
         self.previous = previous
         self.timeout = timeout
+        self.state = _IDLE
+        self.deadline: float | None = None  # time.monotonic() bound of the current one's drain
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.state is not _IDLE:
+            self._further(signum)
+            return
+        self.state = _DEFERRED  # at once, before any call: a SIGTERM landing now is a further one
+        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        if in_critical_section():
+            # The main thread holds a lock the writers need: wait until it lets go (critical.py).
+            run_when_outside(functools.partial(self._handle, signum, frame))
+            return
+        self._handle(signum, frame)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.state = _HANDLING
+        why = f"SIGTERM (flush_on_sigterm(timeout={self.timeout}))"
         if self.previous in (signal.SIG_DFL, None):
-            # Unwinding first matters: the signal may have landed while this thread held a
-            # store's lock, which its writer needs to finish; the exit drain runs after.
+            self.state = _EXITING
+            if self.deadline is not None:
+                bound_exit_drain(self.deadline, why)  # the exit drain waits until then only
+            if draining_at_exit():  # already ending: the exit drain goes on, within the bound
+                _say(f"residual-store: {why} came during the exit drain: the drain goes on")
+                return
+            # Unwinding first: ``with`` blocks close their stores; the exit drain runs after.
             raise SystemExit(128 + signum)
-        _drain_within(self.timeout)
-        if callable(self.previous):
-            self.previous(signum, frame)
+        try:
+            drain_within(self.deadline, why)
+            if callable(self.previous):
+                self.previous(signum, frame)
+        except SystemExit:  # the program's handler ends the process
+            self.state = _EXITING
+            raise
+        finally:
+            if self.state is _HANDLING:
+                self.state = _IDLE  # returned (or raised to stop a loop): the process goes on
 
-
-def _drain_within(timeout: float | None) -> None:
-    """Completes every live store's queued writes on a helper thread, waiting at most
-    ``timeout`` seconds (a store whose lock this thread holds cannot finish while it waits)."""
-    worker = threading.Thread(target=drain_all, name="residual-store-sigterm-flush", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        print(
-            f"residual-store: SIGTERM: the stores' pending writes did not complete within {timeout} s; "
-            "contexts put since the last flush may be lost",
-            file=sys.stderr,
+    def _further(self, signum: int) -> None:
+        """A SIGTERM while one is handled: noted and ignored, unless the process is ending and
+        its bound is past (then something other than the drain holds it up: it ends now)."""
+        if self.state is _EXITING and self.deadline is not None and time.monotonic() >= self.deadline:
+            _say("residual-store: a further SIGTERM after the flush_on_sigterm bound: the process ends now")
+            raise SystemExit(128 + signum)
+        _say(
+            "residual-store: a further SIGTERM came while the first one is handled; ignored: "
+            "the stores' pending writes go on completing"
         )
+
+
+def _say(line: str) -> None:
+    """One line on stderr, from a signal handler: a plain write, never re-entering a buffered
+    stream the interrupted code may be writing to."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 def flush_on_sigterm(*, timeout: float | None = 25.0) -> None:
@@ -68,13 +128,22 @@ def flush_on_sigterm(*, timeout: float | None = 25.0) -> None:
     Installs a handler (in the main thread, as Python requires) that waits for every store's
     queued writes, then runs the ``SIGTERM`` handler that was there before; where there was
     none (Python's default, which ends the process at once), it ends the process with status
-    143 after the writes complete, as an unhandled ``SIGTERM`` would. Calling it again changes
+    143 and the exit drain completes the writes, as on a normal exit. Calling it again changes
     nothing. A write that fails then is printed on stderr.
 
+    A signal that lands while the main thread holds a store's lock (inside ``put``, ``get``...)
+    is handled the moment that lock is released, so the wait never waits on the code it
+    interrupted. A further ``SIGTERM`` while one is handled (a launcher that sends two) is noted
+    on stderr and ignored: it never cuts the drain short.
+
     Args:
-      timeout: with a handler of the program's own, at most this many seconds of waiting for
-        the writes before that handler runs (``None``: as long as they take). The default fits
-        the 30 s a scheduler usually gives between ``SIGTERM`` and ``SIGKILL``.
+      timeout: at most this many seconds, from the signal, of waiting for the writes: with a
+        handler of the program's own, before that handler runs; without one, for the exit
+        drain (and for ``flush``/``close`` of stores on the way out). What is not done by then
+        is listed on stderr (writes and bytes per store) and may be lost. ``None``: as long as
+        the writes take; then nothing but ``SIGKILL`` ends the process before they are done.
+        The default fits the 30 s a scheduler usually gives between ``SIGTERM`` and
+        ``SIGKILL``. A normal exit, without a ``SIGTERM``, always waits for every write.
 
     Example:
       >>> import residual_store as rs

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import math
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from residual_store._src.context import OWN_KINDS, SHARED_KINDS, CallSpec, Input
 from residual_store._src.errors import CorruptContextError
 from residual_store._src.placement import check_sharding_record, key_dtype
 from residual_store._src.store import paths
+from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.keys import validate_key
 
 __all__ = [
@@ -419,7 +419,7 @@ class _SpecMemo:
     _SIZE = 64
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = StoreLock()
         self._specs: dict[tuple[str, int], tuple[Any, tuple[Any, ...], Any]] = {}
 
     def parse(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,25 +12,25 @@ import jax
 import numpy as np
 
 from residual_store._src import _jax_internals
-from residual_store._src.backward import register_loader, unregister_loader
 from residual_store._src.context import ResidualContext
-from residual_store._src.errors import ContextNotFoundError, InvalidArgumentError, ReadOnlyStoreError
-from residual_store._src.store import backwards, gc
-from residual_store._src.store.collective import TIMEOUT_S, committer_for
+from residual_store._src.errors import ContextNotFoundError, InvalidArgumentError
 from residual_store._src.store.backends import check_path
 from residual_store._src.store.budgets import Headroom, parse_budget, parse_bytes, parse_seconds, parse_size
-from residual_store._src.store.committer import Committer
 from residual_store._src.store.buffers import DEFAULT_READ_BUFFER_BYTES
+from residual_store._src.store.collective import TIMEOUT_S, committer_for
+from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import DiskTier
-from residual_store._src.store.host import read_device, stage_shared, to_host, to_numpy
+from residual_store._src.store.host import read_device, to_numpy
 from residual_store._src.store import inspection
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store._src.store.keys import new_key, validate_key
-from residual_store._src.store.tiers import Tiers, own_nbytes
-from residual_store._src.store.pending import PendingWork
+from residual_store._src.store.ledger import KeyLedger
+from residual_store._src.store.moves import Moves
+from residual_store._src.store.persistence import Persistence, open_side
 from residual_store._src.store.reads import Reads
+from residual_store._src.store.tiers import Tiers, own_nbytes
 from residual_store._src.store.weights import LiveWeights
-from residual_store._src.store.workers import Loader, Writer
+from residual_store._src.store.workers import Loader
 
 __all__ = ["Store"]
 
@@ -40,17 +39,15 @@ StorePath = str | os.PathLike[str] | Mapping[str, Any] | None
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 
 
-def _shut_down(writer: Writer | None, loader: Loader, janitor: Loader) -> None:
+def _shut_down(side: Persistence, loader: Loader) -> None:
     """Finalizer of a collected store: its threads stop once their queued work is done.
 
     Never waits: the collection may run on one of these threads, or on a thread holding a lock
     their work needs. Writes still complete (the writer runs its queue before it stops, and the
     exit drain waits for it); a failed one is reported on stderr.
     """
-    if writer is not None:
-        writer.close(wait=False)
+    side.close_later()
     loader.close(wait=False)
-    janitor.close(wait=False)
 
 
 class Store:
@@ -107,6 +104,8 @@ class Store:
       ...     grads = rs.backward(store.get(key))
     """
 
+    _description = "not opened"  # where it is, once open
+
     def __init__(
         self,
         path: StorePath = None,
@@ -136,48 +135,38 @@ class Store:
         device_budget = parse_budget(device_budget, "device_budget", read_device(device))
         headroom = Headroom.of(device_headroom, read_device(device))
         host_budget = parse_size(host_budget, "host_budget")
-        self._tiers = Tiers(device_budget, host_budget, demote=to_host)
+        self._tiers = Tiers(device_budget, host_budget)
         self._device, self._host = self._tiers.device, self._tiers.host
         max_pending_bytes = parse_bytes(max_pending_bytes, "max_pending_bytes")
         read_buffer_bytes = parse_bytes(read_buffer_bytes, "read_buffer_bytes")
         collective_timeout = parse_seconds(collective_timeout, "collective_timeout")
         timeout = parse_seconds(timeout, "timeout", optional=True)
-        self._disk = DiskTier(
+        disk = DiskTier(
             path, create=create, read_only=read_only, read_buffer_bytes=read_buffer_bytes, timeout=timeout,
         ) if path is not None else None
         # how writes and deletes reach the disk (collectively, in a job of several processes)
-        self._committer: Committer | None = (
-            committer_for(self._disk, collective_timeout) if self._disk is not None else None
-        )
-        self._write_through = bool(write_through) or (self._committer is not None and self._committer.writes_through)
-        self._durable = bool(durable)
-        self._lock = threading.RLock()
+        committer = committer_for(disk, collective_timeout) if disk is not None and not read_only else None
+        # The one lock: it guards the bookkeeping below, never a copy, a read or a wait (ledger.py).
+        self._lock = StoreLock()
+        self._ledger = KeyLedger()
         self._weights = LiveWeights()  # hashed once, not per put; read back without reading
-        writes = self._disk is not None and not self._read_only
-        # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
-        self._writer = Writer(max_pending_bytes, on_idle=self._disk.sync_commits) if writes else None
-        # saves each signature's backward once, on the writer thread
-        self._backwards = backwards.Saver(
-            self._disk, self._writer, durable=self._durable, saves=self._committer.saves_backwards,
-        ) if self._writer is not None else None
-        # loads the stored backwards rs.backward asks for while the store is open (held weakly there)
-        self._stored_backwards = backwards.StoredBackwards(self._disk) if self._disk is not None else None
-        if self._stored_backwards is not None:
-            register_loader(self._stored_backwards)
-        self._loader = Loader()
-        self._janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
-        self._work = PendingWork(
-            lock=self._lock, tiers=self._tiers, disk=self._disk, committer=self._committer, writer=self._writer,
-            janitor=self._janitor, weights=self._weights, target=self._target, headroom=headroom,
-            write_through=self._write_through, durable=self._durable,
+        self._side = open_side(
+            disk, committer, ledger=self._ledger, lock=self._lock, tiers=self._tiers, weights=self._weights,
+            write_through=write_through, durable=durable, max_pending_bytes=max_pending_bytes,
         )
+        self._description = self._side.description
+        self._moves = Moves(
+            lock=self._lock, tiers=self._tiers, ledger=self._ledger, side=self._side, headroom=headroom,
+            target=self._target,
+        )
+        self._loader = Loader()
         self._reads = Reads(
-            lock=self._lock, tiers=self._tiers, work=self._work, disk=self._disk, weights=self._weights,
-            target=self._target, loader=self._loader, stored_backwards=self._stored_backwards,
+            lock=self._lock, tiers=self._tiers, ledger=self._ledger, side=self._side, moves=self._moves,
+            weights=self._weights, target=self._target, loader=self._loader,
         )
         self._closed = False
         # A collected store's pending writes still complete (the writer runs its queue first).
-        self._finalizer = weakref.finalize(self, _shut_down, self._writer, self._loader, self._janitor)
+        self._finalizer = weakref.finalize(self, _shut_down, self._side, self._loader)
 
     # -- context manager ----------------------------------------------------------------------
 
@@ -194,8 +183,7 @@ class Store:
                 pass
 
     def __repr__(self) -> str:
-        disk = getattr(self, "_disk", None)
-        where = disk.description if disk is not None else "memory only"
+        where = self._description
         if self._closed:
             return f"Store({where}, closed)"
         return f"Store({where}, contexts={len(self)})"
@@ -216,9 +204,7 @@ class Store:
           ReadOnlyStoreError: the store was opened ``read_only=True``.
         """
         self._check_open()
-        self._check_writable("put")
-        if self._backwards is not None:
-            self._backwards.emit_warnings()  # of earlier saves, at this put's caller
+        self._side.check_writable("put")
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"put expects a rs.ResidualContext, got {type(ctx).__name__}")
         if _jax_internals.any_tracer(ctx.residuals):
@@ -226,33 +212,28 @@ class Store:
                 "put cannot store a context inside jax.jit or another transformation (its residuals "
                 "are tracers, not arrays): return the context from the jitted function and put it there"
             )
-        if key is None and self._committer is not None and self._committer.needs_keys:
+        if key is None and self._side.needs_keys:
             raise InvalidArgumentError(
                 "in a multi-process job, put needs a key: every process puts the same context "
                 "under the same key, and a fresh key would differ between processes"
             )
         key = new_key() if key is None else validate_key(key)
-        # the weights' host copies, now: a donation after put returns cannot break the write
-        staged = stage_shared(ctx, partial=self._committer.partial_arrays) if self._committer is not None and self._write_through else None
-        if self._backwards is not None:
-            self._backwards.save(ctx)
+        staged = self._side.prepare_put(ctx)  # the weights' host copies, before a donation can break them
         size = own_nbytes(ctx)
-        with self._lock:
-            if self._disk is None:
-                self._tiers.check_capacity(key, size)
-            self._forget(key)  # a write or prefetch of an older context under this key is superseded
-            self._work.deleting.pop(key, None)
+        with self._lock:  # bookkeeping only: the copies it owes are made after (ledger.py, rule 1)
+            self._side.check_capacity(self._tiers, key, size)
+            self._tiers.forget(key)
+            version = self._ledger.begin_put(key)  # an older version's write, load or delete is superseded
             self._tiers.admit(key, ctx)
-            spills = self._work.rebalance(protect=key if self._tiers.put_protects(key) else None)
-            to_write = [self._work.mark(key, ctx)] if self._disk is not None and (
-                self._write_through
-                or (key not in self._device and key not in self._host and key not in self._work.pending)
-            ) else []
-            self._work.release()
-        for write in to_write:
-            self._work.schedule(*write, staged=staged)
-        for write in spills:
-            self._work.schedule(*write)
+            spills = self._moves.rebalance(protect=key if self._tiers.put_protects(key) else None)
+            writes = []
+            if self._side.writes_put(in_memory=key in self._tiers or self._ledger.has_pending(key)):
+                self._ledger.mark_pending(key, ctx, version)
+                writes.append((key, ctx, version))
+            owed = self._moves.owed()
+        self._moves.settle(owed)
+        self._side.schedule(writes, staged=staged)
+        self._side.schedule(spills)
         return key
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
@@ -265,14 +246,7 @@ class Store:
           verification (the message names the key and the residual).
         """
         self._check_open()
-        key = validate_key(key)
-        with self._lock:
-            if key in self._work.deleting:
-                raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
-            prefetched = self._reads.loading.pop(key, None)
-            self._tiers.schedule.consume(key)
-        # a prefetched context is kept for this get even when the budgets could not hold it
-        ctx = prefetched.result() if prefetched is not None else self._reads.load(key)
+        ctx = self._reads.take(validate_key(key))
         # only now: a load ahead may push out the context just got (the schedule is done with it)
         self._reads.ahead()
         return ctx
@@ -285,12 +259,12 @@ class Store:
         self._check_open()
         key = validate_key(key)
         with self._lock:
-            if key in self._device or key in self._reads.loading:
+            if key in self._device or self._ledger.loading(key):
                 return
-            in_memory = (key in self._host or key in self._work.pending) and key not in self._work.deleting
-        if not in_memory and (self._disk is None or key in self._work.deleting or key not in self._disk):
+            deleting = self._ledger.deleting(key)
+            in_memory = (key in self._host or self._ledger.has_pending(key)) and not deleting
+        if not in_memory and (deleting or not self._side.holds(key)):
             raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
-
         with self._lock:
             self._reads.start(key)
 
@@ -333,7 +307,7 @@ class Store:
     def pop(self, key: str) -> ResidualContext:
         """``get`` then ``delete``."""
         self._check_open()
-        self._check_writable("pop")
+        self._side.check_writable("pop")
         ctx = self.get(key)
         self.delete(key)
         return ctx
@@ -342,37 +316,31 @@ class Store:
         """Removes ``key`` from every tier; the disk removal runs in the background, after any
         pending write of it (``flush`` waits). Unknown key: :class:`ContextNotFoundError`."""
         self._check_open()
-        self._check_writable("delete")
+        self._side.check_writable("delete")
         key = validate_key(key)
         with self._lock:
-            found = key not in self._work.deleting and (
-                key in self._device or key in self._host or key in self._work.pending or key in self._reads.loading
-            )
-            self._forget(key)
-        if self._disk is None or self._writer is None:
-            if not found:
-                raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
-            return
+            deleting = self._ledger.deleting(key)
+            found = not deleting and (key in self._tiers or self._ledger.has_pending(key) or self._ledger.loading(key))
         # In a multi-process job the delete is collective, in call order with the puts: every
         # process checks here, and process 0 removes the manifest only once all have begun.
+        if not found and deleting:
+            raise ContextNotFoundError(f"context {key!r} was already deleted from store {self!r}")
+        if not found and not self._side.holds(key):
+            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
         with self._lock:
-            if not found and key not in self._work.deleting and key not in self._disk:
-                raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
-            if not found and key in self._work.deleting:
-                raise ContextNotFoundError(f"context {key!r} was already deleted from store {self!r}")
-            token = self._work.mark_deleting(key)
-        self._work.schedule_delete(key, token)
+            self._tiers.forget(key)
+            version = self._ledger.begin_delete(key)
+        self._side.delete(key, version)
 
     # -- listing ------------------------------------------------------------------------------
 
     def keys(self) -> list[str]:
         """Every key: in memory, pending, and committed on disk (by any process)."""
         self._check_open()
-        with self._lock:
-            keys = set(self._device.keys()) | set(self._host.keys()) | set(self._work.pending)
-            deleting = set(self._work.deleting)
-        if self._disk is not None:
-            keys.update(self._disk.keys())
+        with self._lock:  # before the listing: a removal done meanwhile must not bring a key back
+            keys = set(self._tiers.keys()) | self._ledger.pending_keys()
+            deleting = self._ledger.deleted_keys()
+        keys.update(self._side.keys())
         return sorted(keys - deleting)
 
     def __contains__(self, key: object) -> bool:
@@ -380,15 +348,15 @@ class Store:
         if not isinstance(key, str):
             return False
         with self._lock:
-            if key in self._work.deleting:
+            if self._ledger.deleting(key):
                 return False
-            if key in self._device or key in self._host or key in self._work.pending:
+            if key in self._tiers or self._ledger.has_pending(key):
                 return True
         try:
             validate_key(key)
         except ValueError:
             return False
-        return self._disk is not None and key in self._disk
+        return self._side.holds(key)
 
     def __len__(self) -> int:
         return len(self.keys())
@@ -413,12 +381,12 @@ class Store:
                 name: {"bytes": tier.nbytes, "contexts": len(tier), "bytes_in": tier.bytes_in, "bytes_out": tier.bytes_out}
                 for name, tier in (("device", self._device), ("host", self._host))
             }
-            io = dict(self._work.io)
-            waiting = self._work.waiting()  # host copies, in no tier (see PendingWork.release)
+            # host copies waiting for their writes, in no tier (see moves.py)
+            waiting = [c for k, c in self._ledger.pending_items() if k not in self._tiers]
             result["pending"] = {
                 "bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting), "reads": self._reads.pending_reads,
             }
-        result["disk"] = {**inspection.disk_bytes(self._disk), **io}
+        result["disk"] = self._side.stats()
         return result
 
     # -- flush, close -------------------------------------------------------------------------
@@ -446,25 +414,11 @@ class Store:
           was not committed). ContextNotFoundError: a key this store was never given.
         """
         self._check_open()
-        try:
-            if keys:
-                self._flush_keys([validate_key(k) for k in keys])
-            elif self._writer is not None:
-                self._writer.flush()
-        finally:
-            if self._backwards is not None:
-                self._backwards.emit_warnings()  # of background saves, at this flush's caller
-
-    def _flush_keys(self, keys: Sequence[str]) -> None:
-        futures = self._work.newest(keys)
-        for key, future in zip(keys, futures):
-            if future is None and key not in self:
+        checked = [validate_key(k) for k in keys]
+        had_writes = self._side.flush(checked)
+        for key, had in zip(checked, had_writes):
+            if not had and key not in self:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
-        for future in futures:
-            if future is not None:
-                future.result()  # its write's error, if it failed
-        if any(f is not None for f in futures) and self._disk is not None and self._durable:
-            self._disk.sync_commits()  # (else done once the writer runs out of work)
 
     def gc(
         self, older_than: float = 3600.0, *, dry_run: bool = False, progress: Progress | None = None
@@ -480,11 +434,8 @@ class Store:
         """
         self._check_open()
         if not dry_run:
-            self._check_writable("gc")
-        if self._disk is None:
-            return gc.nothing_removed()
-        self.flush()
-        return gc.collect(self._disk, older_than, dry_run=dry_run, progress=progress)
+            self._side.check_writable("gc")
+        return self._side.gc(older_than, dry_run=dry_run, progress=progress)
 
     def close(self) -> None:
         """Flushes and stops the background threads; the store cannot be used afterwards."""
@@ -494,36 +445,15 @@ class Store:
             self.flush()
         finally:
             self._closed = True
-            if self._stored_backwards is not None:
-                unregister_loader(self._stored_backwards)
             self._finalizer.detach()
-            if self._writer is not None:
-                self._writer.close()
-            self._loader.close()
-            self._janitor.close()
-            if self._disk is not None and self._disk.buffers is not None:
-                self._disk.buffers.clear()
-
-    def _forget(self, key: str) -> None:
-        """Drops every copy of ``key`` this store holds or is making: in the tiers, a pending
-        write, a prefetch, and the note that it is on disk (under the lock)."""
-        self._tiers.forget(key)
-        self._work.pending.pop(key, None)
-        self._reads.loading.pop(key, None)
-        self._work.on_disk.discard(key)
+            try:
+                self._side.close()
+            finally:
+                self._loader.close()
 
     def _check_open(self) -> None:
         if self._closed:
-            where = self._disk.description if getattr(self, "_disk", None) is not None else "memory only"
-            raise InvalidArgumentError(f"this store ({where}) is closed: open a new rs.Store to use it again")
-
-    def _check_writable(self, what: str) -> None:
-        if self._read_only:
-            where = self._disk.description if self._disk is not None else "memory"
-            raise ReadOnlyStoreError(
-                f"{what}: the store at {where} was opened read_only=True; open it with "
-                "read_only=False to change it"
-            )
+            raise InvalidArgumentError(f"this store ({self._description}) is closed: open a new rs.Store to use it again")
 
     # -- inspection ---------------------------------------------------------------------------
 
@@ -534,12 +464,12 @@ class Store:
         self._check_open()
         key = validate_key(key)
         with self._lock:
-            if key in self._work.deleting:
+            if self._ledger.deleting(key):
                 raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
-            pending = self._work.pending.get(key)
-            for ctx in (self._device.peek(key), self._host.peek(key), pending[0] if pending else None):
+            pending = self._ledger.pending(key)
+            for ctx in (self._device.peek(key), self._host.peek(key), pending):
                 if ctx is not None:
-                    return ctx, pending is not None or key not in self._work.on_disk
+                    return ctx, pending is not None or not self._ledger.on_disk(key)
         return None, False
 
     def info(self, key: str) -> ContextInfo:
@@ -559,11 +489,9 @@ class Store:
           CorruptContextError: its manifest is damaged.
         """
         ctx, newer = self._find(key)
-        if ctx is not None and (newer or self._disk is None):
+        if ctx is not None and (newer or not self._side.persists):
             return inspection.memory_info(key, ctx.spec)
-        if self._disk is None:
-            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
-        return inspection.context_info(self._disk.stat(key))
+        return self._side.info(key)
 
     def arrays(self, key: str) -> tuple[np.ndarray, ...]:
         """The residuals of ``key`` as NumPy arrays in host memory, verified, in the order of
@@ -584,9 +512,7 @@ class Store:
         ctx, _ = self._find(key)
         if ctx is not None:
             return tuple(to_numpy(x) for x in ctx.residuals)
-        if self._disk is None:
-            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
-        _, arrays = self._disk.read(key, place=False)
+        _, arrays = self._side.read(key, place=False)
         return tuple(arrays)  # (with place=False: whole NumPy arrays)
 
     def backward_info(self, signature: str) -> BackwardInfo:
@@ -597,7 +523,7 @@ class Store:
           InvalidArgumentError: ``signature`` is not a signature (``info(key).signature`` is one).
         """
         self._check_open()
-        return inspection.backward_info(self._disk, signature)
+        return self._side.backward_info(signature)
 
     def usage(self, *, progress: Progress | None = None) -> StoreUsage:
         """Bytes the store takes on disk, per part of its tree and per signature (a memory-only
@@ -613,10 +539,8 @@ class Store:
           (True, [1])
         """
         self._check_open()
-        if self._disk is None:
-            return StoreUsage(0, dict.fromkeys(inspection.USAGE_PARTS, 0), 0, {})
         self.flush()  # what was put is on disk
-        return inspection.measure(self._disk, progress)
+        return self._side.usage(progress)
 
     def verify(self, keys: Sequence[str] | None = None, *, progress: Progress | None = None) -> VerifyReport:
         """Reads and checks every byte of every context (or of ``keys``) against its checksums,
@@ -654,11 +578,7 @@ class Store:
         missing = [] if given is None else [k for k in given if k not in self]
         if missing:
             raise ContextNotFoundError(f"no context {', '.join(map(repr, missing))} in store {self!r}")
-        if self._disk is None:
-            return VerifyReport(verified=len(chosen))
-        on_disk = set(self._disk.keys())
-        report = inspection.verify(
-            self._disk, [k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress
-        )
+        on_disk = set(self._side.keys())
+        report = self._side.verify([k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress)
         in_memory = sum(k not in on_disk for k in chosen)  # written with write_through=False, not spilled
         return dataclasses.replace(report, verified=report.verified + in_memory) if in_memory else report

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import serializers
-from residual_store._src.errors import CorruptContextError
+from residual_store._src.errors import CorruptContextError, StoreUnavailableError
 from residual_store._src.store import layout
 from residual_store._src.store.backend_protocol import Backend, Empty
 from residual_store._src.store.records import StoredContext
@@ -26,9 +26,13 @@ def read(backend: Backend, key: str, stored: StoredContext, *, empty: Empty | No
     what = f"context {key!r}, bundle {ref.path}"
     try:
         buffer = backend.read_file(ref.path, ref.nbytes, checksum=ref.checksum, empty=empty)
+    except StoreUnavailableError:
+        raise  # no answer is no damage
     except serializers.ChecksumMismatchError as err:
-        try:  # which part: a residual (named), or the headers
-            check(backend, key, stored, backend.read_file(ref.path, ref.nbytes))
+        # Which part: a residual (named), or the headers. The file is read again for that, and
+        # may be gone by now (its context replaced or deleted meanwhile): check says so too.
+        try:
+            check(backend, key, stored)
         except CorruptContextError as found:
             raise CorruptContextError(f"{found} (the whole {err})") from err
         raise CorruptContextError(f"{what}: {err}") from err
@@ -58,7 +62,9 @@ def check(backend: Backend, key: str, stored: StoredContext, buffer: np.ndarray 
         sums = [r.checksum if r.nbytes else None for r in records]
         names = [f"residual {i} ({r.name})" for i, r in zip(indices, records)]
         bundles.check_bundle(bundle_layout, buffer, sums, what=what, names=names)
-    except serializers.CorruptDataError as err:
+    except StoreUnavailableError:
+        raise  # no answer is no damage
+    except (serializers.SerializationError, ValueError) as err:  # missing, of another size, damaged
         raise CorruptContextError(str(err) if str(err).startswith(what) else f"{what}: {err}") from err
     except OSError as err:
         raise CorruptContextError(f"{what}: unreadable ({err})") from err

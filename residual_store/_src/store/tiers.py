@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numbers
 from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 
@@ -96,6 +95,15 @@ class MemoryTier:
         self._entries.move_to_end(key)
         return entry[0]
 
+    def replace(self, key: str, old: ResidualContext, new: ResidualContext) -> bool:
+        """``new`` in place of ``old`` under ``key`` (same bytes, same recency), if ``key`` still
+        holds ``old``."""
+        entry = self._entries.get(key)
+        if entry is None or entry[0] is not old:
+            return False
+        self._entries[key] = (new, entry[1])
+        return True
+
     def remove(self, key: str, *, moved: bool = False) -> ResidualContext | None:
         """Takes ``key`` out; ``moved``: to another tier (counted in ``bytes_out``), not dropped."""
         entry = self._entries.pop(key, None)
@@ -132,16 +140,32 @@ def spill_order(keys: list[str], schedule: Schedule, protect: str | None = None)
 class Tiers:
     """Device over host: where a context goes, and what the budgets push down.
 
-    ``demote`` makes the host copy of a device context (see :func:`residual_store._src.store.host.to_host`);
-    the tiers never touch arrays themselves.
+    The tiers never touch arrays: a context that moves down to the host tier enters it as it is
+    and is *owed* a host copy (:meth:`take_owed`), which the store makes outside its lock and
+    installs with :meth:`settle`. Until then the host tier counts it (its bytes are the same
+    wherever they lie) and a get of it takes it as it is.
     """
 
-    def __init__(self, device_budget: int | None, host_budget: int | None,
-                 demote: Callable[[ResidualContext], ResidualContext]) -> None:
+    def __init__(self, device_budget: int | None, host_budget: int | None) -> None:
         self.device = MemoryTier("device", device_budget)
         self.host = MemoryTier("host", host_budget)
-        self._demote = demote
         self.schedule = Schedule()
+        self._owed: list[tuple[str, ResidualContext]] = []
+
+    def _demote(self, key: str, ctx: ResidualContext) -> None:
+        self.host.add(key, ctx)
+        self._owed.append((key, ctx))
+
+    def take_owed(self) -> list[tuple[str, ResidualContext]]:
+        """The contexts that entered the host tier since the last call, still to be copied to
+        host memory (each as it entered; see :meth:`settle`)."""
+        owed, self._owed = self._owed, []
+        return owed
+
+    def settle(self, key: str, entered: ResidualContext, copy: ResidualContext) -> bool:
+        """Puts ``copy`` (the host copy of ``entered``) in place of ``entered`` in the host tier,
+        if the host tier still holds that very context under ``key``; its recency is kept."""
+        return self.host.replace(key, entered, copy)
 
     def __contains__(self, key: str) -> bool:
         return key in self.device or key in self.host
@@ -163,7 +187,7 @@ class Tiers:
         if self.device.fits(size):
             self.device.add(key, ctx)
         elif self.host.fits(size):
-            self.host.add(key, self._demote(ctx))
+            self._demote(key, ctx)
         else:
             return False
         return True
@@ -179,7 +203,7 @@ class Tiers:
             ctx = self.device.remove(victim, moved=True)
             assert ctx is not None
             if self.host.fits(own_nbytes(ctx)):
-                self.host.add(victim, self._demote(ctx))
+                self._demote(victim, ctx)
             else:
                 evicted.append((victim, ctx))
         while self.host.over_budget():

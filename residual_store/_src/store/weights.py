@@ -11,7 +11,6 @@ an entry goes when its array does, so the store never keeps the model's memory a
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,6 +19,7 @@ import jax
 
 import serializers
 from residual_store._src.context import SHARED_KINDS, ResidualContext
+from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.host import HostArrays, ShardedHost, is_whole_on, read_device, to_device_sharded
 from residual_store._src.store.layout import weight_path
 
@@ -36,10 +36,10 @@ class LiveWeights:
 
     def __init__(self) -> None:
         # id(array) -> (weak reference to it, checksum, content digest); an entry goes with its array
-        self._sums_lock = threading.Lock()  # (weakref callbacks take it: never held around other work)
+        self._sums_lock = StoreLock()  # (weakref callbacks take it: never held around other work)
         self._sums: dict[int, tuple[weakref.ref[Any], str, str]] = {}
         # path, or (path, placement) for a sharded weight -> its device array, while it lives
-        self._lock = threading.RLock()
+        self._lock = StoreLock()
         self._arrays: weakref.WeakValueDictionary[Any, jax.Array] = weakref.WeakValueDictionary()
 
     def __len__(self) -> int:

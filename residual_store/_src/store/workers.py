@@ -8,10 +8,17 @@ that lands.
 Nothing queued is lost on a normal exit: every live writer is drained when the interpreter
 exits (the end of the script, ``sys.exit``, an uncaught exception), by a hook that runs when the
 main thread ends, before ``concurrent.futures`` stops the thread pools the writes use and before
-``atexit`` handlers (such as ``jax.distributed``'s shutdown). A writer whose owner is collected
-finishes its queue, then its thread ends (a write that failed is reported on stderr); a kept
-error holds no traceback frames, so it never keeps its store, and that thread, alive. A killed process (``kill -9``, an unhandled SIGTERM,
-``os._exit``) loses what was queued.
+``atexit`` handlers (such as ``jax.distributed``'s shutdown). After a ``SIGTERM`` that ends the
+process with a bound (``flush_on_sigterm(timeout=...)``, see :func:`bound_exit_drain`), that
+drain, and ``flush``/``close`` on the way out, wait only until the bound, then say what is left.
+A writer whose owner is collected finishes its queue, then its thread ends (a write that failed
+is reported on stderr); a kept error holds no traceback frames, so it never keeps its store, and
+that thread, alive. A killed process (``kill -9``, an unhandled SIGTERM, ``os._exit``) loses
+what was queued.
+
+Every lock here is a :class:`~residual_store._src.store.critical.StoreLock`: the main thread
+may hold one when a ``SIGTERM`` lands, and the handler's drain needs them all, so the handler
+waits until it is released (see ``critical.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import time
 import traceback
 import weakref
 from collections import deque
@@ -26,22 +34,45 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["Writer", "Loader", "drain_all"]
+from residual_store._src.store.critical import StoreLock
+
+__all__ = ["Writer", "Loader", "drain_all", "drain_within", "bound_exit_drain", "draining_at_exit"]
 
 _LIVE: weakref.WeakSet[Writer] = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()
+_LIVE_LOCK = StoreLock()
+
+# After a SIGTERM that ends the process: (monotonic deadline, what set it) bounding the exit
+# drain and the flushes and closes on the way out; None: wait for every write (a normal exit).
+_EXIT_BOUND: tuple[float, str] | None = None
+_AT_EXIT = False  # the exit drain is running
+
+
+class _Future(Future):  # type: ignore[type-arg]
+    """A write's future whose lock is a StoreLock: the main thread holds it for a moment in
+    ``add_done_callback`` or ``result``, and the writer thread needs it to finish the job."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._condition = threading.Condition(StoreLock())
 
 
 class Writer:
     """A single background worker running write jobs in order under a byte bound."""
 
-    def __init__(self, max_pending_bytes: int, on_idle: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, max_pending_bytes: int, on_idle: Callable[[], None] | None = None, *, label: str | None = None,
+    ) -> None:
         """``on_idle`` runs on the worker after the last queued job, before that job counts as
         done (before ``flush`` returns): work a burst of jobs can share, such as one sync of a
-        folder they all renamed files into. Its error is reported like a job's."""
+        folder they all renamed files into. Its error is reported like a job's. ``label``: what
+        a message about this writer's queue calls it (default: the ``description`` of the
+        object ``on_idle`` is a method of, if any: a store's disk)."""
         self._max = max_pending_bytes
         self._on_idle = on_idle
-        self._cv = threading.Condition()
+        if label is None:
+            label = getattr(getattr(on_idle, "__self__", None), "description", None)
+        self.label = label if isinstance(label, str) else None
+        self._cv = threading.Condition(StoreLock())
         self._queue: deque[tuple[Callable[[], Any], int, Future[Any]]] = deque()
         self._pending_bytes = 0
         self._errors: list[BaseException] = []
@@ -52,7 +83,7 @@ class Writer:
 
     def submit(self, job: Callable[[], Any], nbytes: int) -> Future[Any]:
         """Queues ``job``; waits while more than ``max_pending_bytes`` are queued (backpressure)."""
-        future: Future[Any] = Future()
+        future: Future[Any] = _Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError("the store is closed")
@@ -108,44 +139,148 @@ class Writer:
             with self._cv:
                 self._errors.append(err)
 
-    def flush(self) -> None:
-        """Waits until every queued job has run; raises the first error since the last flush."""
+    def backlog(self) -> tuple[int, int]:
+        """``(jobs, bytes)`` not done yet: queued or running."""
         with self._cv:
-            while self._queue:
-                self._cv.wait()
+            return len(self._queue), self._pending_bytes
+
+    def _wait_until_done(self, deadline: float | None = None) -> bool:
+        """Under ``_cv``: waits until the queue is empty (or the worker is gone); ``False`` if
+        ``deadline`` (``time.monotonic()``), or the exit bound (:func:`bound_exit_drain`), came
+        first. Wakes now and then to notice an exit bound set while it waits."""
+        while self._queue and self._thread is not None and self._thread.is_alive():
+            limit = _limit(deadline)
+            if limit is None:
+                self._cv.wait(_RECHECK_S)
+                continue
+            left = limit - time.monotonic()
+            if left <= 0:
+                return False
+            self._cv.wait(min(left, _RECHECK_S))
+        return True
+
+    def flush(self) -> None:
+        """Waits until every queued job has run; raises the first error since the last flush.
+
+        Raises:
+          TimeoutError: the process is ending after a SIGTERM whose bound
+            (:func:`bound_exit_drain`) passed before the jobs were done.
+        """
+        with self._cv:
+            if not self._wait_until_done():
+                bound = _EXIT_BOUND
+                assert bound is not None
+                raise TimeoutError(
+                    f"residual-store: {bound[1]}: {len(self._queue)} writes ({_size(self._pending_bytes)}) "
+                    f"of {self._name()} were not done within the bound"
+                )
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
 
     def close(self, wait: bool = True) -> None:
         """Runs what is queued, then stops the worker; with ``wait``, returns once it has
-        stopped (never from the worker itself). Without ``wait`` the worker still runs its queue
-        first, and the exit drain (:func:`drain_all`) still waits for it."""
+        stopped (never from the worker itself), or, as the process ends after a SIGTERM, once
+        the bound is past (:func:`bound_exit_drain`). Without ``wait`` the worker still runs its
+        queue first, and the exit drain (:func:`drain_all`) still waits for it."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
             thread = self._thread
         if wait and thread is not None and threading.current_thread() is not thread:
-            thread.join()
+            while thread.is_alive():
+                limit = _limit(None)
+                left = _RECHECK_S if limit is None else limit - time.monotonic()
+                if left <= 0:
+                    return
+                thread.join(min(left, _RECHECK_S))
 
-    def drain(self) -> list[BaseException]:
-        """Waits until every queued job has run; returns (and clears) the errors since the last
-        flush instead of raising them."""
+    def drain(self, deadline: float | None = None) -> list[BaseException]:
+        """Waits until every queued job has run (at most until ``deadline``, a
+        ``time.monotonic()`` time); returns (and clears) the errors since the last flush
+        instead of raising them."""
         with self._cv:
-            while self._queue and self._thread is not None and self._thread.is_alive():
-                self._cv.wait()
+            self._wait_until_done(deadline)
             errors, self._errors = self._errors, []
         return errors
 
+    def _name(self) -> str:
+        return f"store {self.label}" if self.label else "a store"
 
-def drain_all() -> None:
-    """Completes the queued writes of every live writer; a failed write is reported on stderr
-    (at exit nobody is left to raise it to)."""
+
+# How often a wait with no bound looks again whether a SIGTERM set one meanwhile.
+_RECHECK_S = 0.5
+
+
+def _limit(deadline: float | None) -> float | None:
+    """The earlier of ``deadline`` and the exit bound, if any."""
+    bound = _EXIT_BOUND
+    if bound is None:
+        return deadline
+    return bound[0] if deadline is None else min(deadline, bound[0])
+
+
+def bound_exit_drain(deadline: float, why: str) -> None:
+    """The process is ending after a signal: the exit drain, and ``flush``/``close`` on the way
+    out, wait for the writes only until ``deadline`` (``time.monotonic()``), then say what is
+    left, naming ``why`` (a normal exit, without this, waits for every write). An earlier
+    deadline set before stays."""
+    global _EXIT_BOUND
+    if _EXIT_BOUND is None or deadline < _EXIT_BOUND[0]:
+        _EXIT_BOUND = (deadline, why)
+
+
+def draining_at_exit() -> bool:
+    """Whether the interpreter's exit drain is running (in this thread's wait, for a handler)."""
+    return _AT_EXIT
+
+
+def drain_within(deadline: float | None, why: str) -> bool:
+    """Completes every live writer's queued writes, waiting until ``deadline`` at most
+    (``time.monotonic()``; ``None``: as long as they take); a failed write is reported on
+    stderr. Past the deadline, prints what is left (naming ``why``) and returns ``False``."""
     with _LIVE_LOCK:
         writers = list(_LIVE)
     for writer in writers:
-        for err in writer.drain():
-            _report(err, "at exit")
+        for err in writer.drain(deadline):
+            _report(err, "at exit" if _AT_EXIT else f"after {why}")
+    left = [(w, *w.backlog()) for w in writers]
+    left = [(w, jobs, nbytes) for w, jobs, nbytes in left if jobs]
+    if not left:
+        return True
+    bound = _EXIT_BOUND
+    if bound is not None and (deadline is None or bound[0] <= deadline):
+        why = bound[1]  # the exit bound cut this drain short
+    jobs, nbytes = sum(j for _, j, _ in left), sum(b for _, _, b in left)
+    where = "; ".join(f"{j} ({_size(b)}) in {w._name()}" for w, j, b in left)
+    cause = "within the bound" if _limit(deadline) is not None else "(their writer thread is gone)"
+    print(
+        f"residual-store: {why}: {jobs} writes ({_size(nbytes)}) are not done {cause}: {where}; "
+        "contexts put since the last flush may be lost",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def drain_all() -> None:
+    """The exit drain: completes the queued writes of every live writer; a failed write is
+    reported on stderr (at exit nobody is left to raise it to). After a SIGTERM that set a bound
+    (:func:`bound_exit_drain`), before the drain or while it runs, waits only until then and
+    prints what is left."""
+    global _AT_EXIT
+    _AT_EXIT = True
+    try:
+        drain_within(None, "exit")
+    finally:
+        _AT_EXIT = False
 
 
 def _report(err: BaseException, when: str) -> None:
