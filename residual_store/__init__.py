@@ -8,9 +8,15 @@ all, as an eager ``__init__`` would.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The library's logger prints nothing unless the application configures logging (the logging
+# HOWTO, "Configuring Logging for a Library"); without a handler of its own, Python's last-resort
+# handler would print its WARNINGs (a failed background write) on stderr.
+logging.getLogger("residual_store").addHandler(logging.NullHandler())
 
 # every public name -> the module that defines it (the static face below lists the same)
 _EXPORTS = {

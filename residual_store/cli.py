@@ -1,7 +1,8 @@
 """The ``residual-store`` command line (also ``python -m residual_store``).
 
-Commands: ``demo`` (the README's main job), and on a store (a folder, or a tensorstore kvstore
-spec as JSON: ``'{"driver": "file", "path": "/data/s"}'``): ``ls``, ``inspect``, ``verify``,
+Commands: ``demo`` (the README's main job), and on a store (a folder, a kvstore URL such as
+``s3://bucket/run-17``, or a tensorstore kvstore spec as JSON:
+``'{"driver": "file", "path": "/data/s"}'``): ``ls``, ``inspect``, ``verify``,
 ``gc``, ``du``, ``rm``, ``export`` and ``diff``, built on the public methods of
 :class:`residual_store.Store`. The commands that only read open the store read-only.
 
@@ -19,10 +20,15 @@ import argparse
 import dataclasses
 import json
 import os
+import re
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from residual_store._src.cli_text import age as _age, count as _count, duration as _duration, human as _human
+from residual_store._src.cli_text import plural as _plural, seconds as _seconds, table as _table
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,10 +42,15 @@ class _UsageError(Exception):
     """A bad path or key: reported as one line on stderr."""
 
 
+# ``scheme://`` at the start of PATH: a kvstore URL, which rs.Store parses (or refuses)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def _store_path(text: str) -> str | dict[str, Any]:
-    """A folder, or a kvstore spec given as a JSON object."""
+    """A folder (``~`` is the home folder, as in ``rs.Store``), a kvstore URL (``s3://b/p``,
+    ``gs://``, ``file://``, ``memory://``), or a kvstore spec given as a JSON object."""
     if not text.strip():
-        raise _UsageError("PATH is empty: give a store folder, or a kvstore spec as JSON")
+        raise _UsageError("PATH is empty: give a store folder, a kvstore URL, or a kvstore spec as JSON")
     if not text.lstrip().startswith("{"):
         return text
     try:
@@ -60,10 +71,34 @@ def _open(args: argparse.Namespace, *, read_only: bool = True) -> Store:
     try:
         return rs.Store(where, create=False, read_only=read_only, timeout=args.timeout)
     except rs.StoreNotFoundError:
-        if isinstance(where, dict):
+        if isinstance(where, dict) or _URL.match(where):
             raise _UsageError(f"no residual store in the kvstore {args.path}; check PATH") from None
-        what = "not a residual store" if os.path.exists(where) else "no such folder"
-        raise _UsageError(f"{args.path}: {what}; check PATH (a store folder, or a kvstore spec as JSON)") from None
+        folder = os.path.expanduser(where)
+        what = "not a residual store" if os.path.exists(folder) else "no such folder"
+        inside = _stores_inside(folder)
+        if inside:  # an Orbax step folder holds its contexts item one level down
+            what += f"; the store{'s' if len(inside) > 1 else ''} in it: {', '.join(inside)}"
+        raise _UsageError(
+            f"{args.path}: {what}; check PATH (a store folder, a kvstore URL, or a kvstore spec as JSON)"
+        ) from None
+
+
+def _stores_inside(folder: str) -> list[str]:
+    """The stores one level below ``folder`` (an Orbax step's ``contexts`` item), by path."""
+    import residual_store as rs
+
+    found = []
+    try:
+        subfolders = sorted(e.path for e in os.scandir(folder) if e.is_dir())[:32]
+    except OSError:
+        return []
+    for sub in subfolders:
+        try:
+            rs.Store(sub, read_only=True).close()
+        except rs.ResidualStoreError:
+            continue
+        found.append(sub)
+    return found
 
 
 def _unavailable(args: argparse.Namespace, err: BaseException) -> str:
@@ -76,38 +111,6 @@ def _unavailable(args: argparse.Namespace, err: BaseException) -> str:
         f"{args.path}: the object store did not answer{within} or refused the request{why}; check the "
         f"endpoint, the network and the credentials, or give {advice}"
     )
-
-
-def _plural(n: int, word: str, plural: str | None = None) -> str:
-    return f"{n} {word if n == 1 else plural or word + 's'}"
-
-
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def _duration(text: str) -> float:
-    """Seconds from ``"90"``, ``"90s"``, ``"15m"``, ``"1h"`` or ``"2d"`` (argparse type)."""
-    t = text.strip().lower()
-    scale = _DURATION_UNITS.get(t[-1:], None)
-    number = t[:-1] if scale is not None else t
-    try:
-        value = float(number) * (scale or 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use seconds or 90s, 15m, 1h, 2d") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a duration is at least 0")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """A positive number of seconds (argparse type of ``--timeout``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: a timeout is a positive number of seconds")
-    return value
 
 
 def _missing(store: Store, keys: Sequence[str]) -> list[str]:
@@ -172,26 +175,6 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{max(seconds, 0):.0f}s"
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
-
-
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2) if getattr(args, "json", False) else text)
 
@@ -246,31 +229,38 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 "key": key, "signature": info.signature, "residuals": len(info.residuals),
                 "bytes": info.nbytes, "own_bytes": info.own_nbytes, "created": info.created,
                 "age": now - (info.created or now),
+                **({"error": info.damage} if info.damage is not None else {}),  # a file's size is wrong
             })
             listed += info.nbytes
             progress(listed)
         backwards = {sig: store.backward_info(sig) for sig in sorted({e["signature"] for e in entries if "signature" in e})}
-    rows = [["key", "residuals", "bytes", "own bytes", "signature", "backward", "age"]]
+    rows = [["key", "residuals", "bytes", "own bytes", "signature", "backward", "age", ""]]
     for e in entries:
-        if "error" in e:
-            rows.append([e["key"], "-", "-", "-", "CORRUPT", "-", e["error"]])
+        mark = "DAMAGED" if "error" in e else ""
+        if "signature" not in e:  # its manifest is unreadable
+            rows.append([e["key"], "-", "-", "-", "CORRUPT", "-", "-", mark])
             continue
         backward = backwards[e["signature"]]
         e["backward"] = _backward_json(backward)
         rows.append([
             e["key"], str(e["residuals"]), _human(e["bytes"]), _human(e["own_bytes"]),
-            e["signature"], ",".join(backward.platforms) if backward.stored else "no", _age(e["age"]),
+            e["signature"], ",".join(backward.platforms) if backward.stored else "no", _age(e["age"]), mark,
         ])
-    damaged = sum("error" in e for e in entries)
+    damaged = [e["key"] for e in entries if "error" in e]
     summary = _plural(len(entries), "context")
     if damaged:
-        summary += f", {damaged} damaged (see `residual-store verify`; `residual-store rm` removes one)"
-    lines = [summary] + [f"{sig}: backward {_backward_text(b)}" for sig, b in backwards.items()]
+        summary += f", {len(damaged)} damaged"
+    lines = [summary] + [f"DAMAGED {e['key']}: {e['error']}" for e in entries if "error" in e]
+    if damaged:
+        lines.append(_next_step(args, damaged, checked=False))
+    lines += [f"{sig}: backward {_backward_text(b)}" for sig, b in backwards.items()]
     _emit(args, entries, _table(rows) + "\n" + "\n".join(lines))
     return 1 if damaged else 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    """One row per residual; exit status 1 if a file of the context is missing or of the wrong
+    size (what a look at the sizes shows: ``verify`` checks every byte)."""
     with _open(args) as store:
         info = _info(args, store, args.key)
         backward = store.backward_info(info.signature)
@@ -281,22 +271,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             "index": i, "name": r.name, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.nbytes,
             "kind": r.kind, "input_path": r.input_path, "shared": r.shared, "path": r.path,
             "checksum": r.checksum, "chunk_shape": list(r.chunk_shape) if r.chunk_shape is not None else None,
-            "chunks": r.chunks,
+            "chunks": r.chunks, "bundle": r.bundle,
         })
+        where = f"{r.bundle}:{r.path.rsplit('/', 1)[-1]}/" if r.bundle and r.path else r.path or "-"
         rows.append([
             str(i), r.name, str(r.shape), r.dtype, _human(r.nbytes), r.kind,
-            "yes" if r.shared else "no", str(r.chunks), r.path or "-",
+            "yes" if r.shared else "no", str(r.chunks), where,
         ])
     header = (
         f"context {info.key}: signature {info.signature}, jax {info.jax_version}, {_human(info.nbytes)} "
         f"({_human(info.own_nbytes)} its own)\nbackward: {_backward_text(backward)}"
     )
+    if any(r.bundle for r in info.residuals):
+        header += "\n(a path FILE.zip:G/ is the group G/ inside that zip file, not a folder)"
+    if info.damage is not None:
+        header += f"\nDAMAGED {info.key}: {info.damage}\n{_next_step(args, [info.key], checked=False)}"
     _emit(
         args,
-        {"key": info.key, "signature": info.signature, "backward": _backward_json(backward), "residuals": data},
+        {"key": info.key, "signature": info.signature, "backward": _backward_json(backward),
+         "damage": info.damage, "residuals": data},
         header + "\n" + _table(rows),
     )
-    return 0
+    return 0 if info.damage is None else 1
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -318,11 +314,22 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     backwards = report.backwards_verified + len(report.damaged_backwards)
     lines = [f"DAMAGED {key}: {why}" for key, why in report.damaged.items()]
     lines += [f"DAMAGED backward {sig}: {why}" for sig, why in report.damaged_backwards.items()]
+    lines += [f"DAMAGED folder {folder}: {why}" for folder, why in report.damaged_folders.items()]
     lines.append(
         f"{report.verified} of {_plural(contexts, 'context')} verified, {report.backwards_verified} of "
         f"{_plural(backwards, 'stored backward')} verified, "
-        f"{len(report.damaged) + len(report.damaged_backwards)} damaged"
+        f"{len(report.damaged) + len(report.damaged_backwards) + len(report.damaged_folders)} damaged"
     )
+    steps = [_next_step(args, list(report.damaged), checked=True)] if report.damaged else []
+    steps += [
+        f"next: `residual-store gc {shlex.quote(args.path)} --older-than 0` removes a damaged stored backward; "
+        "the next put of its signature saves it again"
+    ] if report.damaged_backwards else []
+    steps += [
+        f"next: replace the link {folder} with the folder it stands for (a store reads nothing through a link); "
+        "a stored backward lost meanwhile is saved again by the next put of its signature"
+        for folder in report.damaged_folders
+    ]
     _emit(
         args,
         {
@@ -332,10 +339,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             "stored_backwards": backwards,
             "backwards_verified": report.backwards_verified,
             "damaged_backwards": [{"signature": s, "error": why} for s, why in report.damaged_backwards.items()],
+            "damaged_folders": [{"folder": f, "error": why} for f, why in report.damaged_folders.items()],
+            "next": steps,
         },
-        "\n".join(lines),
+        "\n".join(lines + steps),
     )
     return 0 if report.ok else 1
+
+
+def _next_step(args: argparse.Namespace, keys: Sequence[str], *, checked: bool) -> str:
+    """What to do about damaged contexts: remove them, or write them again (``checked``: every
+    byte was read; otherwise, only sizes were looked at)."""
+    them = "it" if len(keys) == 1 else "them"
+    shown = " ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
+    look = "" if checked else f"`residual-store verify {shlex.quote(args.path)}` checks every byte; "
+    return (
+        f"next: {look}`residual-store rm {shlex.quote(args.path)} {shown}` removes {them} (`residual-store gc` "
+        f"then frees {'its' if len(keys) == 1 else 'their'} files); or restore the checkpoint step that saved "
+        f"{them}, or put {them} again"
+    )
 
 
 _GC_KINDS = (
@@ -514,7 +536,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="residual-store",
         description="Split JAX forward from backward, with typed, storable residuals. PATH is a store "
-        "folder or a tensorstore kvstore spec as JSON, e.g. '{\"driver\": \"file\", \"path\": \"/data/s\"}'.",
+        "folder, a kvstore URL (s3://bucket/path, gs://bucket/path, file:///path, memory://) or a "
+        "tensorstore kvstore spec as JSON, e.g. '{\"driver\": \"file\", \"path\": \"/data/s\"}'.",
     )
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -531,13 +554,14 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     demo = command("demo", "train a small transformer with a pipeline schedule", _cmd_demo)
-    demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    demo.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    demo.add_argument("--steps", type=_count, default=3, help="training steps (default 3)")
+    demo.add_argument("--microbatches", type=_count, default=8, help="microbatches per step (default 8)")
     demo.add_argument("--store", default=None, help="store folder (default: a temporary one)")
     demo.add_argument("--plot", default="residual_store_demo.png", help="where to write the PNG")
     demo.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     command("ls", "list the contexts of a store; exit 1 if one is damaged", _cmd_ls, json_flag=True).add_argument("path")
-    inspect = command("inspect", "one row per residual of a stored context", _cmd_inspect, json_flag=True)
+    inspect = command("inspect", "one row per residual of a stored context; exit 1 if a file of it is missing "
+                      "or of the wrong size", _cmd_inspect, json_flag=True)
     inspect.add_argument("path")
     inspect.add_argument("key")
     verify = command("verify", "check every checksum; exit 1 if anything is damaged", _cmd_verify, json_flag=True)

@@ -49,6 +49,14 @@ class DemoConfig:
     compare_save: bool = True  # one more step per save choice and layer variant (save="all" vs "auto")
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        from residual_store._src.errors import InvalidArgumentError
+
+        for name in ("steps", "n_microbatches", "n_layers", "microbatch", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"DemoConfig.{name} must be a whole number of at least 1, got {value!r}")
+
 
 def init_transformer(key: jax.Array, cfg: DemoConfig, dtype: Any = jnp.float32) -> Params:
     """Random parameters; per-layer weights are stacked on a leading ``n_layers`` axis."""
@@ -149,12 +157,14 @@ class _Timeline:
     device: list[int] = dataclasses.field(default_factory=list)
     host: list[int] = dataclasses.field(default_factory=list)
     disk: list[int] = dataclasses.field(default_factory=list)
+    pending: list[int] = dataclasses.field(default_factory=list)  # host copies waiting for their write
 
     def record(self, label: str, stats: dict[str, dict[str, int]]) -> None:
         self.labels.append(label)
         self.device.append(stats["device"]["bytes"])
         self.host.append(stats["host"]["bytes"])
         self.disk.append(stats["disk"]["own_bytes"])
+        self.pending.append(stats["pending"]["bytes"])
 
 
 def _split_params(params: Params, k: int) -> tuple[Params, Params, Params]:
@@ -250,7 +260,7 @@ def _one_step(fwd: Any, params: Params, tokens: jax.Array, drop_keys: jax.Array,
 
 def _save_comparison(
     cfg: DemoConfig, params: Params, tokens: jax.Array, drop_keys: jax.Array, folder: str,
-    reference: Callable[..., Any], repeats: int = 5,
+    reference: Callable[..., Any], repeats: int = 5, progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict[str, Any]]:
     """``save="all"`` against ``save="auto"``, for the layers under the demo's hand-written
     checkpoint policy and as a plain scan: one step (:func:`_one_step`) with the contexts in a
@@ -278,6 +288,7 @@ def _save_comparison(
             fwd = rs.split(lambda p, t, k, c=variant: transformer_loss(p, t, k, c), argnums=0, has_aux=True, save=save)
             step = functools.partial(_one_step, fwd, params, tokens, drop_keys)
             name = f"{'checkpoint' if remat else 'plain'}-{save}"
+            progress(f"{name}: {len(rows) + 1} of 4")
             with rs.Store(os.path.join(folder, name), device_budget=0, host_budget=0, durable=False) as store:
                 t_memory, grads = median_seconds(step)
                 t_spilled, spilled_grads = median_seconds(functools.partial(step, store=store))
@@ -363,6 +374,9 @@ def run_demo(
     context_bytes = own_nbytes(fwd(params, probe_tokens, key)[1])  # what the budgets count
     budgets = {"device": 2 * context_bytes, "host": 3 * context_bytes}
     store = rs.Store(path, device_budget=budgets["device"], host_budget=budgets["host"], durable=False)
+    phases = 3 if cfg.compare_save else 2
+    progress = _progress_line(print_fn)
+    print_fn(f"[1/{phases}] training: {cfg.steps} steps (the first one compiles the forward and the backward)")
     try:
         for step in range(cfg.steps):
             key, data_key, drop_key = jax.random.split(key, 3)
@@ -378,6 +392,7 @@ def run_demo(
                 timings["forward"] += middle - start
                 timings["io"] += time.perf_counter() - middle
                 timeline.record(f"F{i + 1}", store.stats())
+                progress(f"step {step + 1}/{cfg.steps}: F{i + 1} of F1..F{n}")
             grads = None
             for i in reversed(range(n)):
                 start = time.perf_counter()
@@ -392,14 +407,19 @@ def run_demo(
                 timings["io"] += middle - start
                 timings["backward"] += time.perf_counter() - middle
                 timeline.record(f"B{i + 1}", store.stats())
+                progress(f"step {step + 1}/{cfg.steps}: B{i + 1} of B{n}..B1")
             diff = _tree_max_rel_diff(grads, reference(params, tokens, drop_keys))
             params = jax.tree.map(lambda p, g: p - cfg.learning_rate * g, params, grads)
             losses.append(step_loss)
             diffs.append(diff)
+            progress("")
             print_fn(f"  step {step + 1}/{cfg.steps}: loss {step_loss:.4f}, max rel. grad diff {diff:.2e}")
         store.flush()
         if kept:
             store.gc(older_than=0)  # the popped contexts' recycled folders: nothing unreferenced is left
+        peaks = {tier: max(getattr(timeline, tier)) for tier in ("device", "host", "pending", "disk")}
+        _print_report(print_fn, timings, peaks, budgets, fwd.cache_info(), cfg)
+        print_fn(f"[2/{phases}] zero-bubble: one more batch through the model as 2 pipeline stages")
         key, data_key, drop_key = jax.random.split(key, 3)
         tokens = jax.random.randint(data_key, (n, cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
         drop_keys = jax.random.split(drop_key, n)
@@ -412,19 +432,19 @@ def run_demo(
             f"  zero-bubble step: the model as 2 stages, ZB-H1 order ({len(zb['steps'])} steps, B and W "
             f"split, W deferred), max rel. grad diff {zb['max_rel_grad_diff']:.2e}; compiles: {compiles}"
         )
-        save_rows = (
-            _save_comparison(cfg, params, tokens, drop_keys, os.path.join(scratch.name, "save"), reference)
-            if cfg.compare_save else []
-        )
+        save_rows = []
+        if cfg.compare_save:
+            print_fn(f"[3/{phases}] save='all' vs save='auto': 4 variants, each compiled then timed over 5 steps")
+            save_rows = _save_comparison(
+                cfg, params, tokens, drop_keys, os.path.join(scratch.name, "save"), reference, progress=progress
+            )
+            progress("")
+            _print_save_comparison(print_fn, save_rows, cfg)
     finally:
         store.close()
         scratch.cleanup()
 
     info = fwd.cache_info()
-    peaks = {tier: max(getattr(timeline, tier)) for tier in ("device", "host", "disk")}
-    _print_report(print_fn, timings, peaks, budgets, info, cfg)
-    if save_rows:
-        _print_save_comparison(print_fn, save_rows, cfg)
     if kept:
         print_fn(
             f"the store keeps step {cfg.steps}'s {n} contexts (step{cfg.steps - 1}-mb0..mb{n - 1}); look inside:\n"
@@ -451,6 +471,24 @@ def run_demo(
     }
 
 
+def _progress_line(print_fn: Callable[[str], None]) -> Callable[[str], None]:
+    """Where the demo prints to a terminal: a function that rewrites one status line on stderr
+    (``""`` clears it); elsewhere (a pipe, a log, a ``print_fn`` of the caller's) one that does
+    nothing, so logs hold only the phases and tables."""
+    import sys
+
+    if print_fn is not print or not sys.stderr.isatty():
+        return lambda line: None
+    width = [0]
+
+    def show(line: str) -> None:
+        sys.stderr.write("\r" + line.ljust(width[0]) + ("\r" if not line else ""))
+        sys.stderr.flush()
+        width[0] = len(line)
+
+    return show
+
+
 def _print_report(
     print_fn: Callable[[str], None],
     timings: dict[str, float],
@@ -462,7 +500,7 @@ def _print_report(
     """One table (the steps' losses and gradient checks are printed as they run): peak bytes of
     the contexts' own residuals per tier against the budgets, time, compiles."""
     rows = [("tier (contexts' own bytes)", "peak bytes", "budget")]
-    rows += [(t, f"{peaks[t]:,}", f"{budgets[t]:,}" if t in budgets else "-") for t in ("device", "host", "disk")]
+    rows += [(t, f"{peaks[t]:,}", f"{budgets[t]:,}" if t in budgets else "-") for t in ("device", "host", "pending", "disk")]
     rows += [("", "", ""), ("time", "seconds", "")]
     rows += [(k, f"{v:.2f}", "") for k, v in timings.items()]
     rows += [("", "", ""), ("compiles", "forward", "backward")]
@@ -493,8 +531,9 @@ def _plot(
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(10, 0.28 * widest + 3), 4.2 * len(panels)), squeeze=False)
     for ax, (title, timeline) in zip(axes[:, 0], panels):
         x = list(range(len(timeline.labels)))
-        for tier, color in (("device", "tab:red"), ("host", "tab:blue"), ("disk", "tab:gray")):
-            name = "disk (committed)" if tier == "disk" else tier
+        tiers = (("device", "tab:red"), ("host", "tab:blue"), ("pending", "tab:orange"), ("disk", "tab:gray"))
+        for tier, color in tiers:
+            name = {"disk": "disk (committed)", "pending": "pending writes (host copies)"}.get(tier, tier)
             ax.step(x, [b * mib for b in getattr(timeline, tier)], where="post", label=name, color=color, linewidth=1.6)
             if tier in budgets:
                 ax.axhline(budgets[tier] * mib, color=color, linestyle="--", linewidth=0.9, label=f"{tier} budget")

@@ -11,6 +11,12 @@ The save is asynchronous, as Orbax's own are: ``save`` takes host copies of ever
 (weights included) before it returns, so the caller may donate or delete its arrays at once, and
 the item's files are written by Orbax's commit thread while training goes on.
 
+The item records what it holds (keys, each manifest's checksum, the step folder), written in the
+step's commit: ``ContextsRestore`` and ``verify`` compare the item with it, so a context removed,
+added or replaced, another step's item copied in, or an item partly deleted (a crash while
+``max_to_keep`` deletes its step) raises :class:`rs.CorruptContextError` naming it, never a smaller
+or another step's store handed over as whole (see ``_src/store/item_record.py``).
+
 Weights the contexts share with the train state are stored once in the item (the store stores
 each weight once, however many contexts hold it), not as a reference to the state's files: the
 item stays a store of its own that needs no other item, at the cost of one more copy of the
@@ -49,8 +55,9 @@ except ImportError as err:  # pragma: no cover - exercised in a process without 
 from residual_store._src import _jax_internals
 from residual_store._src.backward import Backward, find_backward
 from residual_store._src.context import ResidualContext
-from residual_store._src.errors import InvalidArgumentError
-from residual_store._src.store import Store
+from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreNotFoundError
+from residual_store._src.store import Store, item_record
+from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.host import check_live, detached
 from residual_store._src.store.keys import validate_key
 
@@ -93,24 +100,41 @@ def _check_contexts(contexts: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Snapshot:
-    """What a save writes after it returned: host copies of the contexts, and the backwards of
-    their signatures (held, so the store can export them even if the split is gone by then)."""
+    """What a save writes after it returned: host copies of the contexts, the backwards of their
+    signatures (held, so the store can export them even if the split is gone by then), and the
+    name of the step folder the item is saved in (what its record names)."""
 
     contexts: Mapping[str, ResidualContext]
     backwards: tuple[Backward | None, ...]
+    step: str
 
 
-def _snapshot(contexts: Contexts) -> _Snapshot:
+def _step_folder(directory: epath.Path | str | os.PathLike[str]) -> str:
+    """The name of the step folder an item folder lies in, as the committed step has it: Orbax
+    saves into ``<step>.orbax-checkpoint-tmp.../<item>.orbax-checkpoint-tmp...`` and renames
+    both into place (on object stores it writes the final folders and a commit file).
+
+    Example:
+      >>> _step_folder("/ckpt/7.orbax-checkpoint-tmp-1712/contexts.orbax-checkpoint-tmp-1712")
+      '7'
+    """
+    name = os.path.basename(os.path.dirname(os.fspath(directory).rstrip("/")))
+    end = name.find(ocp.path.step.TMP_DIR_SUFFIX)
+    return name[:end] if end >= 0 else name
+
+
+def _snapshot(contexts: Contexts, step: str) -> _Snapshot:
     """Host copies of ``contexts`` (one copy per distinct array), taken on the caller's thread: a
     mapping's in one transfer; a store's every context, one at a time (read from its tiers, so
-    that only one of them is on the device at once for the copy), as the store holds them now."""
+    that only one of them is on the device at once for the copy), as the store holds them now;
+    ``step``: the name of the step folder they are saved in."""
     if isinstance(contexts, Store):
         weights: dict[int, Any] = {}
         copies = {key: detached({key: contexts.get(key)}, weights)[key] for key in contexts.keys()}
     else:
         copies = detached(contexts)
     held = {ctx.spec.signature: find_backward(ctx.spec.signature) for ctx in copies.values()}
-    return _Snapshot(copies, tuple(held.values()))
+    return _Snapshot(copies, tuple(held.values()), step)
 
 
 def _store_path(directory: epath.Path | str | os.PathLike[str]) -> str | dict[str, str]:
@@ -138,13 +162,22 @@ def _store_path(directory: epath.Path | str | os.PathLike[str]) -> str | dict[st
 
 
 def _write(path: str | dict[str, str], snapshot: _Snapshot) -> None:
-    """Writes the item: a residual store at ``path`` holding the snapshot's contexts, complete
-    and durable when this returns (every process of a multi-host job runs it; the store's
-    collective writes make one store of their puts)."""
+    """Writes the item: a residual store at ``path`` holding the snapshot's contexts, then its
+    record of them (keys, each manifest's checksum, the step: ``item_record.py``), complete and
+    durable when this returns.
+
+    Runs in the step's commit, inside the folders Orbax renames into place once every item is
+    written: a committed item is recorded, whatever happens after. Every process of a multi-host
+    job runs it (the store's collective writes make one store of their puts, process 0 committing
+    each manifest once all are written); the primary process, which holds every manifest once
+    its flush returns, writes the record.
+    """
     with Store(path) as store:
         for key, ctx in snapshot.contexts.items():
             store.put(ctx, key)
         store.flush()
+    if ocp.multihost.is_primary_host(0):
+        item_record.seal(DiskTier(path, create=False), list(snapshot.contexts), snapshot.step)
 
 
 class ContextsHandler(ocp.AsyncCheckpointHandler):
@@ -168,7 +201,7 @@ class ContextsHandler(ocp.AsyncCheckpointHandler):
         """
         try:
             prepared: tuple[str | dict[str, str], _Snapshot] | Exception = (
-                _store_path(directory), _snapshot(args.contexts)
+                _store_path(directory), _snapshot(args.contexts, _step_folder(directory))
             )
         except Exception as err:  # noqa: BLE001 - raised by the future, below
             prepared = err
@@ -182,12 +215,34 @@ class ContextsHandler(ocp.AsyncCheckpointHandler):
 
     def save(self, directory: epath.Path, args: ContextsSave) -> None:
         """Saves and waits for the write (Orbax's synchronous checkpointers)."""
-        _write(_store_path(directory), _snapshot(args.contexts))
+        _write(_store_path(directory), _snapshot(args.contexts, _step_folder(directory)))
 
     def restore(self, directory: epath.Path, args: ContextsRestore | None = None) -> Store:
-        """A read-only ``rs.Store`` on the item (close it, or use it as a context manager)."""
+        """A read-only ``rs.Store`` on the item (close it, or use it as a context manager), once
+        the item is found to hold what its save recorded: the step's own contexts, every one,
+        each with the manifest it was saved with (their arrays are checked on ``get``).
+
+        Raises:
+          CorruptContextError: the item is not a whole store, its record is missing or another
+            step's, or it lost, gained or changed contexts since its save (each named). An item
+            saved by a residual-store before records is restored unchecked, with a warning.
+        """
         del args
-        return Store(_store_path(directory), read_only=True)
+        path, step = _store_path(directory), _step_folder(directory)
+        try:
+            store = Store(path, read_only=True)
+        except StoreNotFoundError as err:
+            raise CorruptContextError(
+                f"the contexts item of step {step!r} is not a whole residual store ({err}): the step "
+                "was partly deleted (a crash while max_to_keep removed it?) or the item damaged; "
+                "restore another step"
+            ) from err
+        try:
+            item_record.check_item(DiskTier(path, read_only=True), step)
+        except BaseException:
+            store.close()
+            raise
+        return store
 
 
 @ocp.args.register_with_handler(ContextsHandler, for_save=True)
@@ -221,7 +276,9 @@ class ContextsSave(ocp.args.CheckpointArgs):
 @ocp.args.register_with_handler(ContextsHandler, for_restore=True)
 @dataclasses.dataclass
 class ContextsRestore(ocp.args.CheckpointArgs):
-    """Restores a :class:`ContextsSave` item as a read-only ``rs.Store`` on the item's folder.
+    """Restores a :class:`ContextsSave` item as a read-only ``rs.Store`` on the item's folder,
+    once the item is found to hold what its save recorded: :class:`rs.CorruptContextError`
+    otherwise, naming each context missing, foreign or changed, or the step it was saved in.
 
     Example:
       >>> import orbax.checkpoint as ocp

@@ -20,7 +20,9 @@ chunks' bytes and their CRC-32s is a pure function of the arrays' shapes, dtypes
 one CRC-32 per chunk (the zip's own checksum, which is also the array's checksum in the caller's
 manifest: one pass over the bytes serves both) and patches it into a copy of the prebuilt headers.
 A read checks every byte it does not checksum against those headers, so damage anywhere in the
-file is found (:func:`check_bundle`).
+file is found (:func:`check_bundle`). Those headers being a function of the chunks' CRC-32s, so
+is the CRC-32 of the whole file (:func:`bundle_crc`, a few array operations): a reader that
+checks it as the file lands checks both in one pass over the bytes.
 
 This module is the format only: it computes bytes and views and does no I/O
 (:mod:`serializers.local` writes and reads bundles in a folder, :mod:`serializers.kv` as one
@@ -34,6 +36,7 @@ own); no zip64.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import struct
@@ -42,7 +45,15 @@ from typing import Any, Final
 
 import numpy as np
 
-from serializers.checksums import crc32_bytes, parse_checksum, verify
+from serializers.checksums import (
+    crc32_bytes,
+    crc32_extend,
+    crc32_extended_sum,
+    crc32_extension_map,
+    crc32_zeros,
+    parse_checksum,
+    verify,
+)
 from serializers.errors import ChecksumMismatchError, CorruptDataError
 from serializers.zarr import (
     Shape,
@@ -62,6 +73,7 @@ __all__ = [
     "MAX_BUNDLE_ENTRIES",
     "BundleArray",
     "BundleLayout",
+    "bundle_crc",
     "bundle_layout",
     "bundle_parts",
     "bundle_views",
@@ -122,6 +134,35 @@ class BundleLayout:
     spans: tuple[tuple[int, int], ...]
     chunked: tuple[int, ...]
     crc_at: np.ndarray  # int64 (chunks, 2)
+
+    @functools.cached_property
+    def _crc_terms(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """What :func:`bundle_crc` needs, worked out once: the file's CRC-32 is ``constant``
+        XOR the chunks' CRC-32s each extended by the bytes after its two copies in the headers
+        (the 4 bytes of each, as raw CRC-32s, are the value extended by 4) and after its bytes
+        (``table``, see :func:`~serializers.checksums.crc32_extension_map`); ``chunked`` indexes
+        the chunks' arrays."""
+        n = self.nbytes
+        chunks = [self.arrays[i] for i in self.chunked]
+        # text piece 0 starts the file, piece k follows chunk k - 1
+        starts = np.array([0] + [a.offset + a.nbytes for a in chunks], dtype=np.int64)
+        spans = np.array(self.spans, dtype=np.int64).reshape(-1, 2)
+        lengths = spans[:, 1] - spans[:, 0]
+        text = memoryview(self.text)
+        pieces = np.array([crc32_bytes(text[a:b]) for a, b in self.spans], dtype=np.uint32)
+        offsets = np.array([a.offset for a in chunks], dtype=np.int64)
+        sizes = np.array([a.nbytes for a in chunks], dtype=np.int64)
+        after_chunk = n - offsets - sizes
+        constant = int(crc32_zeros(n))
+        for raw, after in ((pieces ^ crc32_zeros(lengths), n - starts - lengths), (crc32_zeros(sizes), after_chunk)):
+            constant ^= int(np.bitwise_xor.reduce(crc32_extend(raw, after), axis=None)) if raw.size else 0
+        # chunk k's CRC-32 in the headers: in its local header (text piece k) and in the central
+        # directory (the last piece), each from text offset to file offset
+        k = np.arange(len(chunks))
+        local = starts[k] + self.crc_at[:, 0] - spans[k, 0]
+        central = starts[-1] + self.crc_at[:, 1] - spans[-1, 0]
+        table = crc32_extension_map(np.stack([n - local, n - central, after_chunk], axis=1))
+        return constant, table, np.array(self.chunked, dtype=np.int64)
 
 
 class _Zip:
@@ -296,6 +337,25 @@ def bundle_parts(layout: BundleLayout, arrays: Sequence[Any]) -> tuple[list[memo
     for i, (start, stop) in zip(layout.chunked, rest):
         parts += [views[i], text[start:stop]]
     return parts, crcs
+
+
+def bundle_crc(layout: BundleLayout, crcs: Any) -> int:
+    """The CRC-32 of the whole bundle whose arrays' CRC-32s are ``crcs`` (one per array of
+    ``layout``, in order: a uint32 array, or ints; an empty array's is not used), worked out
+    without its bytes: every byte that is not an array's is the layout's, the CRC-32s in place.
+
+    So a reader that checks the file's CRC-32 as it lands against this value checks each
+    array's bytes against its CRC-32 and every other byte against the headers, in one pass
+    over the bytes. Made once per layout, each use is a few array operations.
+
+    Raises:
+      ValueError: not one CRC-32 per array.
+    """
+    values = np.asarray(crcs, dtype=np.uint32)
+    if values.shape != (len(layout.arrays),):
+        raise ValueError(f"{values.size} CRC-32s for a bundle layout of {len(layout.arrays)} arrays")
+    constant, table, chunked = layout._crc_terms
+    return constant ^ crc32_extended_sum(table, values[chunked])
 
 
 def crc_checksum(crc: int) -> str:

@@ -38,6 +38,7 @@ adversary, so a 64-bit non-cryptographic hash is enough.
 
 from __future__ import annotations
 
+import functools
 import re
 import zlib
 from collections.abc import Callable, Sequence
@@ -53,7 +54,21 @@ try:  # the same function as zlib.crc32, ten times faster
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
     _crc32 = zlib.crc32
 
-__all__ = ["ALGORITHM", "Buffer", "Verifier", "checksum", "checksum_parts", "content_digest", "crc32_bytes", "parse_checksum", "verify"]
+__all__ = [
+    "ALGORITHM",
+    "Buffer",
+    "Verifier",
+    "checksum",
+    "checksum_parts",
+    "content_digest",
+    "crc32_bytes",
+    "crc32_extend",
+    "crc32_extended_sum",
+    "crc32_extension_map",
+    "crc32_zeros",
+    "parse_checksum",
+    "verify",
+]
 
 ALGORITHM: Final[str] = "xxh3_64"
 """The algorithm :func:`checksum` uses, and the prefix of the strings it returns."""
@@ -74,6 +89,119 @@ crc32_bytes: Final[Callable[..., int]] = _crc32
 """``crc32_bytes(flat_bytes, start=0)``: the CRC-32 (zip's, zlib's) of a flat C-contiguous byte
 buffer, with nothing checked or converted (callers hold byte views already); ``start`` continues
 a running CRC-32."""
+
+
+# -- CRC-32 arithmetic: a file's CRC-32 from its parts' ------------------------------------------
+#
+# The CRC-32 register is a polynomial over GF(2) of degree < 32, stored reflected (bit 31 is x^0,
+# bit 0 is x^31); one step of the register multiplies it by x modulo zip's polynomial. Without its
+# initial and final inversion (the "raw" CRC-32, ``crc32(b) ^ crc32_zeros(len(b))``) the CRC-32
+# is linear in the bytes, and the raw CRC-32 of ``b`` followed by ``n`` zero bytes is ``b``'s
+# times x^(8n): so the CRC-32 of a file follows from those of its parts and where they lie.
+# (zlib's crc32_combine, vectorized over NumPy arrays.)
+
+_POLY: Final[int] = 0xEDB88320  # zip's polynomial, reflected
+_X0: Final[int] = 1 << 31  # the polynomial 1
+_X8: Final[int] = 1 << 23  # x^8: one zero byte
+
+
+def _times_int(a: int, b: int) -> int:
+    """``a * b`` modulo zip's polynomial, for Python ints (the tables below)."""
+    p = 0
+    for i in range(32):
+        if a & (_X0 >> i):
+            p ^= b
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+@functools.cache
+def _byte_powers() -> np.ndarray:
+    """``t[i, v]`` = x^(8 * v * 256^i), for i < 4 and v < 256: x^(8n) of any 32-bit ``n`` is the
+    product of ``t[i, byte i of n]``."""
+    table = np.empty((4, 256), dtype=np.uint32)
+    step = _X8  # x^(8 * 256^i)
+    for i in range(4):
+        p = _X0
+        for v in range(256):
+            table[i, v] = p
+            p = _times_int(p, step)
+        step = p  # x^(8 * 256^(i + 1))
+    return table
+
+
+def _times(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a * b`` modulo zip's polynomial, elementwise (uint32 arrays that broadcast)."""
+    a, b = np.broadcast_arrays(np.asarray(a, dtype=np.uint32), np.asarray(b, dtype=np.uint32))
+    out = np.zeros(a.shape, dtype=np.uint32)
+    b = b.copy()
+    poly = np.uint32(_POLY)
+    one = np.uint32(1)
+    for i in range(32):
+        out ^= b * ((a >> np.uint32(31 - i)) & one)  # b where a has x^i
+        b = (b >> one) ^ poly * (b & one)  # b * x
+    return out
+
+
+def _x8n(nbytes: np.ndarray) -> np.ndarray:
+    """x^(8 * nbytes) modulo zip's polynomial, elementwise (``0 <= nbytes < 2**32``)."""
+    n = np.asarray(nbytes, dtype=np.int64)
+    if n.size and (n.min() < 0 or n.max() >= 1 << 32):
+        raise ValueError("a CRC-32 shift of fewer than 0 or more than 2**32 - 1 bytes")
+    t = _byte_powers()
+    out = t[0, n & 0xFF]
+    for i in range(1, 4):
+        out = _times(out, t[i, (n >> (8 * i)) & 0xFF])
+    return out
+
+
+def crc32_extend(raw: Any, nbytes: Any) -> np.ndarray:
+    """The raw CRC-32 register ``raw`` after ``nbytes`` more zero bytes (both elementwise, as
+    uint32 and int64 arrays that broadcast; ``0 <= nbytes < 2**32``): the raw CRC-32 of bytes
+    ``b`` followed by ``nbytes`` zero bytes, given ``b``'s.
+
+    A raw CRC-32 is zip's CRC-32 without its initial and final inversion:
+    ``crc32_bytes(b) ^ crc32_zeros(len(b))``, linear in the bytes. So the CRC-32 of a file is
+    the XOR of each part's raw CRC-32 extended by the bytes after it, and
+    ``crc32_zeros(len(file))``: worked out from the parts' CRC-32s, without their bytes.
+    """
+    return _times(np.asarray(raw, dtype=np.uint32), _x8n(nbytes))
+
+
+def crc32_zeros(nbytes: Any) -> np.ndarray:
+    """The CRC-32 of ``nbytes`` zero bytes, elementwise (``0 <= nbytes < 2**32``)."""
+    ones = np.uint32(0xFFFFFFFF)
+    return crc32_extend(ones, nbytes) ^ ones
+
+
+def crc32_extension_map(nbytes: Any) -> np.ndarray:
+    """For :func:`crc32_extended_sum`: the linear map that extends value ``k`` by each of
+    ``nbytes[k]`` (an ``(n, m)`` int array: ``m`` extensions of each of ``n`` values), as an
+    ``(n, 32)`` uint32 table (row ``k``, column ``j``: what bit ``j`` of value ``k`` adds).
+    Made once for many sums: a few array operations per extension."""
+    d = np.asarray(nbytes, dtype=np.int64)
+    if d.ndim != 2:
+        raise ValueError(f"CRC-32 extensions must be an (n, m) array, not of shape {d.shape}")
+    g = np.zeros(d.shape[0], dtype=np.uint32)  # the sum of x^(8 d) over each row
+    for column in d.T:
+        g ^= _x8n(column)
+    table = np.empty((d.shape[0], 32), dtype=np.uint32)
+    one, poly = np.uint32(1), np.uint32(_POLY)
+    for j in range(31, -1, -1):  # bit j of a value is x^(31 - j): g times that
+        table[:, j] = g
+        g = (g >> one) ^ poly * (g & one)
+    return table
+
+
+def crc32_extended_sum(table: np.ndarray, raw: Any) -> int:
+    """The XOR over ``k`` of ``crc32_extend(raw[k], d)`` for each ``d`` of row ``k`` of the
+    extensions ``table`` was made from (:func:`crc32_extension_map`): ``n`` uint32 values, in a
+    few array operations however many there are."""
+    values = np.ascontiguousarray(raw, dtype="<u4").reshape(-1)
+    if values.size != table.shape[0]:
+        raise ValueError(f"{values.size} values for a CRC-32 extension map of {table.shape[0]}")
+    bits = np.unpackbits(values.view(np.uint8), bitorder="little")  # bit j of value k at 32k + j
+    return int(np.bitwise_xor.reduce(table.reshape(-1) * bits)) if bits.size else 0
 
 
 def _as_bytes(buf: Buffer) -> memoryview:

@@ -19,6 +19,7 @@ from serializers.errors import DISK_FULL_ERRNOS, CorruptDataError, DiskFullError
 __all__ = [
     "convert_read_error",
     "convert_write_error",
+    "is_missing_bucket",
     "is_unavailable",
     "ts_errno",
     "ts_message",
@@ -37,16 +38,29 @@ _CORRUPT_STATUS: Final = (
 
 
 _UNAVAILABLE_STATUS: Final = ("ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNAUTHENTICATED")
+# what an object store answers when the bucket itself is not there: S3's error code, and the
+# words of S3's and GCS's messages
+_NO_BUCKET: Final = ("NoSuchBucket", "bucket does not exist")
+
+
+def is_missing_bucket(e: BaseException) -> bool:
+    """Whether ``e`` says the object store's bucket is not there (deleted, or a server that
+    restarted without it): the whole store is out of reach, not one object of it missing (a
+    missing object is no error: a read gives no value)."""
+    message = ts_message(e)
+    return "NOT_FOUND" in message and any(words in message for words in _NO_BUCKET)
 
 
 def is_unavailable(e: BaseException) -> bool:
     """Whether ``e`` says the kvstore did not answer or gave up (connection refused and its
-    retries exhausted, a timeout, the service unavailable), rather than what it holds being
-    wrong."""
+    retries exhausted, a timeout, the service unavailable) or is not there (its bucket gone),
+    rather than what it holds being wrong."""
     if isinstance(e, (UnavailableError, TimeoutError)):
         return True
     message = ts_message(e)
-    return isinstance(e, ValueError) and (message.startswith(_UNAVAILABLE_STATUS) or "CURL error" in message)
+    return isinstance(e, ValueError) and (
+        message.startswith(_UNAVAILABLE_STATUS) or "CURL error" in message or is_missing_bucket(e)
+    )
 
 
 def unavailable_error(e: BaseException, what: str, timeout: float | None) -> UnavailableError:

@@ -87,6 +87,7 @@ __all__ = [
     "encode_manifest",
     "decode_manifest",
     "is_safe_relpath",
+    "manifest_outline",
     "seal_manifest",
     "SELF_CHECKSUM_FIELD",
     "SEALED_SINCE",
@@ -97,8 +98,17 @@ __all__ = [
 # everything about manifests from)
 
 FORMAT_VERSION: Final[int] = 4
-"""The manifest version this library writes, and the newest it reads. Version 4 adds bundles
-(a context's own arrays in one file: the context's ``bundle`` and its records' ``offset``)."""
+"""The manifest version this library writes, and the newest it reads (every earlier one is
+read). History, dated by the commit that introduced each:
+
+- 1 (2026-11-29): the first manifests.
+- 2 (2026-12-01): the call record a fresh split resumes from (``spec.call``), and signatures
+  from what is computed (``rs2-``).
+- 3 (2026-12-01): the manifest's checksum of its own bytes (``manifest_checksum``, see
+  :data:`SEALED_SINCE`) and the cross-checks against the signature's layout.
+- 4 (2026-12-03): bundles (a context's own arrays in one file: the context's ``bundle`` and its
+  records' ``offset``).
+"""
 
 MAX_MANIFEST_BYTES: Final[int] = 64 << 20
 """Default cap on the size of a manifest :func:`decode_manifest` accepts."""
@@ -514,3 +524,57 @@ def decode_manifest(
     except InvalidFields as e:
         raise CorruptDataError(f"{what}: {e}") from None
     return doc
+
+
+def manifest_outline(
+    data: bytes | bytearray | memoryview,
+    *,
+    lists: Sequence[tuple[str, ...]] = (),
+    values: Sequence[tuple[str, ...]] = (),
+) -> dict[tuple[str, ...], Any]:
+    """A few fields of a manifest, read without decoding the rest (the values around them are
+    skipped, not built): for each path in ``lists`` (a field, or a field of a map field, such as
+    ``("spec", "avals")``) the number of entries of the list there, for each in ``values`` the
+    (scalar) value there. For refusing a manifest whose lists cannot be right before decoding it
+    costs seconds and hundreds of MB (a list may hold 2^18 maps).
+
+    Best effort, and never raises: a path it does not find (absent, not a list, the bytes
+    damaged, over the size caps) is left out, and :func:`decode_manifest` says what is wrong.
+    Nothing it returns is checked (not even the self checksum): a bound to refuse by, not data.
+    """
+    counted, kept = {tuple(p) for p in lists}, {tuple(p) for p in values}
+    wanted = counted | kept
+    prefixes = {p[:k] for p in wanted for k in range(1, len(p))}
+    found: dict[tuple[str, ...], Any] = {}
+    if len(data) > MAX_MANIFEST_BYTES:
+        return found
+    limit = min(len(data), _MAX_CONTAINER_LEN)
+    unpacker = msgpack.Unpacker(
+        raw=False, max_buffer_size=max(len(data), 1), max_str_len=len(data), max_bin_len=len(data),
+        max_array_len=limit, max_map_len=limit, max_ext_len=0,
+    )
+    unpacker.feed(data)
+
+    def walk(prefix: tuple[str, ...]) -> None:
+        for _ in range(unpacker.read_map_header()):
+            name = unpacker.unpack()
+            path = (*prefix, name) if isinstance(name, str) else None
+            if path in counted:
+                found[path] = n = unpacker.read_array_header()
+                if len(found) < len(wanted):
+                    for _ in range(n):
+                        unpacker.skip()
+            elif path in kept:
+                found[path] = unpacker.unpack()
+            elif path in prefixes:
+                walk(path)
+            else:
+                unpacker.skip()
+            if len(found) == len(wanted):
+                return
+
+    try:
+        walk(())
+    except Exception:  # noqa: BLE001 - msgpack raises many types for bad bytes: decode names them
+        pass
+    return found

@@ -60,6 +60,7 @@ from serializers.manifest_schema import is_safe_relpath
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "EXTENSION_DTYPES",
     "zarr_dtype_name",
     "numpy_dtype",
     "chunk_shape",
@@ -117,11 +118,19 @@ def _supported_dtypes() -> dict[str, np.dtype]:
     ml_names = [
         "bfloat16", "float8_e3m4", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz",
         "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn", "int2", "int4",
+        *EXTENSION_DTYPES,
     ]  # fmt: skip
-    for n in ml_names:  # the zarr3 data types tensorstore supports, where ml_dtypes has them
+    for n in ml_names:  # the zarr3 data types tensorstore supports, then the extensions
         if hasattr(ml_dtypes, n):
             out[n] = np.dtype(getattr(ml_dtypes, n))
     return out
+
+
+EXTENSION_DTYPES: Final[tuple[str, ...]] = ("float8_e4m3", "uint2", "uint4", "int1", "uint1")
+"""The ``data_type`` names stored here that tensorstore's zarr3 driver (0.1.86) does not read:
+the ``ml_dtypes`` types JAX makes beyond it. ``float8_e4m3``, ``uint2`` and ``uint4`` are the
+names ``zarr-extensions`` registers; ``int1`` and ``uint1`` are this format's own. Each is
+one byte an element, as ``ml_dtypes`` holds it in memory (docs/format.md, "Data types")."""
 
 
 SUPPORTED_DTYPES: Final[Mapping[str, np.dtype]] = _supported_dtypes()

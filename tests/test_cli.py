@@ -381,3 +381,31 @@ def test_gc_draws_the_bytes_it_removes_on_a_terminal(tmp_path):
     out, drawn = _on_a_terminal("gc", path, "--older-than", "0")
     assert out.returncode == 0 and "removed 1 recycled folder" in out.stdout.decode()
     assert re.search(r"removing: \d+(\.\d)? (B|KiB)", drawn), drawn
+
+
+# -- what a look says about where things are (issue 37) -------------------------------------
+
+
+def test_inspect_says_a_bundled_residual_is_a_group_inside_the_bundle(store_path):
+    inspected = json.loads(_cli("inspect", store_path, "mb1", "--json").stdout)
+    own = [r for r in inspected["residuals"] if not r["shared"]]
+    assert own and all(r["bundle"].endswith("/bundle.zip") for r in own)
+    assert all(r["bundle"] is None for r in inspected["residuals"] if r["shared"])  # a weight's own file
+    folder = os.path.join(store_path, *own[0]["bundle"].split("/"))
+    assert os.path.isfile(folder) and not os.path.exists(os.path.join(store_path, *own[0]["path"].split("/")))
+    text = _cli("inspect", store_path, "mb1").stdout
+    x_row = next(line for line in text.splitlines() if "input x" in line)
+    assert re.search(r"data/mb1\.\w+/bundle\.zip:\d+/$", x_row), x_row
+    assert "is the group G/ inside that zip file, not a folder" in text
+
+
+def test_ls_of_a_folder_holding_a_store_points_to_it(tmp_path, store_path):
+    import shutil
+
+    step = tmp_path / "checkpoints" / "7"  # an Orbax step: one folder per item
+    (step / "state").mkdir(parents=True)
+    shutil.copytree(store_path, step / "contexts")
+    out = _cli("ls", str(step))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert f"not a residual store; the store in it: {step / 'contexts'}" in out.stderr
+    assert _cli("ls", str(step / "contexts")).returncode == 0

@@ -40,6 +40,11 @@ def test_demo_small(tmp_path):
     assert rows["jax.checkpoint,", "auto"]["own_bytes"] < rows["jax.checkpoint,", "all"]["own_bytes"]
     assert rows["plain", "auto"]["own_bytes"] <= 0.6 * rows["plain", "all"]["own_bytes"]
     assert "save='all' vs save='auto'" in text
+    # each phase is announced as it starts and its table printed as it ends, in order
+    order = ["[1/3] training", "peak bytes", "[2/3] zero-bubble", "zero-bubble step", "[3/3] save=", "MiB/context"]
+    at = [next(i for i, line in enumerate(lines) if marker in line) for marker in order]
+    assert at == sorted(at), list(zip(order, at))
+    assert "pending" in result["peak_bytes"]  # host copies waiting for their writes, drawn and counted
 
 
 @pytest.mark.slow
@@ -50,3 +55,25 @@ def test_demo_writes_the_plot(tmp_path):
     result = run_demo(cfg, plot_path=str(png), print_fn=lambda _: None)
     assert result["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_config_of_nothing_to_run_is_refused_before_anything_runs():
+    import residual_store as rs
+
+    for bad in ({"steps": 0}, {"n_microbatches": 0}, {"steps": 1.5}, {"n_microbatches": True}):
+        with pytest.raises(rs.InvalidArgumentError, match=next(iter(bad)).replace("n_", "")):
+            DemoConfig(**bad)
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--microbatches", "0"], ["--steps", "-1"], ["--steps", "two"]])
+def test_the_command_checks_its_arguments_first(argv):
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "residual_store", "demo", *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stdout == "" and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and argv[0] in done.stderr
+    assert time.monotonic() - start < 10  # no JAX import, no compile

@@ -98,3 +98,7 @@ def test_internals_format_md_names_the_versions_this_library_writes():
     assert described and int(described[1]) == STORE_VERSION
     assert STORE_FORMAT.decode().strip() in text  # the marker file's bytes, as listed
     assert f"| `version` | int | `{FORMAT_VERSION}`;" in text  # the context manifest's field
+    # and every sentence that names either version says the same (line 9 once said manifest 3)
+    for kind, version in (("layout", STORE_VERSION), ("manifest", FORMAT_VERSION)):
+        named = re.findall(rf"\*\*{kind}\*\*, version (\d+)", text)
+        assert named and all(int(v) == version for v in named), (kind, named)

@@ -101,8 +101,10 @@ def test_python_object_where_an_array_must_be(data):
 
 def test_keyword_arguments_unhashable_statics_and_bad_aux(data):
     w, x = data
-    with pytest.raises(rs.InvalidArgumentError, match="positional arguments only"):
-        rs.split(scalar)(w, x=x)
+    with pytest.raises(rs.InvalidArgumentError, match="is in argnums: the arguments a split differentiates are passed positionally"):
+        rs.split(scalar)(x=x, w=w)
+    with pytest.raises(rs.InvalidArgumentError, match="passed both positionally"):
+        rs.split(scalar)(w, w=w)
     with pytest.raises(rs.InvalidArgumentError, match="hashable"):
         rs.split(lambda w, n: jnp.sum(w), static_argnums=1)(w, [1, 2])
     with pytest.raises(rs.InvalidArgumentError, match="has_aux=True needs"):

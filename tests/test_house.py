@@ -167,10 +167,14 @@ def _package_imports(source: str) -> list[tuple[int, str, str | None]]:
 
 def _private_imports(source: str, public: set[str]) -> list[tuple[int, str, str | None]]:
     """The imports of ``source`` that reach past the package's public face: a module other than
-    ``residual_store`` itself and its ``demo`` (the README's job), or a name not in ``public``."""
+    ``residual_store`` itself, its ``demo`` (the README's job) and the command line's own text
+    helpers (``_src/cli_text.py``: parsing and formatting, no library internals), or a name not in
+    ``public``."""
     bad = []
     for line, module, name in _package_imports(source):
         if module == "residual_store" and (name is None or name in public):
+            continue
+        if module == "residual_store._src.cli_text":
             continue
         if module == "residual_store.demo" and name is not None and not name.startswith("_"):
             continue
@@ -186,6 +190,10 @@ def test_the_check_finds_private_imports():
         "from residual_store import _jax_internals\nfrom .store import keys\nimport residual_store._src.store.layout\n"
     )
     assert [line for line, _, _ in _private_imports(source, public)] == [4, 5, 6, 7]
+
+
+def test_the_command_line_text_helpers_use_nothing_of_the_library():
+    assert not _package_imports((PACKAGE / "_src" / "cli_text.py").read_text())
 
 
 def test_the_command_line_uses_the_public_api_only():
@@ -353,3 +361,16 @@ def test_every_lock_of_the_store_is_one_a_signal_handler_waits_out(module):
         return  # where StoreLock wraps its RLock
     lines = _plain_locks(module.read_text())
     assert not lines, f"{module.name} makes plain locks (lines {lines}): use critical.StoreLock"
+
+
+def test_no_test_but_the_demos_own_imports_the_demo():
+    """The demo is a demo: tests bring their own models (tests/models.py, transformer_model.py),
+    so changing the demo never changes what another test checks."""
+    importers = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        if path.name == "test_demo.py":
+            continue
+        imported = [f"{module}.{name}" if name else module for _, module, name in _package_imports(path.read_text())]
+        if any(m == "residual_store.demo" or m.startswith("residual_store.demo.") for m in imported):
+            importers.append(path.name)
+    assert not importers, f"these tests import residual_store.demo: {importers}"

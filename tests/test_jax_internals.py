@@ -418,3 +418,23 @@ def test_assumption_HOST_TO_DEVICE():
         )
     assert ji.any_tracer([jnp.ones(2), 1.0]) is False
     assert jax.jit(lambda x: jnp.asarray(ji.any_tracer([x, 1.0])))(1.0), "TRACER_KINDS: a jit value is not a Tracer"
+
+
+def test_assumption_COMMITMENT():
+    """``with_commitment`` re-wraps an array's own buffers committed or not, and compiled code
+    takes an uncommitted sub-byte array (the store places sub-byte residuals so)."""
+    device = jax.devices()[0]
+    values = np.arange(-4, 4)
+    for dtype in (jnp.int4, jnp.float32):
+        x = jax.device_put(values.astype(dtype), device)
+        assert x.committed, "COMMITMENT: jax.device_put onto a device commits"
+        u = ji.with_commitment(x, False)
+        assert not u.committed and (u.aval, u.sharding) == (x.aval, x.sharding), "COMMITMENT: aval or sharding changed"
+        assert u.unsafe_buffer_pointer() == x.unsafe_buffer_pointer(), "COMMITMENT: the buffer was copied"
+        assert ji.with_commitment(x, True) is x and ji.with_commitment(u, True).committed
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(x))
+    pinned = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    assert ji.with_commitment(pinned, False).sharding.memory_kind == "pinned_host"
+    compiled = jax.jit(lambda q: q.astype(jnp.float32) * 2).lower(jax.ShapeDtypeStruct((8,), jnp.int4)).compile()
+    got = compiled(ji.with_commitment(jax.device_put(values.astype(jnp.int4), device), False))
+    np.testing.assert_array_equal(got, values * 2, err_msg="COMMITMENT: compiled code refuses an uncommitted int4 array")

@@ -48,3 +48,23 @@ def test_a_failed_put_is_a_warning(tmp_path, caplog, monkeypatch):
         monkeypatch.undo()
     (warning,) = [r for r in caplog.records if r.name == "residual_store"]
     assert warning.levelno == logging.WARNING and "put failed key='k'" in warning.getMessage()
+
+
+_UNCONFIGURED = r"""
+import logging, sys
+import residual_store as rs
+logging.getLogger("residual_store").warning("put failed key='k'")  # as a failed write logs it
+print("logged", file=sys.stdout)
+"""
+
+
+def test_nothing_is_printed_unless_the_application_configures_logging(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _UNCONFIGURED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "logged\n"
+    assert done.stderr == ""  # no last-resort handler printing the WARNING (docs/store.md)
+    configured = _UNCONFIGURED.replace("import residual_store as rs", "import residual_store as rs\nlogging.basicConfig()")
+    done = subprocess.run([sys.executable, "-c", configured], capture_output=True, text=True, timeout=120)
+    assert "put failed key='k'" in done.stderr  # and the application's own configuration still sees it

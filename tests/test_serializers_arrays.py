@@ -23,6 +23,7 @@ import serializers.kv as kv_mod
 import serializers.kv_errors as kv_errors
 import serializers.local as local_mod
 from serializers.local import check_array_metadata_local
+from serializers.zarr import EXTENSION_DTYPES
 from serializers.zarr_compat import _ZARR_FLOAT_NAMES
 from serializers import (
     SUPPORTED_DTYPES,
@@ -100,6 +101,10 @@ def test_round_trip_every_dtype_both_paths_and_across(
 ) -> None:
     a = _array(name, shape)
     write_arrays_local(tmp_path, {"fast/x": a})
+    if name in EXTENSION_DTYPES:  # no data type of tensorstore's zarr3 driver: the raw paths only
+        _same_bits(read_array_local(tmp_path, "fast/x", shape, name), a)
+        assert json.loads((tmp_path / "fast" / "x" / "zarr.json").read_bytes())["data_type"] == name
+        return
     write_array(_kv(tmp_path), "ts/x", a)
 
     for written in ("fast/x", "ts/x"):

@@ -9,13 +9,8 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store.demo import DemoConfig, init_transformer, transformer_loss
-
-CFG = DemoConfig(vocab=32, d_model=32, n_heads=2, d_ff=64, n_layers=2, seq_len=8)
-
-
-def loss_fn(params, tokens, key):
-    return transformer_loss(params, tokens, key, CFG)
+from transformer_model import SEQ, VOCAB, init
+from transformer_model import loss as loss_fn
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +20,8 @@ def fwd():
 
 def _batch(rng, batch=3):
     kp, kt, kd = jax.random.split(rng, 3)
-    params = init_transformer(kp, CFG)
-    tokens = jax.random.randint(kt, (batch, CFG.seq_len + 1), 0, CFG.vocab)
+    params = init(kp)
+    tokens = jax.random.randint(kt, (batch, SEQ + 1), 0, VOCAB)
     return params, tokens, kd
 
 

@@ -470,3 +470,23 @@ def transformation(x: Any) -> str | None:
     if isinstance(x, (_ad.JVPTracer, _ad.LinearizeTracer)):
         return "jax.grad (or jax.jvp, jax.linearize)"
     return f"a {type(x).__name__} transformation"
+
+
+# --------------------------------------------------------------------------------------------
+# Commitment of an array to its devices
+#
+# ``COMMITMENT``: a ``jax.Array`` is a ``jax._src.array.ArrayImpl`` whose constructor
+# ``ArrayImpl(aval, sharding, arrays, committed, _skip_checks)`` over another array's ``aval``,
+# ``sharding`` and per-device buffers ``_arrays`` makes the same array (same buffers, no copy)
+# committed or not as asked; compiled code (``jax.jit(...).lower(...).compile()``) takes an
+# uncommitted sub-byte array (``int4``...) on the device it was compiled for. (On CPU, JAX 0.10
+# refuses the committed one: its buffer reports a layout of 0 bits per element, the executable
+# 4, and only committed arguments are compared.)
+
+
+def with_commitment(x: Any, committed: bool) -> Any:
+    """``x``, a ``jax.Array``, committed to its devices or not (``COMMITMENT``): the same
+    buffers, aval and sharding, no copy. ``x`` itself where it already is."""
+    if x.committed == committed:
+        return x
+    return type(x)(x.aval, x.sharding, x._arrays, committed=committed, _skip_checks=True)

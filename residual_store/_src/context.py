@@ -82,9 +82,15 @@ class CallSpec:
         :mod:`residual_store._src.structure` (nested tuples of scalars), or ``None`` when it holds
         values no record can describe (then ``unrecorded`` says which).
       statics: ``((position, value record), ...)`` of the static arguments, or ``None`` likewise.
+      kwnames: the names of the traced keyword arguments, sorted: ``in_tree`` (a tuple) has one
+        child per traced positional argument, then one per name here, and ``in_avals`` lists
+        their leaves after the positional ones'. ``()`` for a call without them.
+      static_kwargs: ``((name, value record), ...)`` of the keywords named in the split's
+        ``static_argnames``, sorted by name; ``None`` when a value has no record (``unrecorded``
+        says why).
       context_mesh: the abstract mesh the forward was traced under (``jax.set_mesh``), as
         ``(axis names, axis sizes, axis types)``, or ``None``.
-      unrecorded: why ``in_tree`` or ``statics`` is ``None``.
+      unrecorded: why ``in_tree``, ``statics`` or ``static_kwargs`` is ``None``.
       differentiated: with a split ``filter``, whether each leaf of ``in_avals`` is
         differentiated; ``None`` without one (every leaf of ``argnums`` is).
       save: the split's ``save`` choice: ``"all"``, ``"auto"``, or ``"policy:<qualified name>"``
@@ -102,6 +108,8 @@ class CallSpec:
     in_avals: tuple[InputAval, ...]
     in_tree: Any = None
     statics: Any = None
+    kwnames: tuple[str, ...] = ()
+    static_kwargs: Any = ()
     context_mesh: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]] | None = None
     unrecorded: str | None = None
     differentiated: tuple[bool, ...] | None = None

@@ -20,6 +20,7 @@ from typing import Any
 __all__ = ["LOGGER", "event"]
 
 LOGGER = logging.getLogger("residual_store")
+# its NullHandler is added by the package's __init__, at import (before any record)
 
 
 def _process_index() -> int:

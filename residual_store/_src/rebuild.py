@@ -1,7 +1,8 @@
 """A backward from a context's record: trace the forward again on the avals it records.
 
 A context records how its forward was called (:class:`~residual_store._src.context.CallSpec`): the
-split's options, the input tree and avals, the static arguments, the caller's mesh. A split in
+split's options, the input tree and avals, the static arguments, the keywords (the traced ones'
+names, the static ones' values), the caller's mesh. A split in
 another process, which never ran this forward, reads that record back into abstract arguments
 (:func:`inputs_of`), traces them (:func:`trace_record`; nothing runs or compiles) and checks that
 the trace gives the context's signature (:func:`check_signature`) before it trusts the backward.
@@ -20,7 +21,7 @@ from residual_store._src import placement, structure
 from residual_store._src.context import ResidualSpec
 from residual_store._src.errors import ResidualStoreError, SignatureMismatchError
 from residual_store._src.signature import is_current
-from residual_store._src.trace import Options, Traced, trace
+from residual_store._src.trace import Keywords, Options, Traced, trace
 
 __all__ = ["RecordedInputs", "check_signature", "inputs_of", "mismatch", "trace_record"]
 
@@ -29,12 +30,15 @@ _OPTIONS = ("argnums", "weight_argnums", "static_argnums", "has_aux", "save")
 
 @dataclasses.dataclass(frozen=True)
 class RecordedInputs:
-    """The arguments a call record describes, with ``ShapeDtypeStruct`` leaves."""
+    """The arguments a call record describes, with ``ShapeDtypeStruct`` leaves: the positional
+    ``args``, the flat ``leaves`` of the traced tuple (the traced positional arguments, then
+    the traced keywords) and its ``treedef``, the static positional values, the keywords."""
 
     args: tuple[Any, ...]
     leaves: tuple[Any, ...]
     treedef: Any
     statics: tuple[Any, ...]
+    keywords: Keywords = Keywords()
 
 
 def mismatch(opts: Options, spec: ResidualSpec, why: str) -> SignatureMismatchError:
@@ -65,7 +69,7 @@ def inputs_of(opts: Options, spec: ResidualSpec) -> RecordedInputs:
     if (call.differentiated is None) != (opts.filter is None):
         made, has = ("without", "has one") if call.differentiated is None else ("with", "has none")
         raise mismatch(opts, spec, f": it was made by a split {made} a filter, and this one {has}")
-    if call.in_tree is None or call.statics is None:
+    if call.in_tree is None or call.statics is None or call.static_kwargs is None:
         raise mismatch(
             opts,
             spec,
@@ -75,6 +79,10 @@ def inputs_of(opts: Options, spec: ResidualSpec) -> RecordedInputs:
     try:
         treedef = structure.decode_treedef(call.in_tree)
         statics = [(int(i), structure.decode_value(v)) for i, v in call.statics]
+        keywords = Keywords(
+            dynamic=tuple(str(n) for n in call.kwnames),
+            static=tuple((str(n), structure.decode_value(v)) for n, v in call.static_kwargs),
+        )
         leaves = [placement.abstract_input(a) for a in call.in_avals]
     except structure.UnresolvableError as err:
         raise mismatch(
@@ -87,12 +95,39 @@ def inputs_of(opts: Options, spec: ResidualSpec) -> RecordedInputs:
         raise mismatch(opts, spec, f": its call record is malformed ({err})") from None
     if treedef.num_leaves != len(leaves) or [i for i, _ in statics] != list(opts.static_argnums):
         raise mismatch(opts, spec, ": its call record is malformed (leaf or static count)")
-    args = list(jax.tree.unflatten(treedef, leaves))
+    _check_keywords(opts, spec, keywords)
+    node, n_kw = treedef.node_data(), len(keywords.dynamic)
+    if node is None or node[0] is not tuple or len(treedef.children()) < n_kw:
+        raise mismatch(opts, spec, ": its call record is malformed (not a tuple of arguments)")
+    children = list(jax.tree.unflatten(treedef, leaves))
+    args = children[: len(children) - n_kw]
     for index, value in statics:
         args.insert(index, value)
     if len(args) != call.n_args:
         raise mismatch(opts, spec, ": its call record is malformed (argument count)")
-    return RecordedInputs(tuple(args), tuple(leaves), treedef, tuple(v for _, v in statics))
+    return RecordedInputs(tuple(args), tuple(leaves), treedef, tuple(v for _, v in statics), keywords)
+
+
+def _check_keywords(opts: Options, spec: ResidualSpec, keywords: Keywords) -> None:
+    """Raises :class:`SignatureMismatchError` unless the recorded keywords are ones this split
+    would have traced (not in ``static_argnames``) or kept static (in it), each named once."""
+    static_names = [n for n, _ in keywords.static]
+    for names in (keywords.dynamic, tuple(static_names)):
+        if list(names) != sorted(set(names)):
+            raise mismatch(opts, spec, ": its call record is malformed (keyword names not sorted and unique)")
+    if set(keywords.dynamic) & set(static_names):
+        raise mismatch(opts, spec, ": its call record is malformed (a keyword both traced and static)")
+    not_static = sorted(set(static_names) - set(opts.static_argnames))
+    if not_static:
+        raise mismatch(
+            opts, spec, f": its keywords {not_static} were static (static_argnames), this split's "
+            f"static_argnames are {list(opts.static_argnames)}"
+        )
+    now_static = sorted(set(keywords.dynamic) & set(opts.static_argnames))
+    if now_static:
+        raise mismatch(
+            opts, spec, f": its keywords {now_static} were traced, and this split names them in static_argnames"
+        )
 
 
 def trace_record(opts: Options, spec: ResidualSpec, inputs: RecordedInputs) -> Traced:
@@ -106,7 +141,7 @@ def trace_record(opts: Options, spec: ResidualSpec, inputs: RecordedInputs) -> T
     assert call is not None  # inputs_of checked
     try:
         with _enter_mesh(call.context_mesh):
-            opts.check_arity(inputs.args)
+            opts.check_arity(inputs.args, inputs.keywords)
             return trace(
                 opts,
                 inputs.args,
@@ -116,6 +151,7 @@ def trace_record(opts: Options, spec: ResidualSpec, inputs: RecordedInputs) -> T
                 call.in_avals,
                 call.context_mesh,
                 call.differentiated,
+                inputs.keywords,
             )
     except ResidualStoreError:
         raise

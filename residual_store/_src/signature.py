@@ -6,7 +6,9 @@ A signature is ``"rs2-"`` and the first 128 bits (hex) of the SHA-256 of a canon
 1. the format tag ``residual-store/signature/2``, the JAX and jaxlib versions;
 2. the call: the number of positional arguments, ``argnums`` (an ``int`` and a 1-tuple return
    differently shaped gradients), ``weight_argnums``, ``has_aux``, the static arguments' positions
-   and values, the abstract mesh the forward was traced under;
+   and values, the names of the traced keyword arguments and the static ones' names and values
+   (both only where a call passes keywords, so that the signatures of calls without them stay
+   what they were), the abstract mesh the forward was traced under;
 3. the input tree (node types and their static data) and per input leaf its shape, dtype, weak
    type, placement (mesh axis names, sizes and types and the partition spec of a
    ``NamedSharding``, or a single device; not device ids) and memory kind; the output and aux
@@ -38,7 +40,7 @@ from typing import Any
 import jax
 import jaxlib
 
-from residual_store._src.canonical import Canonicalizer, canonicalizer, jaxpr_text
+from residual_store._src.canonical import canonicalizer, jaxpr_text
 from residual_store._src.context import CallSpec
 
 __all__ = ["SIGNATURE_PREFIX", "compute_signature", "is_current"]
@@ -57,6 +59,7 @@ def compute_signature(
     call: CallSpec,
     in_tree: Any,
     statics: Sequence[tuple[int, Any]],
+    static_kwargs: Sequence[tuple[str, Any]] = (),
     out_tree: Any,
     aux_tree: Any | None,
     forward: Any,
@@ -69,6 +72,8 @@ def compute_signature(
     Args:
       call: the call record (options, input avals and placements, the context mesh).
       in_tree, statics: the input structure and the static arguments' ``(position, value)``.
+      static_kwargs: the static keyword arguments' ``(name, value)``, sorted by name (the
+        traced keywords' names are ``call.kwnames``, their structure part of ``in_tree``).
       out_tree, aux_tree: the output's structure and the aux output's (``None`` without aux).
       forward: the forward executable's closed jaxpr; ``forward_consts`` the values passed as
         its leading arguments (the arrays ``fun`` closes over).
@@ -96,6 +101,10 @@ def compute_signature(
         add("save", call.save)
     for index, value in statics:
         add("static", f"{index}={canon.value(value)}")
+    if call.kwnames:
+        add("kwnames", repr(tuple(call.kwnames)))
+    for name, value in static_kwargs:
+        add("static_kw", f"{name!r}={canon.value(value)}")
     add("context_mesh", repr(call.context_mesh))
     add("in_tree", canon.value(in_tree))
     for a in call.in_avals:

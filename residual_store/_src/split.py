@@ -40,7 +40,7 @@ from residual_store._src.errors import InvalidArgumentError, RecomputeWarning, S
 from residual_store._src.halves import GradParts, Halves
 from residual_store._src.keypaths import PathStructure
 from residual_store._src.remat import SaveChoice
-from residual_store._src.trace import Options, Traced, trace
+from residual_store._src.trace import NO_KEYWORDS, Keywords, Options, Traced, checked_argnames, trace
 
 __all__ = ["Split", "split"]
 
@@ -89,7 +89,8 @@ def _as_array(x: Any, where: str) -> jax.Array:
         return jnp.asarray(x)
     raise InvalidArgumentError(
         f"{where} is a {type(x).__module__}.{type(x).__qualname__}, not an array or scalar: "
-        "pass arrays (or pytrees of arrays), or make it static with static_argnums"
+        "pass arrays (or pytrees of arrays), or make it static: static_argnums for a positional "
+        "argument, static_argnames for a keyword"
     )
 
 
@@ -107,6 +108,7 @@ def _checked_options(
     argnums: int | Sequence[int],
     has_aux: bool,
     static_argnums: int | Sequence[int],
+    static_argnames: str | Sequence[str],
     weight_argnums: int | Sequence[int] | None,
     filter: Callable[[Any], bool] | None,  # noqa: A002
     save: str | Callable[..., Any],
@@ -134,6 +136,7 @@ def _checked_options(
         )
     if filter is not None and not callable(filter):
         raise InvalidArgumentError(f"filter must be a predicate on leaves, got {type(filter).__name__}")
+    names = checked_argnames(fun, static_argnames, diff)
     return Options(
         fun=fun,
         argnums=diff,
@@ -144,13 +147,14 @@ def _checked_options(
         filter=filter,
         save=save_choice,
         param_names=_parameter_names(fun),
+        static_argnames=names,
     )
 
 
 class Split:
     """A function split into a forward that returns residuals and a backward that consumes them.
 
-    Made by :func:`split`; see there for the arguments. ``split(fun)(*args)`` returns
+    Made by :func:`split`; see there for the arguments. ``split(fun)(*args, **kwargs)`` returns
     ``(out, ctx)`` (``((out, aux), ctx)`` with ``has_aux``); ``backward(ctx, cotangent)`` returns
     gradients shaped like ``args[argnums]``.
     """
@@ -162,13 +166,16 @@ class Split:
         *,
         has_aux: bool = False,
         static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
         weight_argnums: int | Sequence[int] | None = None,
         filter: Callable[[Any], bool] | None = None,  # noqa: A002 - named like eqx.filter_grad's
         cache_size: int = DEFAULT_CACHE_SIZE,
         save: str | Callable[..., Any] = "all",
     ) -> None:
         self.save = save  # as given; self._opts.save is it parsed
-        self._opts = _checked_options(fun, argnums, has_aux, static_argnums, weight_argnums, filter, save)
+        self._opts = _checked_options(
+            fun, argnums, has_aux, static_argnums, static_argnames, weight_argnums, filter, save
+        )
         self._forward_compiles = 0
         self._backward_compiles = 0
         self._count_lock = threading.Lock()
@@ -183,6 +190,7 @@ class Split:
     fun = property(lambda self: self._opts.fun, doc="The function split.")
     argnums = property(lambda self: self._opts.argnums, doc="The differentiated arguments, a tuple.")
     static_argnums = property(lambda self: self._opts.static_argnums, doc="The static arguments, sorted.")
+    static_argnames = property(lambda self: self._opts.static_argnames, doc="The static keywords, sorted.")
     weight_argnums = property(lambda self: self._opts.weight_argnums, doc="The arguments that hold weights.")
     has_aux = property(lambda self: self._opts.has_aux, doc="Whether ``fun`` returns ``(out, aux)``.")
     filter = property(lambda self: self._opts.filter, doc="The predicate choosing differentiated leaves, or None.")
@@ -205,32 +213,29 @@ class Split:
     # -- calling ----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, ResidualContext]:
-        if kwargs:
-            raise InvalidArgumentError(
-                f"a split takes positional arguments only; got keywords {sorted(kwargs)}"
-            )
+        keywords, kw_values = self._keywords(kwargs) if kwargs else (NO_KEYWORDS, ())
         statics = tuple(args[i] for i in self.static_argnums if i < len(args))
-        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        # the traced tuple: the traced positional arguments, then the traced keywords by name
+        dyn = tuple(a for i, a in enumerate(args) if i not in self.static_argnums) + kw_values
         if self.filter is not None:  # non-array leaves are static, as under eqx.filter_jit
             dyn = filters.freeze_non_arrays(dyn)
         leaves, treedef = jax.tree.flatten(dyn)
         leaves = [
-            x if isinstance(x, jax.Array) else _as_array(x, self._leaf_where(treedef, leaves, i))
+            x if isinstance(x, jax.Array) else _as_array(x, self._leaf_where(len(args), keywords, treedef, leaves, i))
             for i, x in enumerate(leaves)
         ]
         inlined = staged(leaves, f"{self!r}")  # inside the caller's jax.jit
         try:
             placements = tuple((x.aval, None if inlined else x.sharding) for x in leaves)
-            key = (len(args), treedef, statics, placements, inlined)
+            # the static values' types too: True == 1, and the two are different signatures
+            types = tuple(map(type, statics)) + tuple(type(v) for _, v in keywords.static)
+            key = (len(args), keywords, types, treedef, statics, placements, inlined)
             hash(key)
         except TypeError:
-            raise InvalidArgumentError(
-                f"static arguments (and, under a filter, the leaves that are not arrays) must be "
-                f"hashable, got {[type(s).__name__ for s in statics]}"
-            ) from None
+            raise InvalidArgumentError(self._unhashable(statics, keywords)) from None
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._compile_forward(args, leaves, treedef, statics, key, inlined)
+            entry = self._compile_forward(args, keywords, leaves, treedef, statics, key, inlined)
         outputs = entry.executable(list(entry.consts), leaves)
         residuals = tuple(slots.gather(entry.slots, entry.consts, leaves, outputs))
         out = jax.tree.unflatten(entry.out_tree, outputs[: entry.n_out])
@@ -410,15 +415,33 @@ class Split:
 
     # -- tracing (once per signature) -------------------------------------------------------
 
-    def _leaf_where(self, treedef: Any, leaves: list[Any], index: int) -> str:
+    def _keywords(self, kwargs: dict[str, Any]) -> tuple[Keywords, tuple[Any, ...]]:
+        """The call's keywords, sorted by name: those in ``static_argnames`` static, the others
+        traced (their values returned, in that order)."""
+        named = self._opts.static_argnames
+        dynamic = tuple(sorted(n for n in kwargs if n not in named))
+        static = tuple(sorted(((n, v) for n, v in kwargs.items() if n in named), key=lambda p: p[0]))
+        return Keywords(dynamic, static), tuple(kwargs[n] for n in dynamic)
+
+    def _unhashable(self, statics: tuple[Any, ...], keywords: Keywords) -> str:
+        """Why a call's cache key could not be hashed, naming the arguments."""
+        positions = self.static_argnums[: len(statics)]  # sorted: the ones this call passed
+        named = [(f"argument {self._opts.arg_name(i)}", v) for i, v in zip(positions, statics)]
+        named += [(f"keyword {n}", v) for n, v in keywords.static]
+        bad = [f"{where} ({type(v).__name__})" for where, v in named if not _hashable(v)]
+        if bad:
+            return f"static arguments must be hashable, as jax.jit's are: {', '.join(bad)} is not"
+        return "under a filter, the leaves that are not arrays are static and must be hashable"
+
+    def _leaf_where(self, n_args: int, keywords: Keywords, treedef: Any, leaves: list[Any], index: int) -> str:
         # Only reached for a bad leaf: rebuild the paths to name it.
         dyn = jax.tree.unflatten(treedef, [0] * len(leaves))
-        n_args = len(dyn) + len(self.static_argnums)
-        return "argument " + self._opts.leaf_paths(dyn, n_args)[index]
+        return "argument " + self._opts.leaf_paths(dyn, n_args, keywords)[index]
 
     def _compile_forward(
         self,
         args: tuple[Any, ...],
+        keywords: Keywords,
         leaves: list[jax.Array],
         treedef: Any,
         statics: tuple[Any, ...],
@@ -431,8 +454,9 @@ class Split:
             entry = self._cache.peek(key)
             if entry is not None:
                 return entry
-            self._opts.check_arity(args)
-            t = trace(self._opts, args, leaves, treedef, statics, None, _context_mesh())
+            self._opts.check_keywords(len(args), keywords)
+            self._opts.check_arity(args, keywords)
+            t = trace(self._opts, args, leaves, treedef, statics, None, _context_mesh(), keywords=keywords)
             backward = self._own(t)
             self._warn_recompute(t.closed, t.spec.signature)
             if inlined:
@@ -502,6 +526,14 @@ class Split:
             )
 
 
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
 def _count_backward(split_ref: weakref.ref[Split]) -> None:
     """Counts a backward compile on its split, if the split is still alive (a backward does not
     keep its split alive: contexts may outlive it)."""
@@ -516,6 +548,7 @@ def split(
     *,
     has_aux: bool = False,
     static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
     weight_argnums: int | Sequence[int] | None = None,
     filter: Callable[[Any], bool] | None = None,  # noqa: A002
     cache_size: int = DEFAULT_CACHE_SIZE,
@@ -524,11 +557,20 @@ def split(
     """Splits ``fun`` into a forward that returns typed residuals and a backward that uses them.
 
     Args:
-      fun: the function to differentiate; positional arguments are arrays or pytrees of arrays.
+      fun: the function to differentiate; its arguments are arrays or pytrees of arrays, but
+        those named static.
       argnums: which positional arguments to differentiate (int or tuple), as in ``jax.grad``.
         Other positional arguments (integer tokens, PRNG keys, masks) get no gradient.
+        Keyword arguments (``mask=``, ``key=``, ``deterministic=``) pass through as in
+        ``jax.grad``: never differentiated, traced as in ``jax.jit`` (a Python scalar becomes
+        an array) unless named in ``static_argnames``. Their names, avals and static values are
+        part of the signature and of the context's record.
       has_aux: ``fun`` returns ``(out, aux)``; only ``out`` is differentiated.
       static_argnums: hashable Python arguments that become part of the signature.
+      static_argnames: keyword arguments (a name or names) whose hashable Python values (a
+        ``train`` flag) become part of the signature, as ``jax.jit``'s; each must be a
+        parameter ``fun`` takes by keyword, passed by keyword (or named in
+        ``static_argnums`` too).
       weight_argnums: the arguments (a subset of ``argnums``; ``None``: the first of
         ``argnums``) that hold weights: shared by every context, held by reference, stored once
         per store and never counted against a store's budgets. Every other input residual (a
@@ -554,7 +596,7 @@ def split(
         signature.
 
     Returns:
-      A :class:`Split`: ``out, ctx = fwd(*args)``; ``grads = fwd.backward(ctx, cotangent)``.
+      A :class:`Split`: ``out, ctx = fwd(*args, **kwargs)``; ``grads = fwd.backward(ctx, cotangent)``.
 
     Example:
       >>> import jax, jax.numpy as jnp, residual_store as rs
@@ -573,6 +615,7 @@ def split(
         argnums,
         has_aux=has_aux,
         static_argnums=static_argnums,
+        static_argnames=static_argnames,
         weight_argnums=weight_argnums,
         filter=filter,
         cache_size=cache_size,

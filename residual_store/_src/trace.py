@@ -28,9 +28,38 @@ from residual_store._src.halves import GradParts
 from residual_store._src.origins import output_origins
 from residual_store._src.signature import compute_signature
 
-__all__ = ["Options", "Traced", "trace"]
+__all__ = ["NO_KEYWORDS", "Keywords", "Options", "Traced", "checked_argnames", "trace"]
 
 FlatBackward = Callable[[Sequence[Any], Sequence[Any]], list[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Keywords:
+    """A call's keyword arguments as a trace reads them (as ``jax.jit`` does: never
+    differentiated; traced unless named in ``static_argnames``).
+
+    Attributes:
+      dynamic: the names of the traced keywords, sorted (a canonical order, whatever order the
+        caller wrote them in): their values follow the positional arguments in the traced
+        tuple, one child each.
+      static: ``(name, value)`` of the static keywords, sorted by name: folded into the traced
+        function and into the signature.
+    """
+
+    dynamic: tuple[str, ...] = ()
+    static: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every keyword passed, sorted."""
+        return tuple(sorted(self.dynamic + tuple(n for n, _ in self.static)))
+
+    def call(self, values: Sequence[Any]) -> dict[str, Any]:
+        """The keyword arguments of ``fun``: the traced ones' ``values`` and the static ones."""
+        return {**dict(zip(self.dynamic, values)), **dict(self.static)}
+
+
+NO_KEYWORDS = Keywords()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +75,7 @@ class Options:
     filter: Callable[[Any], bool] | None
     save: remat.SaveChoice
     param_names: tuple[str, ...] | None  # fun's positional parameters, when introspectable
+    static_argnames: tuple[str, ...] = ()  # sorted
 
     @property
     def argnums_option(self) -> int | tuple[int, ...]:
@@ -58,25 +88,68 @@ class Options:
         name = getattr(self.fun, "__qualname__", type(self.fun).__name__)
         return f"Split({name}, argnums={self.argnums_option})"
 
-    def arg_name(self, index: int) -> str:
-        """The name of positional argument ``index`` (its parameter's, else ``args[index]``)."""
+    def arg_name(self, index: int | str) -> str:
+        """The name of positional argument ``index`` (its parameter's, else ``args[index]``),
+        or of a keyword (``index`` is its name)."""
+        if isinstance(index, str):
+            return index
         known = self.param_names
         return known[index] if known is not None and index < len(known) else f"args[{index}]"
 
-    def dyn_positions(self, n_args: int) -> list[int]:
-        """The positions of the arguments that are traced (not static)."""
-        return [i for i in range(n_args) if i not in self.static_argnums]
+    def dyn_positions(self, n_args: int, keywords: Keywords = NO_KEYWORDS) -> list[int | str]:
+        """Per child of the traced tuple, the argument it is: the positions of the positional
+        arguments that are traced (not static), then the names of the traced keywords."""
+        return [i for i in range(n_args) if i not in self.static_argnums] + list(keywords.dynamic)
 
-    def leaf_paths(self, dyn: tuple[Any, ...], n_args: int) -> list[str]:
-        """Per leaf of the traced arguments ``dyn``, its path (``params['w']``)."""
-        positions = self.dyn_positions(n_args)
+    def leaf_paths(self, dyn: tuple[Any, ...], n_args: int, keywords: Keywords = NO_KEYWORDS) -> list[str]:
+        """Per leaf of the traced arguments ``dyn``, its path (``params['w']``, ``mask``)."""
+        positions = self.dyn_positions(n_args, keywords)
         return [
             self.arg_name(positions[path[0].idx]) + jax.tree_util.keystr(path[1:])
             for path, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]
         ]
 
-    def check_arity(self, args: tuple[Any, ...]) -> None:
-        """Raises :class:`SignatureMismatchError` if ``fun`` cannot take ``args``."""
+    def check_keywords(self, n_args: int, keywords: Keywords) -> None:
+        """Raises :class:`InvalidArgumentError` for keywords a split cannot take as given (once
+        per new signature): a keyword that is also passed positionally, or that names a
+        differentiated or static positional argument; a name in ``static_argnames`` passed
+        positionally, or not passed where ``fun`` has no default for it."""
+        names = self.param_names or ()
+        for name in keywords.names:
+            i = names.index(name) if name in names else None
+            if i is None:
+                continue
+            if i < n_args:
+                raise InvalidArgumentError(f"{name} is passed both positionally (argument {i}) and as a keyword")
+            if i in self.argnums:
+                raise InvalidArgumentError(
+                    f"{name} (argument {i}) is in argnums: the arguments a split differentiates are "
+                    "passed positionally, as jax.grad's"
+                )
+            if i in self.static_argnums and name not in self.static_argnames:
+                raise InvalidArgumentError(
+                    f"{name} (argument {i}) is in static_argnums: pass it positionally, or name it in static_argnames"
+                )
+        params = _parameters(self.fun) or {}
+        for name in self.static_argnames:
+            i = names.index(name) if name in names else None
+            if i is not None and i < n_args:
+                if i not in self.static_argnums:
+                    raise InvalidArgumentError(
+                        f"{name} is in static_argnames but passed positionally (argument {i}): pass it as "
+                        f"{name}=..., or name its position in static_argnums"
+                    )
+            elif name not in keywords.names:
+                p = params.get(name)
+                if p is not None and p.default is inspect.Parameter.empty:
+                    raise InvalidArgumentError(
+                        f"static_argnames names {name!r}, which this call does not pass, and {self.label} "
+                        "has no default for it"
+                    )
+
+    def check_arity(self, args: tuple[Any, ...], keywords: Keywords = NO_KEYWORDS) -> None:
+        """Raises :class:`SignatureMismatchError` if ``fun`` cannot take ``args`` and these
+        keywords."""
         needed = max(self.argnums + self.static_argnums) + 1
         if len(args) < needed:
             raise SignatureMismatchError(
@@ -84,11 +157,71 @@ class Options:
                 f"{len(args)} arguments"
             )
         try:
-            inspect.signature(self.fun).bind(*args)
+            inspect.signature(self.fun).bind(*args, **dict.fromkeys(keywords.names))
         except TypeError as err:
             raise SignatureMismatchError(f"bad arguments for {self.label}: {err}") from None
         except ValueError:
             pass  # no introspectable signature (builtins); JAX's trace will complain if needed
+
+
+def checked_argnames(fun: Callable[..., Any], argnames: str | Sequence[str], argnums: tuple[int, ...]) -> tuple[str, ...]:
+    """``static_argnames`` (a name or a sequence of names) as a sorted tuple, checked against
+    ``fun`` (:func:`_check_argnames`).
+
+    Raises:
+      InvalidArgumentError: a name is not a str, is repeated, or is one ``fun`` cannot take.
+    """
+    try:
+        items = (argnames,) if isinstance(argnames, str) else tuple(argnames)
+    except TypeError:
+        items = (argnames,)  # refused below, by its type
+    for name in items:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidArgumentError(f"static_argnames must hold parameter names (str), got {argnames!r}")
+    if len(set(items)) != len(items):
+        raise InvalidArgumentError(f"static_argnames has repeated entries: {argnames!r}")
+    names = tuple(sorted(items))
+    _check_argnames(fun, names, argnums)
+    return names
+
+
+def _parameters(fun: Callable[..., Any]) -> Any:
+    """``fun``'s parameters (``inspect.Parameter`` by name), or ``None`` where it has no
+    introspectable signature (a builtin): then JAX's trace is the check."""
+    try:
+        return inspect.signature(fun).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_argnames(fun: Callable[..., Any], names: tuple[str, ...], argnums: tuple[int, ...]) -> None:
+    """Raises :class:`InvalidArgumentError` for a name in ``static_argnames`` that ``fun`` cannot
+    take by keyword (as ``jax.jit`` refuses it), or that is a differentiated argument."""
+    params = _parameters(fun)
+    if params is None:
+        return
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    positional = [n for n, p in params.items() if p.kind in _POSITIONAL]
+    for name in names:
+        p = params.get(name)
+        if p is not None and p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise InvalidArgumentError(
+                f"static_argnames names {name!r}, a positional-only parameter: name its position in static_argnums"
+            )
+        if (p is None or p.kind not in _KEYWORD) and not takes_any:
+            raise InvalidArgumentError(f"static_argnames names {name!r}, which {_name(fun)} does not take")
+        if name in positional and positional.index(name) in argnums:
+            raise InvalidArgumentError(
+                f"static_argnames names {name!r}, argument {positional.index(name)}, which argnums differentiates"
+            )
+
+
+def _name(fun: Callable[..., Any]) -> str:
+    return getattr(fun, "__qualname__", type(fun).__name__)
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,27 +262,43 @@ def trace(
     in_avals: Sequence[InputAval] | None,
     context_mesh: Any,
     recorded_mask: Sequence[bool] | None = None,
+    keywords: Keywords = NO_KEYWORDS,
 ) -> Traced:
     """Traces the forward and the backward of one signature (``leaves``: arrays, or
     ``ShapeDtypeStruct``s when rebuilding from a record, with the recorded choice of
-    differentiated leaves); compiles nothing."""
+    differentiated leaves); compiles nothing. ``treedef`` is the traced tuple's: the traced
+    positional arguments, then the values of ``keywords.dynamic``.
+
+    Raises:
+      InvalidArgumentError: ``fun`` needs a concrete Python value where it got a traced one.
+    """
     n_args = len(args)
-    positions = opts.dyn_positions(n_args)
-    paths = opts.leaf_paths(jax.tree.unflatten(treedef, list(leaves)), n_args)
+    positions = opts.dyn_positions(n_args, keywords)
+    paths = opts.leaf_paths(jax.tree.unflatten(treedef, list(leaves)), n_args, keywords)
     counts = [c.num_leaves for c in treedef.children()]
     leaf_args = [pos for pos, count in zip(positions, counts) for _ in range(count)]
     differentiated = _differentiated(opts, leaves, leaf_args, paths, recorded_mask)
     diff_idx = [j for j, d in enumerate(differentiated) if d]
     static_pairs = list(zip(opts.static_argnums, statics))
 
-    def full_args(flat: Sequence[Any]) -> list[Any]:
-        rebuilt = list(filters.thaw(jax.tree.unflatten(treedef, flat)))
-        for index, value in static_pairs:
-            rebuilt.insert(index, value)
-        return rebuilt
+    n_kw = len(keywords.dynamic)
 
-    fun = opts.fun
-    closed, out_shape = jax.make_jaxpr(lambda *flat: fun(*full_args(flat)), return_shape=True)(*leaves)
+    def call_fun(*flat: Any) -> Any:
+        rebuilt = list(filters.thaw(jax.tree.unflatten(treedef, flat)))
+        positional, kw_values = rebuilt[: len(rebuilt) - n_kw], rebuilt[len(rebuilt) - n_kw :]
+        for index, value in static_pairs:
+            positional.insert(index, value)
+        return opts.fun(*positional, **keywords.call(kw_values))
+
+    try:
+        closed, out_shape = jax.make_jaxpr(call_fun, return_shape=True)(*leaves)
+    except jax.errors.ConcretizationTypeError as err:
+        raise InvalidArgumentError(
+            f"{opts.label} needs a concrete Python value where it got a traced one "
+            f"({str(err).splitlines()[0]}). A Python value that decides what is computed (a "
+            "train flag, a size) must be static: name a positional argument in static_argnums, a "
+            "keyword in static_argnames"
+        ) from err
     out_tree, aux_tree, out_avals = _out_trees(opts, out_shape)
     n_out = len(out_avals)
     n_consts = len(closed.consts)
@@ -202,11 +351,12 @@ def trace(
     bwd_traced = bwd_jit.trace(list(parts.residual_avals), list(parts.cotangent_avals))
     if in_avals is None:
         in_avals = [placement.input_aval(x) for x in leaves]
-    call = _record_call(opts, n_args, treedef, static_pairs, in_avals, context_mesh, differentiated)
+    call = _record_call(opts, n_args, treedef, static_pairs, keywords, in_avals, context_mesh, differentiated)
     signature = compute_signature(
         call=call,
         in_tree=treedef,
         statics=static_pairs,
+        static_kwargs=keywords.static,
         out_tree=out_tree,
         aux_tree=aux_tree,
         forward=traced.jaxpr,
@@ -247,7 +397,7 @@ def _out_trees(opts: Options, out_shape: Any) -> tuple[Any, Any | None, list[Any
 
 
 def _differentiated(
-    opts: Options, leaves: Sequence[Any], leaf_args: list[int], paths: list[str], recorded: Sequence[bool] | None
+    opts: Options, leaves: Sequence[Any], leaf_args: list[int | str], paths: list[str], recorded: Sequence[bool] | None
 ) -> list[bool]:
     """Per input leaf, whether it is differentiated: every leaf of ``argnums``, or those
     ``filter`` accepts (as recorded, when rebuilding: the predicate may not understand
@@ -263,7 +413,7 @@ def _differentiated(
                 "the filter chose it" if opts.filter is not None else
                 "pass filter=rs.is_inexact to differentiate only the floating leaves of a "
                 "model that holds others (as eqx.filter_grad and nnx.grad do), or pass integer "
-                "tokens, PRNG keys and masks as other positional arguments"
+                "tokens, PRNG keys and masks as other positional arguments or as keywords"
             )
             raise InvalidArgumentError(
                 f"argument {paths[j]} has dtype {leaves[j].dtype} and cannot be differentiated: {hint}"
@@ -278,6 +428,7 @@ def _record_call(
     n_args: int,
     treedef: Any,
     static_pairs: list[tuple[int, Any]],
+    keywords: Keywords,
     in_avals: Sequence[InputAval],
     context_mesh: Any,
     differentiated: Sequence[bool],
@@ -286,9 +437,11 @@ def _record_call(
     try:
         tree_record = structure.encode_treedef(treedef)
         statics_record: Any = tuple((i, structure.encode_value(v)) for i, v in static_pairs)
+        kw_record: Any = tuple((n, structure.encode_value(v)) for n, v in keywords.static)
         unrecorded = None
     except structure.UnrecordableError as err:
         tree_record = statics_record = None
+        kw_record = None if keywords.static else ()  # () where no keyword is static: no record owed
         unrecorded = str(err)
     return CallSpec(
         n_args=n_args,
@@ -299,6 +452,8 @@ def _record_call(
         in_avals=tuple(in_avals),
         in_tree=tree_record,
         statics=statics_record,
+        kwnames=keywords.dynamic,
+        static_kwargs=kw_record,
         context_mesh=context_mesh,
         unrecorded=unrecorded,
         differentiated=None if opts.filter is None else tuple(differentiated),
@@ -313,7 +468,7 @@ def _spec(
     res_slots: Sequence[slots.Slot],
     residual_types: Sequence[Any],
     paths: list[str],
-    leaf_args: list[int],
+    leaf_args: list[int | str],
     n_consts: int,
     traced: Any,
 ) -> ResidualSpec:
@@ -354,7 +509,7 @@ def _flat_backward(
     vjp_tree: Any,
     out_avals: Sequence[Any],
     treedef: Any,
-    positions: list[int],
+    positions: list[int | str],
     differentiated: Sequence[bool],
 ) -> tuple[FlatBackward, Any, tuple[tuple[int, Any], ...]]:
     """``(residuals, float cotangents) -> gradient leaves in argnums order``, a template of

@@ -3,33 +3,42 @@ or any tensorstore kvstore (:mod:`~residual_store._src.store.kv_backend`); what 
 :mod:`~residual_store._src.store.backend_protocol`.
 
 A local folder uses the serializers' fast path, atomic renames and fsync; any other kvstore
-(``memory``, ``file`` with options, ``gcs``, ``s3``) goes through tensorstore.
+(``memory``, ``file`` with options, ``gcs``, ``s3``) goes through tensorstore. What a user
+writes as a store's path (a folder, ``~/runs``, ``s3://bucket/run``, a spec) becomes one of the
+two in :func:`resolve_path`, once, when the store opens.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import serializers
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.store.backend_protocol import Backend
-from residual_store._src.store.kv_backend import KvBackend
-from residual_store._src.store.local_backend import LocalBackend
+from residual_store._src.store.kv_backend import KvBackend, url_spec
+from residual_store._src.store.local_backend import LocalBackend, check_writable
 
-__all__ = ["check_path", "open_backend"]
+__all__ = ["check_path", "open_backend", "resolve_path"]
+
+Location = str | Mapping[str, Any] | None
+
+# ``scheme://`` at the start of a path: a URL (RFC 3986's scheme characters), never a folder
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def check_path(path: Any) -> None:
-    """Raises :class:`InvalidArgumentError` unless ``path`` is one a store takes: a folder (a
-    non-empty ``str`` or ``os.PathLike``), a kvstore spec (a mapping) or ``None``."""
+    """Raises :class:`InvalidArgumentError` unless ``path`` is of a kind a store takes: a folder
+    or a kvstore URL (a non-empty ``str`` or ``os.PathLike``), a kvstore spec (a mapping) or
+    ``None``."""
     if path is None or isinstance(path, Mapping):
         return
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgumentError(
-            f"Store path must be a folder (str or os.PathLike), a tensorstore kvstore spec (dict) or "
-            f"None for memory only, got {type(path).__name__}: {path!r}"
+            f"Store path must be a folder (str or os.PathLike), a kvstore URL (str), a tensorstore "
+            f"kvstore spec (dict) or None for memory only, got {type(path).__name__}: {path!r}"
         )
     if isinstance(os.fspath(path), bytes):
         raise InvalidArgumentError(f"Store path must be a str path, not bytes: {path!r}")
@@ -44,3 +53,53 @@ def open_backend(path: str | os.PathLike[str] | Mapping[str, Any], *, timeout: f
         root = serializers.local_root(path)
         return LocalBackend(root) if root is not None else KvBackend(path, timeout)
     return LocalBackend(os.fspath(path))
+
+
+def resolve_path(path: Any, *, read_only: bool = False, create: bool = True) -> Location:
+    """Where a store at ``path`` opens: ``None`` (memory only), a kvstore spec as given, the spec
+    of a kvstore URL (``file://``, ``memory://``, ``s3://``, ``gs://``, parsed by tensorstore), or
+    a folder with a leading ``~`` expanded to the user's home.
+
+    A path is never taken literally where it means something else: ``"s3://bucket/run"`` as a
+    folder would be ``./s3:/bucket/run``, ``"~/runs"`` a folder named ``~``. Opened to write
+    (``read_only=False``), a local folder that cannot be written is refused here, before
+    anything is written.
+
+    Raises:
+      InvalidArgumentError: not a path (:func:`check_path`), a URL of another scheme, a URL
+        tensorstore refuses, or a ``~user`` with no such user.
+      ReadOnlyStoreError: opened to write where nothing can be written
+        (:func:`~residual_store._src.store.local_backend.check_writable`).
+    """
+    check_path(path)
+    if path is None:
+        return None
+    location = path if isinstance(path, Mapping) else _from_text(os.fspath(path))
+    folder = _local_folder(location)
+    if folder is not None and not read_only:
+        check_writable(folder, create=create)
+    return location
+
+
+def _from_text(text: str) -> str | dict[str, Any]:
+    """The spec of the URL ``text``, or the folder ``text`` with a leading ``~`` expanded."""
+    url = _URL_SCHEME.match(text)
+    if url is not None:
+        return url_spec(text, url.group(1))
+    folder = os.path.expanduser(text)
+    if folder.startswith("~"):
+        user = folder[1:].split(os.sep, 1)[0]
+        raise InvalidArgumentError(
+            f"store path {text!r}: no home folder for user {user!r} to expand ~{user} to"
+            if user else f"store path {text!r}: no home folder to expand ~ to (HOME is not set)"
+        )
+    return folder
+
+
+def _local_folder(location: str | Mapping[str, Any]) -> str | None:
+    """The local folder of ``location``: a path, or a ``file`` kvstore spec's path (with
+    options or without); ``None`` for any other kvstore."""
+    if isinstance(location, str):
+        return location
+    folder = location.get("path")
+    return folder if location.get("driver") == "file" and isinstance(folder, str) and folder else None

@@ -492,9 +492,13 @@ def read(disk: DiskTier, signature: str) -> tuple[dict[str, Any], bytes | None] 
     return m, data
 
 
+_NO_MODEL = "; processes without the model cannot run it"
+
+
 def _warn_unexportable(reason: str) -> None:
+    reason = reason.removesuffix(_NO_MODEL)  # export's own error may say it already
     warnings.warn(
-        f"{reason}; processes without the model cannot run it. The context is stored; only "
+        f"{reason}{_NO_MODEL}. The context is stored; only "
         "processes that define the function can run its backward.",
         ResidualStoreWarning,
         stacklevel=_user_stacklevel(),

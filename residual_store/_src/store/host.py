@@ -18,8 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
+import serializers
 from residual_store._src import _jax_internals
-from residual_store._src.context import OWN_KINDS, SHARED_KINDS, ResidualContext
+from residual_store._src.context import OWN_KINDS, SHARED_KINDS, ResidualContext, ResidualSpec, describe_residual
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.placement import sharding_record
 
@@ -27,6 +28,7 @@ __all__ = [
     "HostArrays",
     "ShardedHost",
     "check_live",
+    "check_dtypes_writable",
     "chunk_index",
     "detached",
     "host_arrays",
@@ -57,6 +59,71 @@ def _is_key_dtype(dtype: Any) -> bool:
 @functools.lru_cache(maxsize=256)
 def _is_key_dtype_cached(dtype: Any) -> bool:
     return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+@functools.lru_cache(maxsize=256)
+def _is_sub_byte(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` holds fewer than 8 bits an element (``int4``, ``uint2``,
+    ``float4_e2m1fn``...): one element a byte on the host, and placed uncommitted (see
+    :func:`_uncommitted_if_sub_byte`)."""
+    return np.dtype(dtype).itemsize == 1 and jax.dtypes.itemsize_bits(dtype) < 8  # (float0: 0 bytes)
+
+
+def _numpy(x: Any) -> np.ndarray:
+    """``x`` in host memory as a NumPy array of ``x``'s own dtype.
+
+    ``np.asarray`` gives an ``int1`` array computed by XLA as ``bool`` (the same bytes: 0 or 1
+    an element), which is viewed as ``int1`` again: the dtype a write records and a read gives
+    back is the residual's, never another one of the same bytes.
+    """
+    host = np.asarray(x)
+    want = np.dtype(x.dtype)
+    if host.dtype != want:
+        if host.dtype.itemsize != want.itemsize:
+            raise InvalidArgumentError(
+                f"JAX copied a {want} array to the host as {host.dtype}, which is not the same bytes"
+            )
+        host = host.view(want)
+    return host
+
+
+_INT1: np.dtype | None = np.dtype(jax.numpy.int1) if hasattr(jax.numpy, "int1") else None
+
+
+def _placeable(host: np.ndarray) -> np.ndarray:
+    """What ``jax.device_put`` is given for the host array ``host``: an ``int1`` array as its
+    bytes viewed as ``bool``. (XLA computes ``int1`` as ``pred``, a byte an element; a host
+    ``int1`` array would become a packed ``s1`` buffer that compiled code refuses.)"""
+    return host.view(np.bool_) if host.dtype == _INT1 else host
+
+
+def _placed(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    """The device array of a host array of ``dtype`` placed as :func:`_placeable` gave it:
+    ``int1`` again (the same bytes), a sub-byte one uncommitted."""
+    if dtype == _INT1 and x.dtype != dtype:
+        x = _convert_to(dtype)(x)
+    return _uncommitted_if_sub_byte(x)
+
+
+@functools.lru_cache(maxsize=8)
+def _convert_to(dtype: np.dtype) -> Callable[[jax.Array], jax.Array]:
+    """A compiled ``convert_element_type`` to ``dtype`` (``bool`` -> ``int1`` keeps each
+    byte: both are ``pred`` to XLA)."""
+    return jax.jit(functools.partial(jax.lax.convert_element_type, new_dtype=dtype))
+
+
+def _uncommitted_if_sub_byte(x: jax.Array) -> jax.Array:
+    """``x``, uncommitted where it is a sub-byte array on one device.
+
+    Compiled code (a backward is compiled ahead of time) compares a committed argument's layout
+    with its own, and on CPU (JAX 0.10) a sub-byte buffer reports 0 bits an element where the
+    executable says 4: a committed ``int4`` residual is refused whichever way it was placed.
+    An uncommitted one, as a forward on uncommitted inputs makes it, is taken
+    (``COMMITMENT`` in :mod:`residual_store._src._jax_internals`); it stays on its device.
+    """
+    if x.committed and _is_sub_byte(x.dtype) and isinstance(x.sharding, SingleDeviceSharding):
+        return _jax_internals.with_commitment(x, False)
+    return x
 
 
 
@@ -103,21 +170,21 @@ def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
     shard_shape = tuple(int(d) for d in x.sharding.shard_shape(x.shape))
     if x.size == 0 or shard_shape == shape or any(d % c for d, c in zip(shape, shard_shape)):
         if x.sharding.is_fully_replicated:  # any one replica is the whole array
-            whole = np.asarray(x.addressable_shards[0].data)
+            whole = _numpy(x.addressable_shards[0].data)
         elif not x.is_fully_addressable:
             raise InvalidArgumentError(
                 f"a store cannot write an array of shape {shape} sharded unevenly over the devices "
                 "of several processes; shard it evenly (every dimension divisible by its shards)"
             )
         else:
-            whole = np.asarray(x)  # uneven or empty shards: no grid of blocks to write
+            whole = _numpy(x)  # uneven or empty shards: no grid of blocks to write
         return ShardedHost(record, shape, dtype, None, {}, whole)
     # Several processes: each holds the distinct shards (replica_id == 0) of its own devices;
     # the disk tier's collective write puts each process's chunks in one array.
     chunks: dict[tuple[int, ...], np.ndarray] = {}
     for shard in x.addressable_shards:
         if shard.replica_id == 0:
-            chunks[chunk_index(shard.index, shard_shape)] = np.asarray(shard.data)
+            chunks[chunk_index(shard.index, shard_shape)] = _numpy(shard.data)
     return ShardedHost(record, shape, dtype, shard_shape, chunks)
 
 
@@ -129,12 +196,13 @@ def to_device_sharded(host: ShardedHost) -> jax.Array:
     sharding = host.placement
     assert sharding is not None
     if host.chunk_shape is None:
-        return jax.device_put(host.whole, sharding)
+        assert host.whole is not None
+        return _placed(jax.device_put(_placeable(host.whole), sharding), host.dtype)
     index_map = sharding.addressable_devices_indices_map(host.shape)
     devices = list(index_map)
-    blocks = [host.chunks[chunk_index(index_map[d], host.chunk_shape)] for d in devices]
+    blocks = [_placeable(host.chunks[chunk_index(index_map[d], host.chunk_shape)]) for d in devices]
     singles = jax.device_put(blocks, devices)
-    return jax.make_array_from_single_device_arrays(host.shape, sharding, singles)
+    return _placed(jax.make_array_from_single_device_arrays(host.shape, sharding, singles), host.dtype)
 
 
 
@@ -157,9 +225,9 @@ def _to_host(x: Any) -> tuple[np.ndarray | ShardedHost, str | None]:
         impl = str(jax.random.key_impl(x))
         x = jax.random.key_data(x)
     if isinstance(x, jax.Array) and isinstance(x.sharding, SingleDeviceSharding):
-        return np.asarray(x), impl  # (the common case: one device, no sharding to record)
+        return _numpy(x), impl  # (the common case: one device, no sharding to record)
     record = sharding_record(x)
-    return (_sharded_host(x, record) if record is not None else np.asarray(x)), impl
+    return (_sharded_host(x, record) if record is not None else _numpy(x)), impl
 
 
 def _check_addressable(x: Any, partial: bool) -> None:
@@ -175,7 +243,7 @@ def _on_cpu(x: jax.Array) -> bool:
 
 def to_numpy(x: Any) -> np.ndarray:
     """One residual as a whole NumPy array in host memory (a typed key as its key data)."""
-    return np.asarray(jax.random.key_data(x) if _is_key_dtype(x.dtype) else x)
+    return _numpy(jax.random.key_data(x) if _is_key_dtype(x.dtype) else x)
 
 
 def stage_shared(
@@ -295,8 +363,48 @@ def _host_copy(x: Any) -> Any:
         if kind is not None and sharding.memory_kind != kind:
             return jax.device_put(x, sharding.with_memory_kind(kind))
         if kind is None:
-            return np.asarray(jax.device_get(x))
+            return _numpy(x)
     return x
+
+
+def check_dtypes_writable(ctx: ResidualContext) -> None:
+    """Raises unless a store can write every residual of ``ctx`` to disk: what ``put`` checks
+    on a store with a path, before the store changes, instead of a write that fails later.
+
+    Every dtype JAX computes with is written (``serializers.SUPPORTED_DTYPES``; a typed key as
+    its ``uint32`` key data). ``float0``, the tangent type of integers, has no bytes to write.
+
+    Raises:
+      InvalidArgumentError: naming the first such residual and its dtype.
+    """
+    bad = _unwritable(ctx.spec)
+    if bad is not None:
+        i, why = bad
+        raise InvalidArgumentError(
+            f"{describe_residual(ctx.spec, 'this context')(i)} is {_dtype_name(ctx.spec.avals[i].dtype)}, which a "
+            f"store cannot write to disk ({why}); keep such a context in a store without a path "
+            "(rs.Store()), or keep the residual as a dtype a store writes"
+        )
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``dtype`` as JAX names it (``float0``, not NumPy's ``[('float0', 'V')]``)."""
+    return "float0" if dtype == jax.dtypes.float0 else str(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _unwritable(spec: ResidualSpec) -> tuple[int, str] | None:
+    """The first residual of ``spec`` whose dtype no store writes, and why; once per spec."""
+    for i, aval in enumerate(spec.avals):
+        if _is_key_dtype(aval.dtype):
+            continue  # written as its key data
+        try:
+            serializers.zarr_dtype_name(aval.dtype)
+        except serializers.UnsupportedDTypeError:
+            return i, "it has no bytes to write" if np.dtype(aval.dtype).itemsize == 0 else (
+                "no zarr v3 data type of docs/format.md is it"
+            )
+    return None
 
 
 def check_live(ctx: ResidualContext, when: str) -> None:
@@ -390,7 +498,7 @@ def for_writing(ctx: ResidualContext, device: jax.Device | None = None) -> Resid
             return x
         if id(x) not in copies:
             view = isinstance(x, jax.Array) and _is_host_memory(target) and is_whole_on(x, target)
-            copies[id(x)] = np.asarray(x) if view and not _is_key_dtype(x.dtype) else _host_copy(x)
+            copies[id(x)] = _numpy(x) if view and not _is_key_dtype(x.dtype) else _host_copy(x)
         return copies[id(x)]
 
     return ResidualContext.tree_unflatten(ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)])
@@ -431,11 +539,12 @@ def to_device(ctx: ResidualContext, device: jax.Device | None = None) -> Residua
         if isinstance(x, jax.Array):
             sharding = x.sharding
             default = next(iter(sharding.device_set)).default_memory().kind
-            moved = x if sharding.memory_kind in (None, default) else jax.device_put(
-                x, sharding.with_memory_kind(default)
-            )
+            if sharding.memory_kind in (None, default):
+                moved = x
+            else:
+                moved = _uncommitted_if_sub_byte(jax.device_put(x, sharding.with_memory_kind(default)))
         else:
-            moved = jax.device_put(x, device)
+            moved = device_put_all([x], device)[0]
         copies[id(x)] = moved
         return moved
 
@@ -445,7 +554,17 @@ def to_device(ctx: ResidualContext, device: jax.Device | None = None) -> Residua
 def device_put_all(arrays: Sequence[np.ndarray], device: jax.Device | None = None) -> list[jax.Array]:
     """``jax.device_put(arrays, device)`` for a read's host arrays, hundreds at a time: the
     C-contiguous ones in a canonical dtype (all a read makes, but for x64 values with x64 off,
-    which the store refuses before placing) without ``jax.device_put``'s per-array work."""
+    which the store refuses before placing) without ``jax.device_put``'s per-array work.
+
+    Each comes back in its own dtype, as compiled code takes it (sub-byte ones: see
+    :func:`_placed`)."""
+    if any(_is_sub_byte(d) for d in {x.dtype for x in arrays}):
+        placed = _device_put_all([_placeable(x) for x in arrays], device)
+        return [_placed(y, np.dtype(x.dtype)) for y, x in zip(placed, arrays)]
+    return _device_put_all(arrays, device)
+
+
+def _device_put_all(arrays: Sequence[np.ndarray], device: jax.Device | None) -> list[jax.Array]:
     if len(arrays) < _MANY:
         return jax.device_put(list(arrays), device)
     fast = [i for i, x in enumerate(arrays)

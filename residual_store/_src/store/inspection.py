@@ -1,6 +1,6 @@
-"""What a store holds, read without running anything: a context's record (no arrays read), the
-stored backward of a signature, the bytes each part of the store takes on disk, and
-verification reports.
+"""What a store holds, read without running anything: a context's record (no arrays read, its
+files' sizes checked against its manifest), the stored backward of a signature, the bytes each
+part of the store takes on disk, and verification reports.
 
 The frozen records here are what :meth:`Store.info <residual_store.Store.info>`,
 :meth:`~residual_store.Store.backward_info`, :meth:`~residual_store.Store.usage` and
@@ -11,8 +11,10 @@ The frozen records here are what :meth:`Store.info <residual_store.Store.info>`,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
+import serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidArgumentError
 from residual_store._src.store import backwards, layout
@@ -33,6 +35,8 @@ __all__ = [
     "disk_bytes",
     "measure",
     "memory_info",
+    "size_damage",
+    "stored_info",
     "verify",
 ]
 
@@ -59,6 +63,9 @@ class ResidualInfo:
       checksum: the checksum of its bytes (``None`` for a context not yet written).
       chunk_shape: the chunk shape of a residual stored as a grid of chunks, else ``None``.
       chunks: how many chunks it is stored as.
+      bundle: the zip file that holds it, for a residual stored in its context's bundle (its
+        ``path`` then names the group ``<last part of path>/`` inside that zip, not a folder on
+        disk), else ``None``.
     """
 
     name: str
@@ -72,6 +79,7 @@ class ResidualInfo:
     checksum: str | None = None
     chunk_shape: tuple[int, ...] | None = None
     chunks: int = 1
+    bundle: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,10 @@ class ContextInfo:
       created: when it was committed (seconds since the epoch), ``None`` while it is only in
         memory (a memory-only store, or a put whose write is pending).
       jax_version: the JAX version that wrote it, ``None`` while it is only in memory.
+      damage: why it is damaged, where a look at its files' sizes shows it (a file its manifest
+        names is missing, or of another size than the manifest records or its layout implies);
+        ``None`` where none is seen. Only sizes are looked at (one ``stat`` per file, on a local
+        folder; a kvstore's listing gives no sizes): ``verify`` checks every byte.
     """
 
     key: str
@@ -93,6 +105,7 @@ class ContextInfo:
     residuals: tuple[ResidualInfo, ...]
     created: float | None = None
     jax_version: str | None = None
+    damage: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -180,6 +193,9 @@ class VerifyReport:
         at fault).
       backwards_verified: stored backwards found intact.
       damaged_backwards: signature -> why, for each damaged stored backward.
+      damaged_folders: folder of the store's tree -> why, for each that could not be read (a
+        symbolic link where the store keeps a folder: never followed); what lies in it went
+        unchecked.
 
     Example:
       >>> import residual_store as rs
@@ -192,11 +208,12 @@ class VerifyReport:
     damaged: Mapping[str, str] = dataclasses.field(default_factory=dict)
     backwards_verified: int = 0
     damaged_backwards: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    damaged_folders: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         """Whether nothing checked is damaged."""
-        return not self.damaged and not self.damaged_backwards
+        return not self.damaged and not self.damaged_backwards and not self.damaged_folders
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -240,10 +257,92 @@ def context_info(stored: StoredContext) -> ContextInfo:
         dataclasses.replace(
             info, nbytes=r.nbytes, shared=r.shared, path=r.path, checksum=r.checksum, chunk_shape=r.chunk_shape,
             chunks=len(r.chunk_checksums) if r.chunk_checksums is not None else 1,
+            bundle=stored.bundle.path if r.bundled and stored.bundle is not None else None,
         )
         for info, r in zip(base.residuals, stored.records)
     )
     return dataclasses.replace(base, residuals=residuals, created=stored.created, jax_version=stored.jax_version)
+
+
+def stored_info(disk: DiskTier, key: str) -> ContextInfo:
+    """The record of the committed context ``key``, with the damage its files' sizes show."""
+    stored, damage = _sized_stat(disk, key)
+    return dataclasses.replace(context_info(stored), damage=damage)
+
+
+_LOOKS = 4
+"""How many times a context replaced while its files are looked at is looked at again."""
+
+
+def _same_files(a: StoredContext, b: StoredContext) -> bool:
+    return a is b or (a.data_dir, a.bundle, a.records) == (b.data_dir, b.bundle, b.records)
+
+
+def _sized_stat(disk: DiskTier, key: str) -> tuple[StoredContext, str | None]:
+    """``key``'s manifest and :func:`size_damage` of its files, judged only on a manifest that
+    stayed the same across the look: a context replaced meanwhile (its old files removed or
+    recycled) is looked at again, never called damaged; :class:`ContextNotFoundError` if it was
+    deleted meanwhile."""
+    stored = disk.stat(key)
+    for _ in range(_LOOKS):
+        damage = size_damage(disk, stored)
+        if damage is None:
+            return stored, None
+        disk.forget_stat(key)  # the manifest file itself again, not a cached parse
+        again = disk.stat(key)
+        if _same_files(stored, again):
+            return again, damage
+        stored = again
+    return stored, None  # replaced on every look: busy, not seen damaged (verify reads it)
+
+
+def _sized_files(stored: StoredContext) -> Iterator[tuple[str, str, int]]:
+    """(its name in words, path, bytes) of each file of ``stored`` whose size its manifest
+    fixes: the bundle (its recorded size) and each chunk file of an array outside it (its
+    chunk's raw bytes, the only codec being ``bytes``; an array with no element has none)."""
+    if stored.bundle is not None:
+        yield f"bundle {stored.bundle.path}", stored.bundle.path, stored.bundle.nbytes
+    seen: set[str] = set()
+    for i, r in enumerate(stored.records):
+        if r.bundled or r.path in seen or math.prod(r.shape) == 0:
+            continue
+        seen.add(r.path)
+        try:
+            itemsize = serializers.numpy_dtype(r.dtype).itemsize
+        except (serializers.SerializationError, ValueError, TypeError):
+            continue  # a dtype this process cannot read: get and verify say so
+        if r.chunk_shape is None:
+            files = [("/".join((r.path, serializers.chunk_key(r.shape) or "")), math.prod(r.shape) * itemsize)]
+        else:
+            chunk_bytes = math.prod(r.chunk_shape) * itemsize
+            chunks = (serializers.chunk_index_key(idx) for idx, _ in r.chunk_checksums or ())
+            files = [("/".join((r.path, chunk)), chunk_bytes) for chunk in chunks]
+        for path, nbytes in files:
+            yield f"residual {i} ({r.name}): file {path}", path, nbytes
+
+
+def size_damage(disk: DiskTier, stored: StoredContext) -> str | None:
+    """The first file of ``stored`` that is missing or of another size than its manifest says,
+    in words naming it once (``None``: every size is right, or the storage gives no sizes).
+
+    One ``stat`` per file and nothing read: what ``ls`` and ``inspect`` can afford for every
+    context. A truncated copy or a half-written file shows here; a flipped byte only in
+    :func:`verify`."""
+    backend = disk.backend
+    for what, path, expected in _sized_files(stored):
+        try:
+            size = backend.tree_bytes(path)
+            if size is None:
+                return None  # a kvstore: listings give no sizes
+            if size == expected:
+                continue
+            if size == 0 and not backend.exists(path):
+                return f"{what} is missing"
+        except CorruptContextError as err:  # a link on the way, refused
+            return f"{what} cannot be read: {err}"
+        kind = "truncated" if size < expected else "too long"
+        return f"{what} is {kind} ({size:,} bytes on disk, the manifest says {expected:,})"
+    return None
 
 
 def backward_info(disk: DiskTier | None, signature: str) -> BackwardInfo:
@@ -329,8 +428,12 @@ def measure(disk: DiskTier, progress: Progress | None = None) -> StoreUsage:
 
 
 def _verify_context(disk: DiskTier, key: str) -> StoredContext:
-    """Reads and checks every byte of ``key`` (arrays, their zarr metadata, its bundle's
-    headers as plain zip readers check them); :class:`CorruptContextError` names the damage."""
+    """Checks ``key``'s files' sizes (the damage ``ls`` shows, in its words), then reads and
+    checks every byte (arrays, their zarr metadata, its bundle's headers as plain zip readers
+    check them); :class:`CorruptContextError` names the damage."""
+    _, damage = _sized_stat(disk, key)
+    if damage is not None:
+        raise CorruptContextError(damage)
     stored, _ = disk.read(key, place=False)
     check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
     if check_metadata is not None:
@@ -361,8 +464,8 @@ def verify(
     """Checks the committed ``keys`` and the stored backwards of their signatures (with
     ``every_backward``, every stored backward), changing nothing.
 
-    Raises:
-      CorruptContextError: the store's own folders cannot be listed.
+    A folder of the tree that cannot be listed (``backwards`` a symbolic link) is reported in
+    :attr:`VerifyReport.damaged_folders`, not raised: damage is reported.
     """
     total = _planned_bytes(disk, keys) if progress is not None else None
     damaged: dict[str, str] = {}
@@ -381,7 +484,11 @@ def verify(
             done += stored.nbytes
         if progress is not None:
             progress(done, total)
-    stored_backwards = set(backwards.stored_signatures(disk))
+    folders: dict[str, str] = {}
+    try:
+        stored_backwards = set(backwards.stored_signatures(disk))
+    except CorruptContextError as err:  # refused, never followed: its backwards go unchecked
+        stored_backwards, folders[layout.BACKWARDS] = set(), str(err)
     broken: dict[str, str] = {}
     checked = sorted(stored_backwards if every_backward else stored_backwards & signatures)
     for signature in checked:
@@ -389,4 +496,4 @@ def verify(
             _verify_backward(disk, signature)
         except CorruptContextError as err:
             broken[signature] = str(err)
-    return VerifyReport(verified, damaged, len(checked) - len(broken), broken)
+    return VerifyReport(verified, damaged, len(checked) - len(broken), broken, folders)

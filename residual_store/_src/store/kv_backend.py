@@ -17,8 +17,9 @@ import tensorstore as ts
 import serializers
 from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
 from residual_store._src.store.backend_protocol import Empty, damaged
+from serializers.kv_errors import is_missing_bucket
 
-__all__ = ["KvBackend"]
+__all__ = ["KvBackend", "URL_SCHEMES", "url_spec"]
 
 
 def _requests(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -98,6 +99,13 @@ class KvBackend:
         """The :class:`StoreUnavailableError` of a request that met ``err``."""
         text = err.strerror if isinstance(err, OSError) and isinstance(err.strerror, str) else str(err)
         why = (text.strip().splitlines() or [type(err).__name__])[0]
+        if is_missing_bucket(err):
+            why = why.split(" [", 1)[0]  # (the HTTP details after it: the response's headers and body)
+            return StoreUnavailableError(
+                f"{self.description}: the bucket {self.spec.get('bucket', '')!r} is not there (deleted, or an "
+                f"object store that restarted without it): {why}. Check the bucket and the endpoint, or make "
+                "the bucket again"
+            )
         limit = (f"within the timeout of {self.timeout:g} s" if self.timeout is not None
                  else "(no timeout: give rs.Store(..., timeout=SECONDS) to bound each request)")
         return StoreUnavailableError(
@@ -290,6 +298,39 @@ class KvBackend:
 
     def publish(self, temporary: str, key: str, *, fsync: bool) -> None:
         raise NotImplementedError("kvstores have no renames; put_bytes instead")
+
+
+# the kvstore URL schemes a store opens, and the tensorstore driver each must parse into: the
+# kvstores a store can write (tensorstore's ``http`` is read-only, and an adapter such as
+# ``|zip:`` or ``|ocdbt:`` is a format of its own, not a folder of objects)
+URL_SCHEMES = {"file": "file", "memory": "memory", "s3": "s3", "gs": "gcs"}
+
+
+def url_spec(url: str, scheme: str) -> dict[str, Any]:
+    """The tensorstore kvstore spec of ``url`` (``scheme`` its scheme, as given: schemes are
+    case-insensitive), parsed by tensorstore itself, as ``ts.KvStore.Spec(url)`` and
+    ``"kvstore": url`` read it; :class:`InvalidArgumentError` for a scheme outside
+    :data:`URL_SCHEMES` or a URL tensorstore refuses."""
+    known = ", ".join(f"{s}://" for s in URL_SCHEMES)
+    driver = URL_SCHEMES.get(scheme.lower())
+    if driver is None:
+        raise InvalidArgumentError(
+            f"store path {url!r}: a store does not open {scheme}:// URLs; give a folder, a kvstore "
+            f"URL ({known}) or a tensorstore kvstore spec (dict)"
+        )
+    normal = scheme.lower() + url[len(scheme):]
+    try:
+        spec = ts.KvStore.Spec(normal).to_json()
+    except ValueError as err:
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        why = why.removeprefix(f'Parsing spec from url: "{normal}": ')
+        raise InvalidArgumentError(f"store path {url!r} is not a kvstore URL tensorstore reads: {why}") from None
+    if spec.get("driver") != driver:
+        raise InvalidArgumentError(
+            f"store path {url!r} is a {spec.get('driver')!r} kvstore, which a store cannot write: give "
+            f"a plain {known} URL, without an adapter (|...)"
+        )
+    return spec
 
 
 _ENVIRONMENT_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")

@@ -30,7 +30,7 @@ from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import CorruptContextError, ResidualStoreError
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.host import HostArrays, ShardedHost
-from residual_store._src.store.records import BundleRef, StoredContext, spec_to_map
+from residual_store._src.store.records import BundleRef, StoredContext, note_residual_count, spec_to_map
 from residual_store._src.store import paths
 from residual_store._src.store.paths import (  # noqa: F401 - re-exported
     STORE_MARKER,
@@ -332,6 +332,7 @@ def plan_write(
     and content digests of whole arrays already computed (by residual index).
     """
     folder = data_dir(key, write_id)
+    note_residual_count(spec.signature, len(arrays))  # (what a reader of this signature may expect)
     if sums is None:
         template = _template_for(spec, arrays, impls)
         if template is not None:

@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 
 import serializers
+from residual_store._src.errors import ReadOnlyStoreError
 from residual_store._src.store.backend_protocol import DamagedFileError, Empty, damaged
+from residual_store._src.store.paths import STORE_MARKER
 from serializers.local import (
     check_array_metadata_local,
     check_folders_local,
@@ -27,7 +29,7 @@ from serializers.local import (
     sync_data,
 )
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "check_writable"]
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -401,6 +403,49 @@ class LocalBackend:
 
     def sync_folder(self, prefix: str) -> None:
         fsync_folder_local(self._safe(prefix, itself=True))
+
+
+def check_writable(root: str, *, create: bool) -> None:
+    """Raises :class:`ReadOnlyStoreError` where a writable store at the folder ``root`` could
+    not write: the folder, or where it is missing and would be made, the nearest folder above it
+    that exists, is on a read-only file system or not writable by this process.
+
+    Checked when the store opens, before anything is written, so that the refusal is the
+    library's, at open, and not a raw ``OSError`` from the first write (or, for a store opened
+    on a read-only mount, from the first ``flush``). Where the open itself refuses the path (a
+    file in the way; ``create=False`` on a folder with no store), the open says so instead.
+    Permission bits are what ``access(2)`` reports for this process's effective ids: the
+    super-user passes them, but never a read-only mount.
+    """
+    folder = os.path.abspath(root)
+    while not os.path.lexists(folder):
+        parent = os.path.dirname(folder)
+        if not create or parent == folder:
+            return  # nothing to make (StoreNotFoundError follows), or nothing above exists
+        folder = parent
+    if not os.path.isdir(folder) or _writable(folder):
+        return
+    if folder == os.path.abspath(root) and not create and not os.path.lexists(os.path.join(folder, STORE_MARKER)):
+        return  # no store to open: StoreNotFoundError says so
+    why = "on a read-only file system" if _read_only_mount(folder) else "not writable by this process"
+    where = root if folder == os.path.abspath(root) else f"{root}: the folder above it, {folder},"
+    raise ReadOnlyStoreError(
+        f"{where} is {why}, and a store opened to write needs to write there: pass read_only=True "
+        "to read a store there, or give a writable folder"
+    )
+
+
+def _writable(folder: str) -> bool:
+    """Whether this process may make and remove entries in ``folder``."""
+    effective = os.access in os.supports_effective_ids
+    return os.access(folder, os.W_OK | os.X_OK, effective_ids=effective)
+
+
+def _read_only_mount(folder: str) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _remove_quietly(path: str) -> None:

@@ -64,6 +64,8 @@ STORE_MARKER = "residual-store.json"
 STORE_VERSION = 2
 """Version 2 adds the zarr v3 groups; version 1 stores are read, and upgraded by a write."""
 STORE_FORMAT = b'{"format": "residual-store", "version": 2}\n'
+ITEM_RECORD = "item-record.json"
+"""What a sealed store holds (an Orbax step's contexts item; see ``item_record.py``)."""
 
 CONTEXTS = "contexts"
 DATA = "data"

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from residual_store._src.backward import register_loader, unregister_loader
 from residual_store._src.context import OWN_KINDS, ResidualContext
 from residual_store._src.errors import ContextNotFoundError, ReadOnlyStoreError
-from residual_store._src.store import backwards, gc, inspection
+from residual_store._src.store import backwards, gc, inspection, item_record
 from residual_store._src.store.committer import Committer
 from residual_store._src.store.disk import DiskTier
-from residual_store._src.store.host import HostArrays, host_arrays, stage_shared
+from residual_store._src.store.host import HostArrays, check_dtypes_writable, host_arrays, stage_shared
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store._src.store.layout import StaleData
 from residual_store._src.store.ledger import KeyLedger
@@ -224,7 +224,7 @@ class ReadOnlyDisk(_WritesNothing):
         return {**inspection.disk_bytes(self.disk), **io}
 
     def info(self, key: str) -> ContextInfo:
-        return inspection.context_info(self.disk.stat(key))
+        return inspection.stored_info(self.disk, key)
 
     def backward_info(self, signature: str) -> BackwardInfo:
         return inspection.backward_info(self.disk, signature)
@@ -233,7 +233,10 @@ class ReadOnlyDisk(_WritesNothing):
         return inspection.measure(self.disk, progress)
 
     def verify(self, keys: Sequence[str], *, every_backward: bool, progress: Progress | None) -> VerifyReport:
-        return inspection.verify(self.disk, keys, every_backward=every_backward, progress=progress)
+        report = inspection.verify(self.disk, keys, every_backward=every_backward, progress=progress)
+        # a sealed store (an Orbax step's item) holds what its record lists (every_backward: a
+        # verify of every key, which also finds the keys it lost)
+        return item_record.checked_report(self.disk, report, keys, whole=every_backward)
 
     def gc(self, older_than: float, *, dry_run: bool, progress: Progress | None) -> dict[str, int]:
         return gc.collect(self.disk, older_than, dry_run=dry_run, progress=progress)
@@ -292,7 +295,9 @@ class WritableDisk(ReadOnlyDisk):
 
     def prepare_put(self, ctx: ResidualContext) -> Any:
         """On the caller's thread: the host copies of the context's weights (a donation after
-        put returns cannot break the write), and its signature's backward queued for saving."""
+        put returns cannot break the write), and its signature's backward queued for saving.
+        Refuses a context with a residual no store writes (``float0``), before the store changes."""
+        check_dtypes_writable(ctx)
         self._saver.emit_warnings()  # of earlier saves, at this put's caller
         staged = stage_shared(ctx, partial=self._committer.partial_arrays) if self.write_through else None
         self._saver.save(ctx)

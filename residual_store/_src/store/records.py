@@ -18,10 +18,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 import serializers
 from serializers.bundle import BUNDLE_ALIGNMENT, MAX_BUNDLE_BYTES, BundleArray
 from serializers.checksums import parse_checksum
+from serializers.manifest import manifest_outline
 from residual_store._src import structure
 from residual_store._src.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualSpec, check_save_record
 from residual_store._src.errors import CorruptContextError
@@ -37,6 +39,7 @@ __all__ = [
     "StoredContext",
     "check_data_dir",
     "check_signature",
+    "note_residual_count",
     "parse_context_manifest",
     "spec_from_map",
     "spec_to_map",
@@ -51,6 +54,8 @@ MAX_CHUNKS = 1 << 20
 :data:`serializers.manifest.MAX_CHUNKS_PER_ARRAY`)."""
 
 _SIGNATURE = re.compile(r"rs[12]-[0-9a-f]{32}")
+_CRC = re.compile(r"crc32:[0-9a-f]{8}")  # a bundled array's checksum: its CRC-32, the zip's own
+_CRC_PREFIX_LEN = len("crc32:")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +111,18 @@ class StoredContext:
         return tuple(BundleArray(r.shape, r.dtype, r.offset, r.nbytes)
                      for r in (self.records[i] for i in self.bundled))
 
+    @functools.cached_property
+    def bundle_offsets(self) -> tuple[int, ...]:
+        """Where each of :attr:`bundled` starts in the bundle, as its records say."""
+        return tuple(a.offset for a in self.bundle_arrays)
+
+    @functools.cached_property
+    def bundle_crcs(self) -> np.ndarray:
+        """The CRC-32 each of :attr:`bundled` has in its record (uint32; every bundled record's
+        checksum is one, :func:`parse_context_manifest` checks)."""
+        digits = "".join([self.records[i].checksum[_CRC_PREFIX_LEN:] for i in self.bundled])
+        return np.frombuffer(bytes.fromhex(digits), dtype=">u4").astype(np.uint32)
+
 
 def _call_to_map(call: CallSpec) -> dict[str, Any]:
     """The call record as a msgpack map (msgpack writes its tuples as arrays, read back as lists:
@@ -133,6 +150,8 @@ def _cached_call_map(call: CallSpec) -> dict[str, Any]:
         **({} if call.differentiated is None else {"differentiated": list(call.differentiated)}),
         **({} if call.now is None else {"now": list(call.now), "parent": call.parent}),
         **({} if call.save == "all" else {"save": call.save}),
+        **({} if not call.kwnames else {"kwnames": list(call.kwnames)}),
+        **({} if call.static_kwargs == () else {"static_kwargs": call.static_kwargs}),
     }
 
 
@@ -193,6 +212,15 @@ def _call_from_map(m: Any) -> CallSpec:
                 and all(isinstance(d, bool) for d in differentiated)):
             raise ValueError("differentiated must be a list of bools, one per input aval")
         differentiated = tuple(differentiated)
+    kwnames = m.get("kwnames", [])
+    if not (isinstance(kwnames, list) and all(isinstance(n, str) for n in kwnames)):
+        raise ValueError("kwnames must be a list of str")
+    static_kwargs = structure.freeze(m.get("static_kwargs", []))
+    if static_kwargs is not None and not (
+        isinstance(static_kwargs, tuple)
+        and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in static_kwargs)
+    ):
+        raise ValueError("static_kwargs must be a list of [name, value] pairs, or nil")
     now, parent = m.get("now"), m.get("parent")
     if now is not None or parent is not None:
         if not isinstance(parent, str):
@@ -207,6 +235,8 @@ def _call_from_map(m: Any) -> CallSpec:
         in_avals=tuple(_input_aval(a) for a in avals),
         in_tree=structure.freeze(m.get("in_tree")),
         statics=structure.freeze(m.get("statics")),
+        kwnames=tuple(kwnames),
+        static_kwargs=static_kwargs,
         context_mesh=mesh,
         unrecorded=_opt_str(m, "unrecorded"),
         differentiated=differentiated,
@@ -392,11 +422,18 @@ def _bundle_ref(m: Mapping[str, Any], data_dir: str, what: str) -> BundleRef | N
 
 
 def _check_bundled(records: Sequence[serializers.ArrayRecord], bundle: BundleRef | None, what: str) -> None:
-    """The bundled arrays lie inside the bundle, aligned, none over another; without a bundle,
-    none claims to be in one."""
+    """The bundled arrays lie inside the bundle, aligned, none over another, each with its
+    CRC-32 for checksum (what the zip's headers hold); without a bundle, none claims to be in
+    one."""
     spans = sorted((r.offset, r.nbytes, i) for i, r in enumerate(records) if r.offset is not None)
     if spans and bundle is None:
         raise CorruptContextError(f"{what}: array {spans[0][2]} has a bundle offset, the manifest no bundle")
+    for _, _, i in spans:
+        if not _CRC.fullmatch(records[i].checksum):
+            raise CorruptContextError(
+                f"{what}: array {i}: a bundled array's checksum is its CRC-32 (crc32: and 8 hex "
+                f"digits), not {records[i].checksum[:40]!r}"
+            )
     end = 0
     for offset, nbytes, i in spans:
         if nbytes and (offset % BUNDLE_ALIGNMENT or offset < end or offset + nbytes > bundle.nbytes):  # type: ignore[union-attr]
@@ -405,6 +442,48 @@ def _check_bundled(records: Sequence[serializers.ArrayRecord], bundle: BundleRef
                 "unshared part of the bundle"
             )
         end = max(end, offset + nbytes)
+
+
+_OUTLINED_BYTES = 1 << 20
+"""A manifest this large (some 4,000 residuals) has its lists counted before it is decoded: a
+smaller one decodes in milliseconds, a larger one may take seconds and hundreds of MB."""
+
+_RESIDUAL_COUNTS_MAX = 1024
+_residual_counts: dict[str, int] = {}  # signature -> residuals, of contexts this process wrote
+_residual_counts_lock = StoreLock()
+
+
+def note_residual_count(signature: str, count: int) -> None:
+    """Records that contexts of ``signature`` have ``count`` residuals (a writer of this process
+    knows it from the split): a manifest of that signature listing another number of array
+    records is refused before it is decoded. Only ``rs2-`` signatures, which name one
+    computation, hence one list of residuals."""
+    if not signature.startswith("rs2-") or _residual_counts.get(signature) == count:
+        return
+    with _residual_counts_lock:
+        _residual_counts.pop(signature, None)
+        while len(_residual_counts) >= _RESIDUAL_COUNTS_MAX:
+            del _residual_counts[next(iter(_residual_counts))]
+        _residual_counts[signature] = count
+
+
+def _check_counts(what: str, signature: Any, records: Any, residuals: Any) -> None:
+    """Refuses a manifest listing ``records`` array records for a spec of ``residuals`` (either
+    ``None``: not known), or for a ``signature`` whose contexts this process wrote with another
+    number of residuals: what the signature's layout allows bounds the records before any of
+    them is built."""
+    if not isinstance(records, int):
+        return
+    if isinstance(residuals, int) and records != residuals:
+        raise CorruptContextError(
+            f"{what}: the manifest lists {records:,} array records for the {residuals:,} residuals of its spec"
+        )
+    known = _residual_counts.get(signature) if isinstance(signature, str) else None
+    if known is not None and records != known:
+        raise CorruptContextError(
+            f"{what}: the manifest lists {records:,} array records, where contexts of its signature "
+            f"{signature} have {known:,} residuals"
+        )
 
 
 class _SpecMemo:
@@ -463,6 +542,9 @@ def parse_context_manifest(key: str, data: bytes) -> StoredContext:
         validate_key(key)
     except ValueError as err:  # a key listed from the store's folder, not one a user passed
         raise CorruptContextError(f"{what}: a manifest under an invalid key ({err})") from None
+    if len(data) > _OUTLINED_BYTES:
+        outline = manifest_outline(data, lists=[("arrays",), ("spec", "avals")], values=[("signature",)])
+        _check_counts(what, outline.get(("signature",)), outline.get(("arrays",)), outline.get(("spec", "avals")))
     try:
         m = serializers.decode_manifest(data, what=f"manifest of {what}")
         if m["key"] != key:
@@ -470,6 +552,8 @@ def parse_context_manifest(key: str, data: bytes) -> StoredContext:
         signature = check_signature(m["signature"], what)
         data_dir = check_data_dir(key, m.get("data_dir"), what)
         arrays = m["arrays"]
+        avals = m["spec"].get("avals")
+        _check_counts(what, signature, len(arrays), len(avals) if isinstance(avals, list) else None)
         if sum(len(r.get("chunk_checksums") or ()) for r in arrays if isinstance(r, dict)) > MAX_CHUNKS:
             raise CorruptContextError(f"{what}: manifest lists more than {MAX_CHUNKS} chunks")
         records = tuple(

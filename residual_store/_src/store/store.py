@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -14,7 +14,7 @@ import numpy as np
 from residual_store._src import _jax_internals
 from residual_store._src.context import ResidualContext
 from residual_store._src.errors import ContextNotFoundError, InvalidArgumentError
-from residual_store._src.store.backends import check_path
+from residual_store._src.store.backends import resolve_path
 from residual_store._src.store.budgets import Headroom, parse_budget, parse_bytes, parse_seconds, parse_size
 from residual_store._src.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store._src.store.collective import TIMEOUT_S, committer_for
@@ -54,8 +54,13 @@ class Store:
     """Residual contexts by key, in tiers: device -> host memory -> disk.
 
     Args:
-      path: a local folder, a tensorstore kvstore spec (``{"driver": "file", "path": ...}``,
-        ``{"driver": "memory"}``, ``gcs``/``s3`` specs pass through), or ``None`` for memory only.
+      path: a local folder (a leading ``~`` is the user's home), a kvstore URL as tensorstore
+        reads them (``"file:///runs/a"``, ``"memory://"``, ``"s3://bucket/runs/a"``,
+        ``"gs://bucket/runs/a"``; any other ``scheme://`` raises :class:`InvalidArgumentError`),
+        a tensorstore kvstore spec (``{"driver": "file", "path": ...}``, ``{"driver": "memory"}``,
+        ``gcs``/``s3`` specs pass through), or ``None`` for memory only. Opened to write, a
+        folder that cannot be written (a read-only mount, no permission) raises
+        :class:`ReadOnlyStoreError` at once: pass ``read_only=True`` to read it.
       device_budget, host_budget: bytes of intermediates each memory tier may hold (``None``:
         unbounded): an ``int``, or a string with a unit (``"512MiB"``, ``"8 GiB"``, ``"2GB"``);
         ``device_budget`` may also be a share of the device's memory (``"50%"`` of its
@@ -127,7 +132,8 @@ class Store:
         self._read_only = bool(read_only)
         if path is None and self._read_only:
             raise InvalidArgumentError("a memory-only store (path=None) cannot be read_only")
-        check_path(path)
+        # a folder ("~" expanded) or a kvstore spec (a URL parsed); refused here if not writable
+        location = resolve_path(path, read_only=self._read_only, create=create)
         # Arguments first: a refused one must not leave a new store on disk.
         if device is not None and not isinstance(device, jax.Device):
             raise InvalidArgumentError(f"device must be a jax.Device or None, got {type(device).__name__}")
@@ -142,7 +148,7 @@ class Store:
         collective_timeout = parse_seconds(collective_timeout, "collective_timeout")
         timeout = parse_seconds(timeout, "timeout", optional=True)
         disk = DiskTier(
-            path, create=create, read_only=read_only, read_buffer_bytes=read_buffer_bytes, timeout=timeout,
+            location, create=create, read_only=read_only, read_buffer_bytes=read_buffer_bytes, timeout=timeout,
         ) if path is not None else None
         # how writes and deletes reach the disk (collectively, in a job of several processes)
         committer = committer_for(disk, collective_timeout) if disk is not None and not read_only else None
@@ -205,6 +211,10 @@ class Store:
         """
         self._check_open()
         self._side.check_writable("put")
+        if isinstance(key, ResidualContext) and not isinstance(ctx, ResidualContext):
+            raise InvalidArgumentError(
+                f"put takes the context first, then the key: put(ctx, {ctx!r}), got put({ctx!r}, ctx)"
+            )
         if not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(f"put expects a rs.ResidualContext, got {type(ctx).__name__}")
         if _jax_internals.any_tracer(ctx.residuals):
@@ -353,13 +363,33 @@ class Store:
             if key in self._tiers or self._ledger.has_pending(key):
                 return True
         try:
-            validate_key(key)
+            key = validate_key(key)
         except ValueError:
             return False
         return self._side.holds(key)
 
     def __len__(self) -> int:
         return len(self.keys())
+
+    # -- the mapping protocol: store[key], store[key] = ctx, del store[key], iteration ---------
+    # (not a collections.abc.Mapping: Store.get raises for a missing key, as store[key] does,
+    # where Mapping.get would return a default)
+
+    def __getitem__(self, key: str) -> ResidualContext:
+        """``store[key]`` is ``store.get(key)`` (:class:`ContextNotFoundError`, a ``KeyError``)."""
+        return self.get(key)
+
+    def __setitem__(self, key: str, ctx: ResidualContext) -> None:
+        """``store[key] = ctx`` is ``store.put(ctx, key)``."""
+        self.put(ctx, key)
+
+    def __delitem__(self, key: str) -> None:
+        """``del store[key]`` is ``store.delete(key)``."""
+        self.delete(key)
+
+    def __iter__(self) -> Iterator[str]:
+        """The keys, as :meth:`keys` lists them when iteration starts."""
+        return iter(self.keys())
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Bytes and contexts per tier (disk ``bytes`` count each shared weight once; its

@@ -1,0 +1,71 @@
+"""How the command line reads its numbers (argparse types) and writes them (sizes, ages,
+tables, counts): plain text helpers, no JAX, no store."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["age", "count", "duration", "human", "plural", "seconds", "table"]
+
+
+def plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """Seconds from ``"90"``, ``"90s"``, ``"15m"``, ``"1h"`` or ``"2d"`` (argparse type)."""
+    t = text.strip().lower()
+    scale = _DURATION_UNITS.get(t[-1:], None)
+    number = t[:-1] if scale is not None else t
+    try:
+        value = float(number) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use seconds or 90s, 15m, 1h, 2d") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration is at least 0")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A positive number of seconds (argparse type of ``--timeout``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a timeout is a positive number of seconds")
+    return value
+
+
+def count(text: str) -> int:
+    """A whole number of at least 1 (argparse type of the demo's ``--steps``, ``--microbatches``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
+    return value
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)

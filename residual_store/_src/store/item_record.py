@@ -1,0 +1,275 @@
+"""The record a store keeps of what it holds once nothing may change it: an Orbax step's contexts
+item (``residual_store.orbax``), sealed when its save commits.
+
+Without it, an item that lost a manifest (a file removed, a step partly deleted by a crash during
+``max_to_keep``'s delete) or that holds another step's contexts (a folder copied over) opens and
+verifies as a smaller, or another, whole store: nothing in a store says what it should hold. The
+record says it: the keys the save wrote, the checksum of each one's manifest, and the name of the
+step folder the item was saved in. A restore and ``verify`` compare the folder with it.
+
+Invariants:
+  - A sealed store's marker names its record's checksum (``"item_record"``): the record is
+    written first, then the marker, both inside the step's temporary folder, which Orbax renames
+    into place (or commits with its commit file) only once every item is written. A committed
+    step's item is sealed whole or not at all.
+  - Whatever a partial delete leaves cannot look whole: without the marker the folder is no store
+    (it does not open); with it, the record it names must be there, be that record, and every
+    key it lists must be there with the manifest it lists, and no other.
+
+Record (``item-record.json``, JSON)::
+
+  {"format": "residual-store item record", "version": 1, "step": "7",
+   "manifests": {"mb0": "xxh3_64:<16 hex digits>", ...}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import warnings
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import serializers
+from serializers.checksums import parse_checksum
+from residual_store._src.errors import CorruptContextError, InvalidKeyError, ResidualStoreWarning
+from residual_store._src.store.disk import DiskTier
+from residual_store._src.store.inspection import VerifyReport
+from residual_store._src.store.keys import validate_key
+from residual_store._src.store.local_backend import LocalBackend
+from residual_store._src.store.paths import ITEM_RECORD, STORE_MARKER
+
+__all__ = ["Record", "check_item", "checked_report", "read", "seal"]
+
+FORMAT = "residual-store item record"
+VERSION = 1
+_MARKER_FIELD = "item_record"  # the marker's field naming the record's checksum
+_MARKER_MAX_BYTES = 1 << 16  # what layout.marker_version reads of a marker at most
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # the file Orbax writes in every step folder
+_LISTED = 8  # keys a restore's error names before "and N more"
+
+
+@functools.cache
+def _request_pool() -> ThreadPoolExecutor:
+    """Threads that read an object store's manifests, each waiting on its request (made on
+    first use): a thousand one after another would take tens of seconds."""
+    return ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-record")
+
+
+def _manifest_checksums(disk: DiskTier, keys: Iterable[str]) -> dict[str, str | None | CorruptContextError]:
+    """key -> checksum of its manifest file (``None``: there is none; the error: it cannot be
+    read), read one after another from a local folder, many at once from an object store."""
+
+    def one(key: str) -> str | None | CorruptContextError:
+        try:
+            data = disk.read_manifest_bytes(key)
+        except CorruptContextError as err:
+            return err
+        return serializers.checksum(data) if data is not None else None
+
+    keys = list(keys)
+    local = isinstance(disk.backend, LocalBackend)
+    return dict(zip(keys, map(one, keys) if local else _request_pool().map(one, keys)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What a sealed store holds: ``step``, the name of the step folder it was saved in, and
+    ``manifests``, key -> checksum of that key's manifest file."""
+
+    step: str
+    manifests: Mapping[str, str]
+
+
+def seal(disk: DiskTier, keys: Sequence[str], step: str) -> None:
+    """Records that ``disk`` holds exactly ``keys`` (committed: their manifests are there) as
+    saved in step folder ``step``, then names the record in the store's marker, each write
+    atomic and synced.
+
+    Raises:
+      CorruptContextError: a key has no manifest (the save did not write it): nothing is sealed.
+    """
+    manifests = _manifest_checksums(disk, sorted(keys))
+    for key, checksum in manifests.items():
+        if not isinstance(checksum, str):
+            raise CorruptContextError(
+                f"{disk.description}: context {key!r} was saved but its manifest is "
+                f"{'missing' if checksum is None else checksum}; the item is not sealed"
+            )
+    record = json.dumps(
+        {"format": FORMAT, "version": VERSION, "step": step, "manifests": manifests}, sort_keys=True
+    ).encode()
+    disk.backend.put_bytes(ITEM_RECORD, record, fsync=True)
+    marker = {**_marker(disk), _MARKER_FIELD: serializers.checksum(record)}
+    disk.backend.put_bytes(STORE_MARKER, json.dumps(marker).encode() + b"\n", fsync=True)
+
+
+def _marker(disk: DiskTier) -> dict[str, object]:
+    """The store marker's fields (the disk tier checked its format and version on opening)."""
+    data = disk.backend.get_bytes(STORE_MARKER, max_bytes=_MARKER_MAX_BYTES)
+    try:
+        marker = json.loads(data.decode("utf-8")) if data is not None else None
+    except (UnicodeDecodeError, ValueError):
+        marker = None
+    if not isinstance(marker, dict):
+        raise CorruptContextError(f"{disk.description}: the store marker {STORE_MARKER} is missing or damaged")
+    return marker
+
+
+def read(disk: DiskTier) -> Record | None:
+    """The record the store's marker names; ``None`` for a store that is not sealed.
+
+    Raises:
+      CorruptContextError: the marker names a record that is missing, is not that record, or is
+        damaged.
+    """
+    expected = _marker(disk).get(_MARKER_FIELD)
+    if expected is None:
+        return None
+    where = f"{disk.description}: the record of what this sealed store holds ({ITEM_RECORD})"
+    data = disk.backend.get_bytes(ITEM_RECORD)
+    if data is None:
+        raise CorruptContextError(
+            f"{where} is missing: part of the item was deleted (a crash while Orbax's max_to_keep "
+            "removed its step?) or the file removed; what is left cannot be trusted to be whole, "
+            "restore another step"
+        )
+    try:
+        serializers.verify(data, expected, what=where)
+    except serializers.CorruptDataError as err:
+        raise CorruptContextError(f"{err}: not the record this store was sealed with (replaced or damaged)") from None
+    return _decode(data, where)
+
+
+def _decode(data: bytes, where: str) -> Record:
+    """The record in ``data`` (untrusted: every field is checked)."""
+    try:
+        fields = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        fields = None
+    if not isinstance(fields, dict) or fields.get("format") != FORMAT:
+        raise CorruptContextError(f"{where} is damaged (not a record)")
+    if fields.get("version") != VERSION:
+        raise CorruptContextError(
+            f"{where} has version {fields.get('version')!r}; this residual-store reads version {VERSION}"
+        )
+    step, manifests = fields.get("step"), fields.get("manifests")
+    if not isinstance(step, str) or not isinstance(manifests, dict):
+        raise CorruptContextError(f"{where} is damaged (no step, or no manifests)")
+    for key, checksum in manifests.items():
+        try:
+            validate_key(key)
+            parse_checksum(checksum, what=f"{where}: {key!r}")
+        except (InvalidKeyError, serializers.CorruptDataError) as err:
+            raise CorruptContextError(f"{where} is damaged: {err}") from None
+    return Record(step, manifests)
+
+
+def _step_here(disk: DiskTier) -> str | None:
+    """The name of the Orbax step folder a local store lies in; ``None`` where it lies in none
+    (an item copied out of its step, to look at) or is not a local folder (a restore, which
+    knows its step, compares it there)."""
+    backend = disk.backend
+    if not isinstance(backend, LocalBackend):
+        return None
+    folder = os.path.dirname(backend.root)
+    return os.path.basename(folder) if os.path.isfile(os.path.join(folder, _STEP_METADATA)) else None
+
+
+def _check_step(disk: DiskTier, record: Record, step: str) -> None:
+    if record.step != step:
+        raise CorruptContextError(
+            f"{disk.description} holds the contexts saved in step folder {record.step!r}, not those "
+            f"of step {step!r} (an item copied from another step): they do not belong to this "
+            f"step's state; restore step {record.step!r}, or save this step again"
+        )
+
+
+def _findings(disk: DiskTier, record: Record, present: Collection[str], checked: Collection[str]) -> dict[str, str]:
+    """key -> why, for each key the store holds against its record: listed but not held
+    (missing), held but not listed (foreign), or (among ``checked``) held with another manifest
+    than the one listed."""
+    step = record.step
+    found = {
+        key: f"missing: the record of step {step!r} lists it, but the item holds no manifest of it "
+        "(removed, or the step partly deleted); restore the step from a copy"
+        for key in sorted(set(record.manifests) - set(present))
+    }
+    foreign = sorted(key for key in checked if key not in record.manifests)
+    for key in foreign:
+        found[key] = (
+            f"foreign: not among the contexts step {step!r} saved (its record does not list it): "
+            "added to the item after its save, or copied from another step"
+        )
+    for key, actual in _manifest_checksums(disk, sorted(set(checked) - set(foreign))).items():
+        expected = record.manifests[key]
+        if isinstance(actual, CorruptContextError):
+            found[key] = f"its manifest cannot be read ({actual})"
+        elif actual is not None and actual != expected:  # (None: deleted meanwhile)
+            found[key] = (
+                f"its manifest is not the one step {step!r} saved (recorded {expected}, found {actual}): "
+                "replaced after the save, or copied from another step"
+            )
+    return found
+
+
+def check_item(disk: DiskTier, step: str) -> None:
+    """Checks that ``disk`` holds what its record says step folder ``step`` saved (reads its
+    record and each manifest, no arrays): what a restore of an Orbax step's item checks.
+
+    Raises:
+      CorruptContextError: the record of another step, or keys missing, foreign or with another
+        manifest, each named. An item saved before records (its marker names no record) is
+        restored unchecked, with a :class:`ResidualStoreWarning`.
+    """
+    record = read(disk)
+    if record is None:
+        # Saved before records (its marker names none: a sealed item's marker always does, and
+        # is replaced whole, so no crash turns one into this). Readable, but nothing to check.
+        warnings.warn(
+            f"{disk.description}, the contexts item of step {step!r}, was saved by a residual-store "
+            "before items recorded what they hold: restored as it is, unchecked",
+            ResidualStoreWarning,
+            stacklevel=3,
+        )
+        return
+    _check_step(disk, record, step)
+    present = disk.keys()
+    found = _findings(disk, record, present, present)
+    if found:
+        listed = [f"{key!r} {why}" for key, why in list(found.items())[:_LISTED]]
+        more = f"; and {len(found) - _LISTED} more" if len(found) > _LISTED else ""
+        raise CorruptContextError(
+            f"{disk.description}, the contexts item of step {step!r}, does not hold what its save "
+            f"recorded: {'; '.join(listed)}{more}"
+        )
+
+
+def checked_report(disk: DiskTier, report: VerifyReport, keys: Collection[str], *, whole: bool) -> VerifyReport:
+    """``report`` (of a verify of ``keys``) with what a sealed store's record finds: ``keys``
+    that are foreign or hold another manifest are damaged, and with ``whole`` (every key was
+    verified) so are the keys the record lists that the store lost. Unchanged for a store that
+    is not sealed.
+
+    Raises:
+      CorruptContextError: the record is missing or damaged, or is another step's (for a store
+        in a local Orbax step folder); no key can be judged.
+    """
+    record = read(disk)
+    if record is None:
+        return report
+    step = _step_here(disk)
+    if step is not None:
+        _check_step(disk, record, step)
+    found = _findings(disk, record, disk.keys() if whole else record.manifests, keys)
+    if not found:
+        return report
+    damaged = dict(report.damaged)
+    verified = report.verified
+    for key, why in found.items():
+        if key in keys and key not in damaged:
+            verified -= 1  # verified by its checksums, but not what the step saved
+        damaged[key] = why if key not in damaged else f"{why}; {damaged[key]}"
+    return dataclasses.replace(report, verified=verified, damaged=damaged)
