@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import timed  # noqa: E402
+
 from serializers import checksum, read_arrays_local, write_arrays_local  # noqa: E402
 from serializers.bundle import bundle_layout, bundle_parts, bundle_views, check_bundle, crc_checksum  # noqa: E402
 from serializers.checksums import checksum_parts  # noqa: E402

@@ -18,8 +18,8 @@ other (the machine's drift hits both alike). Each launch: one untimed warm-up ro
 ``os.sync()``, ``put`` + ``flush`` in a ``Store(durable=False)``; ``get`` in a fresh ``Store`` on the
 folder until the context is a ready pytree (warm: the bytes were just written, so they are in
 the page cache; dropping caches needs root); then every process deletes the round's contexts. In
-the 2-process runs every timed step starts and ends at a barrier of the coordination service (no devices), and the time is process 0's (the one
-that commits). Numbers are medians; ratios are 2-process / 1-process throughput (> 1: the two
+the 2-process runs every timed step starts and ends at a barrier of the coordination service (no
+devices), and the time is process 0's (the one that commits). Numbers are medians; ratios are 2-process / 1-process throughput (> 1: the two
 processes are faster), of the medians and, as a check on this machine's bimodal times (page
 allocation), of the fastest rounds. Note the machine's CPU count: 2 processes x 2 devices on 2 cores share them.
 """

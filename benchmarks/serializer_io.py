@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import timed  # noqa: E402
+
 from serializers import (  # noqa: E402
     checksum,
     read_array_local,

@@ -237,8 +237,8 @@ def export_cost(repeats: int) -> dict[str, float]:
     """Median seconds to export the demo transformer's backward for the current platform alone
     and for every platform (what a store saves per signature, on its writer thread), against
     compiling that backward."""
-    from residual_store.demo import DemoConfig, init_transformer, transformer_loss
     from residual_store._src.export import PLATFORMS, export_backward
+    from residual_store.demo import DemoConfig, init_transformer, transformer_loss
 
     cfg = DemoConfig()
     params = init_transformer(jax.random.key(0), cfg)

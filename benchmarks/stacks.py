@@ -26,7 +26,6 @@ import os
 import shutil
 import sys
 import tempfile
-
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import residual_store as rs  # noqa: E402
 from timing import Case, interleaved_medians, timed  # noqa: E402
+
+import residual_store as rs  # noqa: E402
 from serializers import aligned_empty  # noqa: E402
 
 

@@ -123,8 +123,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import stacks
-from timing import Case, interleaved_medians
 from split_overhead import measure_model, mlp_case
+from timing import Case, interleaved_medians
 
 import residual_store as rs
 import serializers

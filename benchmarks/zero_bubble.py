@@ -40,10 +40,10 @@ import jax
 jax.config.update("jax_num_cpu_devices", 4)  # part 3 runs four stages on four devices
 
 import jax.numpy as jnp  # noqa: E402
+from split_overhead import interleaved_medians, mlp_stage_case, parse_args, table, transformer_stage_case  # noqa: E402
 
 import residual_store as rs  # noqa: E402
 from residual_store._src.store.tiers import own_nbytes  # noqa: E402
-from split_overhead import interleaved_medians, mlp_stage_case, parse_args, table, transformer_stage_case  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -78,7 +78,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from residual_store._src.filters import is_inexact
     from residual_store._src.split import Split, split
     from residual_store._src.store import Store
-    from residual_store._src.store.preemption import flush_on_sigterm
     from residual_store._src.store.inspection import (
         BackwardInfo,
         ContextInfo,
@@ -87,6 +86,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         StoreUsage,
         VerifyReport,
     )
+    from residual_store._src.store.preemption import flush_on_sigterm
 
 
 def __getattr__(name: str) -> Any:

@@ -27,8 +27,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from residual_store._src.cli_text import age as _age, count as _count, duration as _duration, human as _human
-from residual_store._src.cli_text import plural as _plural, seconds as _seconds, table as _table
+from residual_store._src.cli_text import age as _age
+from residual_store._src.cli_text import count as _count
+from residual_store._src.cli_text import duration as _duration
+from residual_store._src.cli_text import human as _human
+from residual_store._src.cli_text import plural as _plural
+from residual_store._src.cli_text import seconds as _seconds
+from residual_store._src.cli_text import table as _table
 
 if TYPE_CHECKING:
     import numpy as np

@@ -24,6 +24,7 @@ One module a job, peers over shared format modules (none imports another's priva
 
 from typing import Any
 
+from serializers.buffers import aligned_empty
 from serializers.checksums import ALGORITHM, Verifier, checksum, content_digest, verify
 from serializers.errors import (
     DISK_FULL_ERRNOS,
@@ -38,10 +39,10 @@ from serializers.errors import (
 )
 from serializers.kv import (
     KvStoreSpec,
+    check_array_metadata,
     default_context,
     delete_prefix,
     is_unavailable,
-    wait_request,
     local_root,
     read_array,
     read_array_async,
@@ -49,12 +50,11 @@ from serializers.kv import (
     read_chunk,
     read_chunk_async,
     read_raw,
-    check_array_metadata,
+    wait_request,
     write_array_async,
     write_arrays,
     write_arrays_kv,
 )
-from serializers.buffers import aligned_empty
 from serializers.local import (
     read_array_local,
     read_arrays_local,

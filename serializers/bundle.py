@@ -58,8 +58,8 @@ from serializers.errors import ChecksumMismatchError, CorruptDataError
 from serializers.zarr import (
     Shape,
     byte_view,
-    disk_array,
     chunk_key,
+    disk_array,
     encode_group_metadata,
     encode_zarr_metadata,
     numpy_dtype,

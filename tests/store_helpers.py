@@ -12,8 +12,8 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax

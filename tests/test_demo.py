@@ -14,7 +14,7 @@ def test_demo_small(tmp_path):
     lines: list[str] = []
     result = run_demo(SMALL, store_path=str(tmp_path / "store"), plot_path=None, print_fn=lines.append)
     assert max(result["max_rel_grad_diff"]) < 1e-4
-    assert len(result["losses"]) == 2 and all(l > 0 for l in result["losses"])
+    assert len(result["losses"]) == 2 and all(loss > 0 for loss in result["losses"])
     assert result["cache_info"].forward_compiles == 1 and result["cache_info"].backward_compiles == 1
     for tier in ("device", "host"):
         assert 0 < result["peak_bytes"][tier] <= result["budgets"][tier]

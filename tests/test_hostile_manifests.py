@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
-from store_helpers import assert_contexts_identical, raw, read_manifest, tree_files
 
 import residual_store as rs
 from residual_store._src.store import backwards
 from residual_store._src.store.disk import DiskTier
 from serializers.manifest import SELF_CHECKSUM_FIELD, seal_manifest
+from store_helpers import assert_contexts_identical, raw, read_manifest, tree_files
 
 
 def _dropout_sin(g: jax.Array, key: jax.Array) -> jax.Array:

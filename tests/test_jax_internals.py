@@ -9,9 +9,9 @@ on its shims).
 from __future__ import annotations
 
 import jax
-import pytest
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 from residual_store._src import _jax_internals as ji

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import serializers
-from zarr3_reference import chunk_indices
 from residual_store._src.store.backend_protocol import DamagedFileError
 from residual_store._src.store.backends import open_backend
 from residual_store._src.store.kv_backend import KvBackend
+from zarr3_reference import chunk_indices
 
 
 def _file_spec(root: Path) -> dict[str, Any]:

@@ -455,7 +455,7 @@ def test_internals_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_
         for raw in victim.stdout:  # until process 1 announces its 2nd put
             line = raw.decode(errors="replace").rstrip()
             seen.append(line)
-            if sum(l.startswith("put ") for l in seen) == 2:
+            if sum(line.startswith("put ") for line in seen) == 2:
                 os.kill(victim.pid, signal.SIGKILL)
                 break
         else:

@@ -259,7 +259,11 @@ def _step_one_is_whole(directory, seed: int) -> None:
         _assert_gradients(store, _batches(rngs[1], 3))
 
 
-TRIGGERS = {"a manifest": "/contexts/contexts/mb1.manifest", "the record": "/contexts/" + RECORD, "the store marker": "/contexts/residual-store.json"}
+TRIGGERS = {
+    "a manifest": "/contexts/contexts/mb1.manifest",
+    "the record": "/contexts/" + RECORD,
+    "the store marker": "/contexts/residual-store.json",
+}
 
 
 @pytest.mark.subprocess

@@ -122,7 +122,8 @@ with rs.Store(root, read_only=True, device_budget=0, host_budget=0) as store:  #
         try:
             ctx = store.get("k")
         except Exception as err:
-            name = type(err).__name__ if type(err).__module__.startswith("residual_store") else f"{type(err).__module__}.{type(err).__name__}"
+            kind = type(err)
+            name = kind.__name__ if kind.__module__.startswith("residual_store") else f"{kind.__module__}.{kind.__name__}"
             errors[name] += 1
             samples.setdefault(name, str(err)[:400])
             continue

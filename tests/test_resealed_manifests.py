@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from store_helpers import F32_TOL, assert_trees_close, read_manifest
 
 import residual_store as rs
 import serializers
 from serializers.manifest import seal_manifest
+from store_helpers import F32_TOL, assert_trees_close, read_manifest
 
 LAYERS, WIDTH, BATCH = 4, 8, 3
 

@@ -22,9 +22,6 @@ import zarr
 import serializers.kv as kv_mod
 import serializers.kv_errors as kv_errors
 import serializers.local as local_mod
-from serializers.local import check_array_metadata_local
-from serializers.zarr import EXTENSION_DTYPES
-from serializers.zarr_compat import _ZARR_FLOAT_NAMES
 from serializers import (
     SUPPORTED_DTYPES,
     ChunkedArray,
@@ -45,8 +42,8 @@ from serializers import (
     read_array,
     read_array_async,
     read_array_local,
-    read_arrays_local,
     read_arrays,
+    read_arrays_local,
     read_chunk,
     read_chunk_local,
     register_zarr_dtypes,
@@ -58,6 +55,9 @@ from serializers import (
     zarr_dtype_name,
     zarr_metadata,
 )
+from serializers.local import check_array_metadata_local
+from serializers.zarr import EXTENSION_DTYPES
+from serializers.zarr_compat import _ZARR_FLOAT_NAMES
 from zarr3_reference import chunk_indices, write_array, write_chunks
 
 DTYPE_NAMES = list(SUPPORTED_DTYPES)

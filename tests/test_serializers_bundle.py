@@ -100,7 +100,8 @@ def test_plain_zarr_and_tensorstore_read_every_array_by_name(tmp_path: Path) -> 
         got = group[str(i)]
         assert got.attrs["name"] == f"residual {i}"
         assert got.dtype == a.dtype and got[...].tobytes() == a.tobytes()
-        spec = {"driver": "zarr3", "kvstore": {"driver": "zip", "base": {"driver": "file", "path": str(tmp_path / "b.zip")}, "path": f"{i}/"}}
+        zip_file = {"driver": "file", "path": str(tmp_path / "b.zip")}
+        spec = {"driver": "zarr3", "kvstore": {"driver": "zip", "base": zip_file, "path": f"{i}/"}}
         t = ts.open(spec, open=True).result()
         assert t.read().result().tobytes() == a.tobytes()
 
@@ -121,14 +122,17 @@ assert "serializers" not in sys.modules and "residual_store" not in sys.modules
 g = zarr.open_group(ZipStore(path, mode="r"), mode="r")
 out = {}
 for name, arr in g.arrays():
-    t = ts.open({"driver": "zarr3", "kvstore": {"driver": "zip", "base": {"driver": "file", "path": path}, "path": name + "/"}}, open=True).result()
+    kvstore = {"driver": "zip", "base": {"driver": "file", "path": path}, "path": name + "/"}
+    t = ts.open({"driver": "zarr3", "kvstore": kvstore}, open=True).result()
     a = arr[...]
     assert np.array_equal(a, t.read().result())
     out[arr.attrs["name"]] = [a.dtype.str, list(a.shape), a.tobytes().hex()]
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b.zip")], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "b.zip")], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
     for i, a in enumerate(arrays):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
 import warnings
 
@@ -14,32 +13,32 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import pytest
+
+import residual_store as rs
+import serializers
 from store_helpers import (
     F32_TOL,
-    children,
     assert_contexts_identical,
     assert_trees_close,
     assert_trees_equal,
+    children,
     committed_keys,
     data_dirs,
     disk_usage,
     flat_tree,
     init_params,
-    own_bytes,
     mixed_inputs,
     mixed_loss,
     mlp_batch,
     mlp_loss,
-    raw,
     open_stored_array,
+    own_bytes,
+    raw,
     read_manifest,
     run_python,
     tree_files,
     write_script,
 )
-
-import residual_store as rs
-import serializers
 
 BIG = (64, 128, 128, 16)  # weights dominate the residuals of a batch of 8
 
@@ -162,7 +161,6 @@ def test_reloaded_float32_gradients_equal_jax_grad(tmp_path, mlp_split, rng):
 
 
 def test_plain_zarr_reads_every_residual_array(tmp_path, mixed_split, rng):
-    import zarr
 
     serializers.register_zarr_dtypes()
     _, ctx = mixed_split(*mixed_inputs(rng))

@@ -13,8 +13,8 @@ import pytest
 
 import residual_store as rs
 import serializers
-from serializers import manifest
 from residual_store._src.store import host, layout
+from serializers import manifest
 from store_helpers import mixed_inputs, mixed_loss
 
 

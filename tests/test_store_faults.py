@@ -12,27 +12,27 @@ import time
 import jax
 import numpy as np
 import pytest
+
+import residual_store as rs
+from residual_store._src.store import backwards
 from store_helpers import (
     F32_TOL,
-    children,
     TESTS_DIR,
     assert_contexts_identical,
     assert_trees_close,
+    children,
     committed_keys,
     init_params,
-    own_bytes,
     last_json_line,
     mlp_batch,
     mlp_loss,
+    own_bytes,
     popen_python,
     read_manifest,
     run_python,
     tree_files,
     write_script,
 )
-
-import residual_store as rs
-from residual_store._src.store import backwards
 
 SIZES = (32, 64, 64, 8)
 

@@ -22,6 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+
+import residual_store as rs
+from residual_store import cli
+from residual_store._src.store import backwards
+from residual_store._src.store.disk import DiskTier
 from store_helpers import (
     F32_TOL,
     assert_contexts_identical,
@@ -34,11 +39,6 @@ from store_helpers import (
     run_python,
     write_script,
 )
-
-import residual_store as rs
-from residual_store import cli
-from residual_store._src.store import backwards
-from residual_store._src.store.disk import DiskTier
 
 SIZES = (4, 8, 2)
 DEADLINE_S = 10.0  # far above what any refusal takes (milliseconds), far below a hang

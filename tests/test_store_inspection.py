@@ -113,7 +113,10 @@ def test_verify_a_damaged_stored_backward(tmp_path):
     path = str(tmp_path / "store")
     contexts = _fill(path, keys=("mb0",))
     folder = os.path.join(path, "backwards")
-    (export,) = [os.path.join(folder, f) for f in os.listdir(folder) if not f.endswith(".manifest") and not f.startswith(".") and f != "zarr.json"]
+    (export,) = [
+        os.path.join(folder, f) for f in os.listdir(folder)
+        if not f.endswith(".manifest") and not f.startswith(".") and f != "zarr.json"
+    ]
     _flip(export, os.path.getsize(export) // 2)
     with rs.Store(path, read_only=True) as store:
         report = store.verify()

@@ -36,7 +36,10 @@ def snapshot(root) -> dict[str, tuple[int, int, str]]:
 def stored(tmp_path, rng):
     kp, kx, ky = jax.random.split(rng, 3)
     params = init_mlp(kp)
-    batches = [(jax.random.normal(jax.random.fold_in(kx, i), (3, 8)), jax.random.normal(jax.random.fold_in(ky, i), (3, 4))) for i in range(2)]
+    batches = [
+        (jax.random.normal(jax.random.fold_in(kx, i), (3, 8)), jax.random.normal(jax.random.fold_in(ky, i), (3, 4)))
+        for i in range(2)
+    ]
     fwd = rs.split(mlp_loss)
     root = tmp_path / "store"
     with rs.Store(root) as store:

@@ -24,9 +24,8 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store.cli import main as cli
-
 import s3_server
+from residual_store.cli import main as cli
 
 
 def _loss(w, x):
@@ -94,8 +93,9 @@ def test_internals_s3_url_resolves_to_the_s3_spec_that_round_trips(rng):
     """An ``s3://`` URL cannot carry an endpoint (tensorstore 0.1.86 reads no ``AWS_ENDPOINT_URL``
     for its ``s3`` driver): the URL gives the bucket and path, and that very spec with the local
     server's endpoint added is a store that round-trips."""
-    from residual_store._src.store.backends import resolve_path
     import tensorstore as ts
+
+    from residual_store._src.store.backends import resolve_path
 
     run = f"run-{uuid.uuid4().hex[:8]}"
     spec = resolve_path(f"s3://residuals/{run}/")

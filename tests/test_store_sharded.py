@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from store_helpers import python_env, raw, read_manifest, write_script
 
 import residual_store as rs
 import serializers
 from serializers.manifest import seal_manifest
+from store_helpers import python_env, raw, read_manifest, write_script
 
 SUBPROCESS_TIMEOUT = 120
 

@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import tensorstore as ts
-
 import numpy as np
+import tensorstore as ts
 
 from serializers import ChunkedArray, KvStoreSpec, chunk_grid, write_array_async
 from serializers.kv import _write_chunked_async

@@ -46,8 +46,9 @@ Assumptions (the tests refer to them by these tags):
   ``JaxprEqnContext``); a ``ClosedJaxpr`` has ``jaxpr`` and ``consts``; ``str(aval)`` writes the
   dtype, the shape, a weak type as a leading ``~`` and an explicit sharding as ``dim@axis``;
   ``jax._src.linear_util.WrappedFun`` holds a function in ``f`` with ``transforms`` and
-  ``params``; extended dtypes (typed PRNG keys) are ``jax._src.dtypes.ExtendedDType``. Tracing a ``custom_vjp``/``custom_jvp`` rule under ``jax.vjp`` inlines the rule's
-  computation (closed-over values included) into the traced jaxprs.
+  ``params``; extended dtypes (typed PRNG keys) are ``jax._src.dtypes.ExtendedDType``. Tracing
+  a ``custom_vjp``/``custom_jvp`` rule under ``jax.vjp`` inlines the rule's computation
+  (closed-over values included) into the traced jaxprs.
 * ``DEBUG_INFO``: ``jax._src.linear_util.DebugInfo`` (a named tuple) holds what error messages
   name: the traced function's name and source location (``func_src_info``, ``"name at
   file:line"``), its argument names and result paths; JAX keeps one in the transformations of
@@ -92,10 +93,10 @@ from jax._src import distributed as _distributed
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info_util
-from jax._src.lib import xla_client as _xc
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lib import xla_client as _xc
 
 __all__: list[str] = []  # private module
 

@@ -24,13 +24,13 @@ import inspect
 import threading
 import warnings
 import weakref
-from cachetools import LRUCache
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cachetools import LRUCache
 
 from residual_store._src import filters, jaxpr_walks, rebuild, slots
 from residual_store._src.backward import Backward, register_backward, staged

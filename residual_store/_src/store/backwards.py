@@ -5,13 +5,14 @@ Saving (:class:`Saver`, one per writable store) runs on the store's writer threa
 takes tens of milliseconds; ``put`` returns at once). Loading (:class:`StoredBackwards`, one per
 store, registered weakly with :func:`residual_store._src.backward.register_loader` while the store is
 open): ``get`` reads and checks the stored backward and hands the context a
-:class:`StoredBackward`; it is deserialized only when ``rs.backward`` needs it. Loading checks a stored backward like data (its manifest, its checksum, that
-it names its signature) and matches it to this process's platform and device count. A damaged,
-unreadable or unsuitable stored backward never blocks ``get``: it is registered as a backward
-that raises when run, so only ``rs.backward`` in a process without a live split of that
-signature ever sees it (:class:`~residual_store._src.errors.CorruptContextError` for damage,
-:class:`~residual_store._src.errors.BackwardUnavailableError` otherwise). A split in the process
-(``Split.backward``, or one that traced the signature) never consults it.
+:class:`StoredBackward`; it is deserialized only when ``rs.backward`` needs it. Loading checks a
+stored backward like data (its manifest, its checksum, that it names its signature) and matches
+it to this process's platform and device count. A damaged, unreadable or unsuitable stored
+backward never blocks ``get``: it is registered as a backward that raises when run, so only
+``rs.backward`` in a process without a live split of that signature ever sees it
+(:class:`~residual_store._src.errors.CorruptContextError` for damage,
+:class:`~residual_store._src.errors.BackwardUnavailableError` otherwise). A split in the
+process (``Split.backward``, or one that traced the signature) never consults it.
 """
 
 from __future__ import annotations

@@ -33,12 +33,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from cachetools import LRUCache
 from collections.abc import Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from cachetools import LRUCache
 from jax.sharding import NamedSharding
 
 import serializers
@@ -54,13 +54,13 @@ from residual_store._src.errors import (
 )
 from residual_store._src.logs import event
 from residual_store._src.placement import rebuild_sharding
+from residual_store._src.store import layout, stored_bundles
 from residual_store._src.store.backend_protocol import DamagedFileError
 from residual_store._src.store.backends import open_backend
 from residual_store._src.store.buffers import ReadBuffers
-from residual_store._src.store import layout, stored_bundles
 from residual_store._src.store.critical import StoreLock
-from residual_store._src.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
 from residual_store._src.store.host import HostArrays, ShardedHost, chunk_index
+from residual_store._src.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
 from residual_store._src.store.records import StoredContext, parse_context_manifest
 
 __all__ = ["DiskTier", "STORE_MARKER"]

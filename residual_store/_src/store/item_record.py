@@ -33,13 +33,13 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import serializers
-from serializers.checksums import parse_checksum
 from residual_store._src.errors import CorruptContextError, InvalidKeyError, ResidualStoreWarning
 from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.inspection import VerifyReport
 from residual_store._src.store.keys import validate_key
 from residual_store._src.store.local_backend import LocalBackend
 from residual_store._src.store.paths import ITEM_RECORD, STORE_MARKER
+from serializers.checksums import parse_checksum
 
 __all__ = ["Record", "check_item", "checked_report", "read", "seal"]
 

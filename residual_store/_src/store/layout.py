@@ -24,42 +24,42 @@ import numpy as np
 import xxhash
 
 import serializers
-from serializers import bundle as bundles
-from serializers.checksums import checksum_parts
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import CorruptContextError, ResidualStoreError
+from residual_store._src.store import paths
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.host import HostArrays, ShardedHost
-from residual_store._src.store.records import BundleRef, StoredContext, note_residual_count, spec_to_map
-from residual_store._src.store import paths
 from residual_store._src.store.paths import (  # noqa: F401 - re-exported
-    STORE_MARKER,
-    STORE_VERSION,
-    STORE_FORMAT,
+    BACKWARDS,
     CONTEXTS,
     DATA,
-    WEIGHTS,
-    BACKWARDS,
     FREE_DIR,
-    TRASH_DIR,
-    MANIFEST_SUFFIX,
     GROUPS,
-    new_write_id,
-    manifest_path,
-    data_dir,
-    own_array_path,
-    bundle_path,
-    weight_path,
-    staging_path,
-    recycled_path,
-    trash_path,
+    MANIFEST_SUFFIX,
+    STORE_FORMAT,
+    STORE_MARKER,
+    STORE_VERSION,
+    TRASH_DIR,
+    WEIGHTS,
     backward_paths,
-    is_node_metadata,
+    bundle_path,
+    data_dir,
     group_metadata_path,
     in_bundle_name,
     is_data_dir_of,
+    is_node_metadata,
     is_weight_path,
+    manifest_path,
+    new_write_id,
+    own_array_path,
+    recycled_path,
+    staging_path,
+    trash_path,
+    weight_path,
 )
+from residual_store._src.store.records import BundleRef, StoredContext, note_residual_count, spec_to_map
+from serializers import bundle as bundles
+from serializers.checksums import checksum_parts
 
 __all__ = [  # and, re-exported, every name of paths.__all__
     "ArrayWrite",
