@@ -476,7 +476,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         if not chosen:
             raise _UsageError(f"context {info.key!r} has no residual {pick!r} (see `residual-store inspect`)")
     out = args.output or f"{info.key}.npz"
-    np.savez(out, **{names[i]: arrays[i] for i in chosen})
+    named: dict[str, Any] = {names[i]: arrays[i] for i in chosen}
+    np.savez(out, **named)
     data = {"key": info.key, "file": out, "residuals": [names[i] for i in chosen]}
     _emit(args, data, f"wrote {_plural(len(chosen), 'residual')} of {info.key} to {out}")
     return 0
@@ -504,6 +505,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         second, names_b, arrays_b = _read(args, store, args.key2)
     same_signature = first.signature == second.signature
     rows_data = []
+    pairs: list[tuple[str, int | None, int | None]]
     if same_signature:  # one layout: residual i against residual i
         pairs = [(n, i, i) for i, n in enumerate(names_a)]
     else:  # by name

@@ -282,7 +282,7 @@ def _save_comparison(
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2], grads
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for remat in (True, False):
         variant = dataclasses.replace(cfg, remat=remat)
         for save in ("all", "auto"):

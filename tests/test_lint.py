@@ -1,6 +1,7 @@
-"""The linter runs with the tests: ruff (pyflakes, pycodestyle, import order), configured in
-pyproject.toml, must find nothing in the package, the serializers, the tests, benchmarks and
-examples. CI runs the fast tier, so CI enforces it."""
+"""The linter and the type checker run with the tests: ruff (pyflakes, pycodestyle, import
+order) must find nothing in the package, the serializers, the tests, benchmarks and examples, and
+mypy nothing in the package and the serializers, both as pyproject.toml configures them. CI runs
+the fast tier, so CI enforces them."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _ruff() -> list[str]:
-    found = shutil.which("ruff", path=str(pathlib.Path(sys.executable).parent))
-    return [found] if found else [sys.executable, "-m", "ruff"]  # a test extra: missing, the test fails
+def _tool(name: str) -> list[str]:
+    found = shutil.which(name, path=str(pathlib.Path(sys.executable).parent))
+    return [found] if found else [sys.executable, "-m", name]  # a test extra: missing, the test fails
 
 
 def test_ruff_finds_nothing():
-    done = subprocess.run([*_ruff(), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*_tool("ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -27,3 +28,11 @@ def test_ruff_is_configured_to_check_imports_and_style():
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]
     assert {"E", "F", "W", "I"} <= set(config["lint"]["select"])
+
+
+def test_mypy_finds_nothing(tmp_path):
+    done = subprocess.run(
+        [*_tool("mypy"), "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "Success: no issues found" in done.stdout

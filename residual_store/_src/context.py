@@ -215,7 +215,7 @@ def check_representable(avals: Sequence[Any], describe: Callable[[int], str], be
     Raises:
       SignatureMismatchError: for the first such dtype, saying how to turn x64 on.
     """
-    x64 = bool(jax.config.jax_enable_x64)
+    x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]  # a flag jax.config defines at runtime
     if x64:  # every dtype is its own canonical one
         return
     for i, aval in enumerate(avals):

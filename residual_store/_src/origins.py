@@ -153,7 +153,7 @@ def _origin_of(
         index = next((i for i, v in enumerate(frame.jaxpr.invars) if v is atom), None)
         return Origin(primitive=None, scopes=scopes, invar=index)
     name = eqn.primitive.name
-    here = {"name_stack": frame.prefix + name_scopes(eqn), "nearest_input": frame.nearest_index(atom)}
+    here: dict[str, Any] = {"name_stack": frame.prefix + name_scopes(eqn), "nearest_input": frame.nearest_index(atom)}
     if name == NAME_PRIMITIVE:
         file, line = equation_line(eqn)
         return Origin(name, label=str(eqn.params.get("name")), file=file, line=line, scopes=scopes, **here)

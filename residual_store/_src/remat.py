@@ -656,6 +656,7 @@ def _recompute_set(
         else:
             kept.add(v)
             continue
+        assert i is not None  # both branches above that reach here had a producer
         equations.add(i)
         needs = [a for a in needs if not _jax_internals.is_literal(a)]
         read.update(needs)

@@ -309,6 +309,12 @@ class Split:
             bwd = self._rebuild(ctx.spec)
         return bwd(ctx, cotangent, like=like)
 
+    def _traced_spec(self, signature: str) -> ResidualSpec:
+        """The spec of the contexts of ``signature``, a signature this split traced."""
+        spec = self._grad_parts[signature].spec
+        assert spec is not None, "a traced signature's parts carry its spec"
+        return spec
+
     def _halves_of(self, spec: ResidualSpec, now: int | Sequence[int]) -> Halves:
         """The B/W halves of ``spec``'s signature for ``now``, made once per pair."""
         now_t = _normalize_argnums(now, "now")
@@ -335,7 +341,7 @@ class Split:
                 split_ref = weakref.ref(self)
                 found = Halves(
                     parent=parent,
-                    spec=self._grad_parts[spec.signature].spec,
+                    spec=self._traced_spec(spec.signature),
                     parts=self._grad_parts[spec.signature],
                     now=now_t,
                     now_single=single,
@@ -401,7 +407,7 @@ class Split:
             )
             self._rebuild(stub)
         try:
-            halves = self._halves_of(self._grad_parts[parent].spec, call.now)
+            halves = self._halves_of(self._traced_spec(parent), call.now)
         except InvalidArgumentError as err:
             raise rebuild.mismatch(self._opts, spec, f": its record asks for a split now={call.now!r} ({err})") from None
         if halves.later_spec.signature != spec.signature or halves.later_spec.avals != spec.avals:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from residual_store._src import _jax_internals, filters, names, placement, remat, slots, structure
-from residual_store._src.context import CallSpec, InputAval, ResidualSpec
+from residual_store._src.context import CallSpec, InputAval, ResidualKind, ResidualSpec
 from residual_store._src.errors import InvalidArgumentError, SignatureMismatchError
 from residual_store._src.halves import GradParts
 from residual_store._src.origins import output_origins
@@ -171,6 +171,7 @@ def checked_argnames(fun: Callable[..., Any], argnames: str | Sequence[str], arg
     Raises:
       InvalidArgumentError: a name is not a str, is repeated, or is one ``fun`` cannot take.
     """
+    items: tuple[Any, ...]
     try:
         items = (argnames,) if isinstance(argnames, str) else tuple(argnames)
     except TypeError:
@@ -315,7 +316,8 @@ def trace(
         out, vjp_fn, aux = jax.vjp(primal, *[flat[j] for j in diff_idx], has_aux=True)
         res, vjp_tree = jax.tree.flatten(vjp_fn)
         sources = list(consts) + list(flat)
-        found_slots, computed = [], []
+        found_slots: list[tuple[int, int]] = []
+        computed: list[Any] = []
         for r in res:  # a residual that *is* a constant or an input is taken live, not returned
             hit = next((i for i, s in enumerate(sources) if s is r), None)
             if hit is None:
@@ -480,7 +482,9 @@ def _spec(
     diffs = [n_consts + j for j, pos in enumerate(leaf_args) if pos in opts.argnums]
     found = output_origins(traced.jaxpr, output_slots, weights=weights, inputs=diffs)
     origins = dict(zip(output_slots, found))
-    labels, input_paths, kinds = [], [], []
+    labels: list[str] = []
+    input_paths: list[str | None] = []
+    kinds: list[ResidualKind] = []
     for src, i in res_slots:
         if src == slots.FROM_CONST:
             labels.append(names.constant_name(i))

@@ -35,7 +35,7 @@ def damaged(err: Exception) -> DamagedFileError:
     return DamagedFileError(str(err))
 
 
-Empty = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+Empty = Callable[[Sequence[int], np.dtype], np.ndarray]
 """Gives the aligned buffer an array is read into (see :func:`serializers.read_arrays_local`)."""
 
 
@@ -57,7 +57,7 @@ class Backend(Protocol):
         reuse: bool = False,
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
-        files: Mapping[str, bytes] | None = None,  # small files written with the arrays
+        files: Mapping[str, bytes | Sequence[memoryview | bytes]] | None = None,  # small files written with the arrays
         keep_metadata: bool = False,  # with reuse: the arrays there have these attributes too
         sync_folders: Sequence[str] = (),  # with fsync: folders to sync with the rest
         temporaries: Mapping[str, bytes] | None = None,  # files the caller will publish

@@ -22,6 +22,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -63,7 +64,7 @@ def explicit_mesh(residuals: Sequence[Any]) -> Any:
     """The mesh of a residual sharded over a mesh with explicit axis types, if any."""
     for x in residuals:
         sharding = getattr(x, "sharding", None)
-        if has_explicit_axes(sharding):
+        if sharding is not None and has_explicit_axes(sharding):
             return sharding.mesh
     return None
 
@@ -479,15 +480,18 @@ def read(disk: DiskTier, signature: str) -> tuple[dict[str, Any], bytes | None] 
         return None if m is None else (m, None)
     export_path = layout.backward_paths(signature)[0]
     nbytes = m.get("nbytes")  # read no more than that (jax.export artifacts stay under 2 GiB)
-    valid = isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 <= nbytes
-    data = disk.backend.get_bytes(export_path, max_bytes=min(nbytes, 1 << 31) if valid else 1 << 31)
+    limit = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 <= nbytes < 1 << 31 else 1 << 31
+    data = disk.backend.get_bytes(export_path, max_bytes=limit)
     what = f"stored backward of signature {signature}"
     try:
         if data is None:
             raise serializers.CorruptDataError(f"{what}: its export ({export_path}) is missing")
         if m.get("nbytes", len(data)) != len(data):
             raise serializers.CorruptDataError(f"{what}: {len(data)} bytes, its manifest says {m['nbytes']}")
-        serializers.verify(np.frombuffer(data, np.uint8), m.get("checksum"), what=what)
+        checksum = m.get("checksum")
+        if not isinstance(checksum, str):
+            raise serializers.CorruptDataError(f"{what}: its manifest has no checksum")
+        serializers.verify(np.frombuffer(data, np.uint8), checksum, what=what)
     except serializers.CorruptDataError as err:
         raise CorruptContextError(str(err)) from err
     return m, data
@@ -512,7 +516,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points ``warnings.warn``, called by our caller, at the first
     frame outside this package (the user's put or flush), however deep the library's calls."""
-    frame, level = sys._getframe(2), 2
+    frame: FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR + os.sep):
         frame, level = frame.f_back, level + 1
     return level

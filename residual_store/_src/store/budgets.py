@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import re
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -35,6 +35,10 @@ def parse_bytes(value: Any, name: str) -> int:
     return int(value)
 
 
+@overload
+def parse_seconds(value: Any, name: str, *, optional: Literal[False] = False) -> float: ...
+@overload
+def parse_seconds(value: Any, name: str, *, optional: bool) -> float | None: ...
 def parse_seconds(value: Any, name: str, *, optional: bool = False) -> float | None:
     """``value``, a positive finite number of seconds (or, if ``optional``, ``None``), as a float."""
     if optional and value is None:

@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["StoreLock", "in_critical_section", "run_when_outside"]
+__all__ = ["StoreLock", "in_critical_section", "run_when_outside", "store_condition"]
 
 
 class _ThreadState(threading.local):
@@ -154,3 +154,9 @@ class StoreLock:
 
     def __repr__(self) -> str:
         return f"<StoreLock {'held' if self._is_owned() else 'not held by this thread'}>"
+
+
+def store_condition() -> threading.Condition:
+    """A ``threading.Condition`` whose lock is a new :class:`StoreLock` (rule 2: a wait on it is
+    outside every critical section)."""
+    return threading.Condition(StoreLock())  # type: ignore[arg-type]  # the RLock methods Condition uses

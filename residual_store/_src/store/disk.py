@@ -515,7 +515,7 @@ class DiskTier:
                     assert idx is not None
                     whole[serializers.chunk_region(idx, record.chunk_shape)] = chunk
             elif None not in got:  # skipped: the caller holds it
-                out.append(None)
+                out.append(None)  # type: ignore[arg-type]  # (HostArrays: None where skipped)
                 continue
             else:
                 whole = got[None]
@@ -671,6 +671,7 @@ class DiskTier:
         version = self.backend.version(manifest)
         with self._lock:
             cached = self._stat_cache.pop(key, None)
+        stale: StaleData | None
         if version is not None and cached is not None and cached[0] == version:
             stale = layout.data_of(cached[1])  # the file parsed before, unchanged since
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -45,7 +45,8 @@ __all__ = [
 
 
 HostArrays = list["np.ndarray | ShardedHost"]
-"""A context's residuals on the host: whole arrays, or shards of a sharded one."""
+"""A context's residuals on the host: whole arrays, or shards of a sharded one (a read given
+``skip`` leaves ``None`` for each residual it skipped: the caller holds those)."""
 
 
 
@@ -474,7 +475,7 @@ def holds_device_memory(ctx: ResidualContext) -> bool:
         if not isinstance(x, jax.Array):
             return False  # a host copy already
         sharding = x.sharding
-        return sharding.memory_kind in (None, next(iter(sharding.device_set)).default_memory().kind)
+        return sharding.memory_kind in (None, _default_memory_kind(sharding))
     return False
 
 
@@ -504,12 +505,18 @@ def for_writing(ctx: ResidualContext, device: jax.Device | None = None) -> Resid
     return ResidualContext.tree_unflatten(ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)])
 
 
+def _default_memory_kind(sharding: Any) -> str:
+    """The memory kind arrays on ``sharding``'s devices get by default (``"device"`` on a GPU)."""
+    device: Any = next(iter(sharding.device_set))  # (jax.Device's stubs leave out default_memory)
+    return device.default_memory().kind
+
+
 def read_device(device: jax.Device | None) -> jax.Device:
     """Where a read's host arrays go: ``device``, or where ``jax.device_put`` puts a host array
     given no device in this thread (``jax.default_device``, else this process's first device)."""
     if device is not None:
         return device
-    default = jax.config.jax_default_device
+    default = jax.config.jax_default_device  # type: ignore[attr-defined]  # a runtime-defined flag
     if isinstance(default, jax.Device):
         return default
     return jax.local_devices(backend=default)[0] if isinstance(default, str) else jax.local_devices()[0]
@@ -538,7 +545,7 @@ def to_device(ctx: ResidualContext, device: jax.Device | None = None) -> Residua
             return copies[id(x)]
         if isinstance(x, jax.Array):
             sharding = x.sharding
-            default = next(iter(sharding.device_set)).default_memory().kind
+            default = _default_memory_kind(sharding)
             if sharding.memory_kind in (None, default):
                 moved = x
             else:
@@ -601,7 +608,7 @@ def place(
     which keeps one device array per stored weight; typed PRNG keys wrapped again."""
     own = [i for i, s in enumerate(shared) if not s]
     plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
-    placed = dict(zip(plain, device_put_all([arrays[i] for i in plain], device)))
+    placed = dict(zip(plain, device_put_all(cast(list[np.ndarray], [arrays[i] for i in plain]), device)))
     for i in own:
         host = arrays[i]
         if isinstance(host, ShardedHost):

@@ -128,6 +128,8 @@ def read(disk: DiskTier) -> Record | None:
     expected = _marker(disk).get(_MARKER_FIELD)
     if expected is None:
         return None
+    if not isinstance(expected, str):
+        raise CorruptContextError(f"{disk.description}: the store marker {STORE_MARKER} is damaged ({_MARKER_FIELD})")
     where = f"{disk.description}: the record of what this sealed store holds ({ITEM_RECORD})"
     data = disk.backend.get_bytes(ITEM_RECORD)
     if data is None:

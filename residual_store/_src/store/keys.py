@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Callable
 
 from residual_store._src.errors import InvalidKeyError
 
@@ -45,9 +46,9 @@ def validate_key(key: object) -> str:
 def _what_it_says(key: str) -> set[object]:
     """What a ``str`` subclass's own methods make of it (its text where one raises)."""
     said: set[object] = set()
-    conversions = [str, lambda k: format(k, "")]
+    conversions: list[Callable[[str], object]] = [str, lambda k: format(k, "")]
     if hasattr(type(key), "__fspath__"):
-        conversions.append(lambda k: type(k).__fspath__(k))
+        conversions.append(lambda k: type(k).__fspath__(k))  # type: ignore[attr-defined]  # checked just above
     for convert in conversions:
         try:
             said.add(convert(key))

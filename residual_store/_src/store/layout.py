@@ -17,7 +17,7 @@ import hashlib
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -224,7 +224,7 @@ _BUNDLE_CAP = 1 << 31
 """Bytes of arrays one bundle takes at most (a classic zip holds 4 GiB): the rest keep folders."""
 
 
-def _bundled(spec: ResidualSpec, arrays: HostArrays) -> list[int]:
+def _bundled(spec: ResidualSpec, arrays: Sequence[np.ndarray | ShardedHost]) -> list[int]:
     """The residuals that go into the write's bundle: the context's own whole arrays, in order,
     as long as the bundle stays within a classic zip's limits."""
     out: list[int] = []
@@ -336,7 +336,8 @@ def plan_write(
     if sums is None:
         template = _template_for(spec, arrays, impls)
         if template is not None:
-            return _plan_from_template(template, key, spec, arrays, impls, folder, whole_sums, digests)
+            # a template exists only for contexts of whole NumPy arrays (_template_for)
+            return _plan_from_template(template, key, spec, cast(list[np.ndarray], arrays), impls, folder, whole_sums, digests)
     sums = chunk_sums(spec, arrays) if sums is None else sums
     writes: list[ArrayWrite] = []
     weights: set[str] = set()  # the paths of the weights in writes (a weight held twice is written once)
@@ -375,7 +376,7 @@ def plan_write(
             checksum = (whole_sums or {}).get(i) or serializers.checksum(data)
             digest = ((digests or {}).get(i) or serializers.content_digest(data)) if shared else None
             whole = True
-        path = weight_path(digest) if shared else own_array_path(folder, i)
+        path = weight_path(digest) if digest is not None else own_array_path(folder, i)  # (a digest: shared)
         if not (shared and path in weights):
             writes.append(ArrayWrite(i, path, data, shared, whole, None if shared else _array_attributes(spec, i)))
             if shared:
@@ -461,7 +462,7 @@ def _template_for(spec: ResidualSpec, arrays: HostArrays, impls: Sequence[str | 
     if template is None:
         if any(type(x) is not np.ndarray for x in arrays):
             return None
-        template = _make_template(spec, arrays, impls)
+        template = _make_template(spec, cast(list[np.ndarray], arrays), impls)  # (all np.ndarray: checked)
         if template is None:
             return None
         with _templates_lock:
@@ -519,7 +520,7 @@ def _plan_from_template(
     template: _Template,
     key: str,
     spec: ResidualSpec,
-    arrays: HostArrays,
+    arrays: Sequence[np.ndarray],
     impls: Sequence[str | None],
     folder: str,
     whole_sums: Mapping[int, str] | None,
@@ -582,6 +583,13 @@ def _plan_from_template(
     return WritePlan(key, folder, template.layout, tuple(writes), records, manifest, group, stored, bundle)
 
 
+def _whole(x: np.ndarray | ShardedHost) -> np.ndarray:
+    """A bundled residual's array (a sharded one is bundled only when held whole)."""
+    data = x.whole if isinstance(x, ShardedHost) else x
+    assert data is not None
+    return data
+
+
 def _plan_bundle(
     spec: ResidualSpec, arrays: HostArrays, folder: str
 ) -> tuple[BundleWrite | None, dict[int, tuple[int, str]]]:
@@ -590,7 +598,7 @@ def _plan_bundle(
     indices = _bundled(spec, arrays)
     if not indices:
         return None, {}
-    data = [x.whole if isinstance(x, ShardedHost) else x for x in (arrays[i] for i in indices)]
+    data = [_whole(arrays[i]) for i in indices]
     layout = bundle_layout_of(spec, [(i, d.shape, serializers.zarr_dtype_name(d.dtype)) for i, d in zip(indices, data)])
     parts, crcs = bundles.bundle_parts(layout, data)
     ref = BundleRef(bundle_path(folder), layout.nbytes, checksum_parts(parts))

@@ -117,7 +117,7 @@ class LocalBackend:
         reuse: bool = False,
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
-        files: Mapping[str, bytes] | None = None,
+        files: Mapping[str, bytes | Sequence[memoryview | bytes]] | None = None,
         keep_metadata: bool = False,
         sync_folders: Sequence[str] = (),
         temporaries: Mapping[str, bytes] | None = None,

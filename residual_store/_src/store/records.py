@@ -108,8 +108,7 @@ class StoredContext:
     @functools.cached_property
     def bundle_arrays(self) -> tuple[serializers.BundleArray, ...]:
         """Where each of :attr:`bundled` lies in the bundle, as its records say."""
-        return tuple(BundleArray(r.shape, r.dtype, r.offset, r.nbytes)
-                     for r in (self.records[i] for i in self.bundled))
+        return tuple(BundleArray(r.shape, r.dtype, _offset(r), r.nbytes) for r in (self.records[i] for i in self.bundled))
 
     @functools.cached_property
     def bundle_offsets(self) -> tuple[int, ...]:
@@ -345,12 +344,18 @@ def check_signature(signature: object, what: str) -> str:
     return signature
 
 
+def _offset(record: serializers.ArrayRecord) -> int:
+    """A bundled record's offset (every bundled record has one: checked when it was read)."""
+    assert record.offset is not None
+    return record.offset
+
+
 def check_data_dir(key: str, data_dir: object, what: str) -> str:
     """``data_dir`` if it is a folder this store's writer makes for ``key``:
     ``data/<key>.<write id>``, the write id 12 hex digits. Two keys never have one folder (the
     key is all of the name but its last 13 characters), so no manifest can name another
     context's data. :class:`CorruptContextError` otherwise."""
-    if not paths.is_data_dir_of(key, data_dir):
+    if not isinstance(data_dir, str) or not paths.is_data_dir_of(key, data_dir):
         shown = repr(data_dir)[:80] if isinstance(data_dir, str) else type(data_dir).__name__
         raise CorruptContextError(
             f"{what}: invalid data_dir {shown} in manifest (context {key!r} writes only "

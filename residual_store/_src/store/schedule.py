@@ -87,7 +87,7 @@ def loads_ahead(
     together with it, at most ``room`` new loads, stopping at the first key the store does not
     hold (``size_of`` is ``None``: its room is its put's). A key ``held`` already (on the device
     or loading) counts against the budget but is not started again."""
-    used, start = 0, []
+    used, start = 0, list[str]()
     for i, key in enumerate(upcoming):
         size = size_of(key)
         if size is None:

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -149,7 +149,7 @@ class Store:
         timeout = parse_seconds(timeout, "timeout", optional=True)
         disk = DiskTier(
             location, create=create, read_only=read_only, read_buffer_bytes=read_buffer_bytes, timeout=timeout,
-        ) if path is not None else None
+        ) if location is not None else None
         # how writes and deletes reach the disk (collectively, in a job of several processes)
         committer = committer_for(disk, collective_timeout) if disk is not None and not read_only else None
         # The one lock: it guards the bookkeeping below, never a copy, a read or a wait (ledger.py).
@@ -543,7 +543,7 @@ class Store:
         if ctx is not None:
             return tuple(to_numpy(x) for x in ctx.residuals)
         _, arrays = self._side.read(key, place=False)
-        return tuple(arrays)  # (with place=False: whole NumPy arrays)
+        return tuple(cast(list[np.ndarray], arrays))  # (with place=False: whole NumPy arrays)
 
     def backward_info(self, signature: str) -> BackwardInfo:
         """Whether a backward of ``signature`` is stored (processes without the model can run

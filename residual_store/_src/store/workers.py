@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.critical import StoreLock, store_condition
 
 __all__ = ["Writer", "Loader", "drain_all", "drain_within", "bound_exit_drain", "draining_at_exit"]
 
@@ -53,7 +53,7 @@ class _Future(Future):  # type: ignore[type-arg]
 
     def __init__(self) -> None:
         super().__init__()
-        self._condition = threading.Condition(StoreLock())
+        self._condition = store_condition()
 
 
 class Writer:
@@ -72,7 +72,7 @@ class Writer:
         if label is None:
             label = getattr(getattr(on_idle, "__self__", None), "description", None)
         self.label = label if isinstance(label, str) else None
-        self._cv = threading.Condition(StoreLock())
+        self._cv = store_condition()
         self._queue: deque[tuple[Callable[[], Any], int, Future[Any]]] = deque()
         self._pending_bytes = 0
         self._errors: list[BaseException] = []
@@ -122,8 +122,8 @@ class Writer:
                 self._pending_bytes -= nbytes
                 self._cv.notify_all()
         # Closed without a flush (its store was collected): nobody is left to raise these to.
-        for err in unreported:
-            _report(err, "in a store that was dropped without close()")
+        for lost in unreported:
+            _report(lost, "in a store that was dropped without close()")
 
     def _idle_if_last(self) -> None:
         if self._on_idle is None:
