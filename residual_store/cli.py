@@ -33,6 +33,7 @@ from residual_store._src.cli_text import duration as _duration
 from residual_store._src.cli_text import human as _human
 from residual_store._src.cli_text import plural as _plural
 from residual_store._src.cli_text import seconds as _seconds
+from residual_store._src.cli_text import status_line as _status_line
 from residual_store._src.cli_text import table as _table
 
 if TYPE_CHECKING:
@@ -167,8 +168,7 @@ class _Progress:
             return
         self.last = now
         whole = f" of {_human(total)}" if total else ""
-        sys.stderr.write(f"\r{self.label}: {_human(done)}{whole} ({now - self.start:.1f} s)\x1b[K")
-        sys.stderr.flush()
+        _status_line(f"{self.label}: {_human(done)}{whole} ({now - self.start:.1f} s)")
         self.drawn = True
 
     def __enter__(self) -> _Progress:
@@ -176,8 +176,7 @@ class _Progress:
 
     def __exit__(self, *exc: object) -> None:
         if self.drawn:  # the result follows on stdout, on a clean line
-            sys.stderr.write("\r\x1b[K")
-            sys.stderr.flush()
+            _status_line("")
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:

@@ -478,16 +478,11 @@ def _progress_line(print_fn: Callable[[str], None]) -> Callable[[str], None]:
     nothing, so logs hold only the phases and tables."""
     import sys
 
+    from residual_store._src.cli_text import status_line
+
     if print_fn is not print or not sys.stderr.isatty():
         return lambda line: None
-    width = [0]
-
-    def show(line: str) -> None:
-        sys.stderr.write("\r" + line.ljust(width[0]) + ("\r" if not line else ""))
-        sys.stderr.flush()
-        width[0] = len(line)
-
-    return show
+    return status_line
 
 
 def _print_report(

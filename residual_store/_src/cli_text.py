@@ -4,8 +4,9 @@ tables, counts): plain text helpers, no JAX, no store."""
 from __future__ import annotations
 
 import argparse
+import sys
 
-__all__ = ["age", "count", "duration", "human", "plural", "seconds", "table"]
+__all__ = ["age", "count", "duration", "human", "plural", "seconds", "status_line", "table"]
 
 
 def plural(n: int, word: str, plural: str | None = None) -> str:
@@ -69,3 +70,10 @@ def age(seconds: float) -> str:
 def table(rows: list[list[str]]) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def status_line(text: str) -> None:
+    """Draws ``text`` as the one status line on stderr, over the last one (``""`` erases it),
+    for the caller to use where stderr is a terminal."""
+    sys.stderr.write(f"\r{text}\x1b[K")
+    sys.stderr.flush()

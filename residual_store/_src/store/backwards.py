@@ -378,7 +378,7 @@ class Saver:
             return
         if bwd.unexportable is not None:
             reason = f"the backward of signature {sig} cannot be serialized with jax.export: {bwd.unexportable}"
-            _warn_unexportable(reason)
+            _warn_unexportable(f"{reason}; {_NO_MODEL}")
             self._writer.submit(functools.partial(self._record_unavailable, sig, reason), 0)
             return
         mesh = explicit_mesh(ctx.residuals)
@@ -388,8 +388,8 @@ class Saver:
         """Warnings of background saves, on the caller's thread (stack level: its caller's call)."""
         with self._lock:
             pending, self._warnings = self._warnings, []
-        for reason in pending:
-            _warn_unexportable(reason)
+        for message in pending:  # export's own errors, which say what a process without the model meets
+            _warn_unexportable(message)
 
     def _export(self, sig: str, bwd: Backward, avals: Any, mesh: Any) -> None:
         """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
@@ -497,13 +497,14 @@ def read(disk: DiskTier, signature: str) -> tuple[dict[str, Any], bytes | None] 
     return m, data
 
 
-_NO_MODEL = "; processes without the model cannot run it"
+_NO_MODEL = "processes without the model cannot run it"
 
 
-def _warn_unexportable(reason: str) -> None:
-    reason = reason.removesuffix(_NO_MODEL)  # export's own error may say it already
+def _warn_unexportable(message: str) -> None:
+    """Warns, at the user's call, that a backward was not exported: ``message`` says why and
+    what processes without the model meet."""
     warnings.warn(
-        f"{reason}{_NO_MODEL}. The context is stored; only "
+        f"{message}. The context is stored; only "
         "processes that define the function can run its backward.",
         ResidualStoreWarning,
         stacklevel=_user_stacklevel(),

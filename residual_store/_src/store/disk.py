@@ -62,6 +62,7 @@ from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.host import HostArrays, ShardedHost, chunk_index
 from residual_store._src.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
 from residual_store._src.store.records import StoredContext, parse_context_manifest
+from residual_store._src.store.workers import request_pool
 
 __all__ = ["DiskTier", "STORE_MARKER"]
 
@@ -76,13 +77,6 @@ _READ_ATTEMPTS = 8
 def _read_pool() -> ThreadPoolExecutor:
     """The threads that read a large context two arrays at a time (made on first use)."""
     return ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-read")
-
-
-@functools.cache
-def _request_pool() -> ThreadPoolExecutor:
-    """The threads of an object store's reads, each waiting on a request: this many go out at
-    once (made on first use)."""
-    return ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-request")
 
 
 def _same_data(a: StoredContext, b: StoredContext) -> bool:
@@ -488,7 +482,7 @@ class DiskTier:
         read = functools.partial(self._read_task, key, stored)
         nbytes = sum(stored.records[i].nbytes for i, chunk, _ in tasks if chunk is None)
         if self.backend.latency_bound:
-            pool, parallel = _request_pool(), len(tasks) > 1
+            pool, parallel = request_pool(), len(tasks) > 1
         else:
             pool, parallel = _read_pool(), len(tasks) > 1 and nbytes + len(tasks) * _SMALL_READ_BYTES >= _PARALLEL_READ_BYTES
         results = list(pool.map(read, tasks)) if parallel else self._read_in_turn(key, stored, tasks)

@@ -25,12 +25,10 @@ Record (``item-record.json``, JSON)::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import serializers
 from residual_store._src.errors import CorruptContextError, InvalidKeyError, ResidualStoreWarning
@@ -39,6 +37,7 @@ from residual_store._src.store.inspection import VerifyReport
 from residual_store._src.store.keys import validate_key
 from residual_store._src.store.local_backend import LocalBackend
 from residual_store._src.store.paths import ITEM_RECORD, STORE_MARKER
+from residual_store._src.store.workers import request_pool
 from serializers.checksums import parse_checksum
 
 __all__ = ["Record", "check_item", "checked_report", "read", "seal"]
@@ -51,16 +50,10 @@ _STEP_METADATA = "_CHECKPOINT_METADATA"  # the file Orbax writes in every step f
 _LISTED = 8  # keys a restore's error names before "and N more"
 
 
-@functools.cache
-def _request_pool() -> ThreadPoolExecutor:
-    """Threads that read an object store's manifests, each waiting on its request (made on
-    first use): a thousand one after another would take tens of seconds."""
-    return ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-record")
-
-
 def _manifest_checksums(disk: DiskTier, keys: Iterable[str]) -> dict[str, str | None | CorruptContextError]:
     """key -> checksum of its manifest file (``None``: there is none; the error: it cannot be
-    read), read one after another from a local folder, many at once from an object store."""
+    read), read one after another from a local folder, many at once from an object store (a
+    thousand requests one after another would take tens of seconds)."""
 
     def one(key: str) -> str | None | CorruptContextError:
         try:
@@ -70,8 +63,7 @@ def _manifest_checksums(disk: DiskTier, keys: Iterable[str]) -> dict[str, str | 
         return serializers.checksum(data) if data is not None else None
 
     keys = list(keys)
-    local = isinstance(disk.backend, LocalBackend)
-    return dict(zip(keys, map(one, keys) if local else _request_pool().map(one, keys)))
+    return dict(zip(keys, request_pool().map(one, keys) if disk.backend.latency_bound else map(one, keys)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ waits until it is released (see ``critical.py``).
 from __future__ import annotations
 
 import atexit
+import functools
 import sys
 import threading
 import time
@@ -36,7 +37,7 @@ from typing import Any
 
 from residual_store._src.store.critical import StoreLock, store_condition
 
-__all__ = ["Writer", "Loader", "drain_all", "drain_within", "bound_exit_drain", "draining_at_exit"]
+__all__ = ["Writer", "Loader", "drain_all", "drain_within", "bound_exit_drain", "draining_at_exit", "request_pool"]
 
 _LIVE: weakref.WeakSet[Writer] = weakref.WeakSet()
 _LIVE_LOCK = StoreLock()
@@ -317,6 +318,13 @@ if _register_exit is not None:
     _register_exit(drain_all)
 else:  # pragma: no cover - CPython has had it since 3.9
     atexit.register(drain_all)
+
+
+@functools.cache
+def request_pool() -> ThreadPoolExecutor:
+    """The threads of an object store's requests (reads of a context's files, of many manifests),
+    each waiting on its answer: this many go out at once (made on first use)."""
+    return ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-request")
 
 
 class Loader:
