@@ -138,6 +138,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # that take seconds are marked ``slow`` where they are defined (``--durations`` finds them).
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Starts the type checker's process as the tests begin when its test is selected, so that
+    it runs beside them rather than after them (tests/test_lint.py)."""
+    if any(item.nodeid.endswith("test_lint.py::test_mypy_finds_nothing") for item in session.items):
+        import test_lint
+
+        test_lint.start_mypy()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("subprocess") or item.get_closest_marker("multiprocess"):

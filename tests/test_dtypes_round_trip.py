@@ -194,15 +194,15 @@ TIERS: dict[str, Callable[[rs.ResidualContext, Path], rs.ResidualContext]] = {
 }
 
 
-# The fast tier takes every dtype through device and host memory, and through the disk the ones
-# whose storage is special (sub-byte, zarr extension names, typed keys) and one of each kind; the
-# slow tier takes every dtype through every tier.
-_ON_DISK_FAST = {"int1", "int2", "int4", "uint1", "uint2", "uint4", "float4_e2m1fn", "float8_e4m3", "bool",
+# The fast tier takes every dtype through the device tier, and through host memory and the disk
+# the ones whose storage is special (sub-byte, zarr extension names, typed keys) and one of each
+# kind; the slow tier takes every dtype through every tier.
+_SPECIAL = {"int1", "int2", "int4", "uint1", "uint2", "uint4", "float4_e2m1fn", "float8_e4m3", "bool",
                  "bfloat16", "float32", "int8", "complex64", "key<threefry2x32>"}
 
 
 def _fast(tier: str, case: str) -> bool:
-    return tier in ("device", "host") or (tier == "disk" and case in _ON_DISK_FAST)
+    return tier == "device" or (tier in ("host", "disk") and case in _SPECIAL)
 
 
 @pytest.mark.parametrize(
