@@ -12,7 +12,8 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -298,3 +299,12 @@ def last_json_line(stdout: str) -> Any:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     assert lines, f"no JSON result in:\n{stdout}"
     return json.loads(lines[-1])
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Waits until ``condition()`` holds (background work of a store: the janitor's removals, a
+    reader's pause), failing after ``timeout`` seconds with ``what`` it waited for."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)

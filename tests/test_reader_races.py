@@ -24,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import pytest
 import residual_store as rs
 import serializers
 from models import init_mlp, mlp_loss
-from store_helpers import python_env, read_manifest, write_script
+from store_helpers import python_env, read_manifest, wait_for, write_script
 
 TESTS = str(Path(__file__).resolve().parent)
 SIZES = (8, 16, 16, 4)
@@ -220,13 +219,6 @@ def _which(ctx: rs.ResidualContext, versions: list[tuple[rs.ResidualContext, lis
     return which[0]
 
 
-def _wait_for(condition, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def _recycled(root: Path) -> list[str]:
     free = root / "data" / ".free"
     return os.listdir(free) if free.is_dir() else []
@@ -271,7 +263,7 @@ def _replace_recycling(root: Path, writer: rs.Store, versions, key: str = "k") -
     old = os.stat(_bundle_path(root, key)).st_ino
     writer.put(versions[1][0], key)
     writer.flush()
-    _wait_for(lambda: _recycled(root), "version 0's folder to be recycled")
+    wait_for(lambda: _recycled(root), "version 0's folder to be recycled")
     writer.put(versions[2][0], key)
     writer.flush()
     assert os.stat(_bundle_path(root, key)).st_ino == old, "version 2 did not overwrite version 0's bundle"
@@ -383,7 +375,7 @@ def test_internals_a_kvstore_context_replaced_under_a_read_is_read_again(tmp_pat
         def replace() -> None:
             writer.put(versions[1][0], "k")
             writer.flush()
-            _wait_for(lambda: not old.exists(), "version 0's bundle to be deleted")
+            wait_for(lambda: not old.exists(), "version 0's bundle to be deleted")
 
         backend = _backend_of(reader)
         real = backend.read_file
