@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import timed  # noqa: E402
 
-from serializers import checksum, read_arrays_local, write_arrays_local  # noqa: E402
-from serializers.bundle import bundle_layout, bundle_parts, bundle_views, check_bundle, crc_checksum  # noqa: E402
-from serializers.checksums import checksum_parts  # noqa: E402
-from serializers.local import fsync_folder_local, read_file_exact_local, sync_data, write_file_local  # noqa: E402
+from residual_store_serializers import checksum, read_arrays_local, write_arrays_local  # noqa: E402
+from residual_store_serializers.bundle import bundle_layout, bundle_parts, bundle_views, check_bundle, crc_checksum  # noqa: E402
+from residual_store_serializers.checksums import checksum_parts  # noqa: E402
+from residual_store_serializers.local import fsync_folder_local, read_file_exact_local, sync_data, write_file_local  # noqa: E402
 
 
 def stack(blocks: int, d: int, batch: int, per_block: int = 13) -> list[np.ndarray]:

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import Case, interleaved_medians  # noqa: E402
 
-from serializers import manifest as new  # noqa: E402
-from serializers.manifest_schema import ContextFields, validate_fields  # noqa: E402
+from residual_store_serializers import manifest as new  # noqa: E402
+from residual_store_serializers.manifest_schema import ContextFields, validate_fields  # noqa: E402
 
 OLD_REV = "49c70b8"  # the last commit with the hand-written schema language
 SIZES = (10, 200, 1000)

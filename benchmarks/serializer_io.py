@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import timed  # noqa: E402
 
-from serializers import (  # noqa: E402
+from residual_store_serializers import (  # noqa: E402
     checksum,
     read_array_local,
     read_arrays,

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import Case, interleaved_medians, timed  # noqa: E402
 
 import residual_store as rs  # noqa: E402
-from serializers import aligned_empty  # noqa: E402
+from residual_store_serializers import aligned_empty  # noqa: E402
 
 
 def init_stack(blocks: int, d: int, seed: int = 0) -> list[dict[str, jax.Array]]:

@@ -127,7 +127,7 @@ from split_overhead import measure_model, mlp_case
 from timing import Case, interleaved_medians
 
 import residual_store as rs
-import serializers
+import residual_store_serializers as serializers
 from residual_store.demo import DemoConfig, init_transformer, transformer_loss
 
 # Relative sizes of the 12 residual arrays (percent of the total): a few big ones, small ones.

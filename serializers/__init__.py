@@ -24,9 +24,9 @@ One module a job, peers over shared format modules (none imports another's priva
 
 from typing import Any
 
-from serializers.buffers import aligned_empty
-from serializers.checksums import ALGORITHM, Verifier, checksum, content_digest, verify
-from serializers.errors import (
+from .buffers import aligned_empty
+from .checksums import ALGORITHM, Verifier, checksum, content_digest, verify
+from .errors import (
     DISK_FULL_ERRNOS,
     ChecksumMismatchError,
     CorruptDataError,
@@ -37,7 +37,7 @@ from serializers.errors import (
     UnsupportedVersionError,
     is_disk_full,
 )
-from serializers.kv import (
+from .kv import (
     KvStoreSpec,
     check_array_metadata,
     default_context,
@@ -55,14 +55,14 @@ from serializers.kv import (
     write_arrays,
     write_arrays_kv,
 )
-from serializers.local import (
+from .local import (
     read_array_local,
     read_arrays_local,
     read_chunk_local,
     write_arrays_local,
     write_chunks_local,
 )
-from serializers.manifest import (
+from .manifest import (
     ARRAY_RECORD_FIELDS,
     BACKWARD_FORMAT,
     BACKWARD_SCHEMA,
@@ -78,7 +78,7 @@ from serializers.manifest import (
     encode_manifest,
     is_safe_relpath,
 )
-from serializers.zarr import (
+from .zarr import (
     SUPPORTED_DTYPES,
     ChunkedArray,
     check_chunk_shape,
@@ -175,7 +175,7 @@ def __getattr__(name: str) -> Any:
     """``register_zarr_dtypes``, imported from :mod:`serializers.zarr_compat` on first use, so
     that ``import serializers`` does not import zarr."""
     if name == "register_zarr_dtypes":
-        from serializers.zarr_compat import register_zarr_dtypes
+        from .zarr_compat import register_zarr_dtypes
 
         globals()[name] = register_zarr_dtypes
         return register_zarr_dtypes

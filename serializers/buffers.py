@@ -12,7 +12,7 @@ from typing import Final
 
 import numpy as np
 
-from serializers.zarr import DTypeLike, Shape
+from .zarr import DTypeLike, Shape
 
 __all__ = ["ALIGNMENT", "aligned_empty"]
 

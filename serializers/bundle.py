@@ -45,7 +45,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from serializers.checksums import (
+from .checksums import (
     crc32_bytes,
     crc32_extend,
     crc32_extended_sum,
@@ -54,8 +54,8 @@ from serializers.checksums import (
     parse_checksum,
     verify,
 )
-from serializers.errors import ChecksumMismatchError, CorruptDataError
-from serializers.zarr import (
+from .errors import ChecksumMismatchError, CorruptDataError
+from .zarr import (
     Shape,
     byte_view,
     chunk_key,

@@ -47,7 +47,7 @@ from typing import Any, Final
 import numpy as np
 import xxhash
 
-from serializers.errors import ChecksumMismatchError, CorruptDataError
+from .errors import ChecksumMismatchError, CorruptDataError
 
 try:  # the same function as zlib.crc32, ten times faster
     from isal.isal_zlib import crc32 as _crc32

@@ -24,10 +24,10 @@ from typing import Final
 
 import numpy as np
 
-from serializers.buffers import aligned_empty
-from serializers.checksums import Verifier
-from serializers.errors import DISK_FULL_ERRNOS, CorruptDataError, raise_if_disk_full
-from serializers.zarr import PathLike, Shape, byte_view, check_relpath
+from .buffers import aligned_empty
+from .checksums import Verifier
+from .errors import DISK_FULL_ERRNOS, CorruptDataError, raise_if_disk_full
+from .zarr import PathLike, Shape, byte_view, check_relpath
 
 __all__ = [
     "Folders",

@@ -41,17 +41,17 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from serializers.buffers import aligned_empty
-from serializers.errors import DISK_FULL_ERRNOS, CorruptDataError, DiskFullError
-from serializers.kv_errors import (
+from .buffers import aligned_empty
+from .errors import DISK_FULL_ERRNOS, CorruptDataError, DiskFullError
+from .kv_errors import (
     convert_read_error,
     convert_write_error,
     is_unavailable,
     ts_errno,
     wait_request,
 )
-from serializers.kv_futures import all_done, raise_error, then
-from serializers.zarr import (
+from .kv_futures import all_done, raise_error, then
+from .zarr import (
     MAX_METADATA_BYTES,
     METADATA_KEY,
     SUPPORTED_DTYPES,

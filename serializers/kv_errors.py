@@ -14,7 +14,7 @@ import errno
 import re
 from typing import Any, Final
 
-from serializers.errors import DISK_FULL_ERRNOS, CorruptDataError, DiskFullError, UnavailableError
+from .errors import DISK_FULL_ERRNOS, CorruptDataError, DiskFullError, UnavailableError
 
 __all__ = [
     "convert_read_error",

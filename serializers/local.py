@@ -36,10 +36,10 @@ from typing import Any, Final
 
 import numpy as np
 
-from serializers.buffers import ALIGNMENT, aligned_empty
-from serializers.checksums import Verifier
-from serializers.errors import CorruptDataError
-from serializers.files import (
+from .buffers import ALIGNMENT, aligned_empty
+from .checksums import Verifier
+from .errors import CorruptDataError
+from .files import (
     Folders,
     Undo,
     check_folders_local,
@@ -54,7 +54,7 @@ from serializers.files import (
     write_file,
     write_file_local,
 )
-from serializers.zarr import (
+from .zarr import (
     CHUNK_KEY_SEPARATOR,
     MAX_METADATA_BYTES,
     METADATA_KEY,

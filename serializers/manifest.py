@@ -46,9 +46,9 @@ from typing import Any, Final, NoReturn, TypeGuard
 
 import msgpack
 
-from serializers.checksums import checksum, verify
-from serializers.errors import CorruptDataError, UnsupportedVersionError
-from serializers.manifest_schema import (
+from .checksums import checksum, verify
+from .errors import CorruptDataError, UnsupportedVersionError
+from .manifest_schema import (
     ARRAY_RECORD_FIELDS,
     BACKWARD_FORMAT,
     BACKWARD_SCHEMA,

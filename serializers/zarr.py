@@ -55,8 +55,8 @@ from typing import Any, Final
 import ml_dtypes
 import numpy as np
 
-from serializers.errors import CorruptDataError, UnsupportedDTypeError
-from serializers.manifest_schema import is_safe_relpath
+from .errors import CorruptDataError, UnsupportedDTypeError
+from .manifest_schema import is_safe_relpath
 
 __all__ = [
     "SUPPORTED_DTYPES",

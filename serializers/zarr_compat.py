@@ -38,7 +38,7 @@ try:  # zarr >= 3.2 moved it here (and deprecates importing it from zarr.dtype)
 except ImportError:  # zarr 3.1
     from zarr.dtype import DataTypeValidationError  # type: ignore[attr-defined,no-redef]
 
-from serializers.zarr import SUPPORTED_DTYPES
+from .zarr import SUPPORTED_DTYPES
 
 __all__ = [
     "register_zarr_dtypes",

@@ -35,7 +35,7 @@ from typing import Final
 
 from zarr.buffer.cpu import Buffer as _ZarrCpuBuffer
 
-from serializers.zarr_compat import register_zarr_dtypes
+from .zarr_compat import register_zarr_dtypes
 
 __all__ = ["Buffer"]
 

@@ -189,7 +189,7 @@ def unbundled(root: str | os.PathLike[str], manifest: dict[str, Any]) -> dict[st
     each bundled residual copied into an array folder of its own, at its record's path, with an
     xxh3 checksum of its bytes; no ``bundle``, no ``offset``. For turning a context into an
     older version's."""
-    import serializers
+    import residual_store_serializers as serializers
 
     m = {**manifest, "arrays": [dict(r) for r in manifest["arrays"]]}
     bundle = m.pop("bundle", None)

@@ -214,7 +214,7 @@ def test_plain_zarr_and_tensorstore_read_a_stored_bundle_by_name(tmp_path, rng):
         import json, sys, zipfile, numpy as np, tensorstore as ts, zarr
         from zarr.storage import ZipStore
         path, entries = sys.argv[1], json.loads(sys.argv[2])
-        assert "residual_store" not in sys.modules and "serializers" not in sys.modules
+        assert "residual_store" not in sys.modules and "residual_store_serializers" not in sys.modules
         g = zarr.open_group(ZipStore(path, mode="r"), mode="r")
         out = {}
         for name, dtype in entries.items():

@@ -78,18 +78,18 @@ def test_markdown_links_resolve(path):
 def test_api_reference_builds(tmp_path):
     import pdoc  # a test extra: missing, the test fails rather than skips
 
-    pdoc.pdoc("residual_store", "serializers", output_directory=tmp_path)
+    pdoc.pdoc("residual_store", "residual_store_serializers", output_directory=tmp_path)
     html = (tmp_path / "residual_store.html").read_text()
     for name in residual_store.__all__:
         assert f'id="{name}"' in html, f"{name} missing from the API reference"
-    assert (tmp_path / "serializers.html").exists()
+    assert (tmp_path / "residual_store_serializers.html").exists()
 
 
 def test_internals_format_md_names_the_versions_this_library_writes():
     """docs/format.md's title and layout section name the store layout and manifest versions
     that the code writes (the title once said 3 where the layout is 2)."""
     from residual_store._src.store.layout import STORE_FORMAT, STORE_VERSION
-    from serializers import FORMAT_VERSION
+    from residual_store_serializers import FORMAT_VERSION
 
     text = (ROOT / "docs" / "format.md").read_text()
     title = re.match(r"# The on-disk format \(layout version (\d+), manifest version (\d+)\)\n", text)

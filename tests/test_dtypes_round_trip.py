@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-import serializers
-import serializers.zarr
+import residual_store_serializers as serializers
+import residual_store_serializers.zarr
 from store_helpers import assert_contexts_identical, raw, run_python, write_script
 
 # XLA has no such type: JAX can neither place nor compute one, so no residual is one.

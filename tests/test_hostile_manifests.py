@@ -25,7 +25,7 @@ import pytest
 import residual_store as rs
 from residual_store._src.store import backwards
 from residual_store._src.store.disk import DiskTier
-from serializers.manifest import SELF_CHECKSUM_FIELD, seal_manifest
+from residual_store_serializers.manifest import SELF_CHECKSUM_FIELD, seal_manifest
 from store_helpers import assert_contexts_identical, raw, read_manifest, tree_files
 
 
@@ -428,7 +428,7 @@ def test_internals_version_1_manifests_still_read(stored_in_folders):
 def test_the_seal_is_the_last_25_bytes_and_is_checked_before_the_fields():
     import xxhash
 
-    from serializers import (
+    from residual_store_serializers import (
         BACKWARD_SCHEMA,
         CorruptDataError,
         decode_manifest,

@@ -374,3 +374,26 @@ def test_no_test_but_the_demos_own_imports_the_demo():
         if any(m == "residual_store.demo" or m.startswith("residual_store.demo.") for m in imported):
             importers.append(path.name)
     assert not importers, f"these tests import residual_store.demo: {importers}"
+
+
+def test_the_serializers_install_under_the_projects_own_name(tmp_path):
+    """``serializers/`` installs as ``residual_store_serializers``: a top-level ``serializers``
+    is another published distribution's name, and a user with both would get one overwritten."""
+    import subprocess
+    import sys
+    import tomllib
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    setuptools = config["tool"]["setuptools"]
+    assert not [p for p in setuptools["packages"] if p.split(".")[0] == "serializers"]
+    assert setuptools["package-dir"] == {"residual_store_serializers": "serializers"}
+    points = [v for group in config["project"]["entry-points"].values() for v in group.values()]
+    assert points and all(v.startswith(("residual_store.", "residual_store_serializers.")) for v in points)
+    probe = (
+        "import importlib.util, residual_store, residual_store_serializers as s\n"
+        "print(importlib.util.find_spec('serializers'), s.__name__, residual_store.Store.__module__)"
+    )
+    # run where the repository is not on the path: what an installed copy offers
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["None", "residual_store_serializers", "residual_store._src.store.store"]

@@ -396,7 +396,7 @@ def test_assumption_DEBUG_INFO():
 def test_assumption_HOST_TO_DEVICE():
     """``device_put_many`` makes what ``jax.device_put`` makes, aliasing an aligned CPU buffer
     as it does."""
-    import serializers
+    import residual_store_serializers as serializers
 
     device = jax.devices()[0]
     arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((), np.int32),

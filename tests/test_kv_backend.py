@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.store.backend_protocol import DamagedFileError
 from residual_store._src.store.backends import open_backend
 from residual_store._src.store.kv_backend import KvBackend

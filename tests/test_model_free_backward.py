@@ -23,7 +23,7 @@ import residual_store as rs
 from residual_store._src.backward import Backward
 from residual_store._src.export import export_backward, load_backward
 from residual_store._src.keypaths import PathStructure
-from serializers.manifest import seal_manifest
+from residual_store_serializers.manifest import seal_manifest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

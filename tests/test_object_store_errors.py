@@ -14,8 +14,8 @@ import pytest
 
 import residual_store as rs
 import s3_server
-from serializers import CorruptDataError, UnavailableError
-from serializers.kv_errors import convert_read_error, convert_write_error, is_unavailable
+from residual_store_serializers import CorruptDataError, UnavailableError
+from residual_store_serializers.kv_errors import convert_read_error, convert_write_error, is_unavailable
 
 # tensorstore's error for a request to a bucket that is not there, as the s3 driver raises it
 NO_BUCKET = ValueError(

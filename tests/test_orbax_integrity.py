@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -166,6 +167,35 @@ def test_a_context_added_to_a_committed_item_is_named_foreign(tmp_path, rng):
     report = _verify(item)
     assert report.verified == 2 and list(report.damaged) == ["mb9"]
     assert report.damaged["mb9"].startswith("foreign")
+
+
+def _data_files(item: str, folder: str) -> list[str]:
+    """The chunk and bundle files under ``folder`` of ``item`` (not zarr's metadata)."""
+    return sorted(
+        os.path.join(d, f) for d, _, files in os.walk(os.path.join(item, folder)) for f in files if f != "zarr.json"
+    )
+
+
+@pytest.mark.parametrize("folder", ["weights", "data", "backwards"])
+def test_a_data_file_removed_from_a_committed_step_is_refused_at_the_restore(tmp_path, rng, folder):
+    """A delete walks the folder in no set order: it can take a shared weight's file, a
+    context's own, or the stored backward, before any manifest. The restore looks at every
+    file's size and reads the backwards, and names what is lost, instead of handing back a store
+    whose gets or backwards fail."""
+    _save_steps(tmp_path, rng, steps=(0,), n=2)
+    item = _item(tmp_path, 0)
+    for gone in _data_files(item, folder):
+        with open(gone, "rb") as f:
+            kept = f.read()
+        os.remove(gone)
+        relative = os.path.relpath(gone, item)
+        lost = "its stored backward .* is not whole" if folder == "backwards" else "its data is not whole: .*" + re.escape(relative)
+        with pytest.raises(rs.CorruptContextError, match=rf"step '0'.*'mb\d' {lost}"):
+            _restore(tmp_path, 0)
+        with open(gone, "wb") as f:  # back as it was: the next file's loss is named alone
+            f.write(kept)
+    with _restore(tmp_path, 0) as store:
+        assert store.keys() == ["mb0", "mb1"]
 
 
 # -- part of the item deleted -----------------------------------------------------------------

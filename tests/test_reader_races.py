@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-import serializers
+import residual_store_serializers as serializers
 from models import init_mlp, mlp_loss
 from store_helpers import python_env, read_manifest, wait_for, write_script
 

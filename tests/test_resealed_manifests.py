@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-import serializers
-from serializers.manifest import seal_manifest
+import residual_store_serializers as serializers
+from residual_store_serializers.manifest import seal_manifest
 from store_helpers import F32_TOL, assert_trees_close, read_manifest
 
 LAYERS, WIDTH, BATCH = 4, 8, 3
@@ -270,7 +270,7 @@ def test_2_18_residuals_of_a_signature_this_process_wrote_are_refused_before_dec
 def test_the_outline_counts_lists_without_decoding_and_never_raises():
     import msgpack
 
-    from serializers.manifest import manifest_outline
+    from residual_store_serializers.manifest import manifest_outline
 
     data = msgpack.packb({"spec": {"names": ["x"], "avals": [[[2], "f4"]] * 3}, "signature": "rs2-x", "arrays": [{}] * 5})
     assert manifest_outline(data, lists=[("arrays",), ("spec", "avals")], values=[("signature",)]) == {
@@ -284,7 +284,7 @@ def test_the_outline_counts_lists_without_decoding_and_never_raises():
 
 
 def test_crc32_of_zeros_and_extensions_are_zlibs():
-    from serializers.checksums import crc32_extend, crc32_extended_sum, crc32_extension_map, crc32_zeros
+    from residual_store_serializers.checksums import crc32_extend, crc32_extended_sum, crc32_extension_map, crc32_zeros
 
     rnd = np.random.default_rng(0)
     for n in (0, 1, 4, 63, 4096, 3_000_001):
@@ -306,7 +306,7 @@ def test_a_bundles_crc32_follows_from_its_arrays_crc32s():
     """For bundles of random layouts (empty arrays, several dtypes, 0 to 12 arrays): the CRC-32
     bundle_crc works out from the arrays' CRC-32s is zlib's of the written file, and one flipped
     bit anywhere changes the file's."""
-    from serializers.bundle import bundle_crc, bundle_layout, bundle_parts
+    from residual_store_serializers.bundle import bundle_crc, bundle_layout, bundle_parts
 
     rnd = np.random.default_rng(1)
     for trial in range(25):

@@ -19,10 +19,10 @@ import pytest
 import tensorstore as ts
 import zarr
 
-import serializers.kv as kv_mod
-import serializers.kv_errors as kv_errors
-import serializers.local as local_mod
-from serializers import (
+import residual_store_serializers.kv as kv_mod
+import residual_store_serializers.kv_errors as kv_errors
+import residual_store_serializers.local as local_mod
+from residual_store_serializers import (
     SUPPORTED_DTYPES,
     ChunkedArray,
     CorruptDataError,
@@ -55,9 +55,9 @@ from serializers import (
     zarr_dtype_name,
     zarr_metadata,
 )
-from serializers.local import check_array_metadata_local
-from serializers.zarr import EXTENSION_DTYPES
-from serializers.zarr_compat import _ZARR_FLOAT_NAMES
+from residual_store_serializers.local import check_array_metadata_local
+from residual_store_serializers.zarr import EXTENSION_DTYPES
+from residual_store_serializers.zarr_compat import _ZARR_FLOAT_NAMES
 from zarr3_reference import chunk_indices, write_array, write_chunks
 
 DTYPE_NAMES = list(SUPPORTED_DTYPES)
@@ -406,7 +406,7 @@ _EFBIG_SCRIPT = textwrap.dedent(
     """
     import json, os, resource, signal, sys
     import numpy as np
-    from serializers import DiskFullError, write_arrays, write_arrays_kv, write_arrays_local
+    from residual_store_serializers import DiskFullError, write_arrays, write_arrays_kv, write_arrays_local
     from zarr3_reference import write_array
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -417,7 +417,7 @@ _EFBIG_SCRIPT = textwrap.dedent(
     results = {}
     for name, write in [
         ("fast", lambda: write_arrays_local(root + "/fast", {"ctx/a": big}, fsync=True)),
-        ("fast_batch", lambda: __import__("serializers").write_arrays_local(
+        ("fast_batch", lambda: __import__("residual_store_serializers").write_arrays_local(
             root + "/fast_batch", {"s": small, "b": big})),
         ("ts", lambda: write_array({"driver": "file", "path": root + "/ts"}, "ctx/a", big)),
         ("ts_batch", lambda: write_arrays({"driver": "file", "path": root + "/ts_batch"},

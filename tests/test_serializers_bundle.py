@@ -17,8 +17,8 @@ import tensorstore as ts
 import zarr
 from zarr.storage import ZipStore
 
-from serializers import CorruptDataError, checksums, register_zarr_dtypes
-from serializers.bundle import (
+from residual_store_serializers import CorruptDataError, checksums, register_zarr_dtypes
+from residual_store_serializers.bundle import (
     BUNDLE_ALIGNMENT,
     MAX_BUNDLE_ENTRIES,
     bundle_layout,
@@ -27,7 +27,7 @@ from serializers.bundle import (
     check_bundle,
     crc_checksum,
 )
-from serializers.local import read_file_exact_local, write_file_local
+from residual_store_serializers.local import read_file_exact_local, write_file_local
 
 
 def _mixed(rng: np.random.Generator) -> list[np.ndarray]:
@@ -118,7 +118,7 @@ def test_a_process_without_this_library_reads_a_bundle(tmp_path: Path) -> None:
 import json, sys, numpy as np, zarr, tensorstore as ts
 from zarr.storage import ZipStore
 path = sys.argv[1]
-assert "serializers" not in sys.modules and "residual_store" not in sys.modules
+assert "residual_store_serializers" not in sys.modules and "residual_store" not in sys.modules
 g = zarr.open_group(ZipStore(path, mode="r"), mode="r")
 out = {}
 for name, arr in g.arrays():
@@ -228,8 +228,8 @@ def test_arrays_that_are_not_the_layouts_are_refused() -> None:
 def test_short_writes_resume_and_a_full_disk_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    import serializers.files as local_mod
-    from serializers.errors import DiskFullError
+    import residual_store_serializers.files as local_mod
+    from residual_store_serializers.errors import DiskFullError
 
     arrays = _mixed(np.random.default_rng())
     layout, parts, sums = _bundle(arrays)

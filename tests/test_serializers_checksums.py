@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serializers import ALGORITHM, CorruptDataError, checksum, verify
-from serializers.checksums import _as_bytes
+from residual_store_serializers import ALGORITHM, CorruptDataError, checksum, verify
+from residual_store_serializers.checksums import _as_bytes
 
 DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.int64, np.float16, np.float32, np.float64,
           ml_dtypes.bfloat16]  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serializers import (
+from residual_store_serializers import (
     BACKWARD_SCHEMA,
     CONTEXT_SCHEMA,
     FORMAT_VERSION,
@@ -22,7 +22,7 @@ from serializers import (
     encode_manifest,
     is_safe_relpath,
 )
-from serializers.manifest import seal_manifest
+from residual_store_serializers.manifest import seal_manifest
 
 RECORD = ArrayRecord(
     name="tanh model.py:12",

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from serializers import BACKWARD_SCHEMA, ArrayRecord, chunked_checksum, decode_manifest, encode_manifest
+from residual_store_serializers import BACKWARD_SCHEMA, ArrayRecord, chunked_checksum, decode_manifest, encode_manifest
 
 DATA = Path(__file__).resolve().parent / "data" / "manifests"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-import serializers
+import residual_store_serializers as serializers
 from store_helpers import (
     F32_TOL,
     assert_contexts_identical,

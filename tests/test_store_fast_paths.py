@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.store import host, layout
-from serializers import manifest
+from residual_store_serializers import manifest
 from store_helpers import mixed_inputs, mixed_loss
 
 

@@ -223,7 +223,7 @@ def test_a_put_replaces_a_hostile_manifest(stored, hazard):
 
 
 def test_a_declared_shape_is_checked_against_the_file_before_anything_is_allocated(tmp_path):
-    import serializers
+    import residual_store_serializers as serializers
 
     serializers.write_arrays_local(tmp_path, {"a/0": np.ones((4, 4), np.float32)})
     huge = (1 << 20, 1 << 20)  # 4 TiB of float32

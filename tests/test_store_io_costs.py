@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.store import local_backend, records
 from store_helpers import F32_TOL, assert_trees_close, data_dirs
 

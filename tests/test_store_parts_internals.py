@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.context import ResidualContext
 from residual_store._src.store import host, layout, paths
 from residual_store._src.store.schedule import Schedule, loads_ahead

@@ -20,8 +20,8 @@ import pytest
 import zarr
 
 import residual_store as rs
-import serializers
-from serializers.manifest import seal_manifest
+import residual_store_serializers as serializers
+from residual_store_serializers.manifest import seal_manifest
 from store_helpers import python_env, raw, read_manifest, write_script
 
 SUBPROCESS_TIMEOUT = 120

@@ -43,7 +43,7 @@ _BROWSE = textwrap.dedent(
     import json, sys
     import numpy as np, zarr
     from zarr.storage import ZipStore
-    assert not any(m.split(".")[0] in ("serializers", "residual_store", "jax") for m in sys.modules)
+    assert not any(m.split(".")[0] in ("residual_store_serializers", "residual_store", "jax") for m in sys.modules)
     root = zarr.open_group(sys.argv[1], mode="r")
     out = {"root": dict(root.attrs), "contexts": {}}
     for name, write in root["data"].groups():
@@ -200,7 +200,7 @@ _READ_BITS = textwrap.dedent(
     warnings.simplefilter("error")
     import ml_dtypes, numpy as np, zarr
     from zarr.storage import ZipStore
-    assert not any(m.split(".")[0] in ("serializers", "residual_store", "jax") for m in sys.modules)
+    assert not any(m.split(".")[0] in ("residual_store_serializers", "residual_store", "jax") for m in sys.modules)
     root = zarr.open_group(sys.argv[1], mode="r")
     out = {}
     for _, write in root["data"].groups():

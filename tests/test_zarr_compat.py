@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import zarr
 
-import serializers.zarr_compat as compat
-from serializers import (
+import residual_store_serializers.zarr_compat as compat
+from residual_store_serializers import (
     encode_group_metadata,
     register_zarr_dtypes,
     write_arrays_kv,
@@ -48,7 +48,7 @@ _PLAIN_ZARR_READER = textwrap.dedent(
     import json, sys, warnings
     warnings.simplefilter("error")
     import ml_dtypes, numpy as np, zarr
-    assert not any(m.split(".")[0] in ("serializers", "residual_store") for m in sys.modules)
+    assert not any(m.split(".")[0] in ("residual_store_serializers", "residual_store") for m in sys.modules)
     root, first = sys.argv[1], sys.argv[2]
     out = {}
     try:
@@ -78,7 +78,7 @@ def _run_plain_python(
 
 def _installed_entry_points(group: str) -> dict[str, str]:
     """The entry points of ``group`` the installed residual-store declares: name -> value."""
-    return {e.name: e.value for e in entry_points(group=group) if e.value.startswith("serializers.")}
+    return {e.name: e.value for e in entry_points(group=group) if e.value.startswith("residual_store_serializers.")}
 
 
 def test_every_entry_point_of_pyproject_is_installed() -> None:
@@ -90,7 +90,7 @@ def test_every_entry_point_of_pyproject_is_installed() -> None:
 
 
 def test_every_ml_float_is_a_zarr_data_type_entry_point() -> None:
-    declared = {e.name: e for e in entry_points(group="zarr.data_type") if e.value.startswith("serializers.")}
+    declared = {e.name: e for e in entry_points(group="zarr.data_type") if e.value.startswith("residual_store_serializers.")}
     assert sorted(declared) == sorted(compat._ZARR_FLOAT_NAMES), "reinstall: pip install -e ."
     for name, e in declared.items():
         cls = e.load()
@@ -106,7 +106,7 @@ def test_the_buffer_entry_point_is_zarrs_own_buffer() -> None:
     registered the ml_dtypes floats."""
     from zarr.dtype import data_type_registry
 
-    (e,) = [e for e in entry_points(group="zarr.buffer") if e.value.startswith("serializers.")]
+    (e,) = [e for e in entry_points(group="zarr.buffer") if e.value.startswith("residual_store_serializers.")]
     loaded = e.load()
     assert loaded is zarr.buffer.cpu.Buffer
     assert f"{loaded.__module__}.{loaded.__qualname__}" == "zarr.core.buffer.cpu.Buffer"

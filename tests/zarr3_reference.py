@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from serializers import ChunkedArray, KvStoreSpec, chunk_grid, write_array_async
-from serializers.kv import _write_chunked_async
-from serializers.zarr import DTypeLike, Shape
+from residual_store_serializers import ChunkedArray, KvStoreSpec, chunk_grid, write_array_async
+from residual_store_serializers.kv import _write_chunked_async
+from residual_store_serializers.zarr import DTypeLike, Shape
 
 __all__ = ["write_array", "write_chunks"]
 

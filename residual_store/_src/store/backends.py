@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.store.backend_protocol import Backend
 from residual_store._src.store.kv_backend import KvBackend, url_spec

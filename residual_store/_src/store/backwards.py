@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.backward import Backward, find_backward, lookup_backward, register_backward
 from residual_store._src.errors import (
     BackwardUnavailableError,

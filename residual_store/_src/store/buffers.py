@@ -31,9 +31,9 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import DTypeLike
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.store.critical import StoreLock
-from serializers.local import ALIGNMENT as _ALIGN  # XLA's CPU client adopts such buffers
+from residual_store_serializers.local import ALIGNMENT as _ALIGN  # XLA's CPU client adopts such buffers
 
 __all__ = ["DEFAULT_READ_BUFFER_BYTES", "ReadBuffers"]
 

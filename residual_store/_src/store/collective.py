@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src import _jax_internals
 from residual_store._src.context import ResidualSpec
 from residual_store._src.errors import ResidualStoreError, StoreFullError

@@ -41,7 +41,7 @@ import numpy as np
 from cachetools import LRUCache
 from jax.sharding import NamedSharding
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.context import ResidualSpec
 from residual_store._src.errors import (
     ContextNotFoundError,

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src import _jax_internals
 from residual_store._src.context import OWN_KINDS, SHARED_KINDS, ResidualContext, ResidualSpec, describe_residual
 from residual_store._src.errors import InvalidArgumentError

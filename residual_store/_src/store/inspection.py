@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidArgumentError
 from residual_store._src.store import backwards, layout

@@ -5,7 +5,8 @@ Without it, an item that lost a manifest (a file removed, a step partly deleted 
 ``max_to_keep``'s delete) or that holds another step's contexts (a folder copied over) opens and
 verifies as a smaller, or another, whole store: nothing in a store says what it should hold. The
 record says it: the keys the save wrote, the checksum of each one's manifest, and the name of the
-step folder the item was saved in. A restore and ``verify`` compare the folder with it.
+step folder the item was saved in, and the checksum of each stored backward's manifest. A
+restore and ``verify`` compare the folder with it.
 
 Invariants:
   - A sealed store's marker names its record's checksum (``"item_record"``): the record is
@@ -14,12 +15,19 @@ Invariants:
     step's item is sealed whole or not at all.
   - Whatever a partial delete leaves cannot look whole: without the marker the folder is no store
     (it does not open); with it, the record it names must be there, be that record, and every
-    key it lists must be there with the manifest it lists, and no other.
+    key it lists must be there with the manifest it lists, and no other, and (where the storage
+    gives sizes) every file each manifest names must be there at its size, and every stored
+    backward the record lists must be there, whole: a delete walks the folder in no set order,
+    so it can take data files or a backward before any manifest.
 
 Record (``item-record.json``, JSON)::
 
   {"format": "residual-store item record", "version": 1, "step": "7",
-   "manifests": {"mb0": "xxh3_64:<16 hex digits>", ...}}
+   "manifests": {"mb0": "xxh3_64:<16 hex digits>", ...},
+   "backwards": {"rs2-<32 hex digits>": "xxh3_64:<16 hex digits>", ...}}
+
+``backwards`` (the checksum of each stored backward's manifest) was added within version 1: a
+record without it (written before 2026-12-05) is checked without its backwards.
 """
 
 from __future__ import annotations
@@ -30,15 +38,17 @@ import os
 import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-import serializers
-from residual_store._src.errors import CorruptContextError, InvalidKeyError, ResidualStoreWarning
+import residual_store_serializers as serializers
+from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidKeyError, ResidualStoreWarning
+from residual_store._src.store import backwards, layout
 from residual_store._src.store.disk import DiskTier
-from residual_store._src.store.inspection import VerifyReport
+from residual_store._src.store.inspection import VerifyReport, size_damage
 from residual_store._src.store.keys import validate_key
 from residual_store._src.store.local_backend import LocalBackend
 from residual_store._src.store.paths import ITEM_RECORD, STORE_MARKER
+from residual_store._src.store.records import check_signature
 from residual_store._src.store.workers import request_pool
-from serializers.checksums import parse_checksum
+from residual_store_serializers.checksums import parse_checksum
 
 __all__ = ["Record", "check_item", "checked_report", "read", "seal"]
 
@@ -68,11 +78,13 @@ def _manifest_checksums(disk: DiskTier, keys: Iterable[str]) -> dict[str, str | 
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """What a sealed store holds: ``step``, the name of the step folder it was saved in, and
-    ``manifests``, key -> checksum of that key's manifest file."""
+    """What a sealed store holds: ``step``, the name of the step folder it was saved in,
+    ``manifests``, key -> checksum of that key's manifest file, and ``backwards``, signature ->
+    checksum of its stored backward's manifest (``None``: a record that does not list them)."""
 
     step: str
     manifests: Mapping[str, str]
+    backwards: Mapping[str, str] | None = None
 
 
 def seal(disk: DiskTier, keys: Sequence[str], step: str) -> None:
@@ -90,8 +102,11 @@ def seal(disk: DiskTier, keys: Sequence[str], step: str) -> None:
                 f"{disk.description}: context {key!r} was saved but its manifest is "
                 f"{'missing' if checksum is None else checksum}; the item is not sealed"
             )
+    stored = {sig: disk.backend.get_bytes(layout.backward_paths(sig)[1]) for sig in backwards.stored_signatures(disk)}
+    backward_manifests = {sig: serializers.checksum(data) for sig, data in stored.items() if data is not None}
     record = json.dumps(
-        {"format": FORMAT, "version": VERSION, "step": step, "manifests": manifests}, sort_keys=True
+        {"format": FORMAT, "version": VERSION, "step": step, "manifests": manifests, "backwards": backward_manifests},
+        sort_keys=True,
     ).encode()
     disk.backend.put_bytes(ITEM_RECORD, record, fsync=True)
     marker = {**_marker(disk), _MARKER_FIELD: serializers.checksum(record)}
@@ -149,16 +164,19 @@ def _decode(data: bytes, where: str) -> Record:
         raise CorruptContextError(
             f"{where} has version {fields.get('version')!r}; this residual-store reads version {VERSION}"
         )
-    step, manifests = fields.get("step"), fields.get("manifests")
-    if not isinstance(step, str) or not isinstance(manifests, dict):
+    step, manifests, stored = fields.get("step"), fields.get("manifests"), fields.get("backwards", {})
+    if not isinstance(step, str) or not isinstance(manifests, dict) or not isinstance(stored, dict):
         raise CorruptContextError(f"{where} is damaged (no step, or no manifests)")
-    for key, checksum in manifests.items():
-        try:
+    try:
+        for key, checksum in manifests.items():
             validate_key(key)
             parse_checksum(checksum, what=f"{where}: {key!r}")
-        except (InvalidKeyError, serializers.CorruptDataError) as err:
-            raise CorruptContextError(f"{where} is damaged: {err}") from None
-    return Record(step, manifests)
+        for sig, checksum in stored.items():
+            check_signature(sig, where)
+            parse_checksum(checksum, what=f"{where}: backward {sig!r}")
+    except (InvalidKeyError, serializers.CorruptDataError, CorruptContextError) as err:
+        raise CorruptContextError(f"{where} is damaged: {err}") from None
+    return Record(step, manifests, stored if "backwards" in fields else None)
 
 
 def _step_here(disk: DiskTier) -> str | None:
@@ -209,13 +227,51 @@ def _findings(disk: DiskTier, record: Record, present: Collection[str], checked:
     return found
 
 
+def _backward_damage(disk: DiskTier, record: Record) -> dict[str, str]:
+    """signature -> why, for each stored backward the record lists that is missing, another
+    than the one saved, or damaged (each read whole and checked: a few per store)."""
+    found: dict[str, str] = {}
+    for sig, expected in (record.backwards or {}).items():
+        data = disk.backend.get_bytes(layout.backward_paths(sig)[1])
+        try:
+            if data is None:
+                raise CorruptContextError("its manifest is missing")
+            if serializers.checksum(data) != expected:
+                raise CorruptContextError("its manifest is not the one the save wrote")
+            backwards.read(disk, sig)
+        except CorruptContextError as err:
+            found[sig] = f"its stored backward (signature {sig}) is not whole: {err}"
+    return found
+
+
+def _file_damage(disk: DiskTier, record: Record, keys: Iterable[str]) -> dict[str, str]:
+    """key -> the first of its files that is missing or of another size (one ``stat`` per file,
+    nothing read; nothing found where the storage gives no sizes), or why the stored backward
+    of its signature is not whole."""
+    broken = _backward_damage(disk, record)
+
+    def one(key: str) -> str | None:
+        try:
+            stored = disk.stat(key)
+        except (ContextNotFoundError, CorruptContextError) as err:
+            return str(err)
+        damage = size_damage(disk, stored)
+        return f"its data is not whole: {damage}" if damage is not None else broken.get(stored.spec.signature)
+
+    keys = list(keys)
+    found = request_pool().map(one, keys) if disk.backend.latency_bound else map(one, keys)
+    return {key: damage for key, damage in zip(keys, found) if damage is not None}
+
+
 def check_item(disk: DiskTier, step: str) -> None:
     """Checks that ``disk`` holds what its record says step folder ``step`` saved (reads its
-    record and each manifest, no arrays): what a restore of an Orbax step's item checks.
+    record and each manifest, looks at the size of each file they name, and reads each stored
+    backward the record lists; no arrays): what a restore of an Orbax step's item checks.
 
     Raises:
-      CorruptContextError: the record of another step, or keys missing, foreign or with another
-        manifest, each named. An item saved before records (its marker names no record) is
+      CorruptContextError: the record of another step, or keys missing, foreign, with another
+        manifest, with a file missing or of another size, or whose stored backward is not
+        whole, each named. An item saved before records (its marker names no record) is
         restored unchecked, with a :class:`ResidualStoreWarning`.
     """
     record = read(disk)
@@ -232,6 +288,7 @@ def check_item(disk: DiskTier, step: str) -> None:
     _check_step(disk, record, step)
     present = disk.keys()
     found = _findings(disk, record, present, present)
+    found.update(_file_damage(disk, record, sorted(set(present) - set(found))))
     if found:
         listed = [f"{key!r} {why}" for key, why in list(found.items())[:_LISTED]]
         more = f"; and {len(found) - _LISTED} more" if len(found) > _LISTED else ""

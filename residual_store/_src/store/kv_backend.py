@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
 from residual_store._src.store.backend_protocol import Empty, damaged
-from serializers.kv_errors import is_missing_bucket
+from residual_store_serializers.kv_errors import is_missing_bucket
 
 __all__ = ["KvBackend", "URL_SCHEMES", "url_spec"]
 

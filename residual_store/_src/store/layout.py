@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import xxhash
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import CorruptContextError, ResidualStoreError
 from residual_store._src.store import paths
@@ -58,8 +58,8 @@ from residual_store._src.store.paths import (  # noqa: F401 - re-exported
     weight_path,
 )
 from residual_store._src.store.records import BundleRef, StoredContext, note_residual_count, spec_to_map
-from serializers import bundle as bundles
-from serializers.checksums import checksum_parts
+from residual_store_serializers import bundle as bundles
+from residual_store_serializers.checksums import checksum_parts
 
 __all__ = [  # and, re-exported, every name of paths.__all__
     "ArrayWrite",

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.errors import ReadOnlyStoreError
 from residual_store._src.store.backend_protocol import DamagedFileError, Empty, damaged
 from residual_store._src.store.paths import STORE_MARKER
-from serializers.local import (
+from residual_store_serializers.local import (
     check_array_metadata_local,
     check_folders_local,
     fsync_folder_local,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import uuid
 
-from serializers.bundle import BUNDLE_FILE
+from residual_store_serializers.bundle import BUNDLE_FILE
 
 __all__ = [
     "BACKWARDS",

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src import structure
 from residual_store._src.context import OWN_KINDS, SHARED_KINDS, CallSpec, InputAval, ResidualSpec, check_save_record
 from residual_store._src.errors import CorruptContextError
@@ -28,9 +28,9 @@ from residual_store._src.placement import check_sharding_record, key_dtype
 from residual_store._src.store import paths
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.keys import validate_key
-from serializers.bundle import BUNDLE_ALIGNMENT, MAX_BUNDLE_BYTES, BundleArray
-from serializers.checksums import parse_checksum
-from serializers.manifest import manifest_outline
+from residual_store_serializers.bundle import BUNDLE_ALIGNMENT, MAX_BUNDLE_BYTES, BundleArray
+from residual_store_serializers.checksums import parse_checksum
+from residual_store_serializers.manifest import manifest_outline
 
 __all__ = [
     "MAX_ARRAY_BYTES",

@@ -18,14 +18,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.context import ResidualSpec
 from residual_store._src.errors import CorruptContextError, StoreUnavailableError
 from residual_store._src.store import layout
 from residual_store._src.store.backend_protocol import Backend, Empty
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.records import StoredContext
-from serializers import bundle as bundles
+from residual_store_serializers import bundle as bundles
 
 __all__ = ["check", "read"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-import serializers
+import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualContext
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.host import HostArrays, ShardedHost, is_whole_on, read_device, to_device_sharded
