@@ -397,3 +397,56 @@ def test_the_serializers_install_under_the_projects_own_name(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["None", "residual_store_serializers", "residual_store._src.store.store"]
+
+
+_MADE_HERE = {"object.__new__", "cls", "cls.__new__", "super().__new__"}
+
+
+def _private_sets(source: str) -> list[tuple[int, str]]:
+    """(line, target) of each assignment to a private attribute of an object that is not its
+    class's own: outside any class, or in a method, to anything but ``self``, ``cls`` or an
+    instance the method itself makes (``object.__new__(cls)``, ``cls(...)``)."""
+    found: list[tuple[int, str]] = []
+
+    def own_names(func: ast.AST) -> set[str]:
+        names = {"self", "cls"}
+        for n in ast.walk(func):
+            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and ast.unparse(n.value.func) in _MADE_HERE:
+                names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        return names
+
+    def visit(node: ast.AST, own: set[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = own
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and isinstance(node, ast.ClassDef):
+                inner = own_names(child)
+            elif isinstance(child, ast.ClassDef):
+                inner = set()
+            if isinstance(child, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                for target in child.targets if isinstance(child, ast.Assign) else [child.target]:
+                    found.extend(
+                        (child.lineno, ast.unparse(n)) for n in ast.walk(target)
+                        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                        and not (isinstance(n.value, ast.Name) and n.value.id in own)
+                    )
+            visit(child, inner)
+
+    visit(ast.parse(source), set())
+    return found
+
+
+def test_the_check_finds_private_attributes_set_from_outside():
+    source = (
+        "class A:\n"
+        "    def __init__(self):\n        self._x = 1\n"
+        "    @classmethod\n    def made(cls):\n        obj = object.__new__(cls)\n        obj._x = 2\n        return obj\n"
+        "    def other(self, ctx):\n        ctx._y = 3\n        self._b._z = 4\n"
+        "def f(ctx):\n    ctx._w = 5\n"
+    )
+    assert _private_sets(source) == [(10, "ctx._y"), (11, "self._b._z"), (13, "ctx._w")]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: str(m.relative_to(PACKAGE)))
+def test_no_private_attribute_is_set_from_outside_its_class(module):
+    found = _private_sets(module.read_text())
+    assert not found, f"give the class a way to be told (a constructor, a method): {found}"

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from residual_store._src import _jax_internals
-from residual_store._src.context import ResidualContext, check_representable, describe_residual
+from residual_store._src.context import ResidualContext, backward_of, check_representable, describe_residual
 from residual_store._src.errors import (
     BackwardUnavailableError,
     InvalidArgumentError,
@@ -391,7 +391,8 @@ def backward(ctx: ResidualContext, cotangent: Any = None, *, like: Any = None) -
     """
     if not isinstance(ctx, ResidualContext):
         raise InvalidArgumentError(f"backward expects a rs.ResidualContext, got {type(ctx).__name__}")
-    bwd = ctx._backward or find_backward(ctx.spec.signature, ctx._loader)
+    own, loader = backward_of(ctx)
+    bwd = own or find_backward(ctx.spec.signature, loader)
     if bwd is None:
         sig = ctx.spec.signature
         if not is_current(sig):

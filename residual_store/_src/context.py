@@ -26,6 +26,8 @@ __all__ = [
     "ResidualKind",
     "ResidualSpec",
     "SHARED_KINDS",
+    "backward_of",
+    "bound_context",
     "check_representable",
     "check_save_record",
     "describe_residual",
@@ -329,10 +331,30 @@ class ResidualContext:
 
     @classmethod
     def tree_unflatten(cls, spec: ResidualSpec, residuals: Sequence[Any]) -> ResidualContext:
+        return cls._made(spec, residuals, None, None)
+
+    @classmethod
+    def _made(cls, spec: ResidualSpec, residuals: Sequence[Any], backward: Any, loader: Any) -> ResidualContext:
+        """A context without the checks of ``__init__`` (its residuals match ``spec``: a split,
+        a store or JAX made them from it)."""
         obj = object.__new__(cls)
         obj._residuals = tuple(residuals)
         obj._spec = spec
-        obj._backward = None
-        obj._loader = None
+        obj._backward = backward
+        obj._loader = loader
         obj._nbytes = None
         return obj
+
+
+def bound_context(spec: ResidualSpec, residuals: Sequence[Any], *, backward: Any = None, loader: Any = None) -> ResidualContext:
+    """A context that carries what runs its backward: ``backward``, the one of the split that
+    made it (the context keeps it alive: the registry holds backwards weakly), or ``loader``,
+    the stored backward its store read for it (deserialized only if ``rs.backward`` needs it).
+    ``residuals`` match ``spec`` (a split or a store made them from it)."""
+    return ResidualContext._made(spec, residuals, backward, loader)
+
+
+def backward_of(ctx: ResidualContext) -> tuple[Any, Any]:
+    """What ``ctx`` carries to run its backward: (the split's backward, the stored backward's
+    loader), each ``None`` where it carries none (see :func:`bound_context`)."""
+    return ctx._backward, ctx._loader

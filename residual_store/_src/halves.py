@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from residual_store._src import jaxpr_walks, placement
 from residual_store._src.backward import Backward, Executables
-from residual_store._src.context import ResidualContext, ResidualSpec
+from residual_store._src.context import ResidualContext, ResidualSpec, bound_context
 from residual_store._src.errors import InvalidArgumentError, SignatureMismatchError
 from residual_store._src.keypaths import PathStructure
 from residual_store._src.partition import Partition, partition
@@ -212,6 +212,5 @@ class Halves:
         g_now, computed = self._b_executables.run(residuals, cts, lambda: parent.check_residuals(ctx))
         pool = residuals + [c if isinstance(c, jax.Array) else jnp.asarray(c) for c in cts]
         held = [pool[i] for i in self.partition.inputs_of_w] + list(computed)
-        later = ResidualContext.tree_unflatten(self.later_spec, held)
-        later._backward = self.weight_backward
+        later = bound_context(self.later_spec, held, backward=self.weight_backward)
         return self._now_structure.unflatten([g_now[i] for i in self._now_perm]), later

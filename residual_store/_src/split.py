@@ -35,7 +35,14 @@ from cachetools import LRUCache
 from residual_store._src import filters, jaxpr_walks, rebuild, slots
 from residual_store._src.backward import Backward, register_backward, staged
 from residual_store._src.cache import DEFAULT_CACHE_SIZE, CacheInfo, ExecutableCache
-from residual_store._src.context import CallSpec, ResidualContext, ResidualSpec, check_representable, describe_residual
+from residual_store._src.context import (
+    CallSpec,
+    ResidualContext,
+    ResidualSpec,
+    bound_context,
+    check_representable,
+    describe_residual,
+)
 from residual_store._src.errors import InvalidArgumentError, RecomputeWarning, SignatureMismatchError
 from residual_store._src.halves import GradParts, Halves
 from residual_store._src.keypaths import PathStructure
@@ -239,8 +246,7 @@ class Split:
         outputs = entry.executable(list(entry.consts), leaves)
         residuals = tuple(slots.gather(entry.slots, entry.consts, leaves, outputs))
         out = jax.tree.unflatten(entry.out_tree, outputs[: entry.n_out])
-        ctx = ResidualContext.tree_unflatten(entry.spec, residuals)
-        ctx._backward = entry.backward  # the context keeps its backward alive (the registry is weak)
+        ctx = bound_context(entry.spec, residuals, backward=entry.backward)
         if entry.aux_tree is not None:
             n_aux = entry.aux_tree.num_leaves
             aux = jax.tree.unflatten(entry.aux_tree, outputs[entry.n_out : entry.n_out + n_aux])

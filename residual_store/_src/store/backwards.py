@@ -30,6 +30,7 @@ import numpy as np
 
 import residual_store_serializers as serializers
 from residual_store._src.backward import Backward, find_backward, lookup_backward, register_backward
+from residual_store._src.context import backward_of
 from residual_store._src.errors import (
     BackwardUnavailableError,
     CorruptContextError,
@@ -373,7 +374,7 @@ class Saver:
             self._seen.add(sig)
         if not self._saves:
             return
-        bwd = ctx._backward or find_backward(sig)
+        bwd = backward_of(ctx)[0] or find_backward(sig)
         if bwd is None or bwd.unavailable is not None:
             return
         if bwd.unexportable is not None:

@@ -14,7 +14,7 @@ import functools
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from residual_store._src.context import ResidualContext, check_representable, describe_residual
+from residual_store._src.context import ResidualContext, bound_context, check_representable, describe_residual
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError
 from residual_store._src.store.host import place, to_device
 from residual_store._src.store.ledger import KeyLedger
@@ -191,11 +191,8 @@ class Reads:
             functools.partial(self._weights.device_array, paths, arrays, live, self._target),
             self._target,
         )
-        ctx = ResidualContext(residuals, stored.spec)
-        loader = self._side.backward_for(stored.spec.signature)
-        if loader is not None:
-            # read and checked now, deserialized only if rs.backward needs it (see store.backwards)
-            ctx._loader = loader
+        # the stored backward, read and checked now, deserialized only if rs.backward needs it
+        ctx = bound_context(stored.spec, residuals, loader=self._side.backward_for(stored.spec.signature))
         with self._lock:
             if key in self._tiers or not self._ledger.read_from_disk(key, version):
                 return ctx  # put, delete or another read while this one ran: theirs stays
