@@ -29,14 +29,14 @@ from residual_store._src.backward import Backward
 from residual_store._src.errors import BackwardUnavailableError, CorruptContextError
 from residual_store._src.keypaths import PathStructure
 
-__all__ = ["PLATFORMS", "Exported", "export_backward", "load_backward"]
+__all__ = ["PLATFORMS", "SerializedBackward", "export_backward", "load_backward"]
 
 PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
 """The platforms a stored backward is lowered for (those it can be), besides the current one."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Exported:
+class SerializedBackward:
     """A serialized flat backward.
 
     Attributes:
@@ -58,7 +58,7 @@ def _why(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
 
 
-def export_backward(bwd: Backward, residual_avals: Sequence[Any], platforms: Sequence[str] = PLATFORMS) -> Exported:
+def export_backward(bwd: Backward, residual_avals: Sequence[Any], platforms: Sequence[str] = PLATFORMS) -> SerializedBackward:
     """Serializes ``bwd``'s flat function for residuals of ``residual_avals``, lowered for the
     current platform and every other of ``platforms`` it lowers for.
 
@@ -75,7 +75,7 @@ def export_backward(bwd: Backward, residual_avals: Sequence[Any], platforms: Seq
         return bytes(jax_export.export(fn, platforms=tuple(chosen))(*args).serialize())
 
     try:
-        return Exported(lower(wanted), wanted, {})
+        return SerializedBackward(lower(wanted), wanted, {})
     except Exception:  # noqa: BLE001 - JAX raises several types; find which platform fails.
         pass
     try:
@@ -92,7 +92,7 @@ def export_backward(bwd: Backward, residual_avals: Sequence[Any], platforms: Seq
             chosen.append(platform)
         except Exception as err:  # noqa: BLE001
             left_out[platform] = _why(err)
-    return Exported(lower(chosen), tuple(chosen), left_out)
+    return SerializedBackward(lower(chosen), tuple(chosen), left_out)
 
 
 def load_backward(

@@ -149,7 +149,7 @@ def describe(m: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _exported_device_count(data: bytes) -> int:
-    """How many devices a serialized backward was exported for (``Exported.nr_devices``).
+    """How many devices a serialized backward was exported for (``jax.export.Exported.nr_devices``).
 
     A backward exported for one device (the usual case: ``jax.export`` of plain avals) runs on
     sharded residuals over any number of devices too; one exported for N > 1 devices (a backward
