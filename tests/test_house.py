@@ -64,7 +64,7 @@ def test_every_path_of_the_tree_is_spelled_in_paths_only(module):
 
 def test_the_store_asks_its_committer_not_which_kind_it_has():
     source = (PACKAGE / "_src" / "store" / "store.py").read_text()
-    for name in ("_collective", "CollectiveCommitter", "is_multiprocess", "process_index", "can_rename"):
+    for name in ("_collective", "CollectiveCommitter", "is_multiprocess", "process_index", "LocalBackend", "KvBackend"):
         assert name not in source, f"store.py branches on the kind of committer or backend ({name})"
 
 
@@ -79,6 +79,24 @@ def _names(source: str) -> set[str]:
         elif isinstance(node, ast.alias):
             found.add(node.name.rsplit(".", 1)[-1])
     return found
+
+
+# what tells which medium a backend writes to, or makes a write atomic on one medium only: the
+# backends and their strategies (store/atomicity.py) use it, the write path calls the strategy
+_ASK_THE_MEDIUM = {
+    "can_rename", "LocalBackend", "KvBackend", "AtomicRenames", "AtomicPuts",
+    "rename", "temporary_for", "publish", "touch",
+}
+_WRITE_PATH = [PACKAGE / "_src" / "store" / name for name in ("store.py", "disk.py", "gc.py", "collective.py")]
+
+
+@pytest.mark.parametrize("module", _WRITE_PATH, ids=lambda m: m.name)
+def test_the_write_path_lets_the_medium_s_strategy_make_writes_atomic(module):
+    asked = _names(module.read_text()) & _ASK_THE_MEDIUM
+    assert not asked, (
+        f"{module.relative_to(PACKAGE.parent)} asks which medium it writes to, or renames itself "
+        f"({sorted(asked)}): call the backend's strategy (store/atomicity.py, disk.atomicity)"
+    )
 
 
 def test_the_check_finds_questions_about_the_job():

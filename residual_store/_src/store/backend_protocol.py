@@ -1,6 +1,7 @@
 """What a storage backend of the disk tier is: the operations the disk tier needs (write and
-read arrays, put and get small objects atomically, list, delete, rename), and the error a
-backend raises for an entry that is not what the store puts there.
+read arrays, put and get small objects atomically, list, delete, rename), the strategy that
+makes its writes atomic (:mod:`residual_store._src.store.atomicity`), and the error a backend
+raises for an entry that is not what the store puts there.
 
 The backends: :mod:`residual_store._src.store.local_backend` (a local folder) and
 :mod:`residual_store._src.store.kv_backend` (any tensorstore kvstore); :func:`residual_store._src.store.backends.open_backend`
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from residual_store._src.errors import CorruptContextError
+from residual_store._src.store.atomicity import Atomicity
 
 __all__ = ["Backend", "DamagedFileError", "Empty", "damaged"]
 
@@ -44,7 +46,6 @@ class Backend(Protocol):
 
     description: str
 
-    can_rename: bool
     # each read waits on a request (an object store): reads go out together, whatever their size
     latency_bound: bool
 
@@ -98,6 +99,5 @@ class Backend(Protocol):
     def gc_lock(self, *, exclusive: bool) -> AbstractContextManager[None]: ...
     def touch(self, prefix: str) -> bool: ...
     def sync_folder(self, prefix: str) -> None: ...  # a rename into it survives a power loss
-    # where a write of ``key`` may stage its bytes first (None: no renames, put_bytes it)
-    def temporary_for(self, key: str) -> str | None: ...
-    def publish(self, temporary: str, key: str, *, fsync: bool) -> None: ...  # rename it into place
+    # how this medium makes a write atomic: a fresh strategy, held by one disk tier
+    def atomicity(self) -> Atomicity: ...

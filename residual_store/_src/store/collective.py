@@ -199,7 +199,7 @@ class _Share:
     """What one process writes of a :class:`~residual_store._src.store.layout.WritePlan`."""
 
     mine: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> array or its chunks
-    mine_shared: dict[str, Any] = dataclasses.field(default_factory=dict)  # chunks of weights, no rename
+    mine_shared: dict[str, Any] = dataclasses.field(default_factory=dict)  # chunks of weights, in place
     skipped: list[str] = dataclasses.field(default_factory=list)  # sharded weights found in place
     shared_whole: dict[str, Any] = dataclasses.field(default_factory=dict)  # whole weights (process 0)
     staged: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)  # weight -> (where its chunks go, array)
@@ -219,10 +219,11 @@ class CollectiveCommitter:
     happened. A process that dies or fails leaves no manifest: the others time out or learn the
     failure and raise, and process 0 removes the data.
 
-    A sharded weight goes to a staging folder renamed into place where the backend can rename
-    (a local or shared file system); on other kvstores each process writes its chunks under the
-    weight's content address (the same bytes whoever writes them), and ``zarr.json``, written
-    last by process 0, makes the weight exist.
+    A sharded weight goes where the medium's strategy stages it
+    (:meth:`~residual_store._src.store.atomicity.Atomicity.shared_staging`): a staging folder
+    renamed into place where the backend can rename (a local or shared file system); on other
+    kvstores the weight's content address, where each process writes its chunks (the same bytes
+    whoever writes them), and ``zarr.json``, written last by process 0, makes the weight exist.
 
     Every process holds the store's gc lock shared for the whole write: from the first look for
     a weight in any process to the commit, gc cannot remove one.
@@ -331,7 +332,7 @@ class CollectiveCommitter:
         """This process's part of ``plan``: its chunks of every chunked array, and with ``lead``
         the whole arrays."""
         share = _Share()
-        renames = self.backend.can_rename
+        atomicity = self.disk.atomicity
         for a in plan.arrays:
             if a.whole:
                 if lead and not a.shared:
@@ -342,13 +343,13 @@ class CollectiveCommitter:
                 share.mine[a.path] = a.data
                 share.chunked[a.path] = a.data
             else:
-                target = layout.staging_path(a.path, write_id) if renames else a.path
+                target = atomicity.shared_staging(a.path, write_id)
                 share.staged[a.path] = (target, a.data)
                 if self.backend.array_exists(a.path):
                     share.skipped.append(a.path)
-                elif renames:
+                elif target != a.path:  # a folder of this write alone
                     share.mine[target] = a.data
-                else:
+                else:  # the weight's own address: content-addressed chunks, which no writer tears
                     share.mine_shared[target] = a.data
         return share
 
@@ -358,10 +359,10 @@ class CollectiveCommitter:
         weights, the group metadata, then the manifest. Returns the manifest it replaced."""
         meta = {p: serializers.ChunkedArray(a.shape, a.dtype, a.chunk_shape, {}) for p, a in share.chunked.items()}
         self.backend.write_arrays(meta, fsync=fsync, attributes=_of(plan.attributes, meta))
+        atomicity = self.disk.atomicity
         for path, (target, data) in share.staged.items():
             if self.backend.array_exists(path):
-                if target != path:
-                    self.backend.delete_tree(target)
+                atomicity.drop_shared_staging(target, path)
                 continue
             if path in skipped:
                 raise ResidualStoreError(
@@ -369,12 +370,7 @@ class CollectiveCommitter:
                     "skipped writing their chunks of it; put the context again"
                 )
             empty = {target: serializers.ChunkedArray(data.shape, data.dtype, data.chunk_shape, {})}
-            if target == path:  # no rename: the zarr.json makes the weight exist
-                self.backend.write_shared_arrays(empty, fsync=fsync)
-                continue
-            self.backend.write_arrays(empty, fsync=fsync)
-            if not self.backend.rename(target, path):
-                self.backend.delete_tree(target)  # another writer put the same bytes there
+            atomicity.publish_shared(target, path, empty, fsync=fsync)  # its zarr.json makes it exist
         self.backend.write_shared_arrays(share.shared_whole, fsync=fsync)
         self.backend.put_bytes(layout.group_metadata_path(plan.data_dir), plan.group, fsync=fsync)
         previous = self.disk.read_manifest_bytes(plan.key)
@@ -385,9 +381,8 @@ class CollectiveCommitter:
         """Process 0: what a write left that does not commit."""
         if lead:
             self.backend.delete_tree(plan.data_dir)
-            for target, _ in share.staged.values():
-                if self.backend.can_rename:  # elsewhere chunks without zarr.json are invisible; gc takes them
-                    self.backend.delete_tree(target)
+            for path, (target, _) in share.staged.items():
+                self.disk.atomicity.drop_shared_staging(target, path)
 
     def delete(self, key: str) -> tuple[bool, StaleData | None]:
         """:meth:`DiskTier.delete` by every process at once: process 0 removes the manifest once

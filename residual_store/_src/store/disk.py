@@ -16,6 +16,9 @@ the context is either whole or absent; what it left behind is unreferenced and r
 commits (:meth:`DiskTier.sync_commits`, before the store's ``flush`` returns). Two writers of
 one key: each commit replaces the manifest whole, so readers see one complete context or the
 other (last rename wins; a read that loses the race to a commit reads the new manifest again).
+How the medium makes each step atomic (a rename into place or a put; which replaced folders are
+recycled, and how) is the strategy its backend names, :mod:`residual_store._src.store.atomicity`:
+this module never asks which medium it writes to.
 
 Sharded residuals: a ``jax.Array`` with a :class:`~jax.sharding.NamedSharding` over several
 devices is written shard by shard, never gathered: one zarr chunk per distinct shard (the shards
@@ -66,7 +69,6 @@ from residual_store._src.store.workers import request_pool
 
 __all__ = ["DiskTier", "STORE_MARKER"]
 
-_MAX_FREE_PER_LAYOUT = 64
 _STAT_CACHE_MAX = 4096  # parsed manifests kept for listing (least recently used dropped)
 _PARALLEL_READ_BYTES = 16 << 20  # a context this large is read two arrays at a time
 _SMALL_READ_BYTES = 64 << 10  # what one more file costs to open and read, counted as bytes
@@ -107,6 +109,8 @@ class DiskTier:
         timeout: float | None = None,
     ) -> None:
         self.backend = open_backend(path, timeout=timeout)
+        # how the medium makes writes atomic; holds this tier's recycled folders
+        self.atomicity = self.backend.atomicity()
         self.read_only = bool(read_only)
         # the host buffers reads fill, reused once their arrays are gone (0: always fresh ones)
         self.buffers = ReadBuffers(read_buffer_bytes) if read_buffer_bytes > 0 else None
@@ -114,7 +118,6 @@ class DiskTier:
         self._lock = StoreLock()
         # key -> (manifest version, parsed manifest), least recently used first
         self._stat_cache: LRUCache[str, tuple[Any, StoredContext]] = LRUCache(_STAT_CACHE_MAX)
-        self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
         self._version = STORE_VERSION  # of the store's marker (an older store is upgraded by a write)
         self._groups_checked = False  # whether this store's root zarr groups are known to exist
         self._unsynced: set[str] = set()  # folders commits renamed manifests into, not synced yet
@@ -214,13 +217,14 @@ class DiskTier:
         self.check_writable(f"put {key!r}")
         self.ensure_groups()
         previous = self._committed_data(key)
-        reuse = self._claim_free(plan.layout, plan.data_dir)
+        reuse = self.atomicity.claim(plan.layout, plan.data_dir)
         shared = plan.shared
         created: list[str] = []  # weights this write added: removed again if it fails
         manifest_path = layout.manifest_path(key)
-        # The manifest is written (and synced) with the arrays under a temporary name, and only
-        # renamed into place, its commit, once they and the weights are there.
-        staged = self.backend.temporary_for(manifest_path)
+        # Where the medium renames: the manifest is written (and synced) with the arrays under a
+        # temporary name, and only renamed into place, its commit, once they and the weights are
+        # there. Elsewhere its put, after them, is the commit.
+        staged = self.atomicity.stage(manifest_path)
         committing = False  # whether the manifest's put (or rename) has been asked for
         try:
             try:
@@ -242,13 +246,9 @@ class DiskTier:
                 created = [p for p in shared if not self.backend.array_exists(p)]
                 self.backend.write_shared_arrays({p: shared[p] for p in created}, fsync=fsync)
                 committing = True
-                if staged is not None:  # its folder is synced by sync_commits, once for a burst
-                    self.backend.publish(staged, manifest_path, fsync=False)
-                    if fsync:
-                        with self._lock:
-                            self._unsynced.add(layout.CONTEXTS)
-                else:
-                    self.backend.put_bytes(manifest_path, plan.manifest, fsync=fsync)
+                if self.atomicity.commit(staged, manifest_path, plan.manifest, fsync=fsync):
+                    with self._lock:  # its folder is synced by sync_commits, once for a burst
+                        self._unsynced.add(layout.CONTEXTS)
         except StoreUnavailableError as err:
             # The store does not answer: asking it to remove what this write put would only wait
             # again. What is there is unreferenced (gc removes it), unless the manifest's put was
@@ -258,8 +258,7 @@ class DiskTier:
             raise
         except (serializers.DiskFullError, OSError) as err:
             event(logging.WARNING, "put failed", key=key, error=f"{type(err).__name__}: {err}")
-            if staged is not None:
-                self.backend.delete(staged)
+            self.atomicity.unstage(staged)
             self._undo_write(plan.data_dir, created)
             if serializers.is_disk_full(err):
                 raise StoreFullError(
@@ -612,48 +611,13 @@ class DiskTier:
             return None
         return layout.data_of(stored)
 
-    def _claim_free(self, layout: str, data_dir: str) -> bool:
-        """Renames a recycled folder of this layout to ``data_dir``; whether one was found."""
-        if not self.backend.can_rename:
-            return False
-        while True:
-            with self._lock:
-                free = self._free.get(layout)
-                if not free:
-                    return False
-                candidate = free.pop()
-            # touched first, so the folder is young under its new name (gc's age rule) from the
-            # moment it has one; a folder gc took meanwhile fails the touch or the rename
-            if self.backend.touch(candidate) and self.backend.rename(candidate, data_dir):
-                return True
-
-    def forget_recycled(self, path: str) -> None:
-        """No writer of this process claims the recycled folder ``path`` any more (gc takes it)."""
-        with self._lock:
-            for pool in self._free.values():
-                if path in pool:
-                    pool.remove(path)
-
     def drop_data(self, stale: StaleData, *, recycle: bool = True) -> None:
-        """Disposes of a data folder that no manifest references any more.
-
-        With ``recycle``, in a local folder it is kept for reuse by a later write of the same
-        layout (same shapes and dtypes), which then overwrites its files in place instead of
-        creating some 50 files and folders (file creation dominates small writes); otherwise it
-        is removed.
+        """Disposes of a data folder that no manifest references any more: with ``recycle``,
+        kept for reuse by a later write of the same layout where the medium can (a local folder),
+        otherwise removed (see :meth:`Atomicity.drop <residual_store._src.store.atomicity.Atomicity.drop>`).
         """
         self.check_writable("drop data")
-        if recycle and self.backend.can_rename:
-            with self._lock:
-                pool = self._free.setdefault(stale.layout, [])
-                room = len(pool) < _MAX_FREE_PER_LAYOUT
-            if room:
-                target = layout.recycled_path(stale.layout, layout.new_write_id())
-                if self.backend.rename(stale.data_dir, target):
-                    with self._lock:
-                        pool.append(target)
-                    return
-        self.backend.delete_tree(stale.data_dir)
+        self.atomicity.drop(stale, recycle=recycle)
 
     def delete(self, key: str) -> tuple[bool, StaleData | None]:
         """Removes ``key``'s manifest, so it vanishes atomically.

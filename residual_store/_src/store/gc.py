@@ -4,9 +4,10 @@ Unneeded are weights no manifest references, data folders of no committed contex
 folders, stored backwards of signatures no context has (and damaged ones), and temporary files of
 interrupted writes. Safe against writers in any process (see docs/format.md, "Garbage
 collection"): :func:`collect` holds the store's gc lock exclusively, which writers hold shared
-from checking which weights exist to committing; a recycled folder is touched before a writer
-claims it; and each folder is first renamed into ``data/.trash`` (atomic against a writer's
-claim) and only then removed.
+from checking which weights exist to committing; and each folder is removed by the medium's
+strategy (:meth:`Atomicity.remove <residual_store._src.store.atomicity.Atomicity.remove>`): in a
+local folder, a recycled folder is touched before a writer claims it, and a folder is first
+renamed into ``data/.trash`` (atomic against a writer's claim) and only then removed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -90,10 +90,10 @@ def _collect_locked(disk: DiskTier, older_than: float, dry_run: bool, progress: 
                 continue  # the group's own zarr.json
             path = f"{prefix}/{name}"
             if path not in referenced:
-                take(kind, [path], functools.partial(_discard, backend, path))
+                take(kind, [path], functools.partial(disk.atomicity.remove, path))
     for name in backend.list_dir(layout.FREE_DIR):  # recycled folders kept for reuse
         path = f"{layout.FREE_DIR}/{name}"
-        take("recycled", [path], functools.partial(_discard_recycled, disk, path))
+        take("recycled", [path], functools.partial(disk.atomicity.remove, path))
     stems = {n.rsplit(".", 1)[0] for n in backend.list_dir(layout.BACKWARDS)}
     for sig in sorted(stems):
         if sig in signatures:
@@ -120,27 +120,7 @@ def _old_enough(backend: Backend, path: str, older_than: float) -> bool:
     return age is not None and age >= older_than
 
 
-def _discard_recycled(disk: DiskTier, path: str) -> bool:
-    """Removes a recycled folder, which this process's writers no longer claim."""
-    disk.forget_recycled(path)
-    return _discard(disk.backend, path)
-
-
 def _delete_all(backend: Backend, paths: Sequence[str]) -> bool:
     for p in paths:
         backend.delete(p)
-    return True
-
-
-def _discard(backend: Backend, path: str) -> bool:
-    """Removes a folder gc chose: renamed into the trash first, so a writer that claims it at the
-    same moment gets it whole or not at all (never a folder half removed under it). ``False`` if
-    someone else took it first."""
-    if not backend.can_rename:
-        backend.delete_tree(path)
-        return True
-    trash = layout.trash_path(uuid.uuid4().hex)
-    if not backend.rename(path, trash):
-        return False
-    backend.delete_tree(trash)
     return True

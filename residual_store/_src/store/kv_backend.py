@@ -1,6 +1,7 @@
 """Any tensorstore kvstore (``memory``, ``file`` with options, ``gcs``, ``s3``) as the disk
 tier's backend: requests bounded by a timeout, refusals and silences reported as
-:class:`~residual_store._src.errors.StoreUnavailableError`."""
+:class:`~residual_store._src.errors.StoreUnavailableError`; single-object puts as the commits (its
+strategy: :class:`~residual_store._src.store.atomicity.AtomicPuts`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import tensorstore as ts
 
 import residual_store_serializers as serializers
 from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
+from residual_store._src.store.atomicity import AtomicPuts
 from residual_store._src.store.backend_protocol import Empty, damaged
 from residual_store_serializers.kv_errors import is_missing_bucket
 
@@ -121,7 +123,6 @@ class KvBackend:
             spec = {**spec, "path": path + "/"}
         return spec
 
-    can_rename = False
     latency_bound = True
 
     @_requests
@@ -293,11 +294,9 @@ class KvBackend:
     def sync_folder(self, prefix: str) -> None:
         pass  # no renames on kvstores
 
-    def temporary_for(self, key: str) -> None:
-        return None  # no renames: a single-object put is atomic
-
-    def publish(self, temporary: str, key: str, *, fsync: bool) -> None:
-        raise NotImplementedError("kvstores have no renames; put_bytes instead")
+    def atomicity(self) -> AtomicPuts:
+        """No renames: a single-object put is atomic, and is a manifest's commit."""
+        return AtomicPuts(self)
 
 
 # the kvstore URL schemes a store opens, and the tensorstore driver each must parse into: the

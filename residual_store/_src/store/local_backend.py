@@ -1,5 +1,6 @@
-"""A local folder as the disk tier's backend: the serializers' fast path, atomic renames,
-fsync, and nothing below the root followed if it is a symbolic link."""
+"""A local folder as the disk tier's backend: the serializers' fast path, atomic renames (its
+strategy: :class:`~residual_store._src.store.atomicity.AtomicRenames`), fsync, and nothing below
+the root followed if it is a symbolic link."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 
 import residual_store_serializers as serializers
 from residual_store._src.errors import ReadOnlyStoreError
+from residual_store._src.store.atomicity import AtomicRenames
 from residual_store._src.store.backend_protocol import DamagedFileError, Empty, damaged
 from residual_store._src.store.paths import STORE_MARKER
 from residual_store_serializers.local import (
@@ -106,8 +108,6 @@ class LocalBackend:
             shutil.rmtree(path, ignore_errors=True)
         else:
             _remove_quietly(path)
-
-    can_rename = True
 
     def write_arrays(
         self,
@@ -403,6 +403,10 @@ class LocalBackend:
 
     def sync_folder(self, prefix: str) -> None:
         fsync_folder_local(self._safe(prefix, itself=True))
+
+    def atomicity(self) -> AtomicRenames:
+        """Atomic renames: staged files renamed into place, replaced folders recycled."""
+        return AtomicRenames(self)
 
 
 def check_writable(root: str, *, create: bool) -> None:
