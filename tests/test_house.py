@@ -1,8 +1,8 @@
 """House rules of the code that a test can check: every path of a store's tree is spelled in
 ``residual_store/_src/store/paths.py`` only; the store asks its committer how to write, never which
-kind it has; only the store and its collective module ask whether the job has several
-processes; JAX internals are used in ``_jax_internals`` only; no module is over 700 lines; no
-test is an expected failure that may pass."""
+kind it has, and the committer answers with methods that do the thing, not flags; only the store
+and its collective module ask whether the job has several processes; JAX internals are used in
+``_jax_internals`` only; no module is over 700 lines; no test is an expected failure that may pass."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 TESTS = sorted(Path(__file__).resolve().parent.glob("*.py"))
 MAX_MODULE_LINES = 700
 # the modules that may ask whether the job has several processes (the store decides, its
-# collective module answers); the rest are told (a committer's attributes, a flag)
+# collective module answers); the rest are told (a committer's methods, a flag)
 _ASK_THE_JOB = {"process_count", "is_multiprocess"}
 _MAY_ASK_THE_JOB = {Path("_src") / "store" / "store.py", Path("_src") / "store" / "collective.py"}
 
@@ -99,6 +99,56 @@ def test_the_write_path_lets_the_medium_s_strategy_make_writes_atomic(module):
     )
 
 
+_COMMITTER_KINDS = ("SingleProcessCommitter", "CollectiveCommitter")
+
+
+@pytest.mark.parametrize("module", ["store.py", "persistence.py"])
+def test_the_store_and_its_side_never_name_a_kind_of_committer(module):
+    """They call the committer's methods, whichever committer ``committer_for`` chose."""
+    used = _names((PACKAGE / "_src" / "store" / module).read_text())
+    assert not used & set(_COMMITTER_KINDS), f"{module} names a kind of committer: {sorted(used & set(_COMMITTER_KINDS))}"
+
+
+def test_the_committer_protocol_has_methods_not_flags():
+    """What differs between one process and a job is done by the committer (a method each
+    committer implements), never a flag its caller reads and interprets."""
+    tree = ast.parse((PACKAGE / "_src" / "store" / "committer.py").read_text())
+    protocol = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Committer")
+    flags = [n.target.id for n in protocol.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    assert not flags, f"the Committer protocol has attributes for its callers to interpret: {flags}"
+    methods = {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)}
+    for kind in _COMMITTER_KINDS:
+        source = next(m for m in MODULES if f"class {kind}" in m.read_text()).read_text()
+        cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == kind)
+        defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+        assert methods <= defined, f"{kind} lacks {sorted(methods - defined)}"
+        assert not _public_flags(cls), f"{kind} has flags for its callers to interpret: {_public_flags(cls)}"
+
+
+def _public_flags(cls: ast.ClassDef) -> list[str]:
+    """Public attributes that ``cls`` sets to ``True``/``False`` or a comparison, in its body
+    or on ``self``."""
+    found = []
+    for node in ast.walk(cls):
+        if not isinstance(node, ast.Assign):
+            continue
+        value = node.value
+        if not (isinstance(value, ast.Compare) or (isinstance(value, ast.Constant) and isinstance(value.value, bool))):
+            continue
+        for target in node.targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                found.append(target.attr)
+            elif isinstance(target, ast.Name) and node in cls.body:
+                found.append(target.id)
+    return [name for name in found if not name.startswith("_")]
+
+
+def test_the_check_finds_flags():
+    source = "class A:\n    x = True\n    _y = False\n    def __init__(self):\n        self.z = f() == 0\n        w = True\n"
+    cls = ast.parse(source).body[0]
+    assert isinstance(cls, ast.ClassDef) and _public_flags(cls) == ["x", "z"]
+
+
 def test_the_check_finds_questions_about_the_job():
     assert _names('"""jax.process_count() > 1"""\nn = jax.process_count()\n') & _ASK_THE_JOB == {"process_count"}
     assert _names("from residual_store._src.store.collective import is_multiprocess\n") & _ASK_THE_JOB == {"is_multiprocess"}
@@ -112,7 +162,7 @@ def test_only_the_store_and_its_collective_module_ask_whether_the_job_has_severa
     asked = _names(module.read_text()) & _ASK_THE_JOB
     assert not asked, (
         f"{module.relative_to(PACKAGE.parent)} asks whether the job has several processes ({sorted(asked)}): "
-        "store/collective.py answers (committer_for, a committer's attributes); pass the answer down"
+        "store/collective.py answers (committer_for, a committer's methods); pass the answer down"
     )
 
 

@@ -20,6 +20,7 @@ import pytest
 
 import residual_store as rs
 from residual_store._src.context import ResidualContext
+from residual_store._src.store import committer as committer_module
 from residual_store._src.store import disk as disk_module
 
 
@@ -97,7 +98,7 @@ def test_internals_a_store_dropped_after_a_failed_write_leaves_no_threads(tmp_pa
     def failing_write(self, key, *args, **kwargs):
         raise OSError(5, f"injected failure writing {key}")
 
-    monkeypatch.setattr(disk_module.DiskTier, "write", failing_write)
+    monkeypatch.setattr(committer_module.SingleProcessCommitter, "write", failing_write)
     for i in range(5):
         store = rs.Store(tmp_path / f"s{i}")
         store.put(_ctx(fwd, i), f"k{i}")
@@ -112,7 +113,7 @@ def test_internals_a_failed_write_still_raises_from_flush_with_its_traceback_tex
     def failing_write(self, key, *args, **kwargs):
         raise OSError(5, "injected")
 
-    monkeypatch.setattr(disk_module.DiskTier, "write", failing_write)
+    monkeypatch.setattr(committer_module.SingleProcessCommitter, "write", failing_write)
     store = rs.Store(tmp_path / "s")
     store.put(_ctx(fwd), "a")
     with pytest.raises(OSError, match="injected") as info:

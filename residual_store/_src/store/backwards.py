@@ -352,14 +352,14 @@ class Saver:
     A backward known to be unexportable (host callbacks) warns at the ``put``; other export
     failures warn at the next ``put``, ``flush`` or ``close`` (:meth:`emit_warnings`, on the
     caller's thread). A save that fails (a full disk, no answer) is tried again by the next
-    ``put`` of that signature.
+    ``put`` of that signature. Which process's puts reach it is the store's committer's call
+    (in a job of several processes, process 0's only).
     """
 
-    def __init__(self, disk: DiskTier, writer: Writer, *, durable: bool, saves: bool) -> None:
+    def __init__(self, disk: DiskTier, writer: Writer, *, durable: bool) -> None:
         self._disk = disk
         self._writer = writer
         self._durable = durable
-        self._saves = saves  # False: another process (process 0) saves them for the job
         self._lock = StoreLock()
         self._seen: set[str] = set()  # signatures whose backward this store saved, or is saving
         self._warnings: list[str] = []  # from the writer thread, emitted on the caller's
@@ -372,8 +372,6 @@ class Saver:
             if sig in self._seen:
                 return
             self._seen.add(sig)
-        if not self._saves:
-            return
         bwd = backward_of(ctx)[0] or find_backward(sig)
         if bwd is None or bwd.unavailable is not None:
             return

@@ -24,21 +24,25 @@ import itertools
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 import residual_store_serializers as serializers
 from residual_store._src import _jax_internals
-from residual_store._src.context import ResidualSpec
-from residual_store._src.errors import ResidualStoreError, StoreFullError
+from residual_store._src.context import ResidualContext, ResidualSpec
+from residual_store._src.errors import InvalidArgumentError, ResidualStoreError, StoreFullError
 from residual_store._src.logs import event
 from residual_store._src.store import layout
-from residual_store._src.store.committer import Committer
+from residual_store._src.store.committer import Committer, SingleProcessCommitter, Staged
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import DiskTier
-from residual_store._src.store.host import HostArrays, ShardedHost
+from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
+from residual_store._src.store.keys import validate_key
 from residual_store._src.store.layout import StaleData
+
+if TYPE_CHECKING:
+    from residual_store._src.store.backwards import Saver
 
 __all__ = ["TIMEOUT_S", "Channel", "Collective", "CollectiveCommitter", "committer_for", "is_multiprocess"]
 
@@ -56,8 +60,8 @@ def is_multiprocess() -> bool:
 
 def committer_for(disk: DiskTier, timeout_s: float = TIMEOUT_S) -> Committer:
     """The committer of a store on ``disk``: a :class:`CollectiveCommitter` in a job of several
-    processes, else the disk tier itself."""
-    return CollectiveCommitter(disk, timeout_s) if is_multiprocess() else disk
+    processes, else a :class:`SingleProcessCommitter`."""
+    return CollectiveCommitter(disk, timeout_s) if is_multiprocess() else SingleProcessCommitter(disk)
 
 
 def _client() -> Any:
@@ -227,6 +231,10 @@ class CollectiveCommitter:
 
     Every process holds the store's gc lock shared for the whole write: from the first look for
     a weight in any process to the commit, gc cannot remove one.
+
+    Its policies (the :class:`Committer` methods) follow from the processes acting as one: every
+    put needs a key and is written through, in put order, superseded or not; process 0 saves
+    the backwards; replaced data is removed, never recycled.
     """
 
     def __init__(self, disk: DiskTier, timeout_s: float = TIMEOUT_S) -> None:
@@ -235,12 +243,38 @@ class CollectiveCommitter:
         self.backend = disk.backend
         self._channel: Channel | None = None  # made at the first collective operation
         self._lock = StoreLock()
-        self.recycles = False  # each process would have to claim the same folder
-        self.every_version = True  # every process takes part in every write, in put order
-        self.needs_keys = True  # a fresh key would differ between processes
-        self.writes_through = True  # a spill would depend on one process's budgets
-        self.saves_backwards = jax.process_index() == 0
-        self.partial_arrays = True  # each process writes the shards of its own devices
+
+    # -- policies -----------------------------------------------------------------------------
+
+    def key_for(self, key: str | None) -> str:
+        if key is None:  # a fresh key would differ between processes
+            raise InvalidArgumentError(
+                "in a multi-process job, put needs a key: every process puts the same context "
+                "under the same key, and a fresh key would differ between processes"
+            )
+        return validate_key(key)
+
+    def writes_through(self, asked: bool) -> bool:
+        return True  # a spill would depend on one process's budgets
+
+    def lands(self, *, superseded: bool) -> bool:
+        return True  # every process takes part in every write and delete, in put order
+
+    def stage_shared(self, ctx: ResidualContext) -> Staged:
+        return stage_shared(ctx, partial=True)  # each process writes the shards of its own devices
+
+    def host_arrays(self, ctx: ResidualContext, staged: Staged | None) -> tuple[HostArrays, list[str | None]]:
+        return host_arrays(ctx, staged, partial=True)
+
+    def save_backward(self, saver: Saver, ctx: ResidualContext) -> None:
+        if jax.process_index() == 0:  # one process saves them for the job
+            saver.save(ctx)
+
+    def dispose(self, stale: StaleData) -> None:
+        # removed: to recycle it, each process would have to claim the same folder
+        self.disk.drop_data(stale, recycle=False)
+
+    # -- writing and deleting -----------------------------------------------------------------
 
     def _begin(self, what: str, value: Any = None) -> tuple[Collective, list[Any]]:
         """Begins a collective operation on this store's channel; a store only read from (an

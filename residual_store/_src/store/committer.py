@@ -1,45 +1,71 @@
-"""How a store's writes and deletes reach its disk: the :class:`Committer` protocol.
+"""How a store's writes and deletes reach its disk: the :class:`Committer` protocol, and the
+:class:`SingleProcessCommitter` of a store used by one process.
 
 A store with a path commits through one :class:`Committer`, chosen once when it opens
 (:func:`residual_store._src.store.collective.committer_for`, the one place that asks whether the job
-has several processes): the :class:`~residual_store._src.store.disk.DiskTier` itself in a single
-process, a :class:`~residual_store._src.store.collective.CollectiveCommitter` in a job of several
-processes (``jax.process_count() > 1``). What the two do differently, the store asks the
-committer (its attributes below) instead of asking which one it has.
+has several processes): a :class:`SingleProcessCommitter` in a single process, a
+:class:`~residual_store._src.store.collective.CollectiveCommitter` in a job of several processes
+(``jax.process_count() > 1``). Where the two differ (which key a put gets, whether a put is
+written through, whether a superseded write lands, which arrays a process stages, who saves the
+backwards, what becomes of replaced data), the store calls the committer's method, which does
+it; it never asks which committer it has, nor reads a flag to decide for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from residual_store._src.context import ResidualSpec
-from residual_store._src.store.host import HostArrays
+import numpy as np
+
+from residual_store._src.context import ResidualContext, ResidualSpec
+from residual_store._src.store import layout
+from residual_store._src.store.disk import DiskTier
+from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
+from residual_store._src.store.keys import put_key
 from residual_store._src.store.layout import StaleData
 
-__all__ = ["Committer"]
+if TYPE_CHECKING:
+    from residual_store._src.store.backwards import Saver
+
+__all__ = ["Committer", "SingleProcessCommitter", "Staged"]
+
+Staged = Mapping[int, tuple[np.ndarray | ShardedHost, str | None]]
+"""A context's weights on the host, taken at its put (see :func:`~residual_store._src.store.host.stage_shared`)."""
 
 
 class Committer(Protocol):
-    """Writes and deletes contexts on a store's disk tier.
+    """Writes and deletes contexts on a store's disk tier, and decides what differs between a
+    single process and a job of several (see the module docstring)."""
 
-    Attributes:
-      every_version: every put is written, even one a later put of its key superseded before
-        its turn (the processes of a job take part in each write, in put order).
-      recycles: a replaced context's data folder is kept for a later write of its layout.
-      needs_keys: ``put`` needs a key (a fresh one would differ between processes).
-      writes_through: every put is written at once (a spill depends on one process's budgets).
-      saves_backwards: this process writes the stored backwards.
-      partial_arrays: a residual may be sharded over devices of other processes too (each
-        process writes the shards of its own devices); else every array must be addressable.
-    """
+    def key_for(self, key: str | None) -> str:
+        """The key a put of ``key`` stores its context under: ``key`` checked, and for ``None``
+        a fresh one where that is possible (:class:`InvalidKeyError`,
+        :class:`InvalidArgumentError`)."""
+        ...
 
-    every_version: bool
-    recycles: bool
-    needs_keys: bool
-    writes_through: bool
-    saves_backwards: bool
-    partial_arrays: bool
+    def writes_through(self, asked: bool) -> bool:
+        """Whether every put is written at once (not only what the budgets push out of host
+        memory); ``asked``: the store's ``write_through``."""
+        ...
+
+    def lands(self, *, superseded: bool) -> bool:
+        """Whether a write or delete runs when its turn comes; ``superseded``: a later put or
+        delete of its key came first."""
+        ...
+
+    def stage_shared(self, ctx: ResidualContext) -> Staged:
+        """The host copies of ``ctx``'s weights, taken at its put (on the caller's thread)."""
+        ...
+
+    def host_arrays(self, ctx: ResidualContext, staged: Staged | None) -> tuple[HostArrays, list[str | None]]:
+        """The residuals of ``ctx`` this process writes, on the host, and each key's impl
+        (``staged``: its weights as :meth:`stage_shared` took them)."""
+        ...
+
+    def save_backward(self, saver: Saver, ctx: ResidualContext) -> None:
+        """Hands ``ctx``'s backward to the store's ``saver`` where this process saves it."""
+        ...
 
     def write(
         self,
@@ -52,7 +78,7 @@ class Committer(Protocol):
         known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
     ) -> StaleData | None:
         """Commits ``key``'s context (its residuals ``arrays`` on the host); returns the data it
-        replaced, unreferenced now, for the store to drop off the write path."""
+        replaced, unreferenced now, for the store to :meth:`dispose` of off the write path."""
         ...
 
     def delete(self, key: str) -> tuple[bool, StaleData | None]:
@@ -60,3 +86,57 @@ class Committer(Protocol):
         its data."""
         ...
 
+    def dispose(self, stale: StaleData) -> None:
+        """Disposes of data no manifest references any more (what a write replaced or a delete
+        removed), on the store's janitor thread."""
+        ...
+
+
+class SingleProcessCommitter:
+    """The :class:`Committer` of a store that one process writes: it plans each write and
+    commits it on its :class:`DiskTier`."""
+
+    def __init__(self, disk: DiskTier) -> None:
+        self.disk = disk
+
+    def key_for(self, key: str | None) -> str:
+        return put_key(key)  # a fresh key is this process's own
+
+    def writes_through(self, asked: bool) -> bool:
+        return asked
+
+    def lands(self, *, superseded: bool) -> bool:
+        return not superseded  # a stale version never lands
+
+    def stage_shared(self, ctx: ResidualContext) -> Staged:
+        return stage_shared(ctx)  # one process addresses every device: each array whole
+
+    def host_arrays(self, ctx: ResidualContext, staged: Staged | None) -> tuple[HostArrays, list[str | None]]:
+        return host_arrays(ctx, staged)
+
+    def save_backward(self, saver: Saver, ctx: ResidualContext) -> None:
+        saver.save(ctx)
+
+    def write(
+        self,
+        key: str,
+        spec: ResidualSpec,
+        arrays: HostArrays,
+        impls: Sequence[str | None],
+        *,
+        fsync: bool,
+        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
+    ) -> StaleData | None:
+        """Plans the write (``known``: checksums and content digests of whole arrays already
+        computed, by residual index) and commits it (:meth:`DiskTier.commit`)."""
+        plan = layout.plan_write(
+            key, spec, arrays, impls, write_id=layout.new_write_id(), whole_sums=known[0], digests=known[1]
+        )
+        return self.disk.commit(plan, fsync=fsync)
+
+    def delete(self, key: str) -> tuple[bool, StaleData | None]:
+        return self.disk.delete(key)
+
+    def dispose(self, stale: StaleData) -> None:
+        # kept for a later write of its layout where the backend can rename (see drop_data)
+        self.disk.drop_data(stale, recycle=True)

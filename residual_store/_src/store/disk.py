@@ -45,7 +45,6 @@ from cachetools import LRUCache
 from jax.sharding import NamedSharding
 
 import residual_store_serializers as serializers
-from residual_store._src.context import ResidualSpec
 from residual_store._src.errors import (
     ContextNotFoundError,
     CorruptContextError,
@@ -87,17 +86,8 @@ def _same_data(a: StoredContext, b: StoredContext) -> bool:
 
 
 class DiskTier:
-    """Contexts on disk: write (arrays, then an atomic manifest), read and verify, delete.
-
-    In a single process it is also the store's :class:`~residual_store._src.store.committer.Committer`.
-    """
-
-    every_version = False  # a superseded put is never written
-    recycles = True
-    needs_keys = False
-    writes_through = False
-    saves_backwards = True
-    partial_arrays = False  # one process addresses every device
+    """Contexts on disk: commit a write plan (arrays, then an atomic manifest), read and
+    verify, delete."""
 
     def __init__(
         self,
@@ -188,23 +178,6 @@ class DiskTier:
         return self.backend.description
 
     # -- writing ------------------------------------------------------------------------------
-
-    def write(
-        self,
-        key: str,
-        spec: ResidualSpec,
-        arrays: HostArrays,
-        impls: Sequence[str | None],
-        *,
-        fsync: bool,
-        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
-    ) -> StaleData | None:
-        """Plans and commits a context (:meth:`commit`); ``known``: checksums and content
-        digests of whole arrays already computed, by residual index."""
-        plan = layout.plan_write(
-            key, spec, arrays, impls, write_id=layout.new_write_id(), whole_sums=known[0], digests=known[1]
-        )
-        return self.commit(plan, fsync=fsync)
 
     def commit(self, plan: layout.WritePlan, *, fsync: bool) -> StaleData | None:
         """Writes ``plan``'s arrays, then its manifest (the commit); raises

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from residual_store._src.errors import InvalidKeyError
 
-__all__ = ["validate_key", "new_key"]
+__all__ = ["new_key", "put_key", "validate_key"]
 
 _KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
@@ -60,3 +60,9 @@ def _what_it_says(key: str) -> set[object]:
 def new_key() -> str:
     """A fresh unique key (32 hex digits)."""
     return uuid.uuid4().hex
+
+
+def put_key(key: str | None) -> str:
+    """The key a put of ``key`` stores under in a single process: ``key`` checked
+    (:func:`validate_key`), or a fresh one (:func:`new_key`) for ``None``."""
+    return new_key() if key is None else validate_key(key)

@@ -22,8 +22,8 @@ The rules (each checked by ``tests/test_key_races.py``):
    key's version is still the one it noted; otherwise it returns what it read to its own caller
    (whose call overlapped the put or delete) and caches nothing.
 4. **Writes land only if current.** A background write carries the version it writes; it is
-   skipped if a later put or delete took the key before its turn (unless the committer writes
-   every version: a multi-process job, where every process takes part in each write in order),
+   skipped if a later put or delete took the key before its turn (unless the committer lands
+   superseded writes: a multi-process job, where every process takes part in each write in order),
    and only a write of the current version marks the key as on disk.
 5. **A delete hides the key at once.** From the moment ``delete`` returns, the key is in no tier,
    no pending write, no load; until its disk removal is done the ledger answers "being deleted",
@@ -114,13 +114,11 @@ class KeyLedger:
                 self._version.pop(key, None)  # nothing holds this version: the key is gone
                 self._readers.pop(key, None)
 
-    def write_starting(self, key: str, version: int, every_version: bool) -> ResidualContext | None:
+    def write_starting(self, key: str, version: int) -> ResidualContext | None:
         """The pending context of ``version`` for its write, or ``None`` if a later put or
-        delete superseded it (rule 4); with ``every_version``, any pending context."""
+        delete superseded it (rule 4)."""
         entry = self._pending.get(key)
-        if entry is not None and entry[1] == version:
-            return entry[0]
-        return None if not every_version else (entry[0] if entry is not None else None)
+        return entry[0] if entry is not None and entry[1] == version else None
 
     def write_done(self, key: str, version: int, committed: bool) -> None:
         """The write of ``version`` is over; ``committed``: it landed."""

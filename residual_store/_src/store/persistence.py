@@ -29,8 +29,9 @@ from residual_store._src.errors import ContextNotFoundError, ReadOnlyStoreError
 from residual_store._src.store import backwards, gc, inspection, item_record
 from residual_store._src.store.committer import Committer
 from residual_store._src.store.disk import DiskTier
-from residual_store._src.store.host import HostArrays, check_dtypes_writable, host_arrays, stage_shared
+from residual_store._src.store.host import HostArrays, check_dtypes_writable
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
+from residual_store._src.store.keys import put_key
 from residual_store._src.store.layout import StaleData
 from residual_store._src.store.ledger import KeyLedger
 from residual_store._src.store.records import StoredContext
@@ -54,10 +55,10 @@ class Persistence(Protocol):
 
     description: str
     persists: bool  # a disk lies below host memory (what leaves host memory is not lost)
-    needs_keys: bool  # a put needs a key (a fresh one would differ between processes)
     writes_spills: bool  # contexts pushed out of host memory are written (else dropped)
 
     def check_writable(self, what: str) -> None: ...
+    def key_for(self, key: str | None) -> str: ...
     def check_capacity(self, tiers: Tiers, key: str, size: int) -> None: ...
     def prepare_put(self, ctx: ResidualContext) -> Any: ...
     def writes_put(self, in_memory: bool) -> bool: ...
@@ -88,6 +89,9 @@ def _not_found(key: str, where: str) -> ContextNotFoundError:
 class _WritesNothing:
     """What the sides that never write share: nothing is staged, scheduled or left to flush."""
 
+    def key_for(self, key: str | None) -> str:
+        return put_key(key)
+
     def prepare_put(self, ctx: ResidualContext) -> Any:
         return None
 
@@ -112,7 +116,6 @@ class MemoryOnly(_WritesNothing):
 
     description = "memory only"
     persists = False
-    needs_keys = False
     writes_spills = False
 
     def __init__(self, ledger: KeyLedger, lock: StoreLock) -> None:
@@ -173,7 +176,6 @@ class ReadOnlyDisk(_WritesNothing):
     """A store on disk, read: contexts, their stored backwards, inspection; nothing changes."""
 
     persists = True
-    needs_keys = False
     writes_spills = False
 
     def __init__(self, disk: DiskTier, ledger: KeyLedger, lock: StoreLock) -> None:
@@ -279,19 +281,21 @@ class WritableDisk(ReadOnlyDisk):
         self._committer = committer
         self._tiers = tiers
         self._weights = weights
-        self.write_through = bool(write_through) or committer.writes_through
+        self.write_through = committer.writes_through(bool(write_through))
         self.writes_spills = not self.write_through
-        self.needs_keys = committer.needs_keys
         self._durable = bool(durable)
         # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
         self.writer = Writer(max_pending_bytes, on_idle=disk.sync_commits)
         self.janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
         # saves each signature's backward once, on the writer thread
-        self._saver = backwards.Saver(disk, self.writer, durable=self._durable, saves=committer.saves_backwards)
+        self._saver = backwards.Saver(disk, self.writer, durable=self._durable)
         self._newest: dict[str, Future[Any]] = {}  # key -> its newest scheduled write, until done
 
     def check_writable(self, what: str) -> None:
         return None
+
+    def key_for(self, key: str | None) -> str:
+        return self._committer.key_for(key)
 
     def prepare_put(self, ctx: ResidualContext) -> Any:
         """On the caller's thread: the host copies of the context's weights (a donation after
@@ -299,8 +303,8 @@ class WritableDisk(ReadOnlyDisk):
         Refuses a context with a residual no store writes (``float0``), before the store changes."""
         check_dtypes_writable(ctx)
         self._saver.emit_warnings()  # of earlier saves, at this put's caller
-        staged = stage_shared(ctx, partial=self._committer.partial_arrays) if self.write_through else None
-        self._saver.save(ctx)
+        staged = self._committer.stage_shared(ctx) if self.write_through else None
+        self._committer.save_backward(self._saver, ctx)
         return staged
 
     def writes_put(self, in_memory: bool) -> bool:
@@ -311,9 +315,9 @@ class WritableDisk(ReadOnlyDisk):
     def schedule(self, writes: Sequence[Write], staged: Any = None) -> None:
         """Queues each write (``staged``: the first one's weights, see :meth:`prepare_put`)."""
         for i, (key, ctx, version) in enumerate(writes):
-            # The job holds the context only where every version is written (collectively); else
+            # The job holds the context only where a superseded write lands (collectively); else
             # it takes the pending one when it runs, which by then may be a host copy.
-            held = ctx if self._committer.every_version else None
+            held = ctx if self._committer.lands(superseded=True) else None
             job = functools.partial(self._write, key, held, version, staged if i == 0 else None)
             future = self.writer.submit(job, ctx.nbytes)
             with self._lock:  # the newest write of the key: what flush(key) waits for
@@ -354,18 +358,19 @@ class WritableDisk(ReadOnlyDisk):
     # -- on the writer thread --------------------------------------------------------------------
 
     def _write(self, key: str, ctx: ResidualContext | None, version: int, staged: Any = None) -> None:
-        """Writes ``version`` of ``key`` (``ctx``, or with ``None`` its pending context) unless a
-        later put or delete superseded it (see ``ledger.py``, rule 4)."""
+        """Writes ``version`` of ``key``: ``ctx`` (held where a superseded write lands), or with
+        ``None`` its pending context, none if a later put or delete superseded it (see
+        ``ledger.py``, rule 4)."""
         committer = self._committer
         with self._lock:
-            pending = self._ledger.write_starting(key, version, committer.every_version)
+            pending = self._ledger.write_starting(key, version)
         ctx = ctx if ctx is not None else pending
         if ctx is None:
             return  # superseded: a stale version never lands
         committed = False
         try:
             try:
-                arrays, impls = host_arrays(ctx, staged, partial=committer.partial_arrays)
+                arrays, impls = committer.host_arrays(ctx, staged)
                 known = self._weights.checksums(ctx, arrays)
                 spec, nbytes, residuals = ctx.spec, own_nbytes(ctx), ctx.residuals
                 # Only the host arrays from here on: the context's device arrays can go while the
@@ -375,7 +380,7 @@ class WritableDisk(ReadOnlyDisk):
                 stale = committer.write(key, spec, arrays, impls, fsync=self._durable, known=known)
             except BaseException:
                 with self._lock:  # a put that failed is not in the store (flush raises why)
-                    if self._ledger.write_starting(key, version, False) is not None:
+                    if self._ledger.write_starting(key, version) is not None:
                         self._tiers.forget(key)
                 raise
             committed = True
@@ -394,7 +399,7 @@ class WritableDisk(ReadOnlyDisk):
         try:
             with self._lock:
                 current = self._ledger.is_current(key, version)
-            if self._committer.every_version or current:
+            if self._committer.lands(superseded=not current):
                 self.drop_later(self._committer.delete(key)[1])
         finally:
             with self._lock:
@@ -403,7 +408,7 @@ class WritableDisk(ReadOnlyDisk):
     def drop_later(self, stale: StaleData | None) -> None:
         """Hands data no manifest references any more to the janitor, off the write path."""
         if stale is not None:
-            self.janitor.submit(functools.partial(self.disk.drop_data, stale, recycle=self._committer.recycles))
+            self.janitor.submit(functools.partial(self._committer.dispose, stale))
 
     def gc(self, older_than: float, *, dry_run: bool, progress: Progress | None) -> dict[str, int]:
         self.flush()

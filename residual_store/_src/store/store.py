@@ -23,7 +23,7 @@ from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.host import read_device, to_numpy
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
-from residual_store._src.store.keys import new_key, validate_key
+from residual_store._src.store.keys import validate_key
 from residual_store._src.store.ledger import KeyLedger
 from residual_store._src.store.moves import Moves
 from residual_store._src.store.persistence import Persistence, open_side
@@ -222,12 +222,7 @@ class Store:
                 "put cannot store a context inside jax.jit or another transformation (its residuals "
                 "are tracers, not arrays): return the context from the jitted function and put it there"
             )
-        if key is None and self._side.needs_keys:
-            raise InvalidArgumentError(
-                "in a multi-process job, put needs a key: every process puts the same context "
-                "under the same key, and a fresh key would differ between processes"
-            )
-        key = new_key() if key is None else validate_key(key)
+        key = self._side.key_for(key)  # checked; for None a fresh one, where the side can make one
         staged = self._side.prepare_put(ctx)  # the weights' host copies, before a donation can break them
         size = own_nbytes(ctx)
         with self._lock:  # bookkeeping only: the copies it owes are made after (ledger.py, rule 1)
