@@ -69,9 +69,9 @@ def stored(tmp_path: Path, split) -> tuple[Path, dict[str, Any]]:
 def stored_in_folders(tmp_path: Path, split, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any]]:
     """``stored``, each own residual in a folder of its own (no bundle: what the manifests of
     versions 1 to 3 describe), so that a manifest relabelled as an older version is one."""
-    from residual_store._src.store import layout
+    from residual_store._src.store import residual_forms
 
-    monkeypatch.setattr(layout, "_BUNDLE_CAP", -1)  # no residual fits a bundle
+    monkeypatch.setattr(residual_forms, "BUNDLE_CAP", -1)  # no residual fits a bundle
     root, ctxs = _stored(tmp_path, split)
     assert "bundle" not in read_manifest(root, "a")
     return root, ctxs

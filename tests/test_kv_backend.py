@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import residual_store_serializers as serializers
-from residual_store._src.store.backend_protocol import DamagedFileError
+from residual_store._src.store.backend_protocol import ContextWrite, DamagedFileError
 from residual_store._src.store.backends import open_backend
 from residual_store._src.store.kv_backend import KvBackend
 from zarr3_reference import chunk_indices
@@ -145,13 +145,14 @@ def test_internals_delete_tree_removes_a_prefix_and_nothing_beside_it(tmp_path: 
 
 
 def test_internals_a_fresh_write_clears_nothing_and_a_replacing_one_clears_the_old_array(tmp_path: Path) -> None:
-    """A put into a folder named for it alone (``fresh``, what the store's puts are) skips the
-    listing that clears a path; a write without it replaces whatever array was there."""
+    """A context's write into a folder named for it alone (``ContextWrite.fresh``, what the
+    store's puts are) skips the listing that clears a path; a plain write replaces whatever
+    array was there."""
     kv = _kv_backend(_file_spec(tmp_path))
     kv.write_arrays({"data/a/0": _chunked()}, fsync=False)  # a chunked array: 4 chunk keys
     kv.write_arrays({"data/a/0": M}, fsync=False)  # replaced by a one-chunk array: the others go
     assert sorted(p.name for p in (tmp_path / "data/a/0").iterdir()) == ["c.0.0", "zarr.json"]
     np.testing.assert_array_equal(kv.read_array("data/a/0", M.shape, "float32"), M)
     kv.write_arrays({"data/b/0": _chunked()}, fsync=False)
-    kv.write_arrays({"data/b/0": M}, fsync=False, fresh=True)  # the caller vouched: nothing is cleared
+    kv.write_context(ContextWrite({"data/b/0": M}, {}, {}, fsync=False))  # a fresh folder: nothing is cleared
     assert sorted(p.name for p in (tmp_path / "data/b/0").iterdir()) == ["c.0.0", "c.0.1", "c.1.0", "c.1.1", "zarr.json"]

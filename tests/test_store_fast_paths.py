@@ -13,7 +13,7 @@ import pytest
 
 import residual_store as rs
 import residual_store_serializers as serializers
-from residual_store._src.store import host, layout
+from residual_store._src.store import host, layout, residual_forms
 from residual_store_serializers import manifest
 from store_helpers import mixed_inputs, mixed_loss
 
@@ -163,7 +163,7 @@ def test_internals_the_layout_a_writer_knows_is_the_one_its_manifest_gives(conte
 
     layout._templates.clear()
     if not bundle:
-        monkeypatch.setattr(layout, "_BUNDLE_CAP", -1)
+        monkeypatch.setattr(residual_forms, "BUNDLE_CAP", -1)
     plan = _plan(context, "a", "0" * 12, monkeypatch, template=template)
     assert (plan.bundle is not None) == bundle
     parsed = parse_context_manifest("a", plan.manifest)

@@ -119,13 +119,13 @@ def _files(root):
 
 
 def test_internals_a_version_1_store_is_read_and_upgraded_by_its_first_write(tmp_path, split, monkeypatch):
-    from residual_store._src.store import layout
+    from residual_store._src.store import residual_forms
 
     root = tmp_path / "store"
     params, x = _inputs(7)
     _, ctx = split(params, x)
     with monkeypatch.context() as m:  # version 1 had no bundles: a folder per residual
-        m.setattr(layout, "_BUNDLE_CAP", -1)
+        m.setattr(residual_forms, "BUNDLE_CAP", -1)
         with rs.Store(root) as store:
             store.put(ctx, "old")
     _make_version_1(root)
@@ -282,9 +282,9 @@ def test_internals_a_write_with_arrays_of_its_own_folder_lists_them(tmp_path, sp
     folders of their own (here: no bundle) is an ordinary group, and zarr lists its arrays."""
     import zarr
 
-    from residual_store._src.store import layout
+    from residual_store._src.store import residual_forms
 
-    monkeypatch.setattr(layout, "_BUNDLE_CAP", -1)
+    monkeypatch.setattr(residual_forms, "BUNDLE_CAP", -1)
     root = tmp_path / "store"
     _, ctx = split(*_inputs(3))
     with rs.Store(root, device_budget=0) as store:

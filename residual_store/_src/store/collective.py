@@ -33,7 +33,7 @@ from residual_store._src import _jax_internals
 from residual_store._src.context import ResidualContext, ResidualSpec
 from residual_store._src.errors import InvalidArgumentError, ResidualStoreError, StoreFullError
 from residual_store._src.logs import event
-from residual_store._src.store import layout
+from residual_store._src.store import layout, residual_forms
 from residual_store._src.store.committer import Committer, SingleProcessCommitter, Staged
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import DiskTier
@@ -184,7 +184,7 @@ def _check_same_everywhere(key: str, spec: ResidualSpec, local_sums: Sequence[Ma
 
 
 def _gathered_sums(infos: Sequence[Mapping[str, Any]]) -> dict[int, dict[tuple[int, ...], tuple[str, str | None]]]:
-    """Every process's chunk checksums, as :data:`~residual_store._src.store.layout.ChunkSums`."""
+    """Every process's chunk checksums, as :data:`~residual_store._src.store.residual_forms.ChunkSums`."""
     out: dict[int, dict[tuple[int, ...], tuple[str, str | None]]] = {}
     for info in infos:
         for i, entries in info["chunks"].items():
@@ -313,7 +313,7 @@ class CollectiveCommitter:
     ) -> StaleData | None:
         local_sums = _process_local_sums(arrays)
         own_sums = {str(i): [[list(idx), chk, d] for idx, (chk, d) in t.items()]
-                    for i, t in layout.chunk_sums(spec, arrays).items()}
+                    for i, t in residual_forms.chunk_sums(spec, arrays).items()}
         coll, infos = self._begin(
             f"put {key!r}", {"chunks": own_sums, "local": local_sums, "write_id": layout.new_write_id()}
         )

@@ -1,7 +1,8 @@
 """The disk tier: contexts' files. Committing a write in one process, reading and verifying,
 deleting and recycling (garbage collection is :mod:`residual_store._src.store.gc`; the stored
-backwards' files are :mod:`residual_store._src.store.backwards`; a context's bundle is read in
-:mod:`residual_store._src.store.stored_bundles`). Where everything lives is
+backwards' files are :mod:`residual_store._src.store.backwards`; each form a residual takes on
+disk, bundled, chunked or whole, is written and read back by
+:mod:`residual_store._src.store.residual_forms`). Where everything lives is
 :mod:`residual_store._src.store.layout`.
 
 A commit (:meth:`DiskTier.commit` of a :class:`~residual_store._src.store.layout.WritePlan`) puts
@@ -55,13 +56,13 @@ from residual_store._src.errors import (
     StoreUnavailableError,
 )
 from residual_store._src.logs import event
-from residual_store._src.placement import rebuild_sharding
-from residual_store._src.store import layout, stored_bundles
+from residual_store._src.store import layout
+from residual_store._src.store import residual_forms as forms
 from residual_store._src.store.backend_protocol import DamagedFileError
 from residual_store._src.store.backends import open_backend
 from residual_store._src.store.buffers import ReadBuffers
 from residual_store._src.store.critical import StoreLock
-from residual_store._src.store.host import HostArrays, ShardedHost, chunk_index
+from residual_store._src.store.host import HostArrays, ShardedHost
 from residual_store._src.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
 from residual_store._src.store.records import StoredContext, parse_context_manifest
 from residual_store._src.store.workers import request_pool
@@ -248,14 +249,7 @@ class DiskTier:
         """The context's own arrays, its group's ``zarr.json`` and (with ``staged``) its
         manifest under that temporary name: into the recycled folder now named ``data_dir``
         (``reuse``), else into a fresh one."""
-        self.backend.write_arrays(
-            plan.own, fsync=fsync, reuse=reuse, keep_metadata=reuse, attributes=plan.attributes,
-            files=plan.files,  # the group's zarr.json and the bundle
-            temporaries={staged: plan.manifest} if staged is not None else None,
-            # a recycled folder's new name must survive with the commit
-            sync_folders=(layout.DATA,) if reuse else (),
-            fresh=not reuse,  # else a folder named for this write alone: nothing to replace
-        )
+        self.backend.write_context(plan.own_write(fsync=fsync, reuse=reuse, staged=staged))
 
     def sync_commits(self) -> None:
         """Makes the commits since the last call survive a power loss: one sync of the folder
@@ -418,18 +412,18 @@ class DiskTier:
     def _read_arrays(
         self, key: str, stored: StoredContext, *, place: bool = False, skip: Container[str] = ()
     ) -> HostArrays:
-        """Reads and verifies the arrays (chunk by chunk for chunked ones): from a folder, a
-        small context in this thread (handing a few reads to other threads costs more than they
-        take), a large one two reads at a time (file reads and checksums release the GIL); from
-        an object store, up to 16 requests at a time."""
+        """Reads and verifies the arrays, each in its form (:mod:`residual_forms`): from a
+        folder, a small context in this thread (handing a few reads to other threads costs more
+        than they take), a large one two reads at a time (file reads and checksums release the
+        GIL); from an object store, up to 16 requests at a time."""
         n = len(stored.records)
         placements: list[NamedSharding | None] = [None] * n
         by_shard = [False] * n  # read only the chunks of this process's devices
-        tasks: list[tuple[int, tuple[int, ...] | None, str]] = []  # (residual, chunk, checksum)
+        tasks: list[forms.Task] = []
         for i, record in enumerate(stored.records):
             sharding = stored.sharding(i) if stored.sharded else None
             if place and sharding:
-                placements[i] = placement = self._placement(key, i, record, sharding)
+                placements[i] = placement = forms.placement_of(key, i, record, sharding)
             else:
                 placement = None
             if record.bundled:  # read with the whole bundle below
@@ -439,18 +433,8 @@ class DiskTier:
             if not record.chunked:
                 tasks.append((i, None, record.checksum))
                 continue
-            assert record.chunk_shape is not None and record.chunk_checksums is not None
-            sums = dict(record.chunk_checksums)
-            # The recorded mesh and spec give shards of the chunk shape; anything else is read whole.
-            shards = placement is not None and tuple(placement.shard_shape(record.shape)) == record.chunk_shape
-            by_shard[i] = shards
-            if shards:
-                assert placement is not None
-                index_map = placement.addressable_devices_indices_map(record.shape)
-                wanted = sorted({chunk_index(r, record.chunk_shape) for r in index_map.values()})
-            else:
-                wanted = list(sums)
-            tasks += [(i, idx, sums[idx]) for idx in wanted]
+            by_shard[i], wanted = forms.chunk_tasks(i, record, placement)
+            tasks += wanted
         read = functools.partial(self._read_task, key, stored)
         nbytes = sum(stored.records[i].nbytes for i, chunk, _ in tasks if chunk is None)
         if self.backend.latency_bound:
@@ -461,7 +445,7 @@ class DiskTier:
         pieces: dict[int, dict[tuple[int, ...] | None, np.ndarray]] = {}
         for (i, idx, _), x in zip(tasks, results):
             pieces.setdefault(i, {})[idx] = x
-        bundled = stored_bundles.read(self.backend, key, stored, empty=self._empty) if stored.bundle is not None else {}
+        bundled = forms.read_bundle(self.backend, key, stored, empty=self._empty) if stored.bundle is not None else {}
         out: HostArrays = []
         for i, record in enumerate(stored.records):
             placement = placements[i]
@@ -475,11 +459,7 @@ class DiskTier:
                 out.append(ShardedHost(sharding, record.shape, dtype, record.chunk_shape, got, None, placement))
                 continue
             if record.chunked:  # every chunk, into one array
-                assert record.chunk_shape is not None
-                whole = serializers.aligned_empty(record.shape, dtype)
-                for idx, chunk in got.items():
-                    assert idx is not None
-                    whole[serializers.chunk_region(idx, record.chunk_shape)] = chunk
+                whole = forms.joined_chunks(record, got)
             elif None not in got:  # skipped: the caller holds it
                 out.append(None)  # type: ignore[arg-type]  # (HostArrays: None where skipped)
                 continue
@@ -492,74 +472,22 @@ class DiskTier:
                 out.append(ShardedHost(sharding, record.shape, dtype, None, {}, whole, placement))
         return out
 
-    @staticmethod
-    def _placement(
-        key: str, i: int, record: serializers.ArrayRecord, sharding: Mapping[str, Any]
-    ) -> NamedSharding | None:
-        try:
-            return rebuild_sharding(sharding)
-        except Exception as err:  # JAX raises several types for a bad mesh or spec
-            raise CorruptContextError(
-                f"context {key!r}, residual {i} ({record.name}): cannot rebuild its sharding "
-                f"{sharding} on this process's devices ({type(err).__name__}: {err})"
-            ) from err
-
-    def _read_in_turn(
-        self, key: str, stored: StoredContext, tasks: Sequence[tuple[int, tuple[int, ...] | None, str]]
-    ) -> list[np.ndarray]:
-        """Every task in this thread: whole arrays in one call of the backend (which examines
-        each folder on the way once); after a failure there, one array at a time again, so that
-        the error names the context and the residual."""
+    def _read_in_turn(self, key: str, stored: StoredContext, tasks: Sequence[forms.Task]) -> list[np.ndarray]:
+        """Every task in this thread: whole arrays in one call of the backend
+        (:func:`residual_forms.read_wholes`)."""
         if any(chunk is not None for _, chunk, _ in tasks):
             return [self._read_task(key, stored, task) for task in tasks]
-        records = stored.records
-        try:
-            return self.backend.read_arrays(
-                [(records[i].path, records[i].shape, records[i].dtype, expected) for i, _, expected in tasks],
-                empty=self._empty,
-            )
-        except StoreUnavailableError:
-            raise  # the store did not answer: asking again, array by array, would not help
-        except (serializers.CorruptDataError, serializers.UnsupportedDTypeError, OSError, ValueError):
-            return [self._read_task(key, stored, task) for task in tasks]
+        return forms.read_wholes(self.backend, key, stored.records, tasks, empty=self._empty)
 
-    def _read_task(self, key: str, stored: StoredContext, task: tuple[int, tuple[int, ...] | None, str]) -> np.ndarray:
+    def _read_task(self, key: str, stored: StoredContext, task: forms.Task) -> np.ndarray:
         i, chunk, expected = task
-        return self._read_one(key, i, stored.records[i], chunk, expected)
-
-    def _read_one(
-        self,
-        key: str,
-        i: int,
-        record: serializers.ArrayRecord,
-        chunk: tuple[int, ...] | None = None,
-        expected: str | None = None,
-    ) -> np.ndarray:
-        """One array (or one chunk of a chunked one), verified against its checksum: a whole
-        array while it is read, a chunk once read."""
-        what = f"context {key!r}, residual {i} ({record.name}) at {record.path}"
-        if chunk is not None:
-            what += f", chunk {serializers.chunk_index_key(chunk)}"
-        if expected is None:
-            expected = record.checksum if chunk is None else dict(record.chunk_checksums or ())[chunk]
-        try:
-            if chunk is None:
-                return self.backend.read_array(record.path, record.shape, record.dtype, checksum=expected, empty=self._empty)
-            assert record.chunk_shape is not None
-            x = self.backend.read_chunk(record.path, record.shape, record.dtype, record.chunk_shape, chunk)
-            serializers.verify(x, expected, what=what)
-            return x
-        except (serializers.CorruptDataError, serializers.UnsupportedDTypeError) as err:
-            # the serializers name only the array: say which context and residual it is
-            raise CorruptContextError(f"{what}: {err}") from err
-        except StoreUnavailableError:
-            raise  # no answer is no damage
-        except (OSError, ValueError) as err:
-            raise CorruptContextError(f"{what}: unreadable ({err})") from err
+        if chunk is None:
+            return forms.read_whole(self.backend, key, i, stored.records[i], expected, empty=self._empty)
+        return forms.read_chunk(self.backend, key, i, stored.records[i], chunk, expected)
 
     def check_bundle(self, key: str, stored: StoredContext, buffer: np.ndarray | None = None) -> None:
-        """See :func:`residual_store._src.store.stored_bundles.check`."""
-        stored_bundles.check(self.backend, key, stored, buffer)
+        """See :func:`residual_store._src.store.residual_forms.check_bundle`."""
+        forms.check_bundle(self.backend, key, stored, buffer)
 
     def keys(self) -> list[str]:
         suffix = layout.MANIFEST_SUFFIX

@@ -18,7 +18,7 @@ import tensorstore as ts
 import residual_store_serializers as serializers
 from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
 from residual_store._src.store.atomicity import AtomicPuts
-from residual_store._src.store.backend_protocol import Empty, damaged
+from residual_store._src.store.backend_protocol import ContextWrite, Empty, Files, damaged
 from residual_store_serializers.kv_errors import is_missing_bucket
 
 __all__ = ["KvBackend", "URL_SCHEMES", "url_spec"]
@@ -125,24 +125,36 @@ class KvBackend:
 
     latency_bound = True
 
-    @_requests
+    def write_context(self, write: ContextWrite) -> None:
+        """The arrays, then each file as one object (the manifest among them, if staged); in a
+        folder named for this write alone (``fresh``), no listing to clear the paths first."""
+        self._write(write.arrays, fsync=write.fsync, attributes=write.attributes,
+                    files={**write.files, **write.temporaries}, fresh=write.fresh)
+
     def write_arrays(
         self,
         arrays: Mapping[str, Any],
         *,
         fsync: bool,
-        reuse: bool = False,
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
-        files: Mapping[str, bytes | Sequence[memoryview | bytes]] | None = None,
-        keep_metadata: bool = False,
-        sync_folders: Sequence[str] = (),
-        temporaries: Mapping[str, bytes] | None = None,
-        fresh: bool = False,
+        files: Files | None = None,
     ) -> None:
         """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
-        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer;
-        with ``fresh``, no listing to clear the paths first."""
+        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""
+        self._write(arrays, fsync=fsync, write_metadata=write_metadata, attributes=attributes, files=files)
+
+    @_requests
+    def _write(
+        self,
+        arrays: Mapping[str, Any],
+        *,
+        fsync: bool,
+        write_metadata: bool = True,
+        attributes: Mapping[str, Mapping[str, Any]] | None = None,
+        files: Files | None = None,
+        fresh: bool = False,
+    ) -> None:
         serializers.write_arrays_kv(
             self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes,
             fresh=fresh, timeout=self.timeout,
@@ -181,6 +193,8 @@ class KvBackend:
     def read_arrays(
         self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]], *, empty: Empty | None = None
     ) -> list[np.ndarray]:
+        """:meth:`read_array` of each, one request after another (the disk tier reads a
+        latency-bound store's arrays one per task, the tasks at once)."""
         return [self.read_array(*a, empty=empty) for a in arrays]
 
     @_requests

@@ -4,7 +4,9 @@ The paths come from :mod:`residual_store._src.store.paths`, which spells every o
 re-exported here.
 
 :func:`plan_write` turns a context's host arrays into a :class:`WritePlan`: every array's path
-and bytes, its manifest record, the manifest itself and the write's group metadata. The plan is
+and bytes (each residual planned in its form, bundled, chunked or whole, by
+:mod:`residual_store._src.store.residual_forms`), its manifest record, the manifest itself and
+the write's group metadata. The plan is
 committed by one process (:meth:`~residual_store._src.store.disk.DiskTier.commit`) or by all the
 processes of a job (:mod:`residual_store._src.store.collective`); both write the same bytes.
 """
@@ -21,12 +23,13 @@ from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
-import xxhash
 
 import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
-from residual_store._src.errors import CorruptContextError, ResidualStoreError
+from residual_store._src.errors import CorruptContextError
 from residual_store._src.store import paths
+from residual_store._src.store import residual_forms as forms
+from residual_store._src.store.backend_protocol import ContextWrite
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.host import HostArrays, ShardedHost
 from residual_store._src.store.paths import (  # noqa: F401 - re-exported
@@ -57,19 +60,13 @@ from residual_store._src.store.paths import (  # noqa: F401 - re-exported
     trash_path,
     weight_path,
 )
-from residual_store._src.store.records import BundleRef, StoredContext, note_residual_count, spec_to_map
+from residual_store._src.store.records import StoredContext, note_residual_count, spec_to_map
 from residual_store_serializers import bundle as bundles
-from residual_store_serializers.checksums import checksum_parts
 
 __all__ = [  # and, re-exported, every name of paths.__all__
     "ArrayWrite",
-    "BundleWrite",
-    "ChunkSums",
     "StaleData",
     "WritePlan",
-    "bundle_layout_of",
-    "chunk_sums",
-    "chunked_digest_of",
     "data_of",
     "layout_digest",
     "marker_version",
@@ -146,7 +143,7 @@ def _layout_digest(spec: ResidualSpec, own: tuple[tuple[int, str, tuple[int, ...
     h = hashlib.sha256()
     for i, name, shape, dtype, chunks in sorted(own, key=lambda t: (t[1], str(t[2:]))):
         grid = "" if chunks is None else f"|{chunks}"
-        attrs = json.dumps(_array_attributes(spec, i), sort_keys=True)
+        attrs = json.dumps(forms.array_attributes(spec, i), sort_keys=True)
         h.update(f"{name}|{shape}|{dtype}{grid}|{attrs};".encode())
     return h.hexdigest()[:16]
 
@@ -161,37 +158,6 @@ def data_of(stored: StoredContext) -> StaleData:
         for i, r in enumerate(stored.records)
         if r.path.startswith(prefix)
     )))
-
-
-def chunked_digest_of(
-    dtype: np.dtype, shape: tuple[int, ...], chunk_shape: tuple[int, ...], digests: Mapping[Any, str]
-) -> str:
-    """The content address of a chunked weight from every chunk's content digest (chunk index ->
-    digest; several processes that each hold some chunks can gather them): a digest of those and
-    of its dtype, shape and chunk shape, so equal weights sharded alike are stored once."""
-    h = xxhash.xxh3_128()
-    h.update(f"{np.dtype(dtype).str}{tuple(shape)}{tuple(chunk_shape)};".encode())
-    for idx in sorted(digests):
-        h.update(f"{tuple(idx)}={digests[idx]};".encode())
-    return h.hexdigest()
-
-
-ChunkSums = Mapping[int, Mapping[tuple[int, ...], tuple[str, str | None]]]
-"""Per chunked residual: chunk index -> (checksum, content digest or ``None``); the digest only
-for weights, which are stored under a digest of their chunks' digests."""
-
-
-def chunk_sums(spec: ResidualSpec, arrays: HostArrays) -> dict[int, dict[tuple[int, ...], tuple[str, str | None]]]:
-    """The :data:`ChunkSums` of the chunks this process holds."""
-    out: dict[int, dict[tuple[int, ...], tuple[str, str | None]]] = {}
-    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
-        if isinstance(x, ShardedHost) and x.chunk_shape is not None:
-            shared = kind in SHARED_KINDS
-            out[i] = {
-                idx: (serializers.checksum(c), serializers.content_digest(c) if shared else None)
-                for idx, c in sorted(x.chunks.items())
-            }
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,57 +178,6 @@ class ArrayWrite:
 
 
 @dataclasses.dataclass(frozen=True)
-class BundleWrite:
-    """A write's bundle: the file at ``ref.path`` written from ``parts`` one after another (its
-    headers and its arrays' own buffers), ``ref`` what the manifest says of it."""
-
-    ref: BundleRef
-    parts: tuple[memoryview | bytes, ...]
-
-
-_BUNDLE_CAP = 1 << 31
-"""Bytes of arrays one bundle takes at most (a classic zip holds 4 GiB): the rest keep folders."""
-
-
-def _bundled(spec: ResidualSpec, arrays: Sequence[np.ndarray | ShardedHost]) -> list[int]:
-    """The residuals that go into the write's bundle: the context's own whole arrays, in order,
-    as long as the bundle stays within a classic zip's limits."""
-    out: list[int] = []
-    entries, nbytes = 1, 0
-    for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
-        if kind in SHARED_KINDS or (isinstance(x, ShardedHost) and x.chunk_shape is not None):
-            continue
-        size = int(x.nbytes)
-        if entries + 2 > bundles.MAX_BUNDLE_ENTRIES or nbytes + size > _BUNDLE_CAP:
-            break
-        out.append(i)
-        entries, nbytes = entries + 2, nbytes + size
-    return out
-
-
-def bundle_layout_of(spec: ResidualSpec, arrays: Sequence[tuple[int, tuple[int, ...], str]]) -> bundles.BundleLayout:
-    """The bundle layout of ``spec``'s residuals given as ``(index, shape, zarr dtype)``: each at
-    ``<i>/`` with the attributes its own folder would have, the group's naming the signature.
-    A pure function of its arguments, remembered per spec (every write of one signature has the
-    same layout), so a reader (``verify``) rebuilds exactly what the writer wrote."""
-    own = tuple((int(i), tuple(int(d) for d in shape), str(dtype)) for i, shape, dtype in arrays)
-    try:
-        return _bundle_layout_of(spec, own)
-    except TypeError:  # a spec holding an unhashable value
-        return _bundle_layout_of.__wrapped__(spec, own)
-
-
-@functools.lru_cache(maxsize=32)
-def _bundle_layout_of(spec: ResidualSpec, own: tuple[tuple[int, tuple[int, ...], str], ...]) -> bundles.BundleLayout:
-    return bundles.bundle_layout(
-        [(str(i), shape, dtype) for i, shape, dtype in own],
-        [_array_attributes(spec, i) for i, _, _ in own],
-        {"residual_store": {"signature": spec.signature,
-                            "bundle": "the own arrays of one write of a context, by residual index"}},
-    )
-
-
-@dataclasses.dataclass(frozen=True)
 class WritePlan:
     """Everything one write of a context puts on disk, in the order it must land: the arrays
     (``arrays``, one per residual in leaf order; a weight held twice is written once), the
@@ -276,7 +191,7 @@ class WritePlan:
     manifest: bytes
     group: bytes  # data_dir's zarr.json
     stored: StoredContext  # what parsing ``manifest`` gives
-    bundle: BundleWrite | None = None  # the own arrays not in ``arrays``
+    bundle: forms.BundleWrite | None = None  # the own arrays not in ``arrays``
 
     @property
     def own(self) -> dict[str, Any]:
@@ -290,6 +205,16 @@ class WritePlan:
         if self.bundle is not None:
             out[self.bundle.ref.path] = self.bundle.parts
         return out
+
+    def own_write(self, *, fsync: bool, reuse: bool, staged: str | None = None) -> ContextWrite:
+        """What a commit of this plan writes under ``data_dir`` before its weights (a
+        :meth:`~residual_store._src.store.backend_protocol.Backend.write_context`): the own
+        arrays and :attr:`files`, and with ``staged`` the manifest under that temporary name;
+        ``reuse``: into a recycled folder of :attr:`layout`, renamed to ``data_dir``."""
+        return ContextWrite(
+            self.own, self.attributes, self.files, fsync=fsync, reuse=reuse,
+            manifest=(staged, self.manifest) if staged is not None else None,
+        )
 
     @property
     def shared(self) -> dict[str, Any]:
@@ -307,13 +232,6 @@ class WritePlan:
         return arrays + (self.bundle.ref.nbytes if self.bundle is not None else 0)
 
 
-def _array_attributes(spec: ResidualSpec, i: int) -> dict[str, Any]:
-    """The zarr attributes of an own array: what plain zarr shows of it (the manifest decides)."""
-    return {"residual_store": {
-        "index": i, "name": spec.names[i], "kind": spec.kinds[i], "input_path": spec.input_paths[i],
-    }}
-
-
 def plan_write(
     key: str,
     spec: ResidualSpec,
@@ -321,7 +239,7 @@ def plan_write(
     impls: Sequence[str | None],
     *,
     write_id: str,
-    sums: ChunkSums | None = None,
+    sums: forms.ChunkSums | None = None,
     whole_sums: Mapping[int, str] | None = None,
     digests: Mapping[int, str] | None = None,
 ) -> WritePlan:
@@ -338,16 +256,15 @@ def plan_write(
         if template is not None:
             # a template exists only for contexts of whole NumPy arrays (_template_for)
             return _plan_from_template(template, key, spec, cast(list[np.ndarray], arrays), impls, folder, whole_sums, digests)
-    sums = chunk_sums(spec, arrays) if sums is None else sums
+    sums = forms.chunk_sums(spec, arrays) if sums is None else sums
     writes: list[ArrayWrite] = []
     weights: set[str] = set()  # the paths of the weights in writes (a weight held twice is written once)
     records = []
     shardings: list[dict[str, Any] | None] = []
-    bundle, in_bundle = _plan_bundle(spec, arrays, folder)
+    bundle, in_bundle = forms.plan_bundle(spec, arrays, folder)
     for i, (x, kind) in enumerate(zip(arrays, spec.kinds)):
         shared = kind in SHARED_KINDS
         shardings.append(x.sharding if isinstance(x, ShardedHost) else None)
-        chunk_fields: dict[str, Any] = {}
         if i in in_bundle:
             offset, checksum = in_bundle[i]
             records.append(serializers.ArrayRecord.for_writing(
@@ -356,35 +273,21 @@ def plan_write(
                 input_path=spec.input_paths[i], shared=False, offset=offset,
             ))
             continue
-        if isinstance(x, ShardedHost) and x.chunk_shape is not None:
-            table = sorted(sums.get(i, {}).items())
-            grid = serializers.chunk_grid(x.shape, x.chunk_shape)
-            if len(table) != int(np.prod(grid)):
-                raise ResidualStoreError(
-                    f"collective write of context {key!r}: residual {i} ({spec.names[i]}) has {len(table)} of its "
-                    f"{int(np.prod(grid))} shards among all processes"
-                )
-            checksums = [(idx, chk) for idx, (chk, _) in table]
-            chunk_fields = {"chunk_shape": x.chunk_shape, "chunk_checksums": checksums}
-            checksum = serializers.chunked_checksum(checksums)
-            data: Any = serializers.ChunkedArray(x.shape, x.dtype, x.chunk_shape, x.chunks)
-            digest = chunked_digest_of(x.dtype, x.shape, x.chunk_shape, {idx: str(d) for idx, (_, d) in table}) if shared else None
-            whole = False
+        if forms.is_chunked(x):
+            planned = forms.plan_chunked(key, spec, i, x, sums.get(i, {}), shared=shared)
         else:
-            data = x.whole if isinstance(x, ShardedHost) else x
-            assert data is not None
-            checksum = (whole_sums or {}).get(i) or serializers.checksum(data)
-            digest = ((digests or {}).get(i) or serializers.content_digest(data)) if shared else None
-            whole = True
+            planned = forms.plan_whole(i, x, shared=shared, whole_sums=whole_sums, digests=digests)
+        digest = planned.digest
         path = weight_path(digest) if digest is not None else own_array_path(folder, i)  # (a digest: shared)
         if not (shared and path in weights):
-            writes.append(ArrayWrite(i, path, data, shared, whole, None if shared else _array_attributes(spec, i)))
+            attributes = None if shared else forms.array_attributes(spec, i)
+            writes.append(ArrayWrite(i, path, planned.data, shared, planned.whole, attributes))
             if shared:
                 weights.add(path)
         records.append(serializers.ArrayRecord.for_writing(
             name=spec.names[i], path=path, shape=x.shape, dtype=serializers.zarr_dtype_name(x.dtype),
-            nbytes=int(x.nbytes), checksum=checksum, input_path=spec.input_paths[i], shared=shared,
-            **chunk_fields,
+            nbytes=int(x.nbytes), checksum=planned.checksum, input_path=spec.input_paths[i], shared=shared,
+            **planned.chunk_fields,
         ))
     created = time.time()
     fields: dict[str, Any] = {
@@ -455,7 +358,7 @@ def _template_for(spec: ResidualSpec, arrays: HostArrays, impls: Sequence[str | 
     """The template of writes of ``spec`` with these host arrays, or ``None`` where there is
     none (a sharded residual, own arrays past the bundle's limits)."""
     try:
-        cache_key = (spec, tuple(impls), _BUNDLE_CAP)  # (tests change the cap)
+        cache_key = (spec, tuple(impls), forms.BUNDLE_CAP)  # (tests change the cap)
         template = _templates.get(cache_key)
     except TypeError:  # a spec holding an unhashable value
         return None
@@ -481,11 +384,11 @@ _templates_lock = StoreLock()
 
 
 def _make_template(spec: ResidualSpec, arrays: Sequence[np.ndarray], impls: Sequence[str | None]) -> _Template | None:
-    bundled = _bundled(spec, arrays)
+    bundled = forms.bundled(spec, arrays)
     if len(bundled) != sum(kind not in SHARED_KINDS for kind in spec.kinds):
         return None
     dtype_names = [serializers.zarr_dtype_name(x.dtype) for x in arrays]
-    bundle = bundle_layout_of(spec, [(i, arrays[i].shape, dtype_names[i]) for i in bundled])
+    bundle = forms.bundle_layout_of(spec, [(i, arrays[i].shape, dtype_names[i]) for i in bundled])
     offsets = {i: where.offset for i, where in zip(bundled, bundle.arrays)}
     placeholder = serializers.checksum(b"")
     records = tuple(
@@ -532,9 +435,8 @@ def _plan_from_template(
         raise ValueError(f"refusing to write to {folder!r}: not a safe relative path")
     whole_sums, digests = whole_sums or {}, digests or {}
     data = [arrays[i] for i in template.bundled]
-    parts, crcs = bundles.bundle_parts(template.bundle, data)
-    ref = BundleRef(bundle_path(folder), template.bundle.nbytes, checksum_parts(parts))
-    bundle = BundleWrite(ref, tuple(parts))
+    bundle, crcs = forms.bundle_write(template.bundle, data, folder)
+    ref = bundle.ref
     where: list[str] = [""] * len(arrays)  # each residual's path
     checksums: list[str] = [""] * len(arrays)
     for i, crc in zip(template.bundled, crcs):
@@ -581,28 +483,3 @@ def _plan_from_template(
         template.layout,
     )
     return WritePlan(key, folder, template.layout, tuple(writes), records, manifest, group, stored, bundle)
-
-
-def _whole(x: np.ndarray | ShardedHost) -> np.ndarray:
-    """A bundled residual's array (a sharded one is bundled only when held whole)."""
-    data = x.whole if isinstance(x, ShardedHost) else x
-    assert data is not None
-    return data
-
-
-def _plan_bundle(
-    spec: ResidualSpec, arrays: HostArrays, folder: str
-) -> tuple[BundleWrite | None, dict[int, tuple[int, str]]]:
-    """The write's bundle (``None`` if it has no own whole array), and for each residual in it
-    its offset and checksum (its CRC-32: the zip's own, computed once)."""
-    indices = _bundled(spec, arrays)
-    if not indices:
-        return None, {}
-    data = [_whole(arrays[i]) for i in indices]
-    layout = bundle_layout_of(spec, [(i, d.shape, serializers.zarr_dtype_name(d.dtype)) for i, d in zip(indices, data)])
-    parts, crcs = bundles.bundle_parts(layout, data)
-    ref = BundleRef(bundle_path(folder), layout.nbytes, checksum_parts(parts))
-    placed = {
-        i: (where.offset, bundles.crc_checksum(crc)) for i, where, crc in zip(indices, layout.arrays, crcs)
-    }
-    return BundleWrite(ref, tuple(parts)), placed

@@ -20,7 +20,7 @@ import numpy as np
 import residual_store_serializers as serializers
 from residual_store._src.errors import ReadOnlyStoreError
 from residual_store._src.store.atomicity import AtomicRenames
-from residual_store._src.store.backend_protocol import DamagedFileError, Empty, damaged
+from residual_store._src.store.backend_protocol import ContextWrite, DamagedFileError, Empty, Files, damaged
 from residual_store._src.store.paths import STORE_MARKER
 from residual_store_serializers.local import (
     check_array_metadata_local,
@@ -109,28 +109,30 @@ class LocalBackend:
         else:
             _remove_quietly(path)
 
+    def write_context(self, write: ContextWrite) -> None:
+        """A commit's folder in one batch of the serializers' fast path: into a recycled folder
+        (``reuse``) each array's files are overwritten in place, its ``zarr.json`` kept. (A
+        fresh folder's files cost nothing extra to replace here: ``write.fresh`` is moot.)"""
+        with _refused_as_damaged():
+            serializers.write_arrays_local(
+                self.root, write.arrays, fsync=write.fsync, reuse=write.reuse, keep_metadata=write.reuse,
+                attributes=write.attributes, files=write.files, sync_folders=write.sync_folders,
+                temporaries=write.temporaries,
+            )
+
     def write_arrays(
         self,
         arrays: Mapping[str, Any],
         *,
         fsync: bool,
-        reuse: bool = False,
         write_metadata: bool = True,
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
-        files: Mapping[str, bytes | Sequence[memoryview | bytes]] | None = None,
-        keep_metadata: bool = False,
-        sync_folders: Sequence[str] = (),
-        temporaries: Mapping[str, bytes] | None = None,
-        fresh: bool = False,  # a folder's replacement costs nothing extra here
+        files: Files | None = None,
     ) -> None:
-        try:
+        with _refused_as_damaged():
             serializers.write_arrays_local(
-                self.root, arrays, fsync=fsync, reuse=reuse, write_metadata=write_metadata,
-                attributes=attributes, files=files, keep_metadata=keep_metadata, sync_folders=sync_folders,
-                temporaries=temporaries,
+                self.root, arrays, fsync=fsync, write_metadata=write_metadata, attributes=attributes, files=files
             )
-        except serializers.CorruptDataError as err:  # a link or a FIFO in the way: nothing written
-            raise damaged(err) from err
 
     def rename(self, src: str, dst: str) -> bool:
         """Renames the entry ``src`` (a link there is renamed itself, never followed) to ``dst``;
@@ -184,18 +186,13 @@ class LocalBackend:
             for folder in {os.path.dirname(self._path(p)) for p in arrays}:
                 fsync_folder_local(folder)
 
-    def read_array(
-        self, path: str, shape: tuple[int, ...], dtype: str, checksum: str | None = None, *, empty: Empty | None = None
-    ) -> np.ndarray:
-        # zarr.json is for other readers: the manifest gives shape and dtype, and the checksum
-        # (verified while reading) and the chunk's size vouch for the data.
-        return self.read_arrays([(path, shape, dtype, checksum)], empty=empty)[0]
-
     def read_arrays(
         self, arrays: Sequence[tuple[str, tuple[int, ...], str, str | None]], *, empty: Empty | None = None
     ) -> list[np.ndarray]:
-        """``read_array`` of each ``(path, shape, dtype, checksum)``, in this thread, each folder
-        on the way examined once."""
+        """Each whole array ``(path, shape, dtype, checksum)``, in this thread, each folder on
+        the way examined once. Its ``zarr.json`` is for other readers: the manifest gives shape
+        and dtype, and the checksum (verified while reading) and the chunk's size vouch for the
+        data."""
         return serializers.read_arrays_local(
             self.root, arrays, check_metadata=False, empty=empty or serializers.aligned_empty
         )
@@ -450,6 +447,16 @@ def _read_only_mount(folder: str) -> bool:
         return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def _refused_as_damaged() -> Iterator[None]:
+    """A write the serializers refused (a link or a FIFO in the way: nothing was written) as a
+    :class:`DamagedFileError`."""
+    try:
+        yield
+    except serializers.CorruptDataError as err:
+        raise damaged(err) from err
 
 
 def _remove_quietly(path: str) -> None:
