@@ -1,7 +1,11 @@
-"""The command line, run as a user would: subprocesses against a real store."""
+"""The command line, run as a user would against a real store: most commands through the entry
+point's function in this process, and in new processes where the process is what is tested (the
+entry point, one-line errors, terminals, pipes, imports)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -13,11 +17,26 @@ import jax.numpy as jnp
 import pytest
 
 import residual_store as rs
+from residual_store import cli
 
 pytestmark = pytest.mark.subprocess
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``residual-store *args`` as its entry point runs it (:func:`residual_store.cli.main`), in
+    this process: its exit status and what it printed. (The entry point itself, in new processes:
+    :func:`_cli_process`, the terminal and pipe tests below.)"""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exit:  # argparse's usage errors
+            code = exit.code if isinstance(exit.code, int) else 1
+    return subprocess.CompletedProcess(["residual-store", *args], code, out.getvalue(), err.getvalue())
+
+
+def _cli_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m residual_store *args`` in a new process."""
     return subprocess.run(
         [sys.executable, "-m", "residual_store", *args],
         capture_output=True,
@@ -40,7 +59,7 @@ def store_path(tmp_path_factory):
 
 
 def test_ls_and_inspect(store_path):
-    out = _cli("ls", store_path)
+    out = _cli_process("ls", store_path)
     assert out.returncode == 0, out.stderr
     assert "mb0" in out.stdout and "rs2-" in out.stdout and "3 contexts" in out.stdout
     listed = json.loads(_cli("ls", store_path, "--json").stdout)
@@ -113,7 +132,7 @@ def test_verify_finds_damage(tmp_path):
 )
 def test_bad_paths_and_keys_give_one_line(store_path, tmp_path, args, message):
     args = [a.format(tmp=str(tmp_path), store=store_path) for a in args]
-    out = _cli(*args)
+    out = _cli_process(*args)
     assert out.returncode == 2
     assert message in out.stderr
     assert not re.search(r"\b[a-z_]+=", out.stderr), out.stderr  # command-line advice, not Python arguments
@@ -124,7 +143,7 @@ def test_bad_paths_and_keys_give_one_line(store_path, tmp_path, args, message):
 
 
 def test_version():
-    out = _cli("--version")
+    out = _cli_process("--version")
     assert out.returncode == 0 and out.stdout.startswith("residual-store ") and f"jax {jax.__version__}" in out.stdout
 
 
