@@ -59,7 +59,7 @@ from residual_store._src.errors import CorruptContextError, InvalidArgumentError
 from residual_store._src.store import Store, item_record
 from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.host import check_live, detached
-from residual_store._src.store.keys import validate_key
+from residual_store._src.store.key_rules import validate_key
 
 if TYPE_CHECKING:
     from etils import epath

@@ -15,7 +15,7 @@ One module a job, peers over shared format modules (none imports another's priva
 * :mod:`serializers.bundle`: many arrays as one zip that zarr and tensorstore read;
 * :mod:`serializers.files`: local files read and written safely (no link followed, exact
   sizes, fsync, undo on failure), used by :mod:`serializers.local` and the store;
-* :mod:`serializers.buffers`: 64-byte aligned buffers every reader reads into;
+* :mod:`serializers.aligned`: 64-byte aligned buffers every reader reads into;
 * :mod:`serializers.manifest`: msgpack manifests, sealed, decoded into typed records;
 * :mod:`serializers.checksums`, :mod:`serializers.errors`;
 * :mod:`serializers.zarr_compat` (plain zarr-python and the ``ml_dtypes`` floats) and
@@ -24,7 +24,7 @@ One module a job, peers over shared format modules (none imports another's priva
 
 from typing import Any
 
-from .buffers import aligned_empty
+from .aligned import aligned_empty
 from .checksums import ALGORITHM, Verifier, checksum, content_digest, verify
 from .errors import (
     DISK_FULL_ERRNOS,

@@ -24,7 +24,7 @@ from typing import Final
 
 import numpy as np
 
-from .buffers import aligned_empty
+from .aligned import aligned_empty
 from .checksums import Verifier
 from .errors import DISK_FULL_ERRNOS, CorruptDataError, raise_if_disk_full
 from .zarr import PathLike, Shape, byte_view, check_relpath

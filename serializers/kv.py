@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from .buffers import aligned_empty
+from .aligned import aligned_empty
 from .errors import DISK_FULL_ERRNOS, CorruptDataError, DiskFullError
 from .kv_errors import (
     convert_read_error,

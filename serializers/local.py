@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from .buffers import ALIGNMENT, aligned_empty
+from .aligned import ALIGNMENT, aligned_empty
 from .checksums import Verifier
 from .errors import CorruptDataError
 from .files import (
@@ -79,7 +79,7 @@ from .zarr import (
     zarr_dtype_name,
 )
 
-# The file primitives (serializers.files) and aligned buffers (serializers.buffers) are named
+# The file primitives (serializers.files) and aligned buffers (serializers.aligned) are named
 # here too, as before they had modules of their own: ``from serializers.local import ...`` of
 # them keeps working.
 __all__ = [
@@ -89,7 +89,7 @@ __all__ = [
     "write_chunks_local",
     "read_chunk_local",
     "check_array_metadata_local",
-    # re-exported from serializers.buffers and serializers.files
+    # re-exported from serializers.aligned and serializers.files
     "ALIGNMENT",
     "aligned_empty",
     "read_file_local",

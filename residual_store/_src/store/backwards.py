@@ -1,8 +1,8 @@
 """Stored backwards: once per signature and store, the backward serialized with ``jax.export``, so
 a process without the model can run ``rs.backward(store.get(key))``.
 
-Saving (:class:`Saver`, one per writable store) runs on the store's writer thread (exporting
-takes tens of milliseconds; ``put`` returns at once). Loading (:class:`StoredBackwards`, one per
+Saving (:class:`BackwardSaver`, one per writable store) runs on the store's writer thread (exporting
+takes tens of milliseconds; ``put`` returns at once). Loading (:class:`StoredBackwardLoader`, one per
 store, registered weakly with :func:`residual_store._src.backward.register_loader` while the store is
 open): ``get`` reads and checks the stored backward and hands the context a
 :class:`StoredBackward`; it is deserialized only when ``rs.backward`` needs it. Loading checks a
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from residual_store._src.store.workers import Writer
 
 __all__ = [
-    "Saver", "StoredBackward", "StoredBackwards", "check_records", "describe", "explicit_mesh", "is_stored",
+    "BackwardSaver", "StoredBackward", "StoredBackwardLoader", "check_records", "describe", "explicit_mesh", "is_stored",
     "read", "read_manifest", "serialize", "stored_signatures", "structures", "unavailable_manifest", "write",
 ]
 
@@ -250,7 +250,7 @@ def _read(disk: DiskTier, signature: str) -> StoredBackward | None:
     return None if stored is None else StoredBackward(signature, *stored)
 
 
-class StoredBackwards:
+class StoredBackwardLoader:
     """The loader of one store's stored backwards (a :class:`~residual_store._src.backward.BackwardLoader`):
     each signature's read once, at the first ``get`` of it or the first time ``rs.backward``
     asks for one this process has no live backward of.
@@ -345,7 +345,7 @@ def _loaded(signature: str, manifest: dict[str, Any], data: bytes | None) -> Bac
     )
 
 
-class Saver:
+class BackwardSaver:
     """Saves the backward of each signature once per store, on the store's writer thread (in
     order with its writes), so other processes can run it without the model.
 

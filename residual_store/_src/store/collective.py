@@ -38,11 +38,11 @@ from residual_store._src.store.committer import Committer, SingleProcessCommitte
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
-from residual_store._src.store.keys import validate_key
+from residual_store._src.store.key_rules import validate_key
 from residual_store._src.store.layout import StaleData
 
 if TYPE_CHECKING:
-    from residual_store._src.store.backwards import Saver
+    from residual_store._src.store.backwards import BackwardSaver
 
 __all__ = ["TIMEOUT_S", "Channel", "Collective", "CollectiveCommitter", "committer_for", "is_multiprocess"]
 
@@ -106,7 +106,7 @@ class Channel:
         theirs = coll.allgather("begin", [what, value])
         if seq > 0 and coll.index == 0:
             # every process has begun this operation, so all finished reading the previous one
-            coll.forget(f"{self.prefix}/{seq - 1}")
+            coll.clear(f"{self.prefix}/{seq - 1}")
         if any(w != what for w, _ in theirs):
             calls = ", ".join(f"process {i}: {w}" for i, (w, _) in enumerate(theirs))
             raise ResidualStoreError(
@@ -144,7 +144,7 @@ class Collective:
             out.append(json.loads(raw))
         return out
 
-    def forget(self, prefix: str) -> None:
+    def clear(self, prefix: str) -> None:
         """Removes the exchanged values under ``prefix`` from the coordination service."""
         try:
             self._client.key_value_delete(prefix)
@@ -202,10 +202,10 @@ def _of(attributes: Mapping[str, Any], arrays: Mapping[str, Any]) -> dict[str, A
 class _Share:
     """What one process writes of a :class:`~residual_store._src.store.layout.WritePlan`."""
 
-    mine: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> array or its chunks
-    mine_shared: dict[str, Any] = dataclasses.field(default_factory=dict)  # chunks of weights, in place
+    own: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> array or its chunks
+    shared_chunks: dict[str, Any] = dataclasses.field(default_factory=dict)  # chunks of weights, in place
     skipped: list[str] = dataclasses.field(default_factory=list)  # sharded weights found in place
-    shared_whole: dict[str, Any] = dataclasses.field(default_factory=dict)  # whole weights (process 0)
+    whole_weights: dict[str, Any] = dataclasses.field(default_factory=dict)  # whole weights (process 0)
     staged: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)  # weight -> (where its chunks go, array)
     chunked: dict[str, Any] = dataclasses.field(default_factory=dict)  # own chunked arrays, for their zarr.json
 
@@ -266,7 +266,7 @@ class CollectiveCommitter:
     def host_arrays(self, ctx: ResidualContext, staged: Staged | None) -> tuple[HostArrays, list[str | None]]:
         return host_arrays(ctx, staged, partial=True)
 
-    def save_backward(self, saver: Saver, ctx: ResidualContext) -> None:
+    def save_backward(self, saver: BackwardSaver, ctx: ResidualContext) -> None:
         if jax.process_index() == 0:  # one process saves them for the job
             saver.save(ctx)
 
@@ -330,11 +330,11 @@ class CollectiveCommitter:
         full = False
         try:
             self.backend.write_arrays(
-                share.mine, fsync=fsync, write_metadata=False, attributes=_of(plan.attributes, share.mine),
+                share.own, fsync=fsync, write_metadata=False, attributes=_of(plan.attributes, share.own),
                 # process 0 writes the bundle of the whole own arrays; the group's zarr.json at the commit
                 files={plan.bundle.ref.path: plan.bundle.parts} if lead and plan.bundle is not None else None,
             )
-            self.backend.write_shared_arrays(share.mine_shared, fsync=fsync, write_metadata=False)
+            self.backend.write_shared_arrays(share.shared_chunks, fsync=fsync, write_metadata=False)
         except Exception as err:  # noqa: BLE001 - every process must learn of it
             error = f"process {coll.index}: {type(err).__name__}: {err}"
             full = serializers.is_disk_full(err)
@@ -370,11 +370,11 @@ class CollectiveCommitter:
         for a in plan.arrays:
             if a.whole:
                 if lead and not a.shared:
-                    share.mine[a.path] = a.data
+                    share.own[a.path] = a.data
                 elif lead and not self.backend.array_exists(a.path):
-                    share.shared_whole[a.path] = a.data
+                    share.whole_weights[a.path] = a.data
             elif not a.shared:
-                share.mine[a.path] = a.data
+                share.own[a.path] = a.data
                 share.chunked[a.path] = a.data
             else:
                 target = atomicity.shared_staging(a.path, write_id)
@@ -382,9 +382,9 @@ class CollectiveCommitter:
                 if self.backend.array_exists(a.path):
                     share.skipped.append(a.path)
                 elif target != a.path:  # a folder of this write alone
-                    share.mine[target] = a.data
+                    share.own[target] = a.data
                 else:  # the weight's own address: content-addressed chunks, which no writer tears
-                    share.mine_shared[target] = a.data
+                    share.shared_chunks[target] = a.data
         return share
 
     def _commit(self, plan: layout.WritePlan, share: _Share, skipped: set[str], *, fsync: bool) -> bytes | None:
@@ -405,7 +405,7 @@ class CollectiveCommitter:
                 )
             empty = {target: serializers.ChunkedArray(data.shape, data.dtype, data.chunk_shape, {})}
             atomicity.publish_shared(target, path, empty, fsync=fsync)  # its zarr.json makes it exist
-        self.backend.write_shared_arrays(share.shared_whole, fsync=fsync)
+        self.backend.write_shared_arrays(share.whole_weights, fsync=fsync)
         self.backend.put_bytes(layout.group_metadata_path(plan.data_dir), plan.group, fsync=fsync)
         previous = self.disk.read_manifest_bytes(plan.key)
         self.backend.put_bytes(layout.manifest_path(plan.key), plan.manifest, fsync=fsync)

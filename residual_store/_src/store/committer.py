@@ -22,11 +22,11 @@ from residual_store._src.context import ResidualContext, ResidualSpec
 from residual_store._src.store import layout
 from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
-from residual_store._src.store.keys import put_key
+from residual_store._src.store.key_rules import put_key
 from residual_store._src.store.layout import StaleData
 
 if TYPE_CHECKING:
-    from residual_store._src.store.backwards import Saver
+    from residual_store._src.store.backwards import BackwardSaver
 
 __all__ = ["Committer", "SingleProcessCommitter", "Staged"]
 
@@ -63,7 +63,7 @@ class Committer(Protocol):
         (``staged``: its weights as :meth:`stage_shared` took them)."""
         ...
 
-    def save_backward(self, saver: Saver, ctx: ResidualContext) -> None:
+    def save_backward(self, saver: BackwardSaver, ctx: ResidualContext) -> None:
         """Hands ``ctx``'s backward to the store's ``saver`` where this process saves it."""
         ...
 
@@ -114,7 +114,7 @@ class SingleProcessCommitter:
     def host_arrays(self, ctx: ResidualContext, staged: Staged | None) -> tuple[HostArrays, list[str | None]]:
         return host_arrays(ctx, staged)
 
-    def save_backward(self, saver: Saver, ctx: ResidualContext) -> None:
+    def save_backward(self, saver: BackwardSaver, ctx: ResidualContext) -> None:
         saver.save(ctx)
 
     def write(

@@ -43,7 +43,7 @@ from residual_store._src.errors import ContextNotFoundError, CorruptContextError
 from residual_store._src.store import backwards, layout
 from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.inspection import VerifyReport, size_damage
-from residual_store._src.store.keys import validate_key
+from residual_store._src.store.key_rules import validate_key
 from residual_store._src.store.local_backend import LocalBackend
 from residual_store._src.store.paths import ITEM_RECORD, STORE_MARKER
 from residual_store._src.store.records import check_signature

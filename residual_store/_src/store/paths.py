@@ -20,7 +20,7 @@ nowhere else (the other modules ask these functions and constants)::
     backwards/<signature>.manifest       its manifest (written last)
 
 Paths are relative to the store's root, ``/``-separated, and safe relative paths
-(:func:`serializers.is_safe_relpath`) for every key :func:`~residual_store._src.store.keys.validate_key`
+(:func:`serializers.is_safe_relpath`) for every key :func:`~residual_store._src.store.key_rules.validate_key`
 accepts.
 """
 

@@ -31,7 +31,7 @@ from residual_store._src.store.committer import Committer
 from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.host import HostArrays, check_dtypes_writable
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
-from residual_store._src.store.keys import put_key
+from residual_store._src.store.key_rules import put_key
 from residual_store._src.store.layout import StaleData
 from residual_store._src.store.ledger import KeyLedger
 from residual_store._src.store.records import StoredContext
@@ -184,7 +184,7 @@ class ReadOnlyDisk(_WritesNothing):
         self._ledger, self._lock = ledger, lock
         self._io = dict.fromkeys(_IO, 0)
         # loads the stored backwards rs.backward asks for while the store is open (held weakly there)
-        self._stored_backwards = backwards.StoredBackwards(disk)
+        self._stored_backwards = backwards.StoredBackwardLoader(disk)
         register_loader(self._stored_backwards)
 
     def check_writable(self, what: str) -> None:
@@ -288,7 +288,7 @@ class WritableDisk(ReadOnlyDisk):
         self.writer = Writer(max_pending_bytes, on_idle=disk.sync_commits)
         self.janitor = Loader(workers=1)  # removes replaced or deleted data off the write path
         # saves each signature's backward once, on the writer thread
-        self._saver = backwards.Saver(disk, self.writer, durable=self._durable)
+        self._saver = backwards.BackwardSaver(disk, self.writer, durable=self._durable)
         self._newest: dict[str, Future[Any]] = {}  # key -> its newest scheduled write, until done
 
     def check_writable(self, what: str) -> None:

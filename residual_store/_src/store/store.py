@@ -23,7 +23,7 @@ from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import DiskTier
 from residual_store._src.store.host import read_device, to_numpy
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
-from residual_store._src.store.keys import validate_key
+from residual_store._src.store.key_rules import validate_key
 from residual_store._src.store.ledger import KeyLedger
 from residual_store._src.store.moves import Moves
 from residual_store._src.store.persistence import Persistence, open_side
