@@ -9,7 +9,7 @@ without a copy; only a non-contiguous or big-endian array is copied first.
 The format is ``"<algorithm>:<hex digest>"``, e.g. ``"xxh3_64:9b1f0c2a5d3e4f60"``,
 so a later version can change the algorithm and still read old manifests.
 
-Why xxh3_64 (PyPI package ``xxhash``): measured on the 2-core development machine
+Why xxh3_64 (PyPI package ``xxhash``): measured 2026-11-29 on the 2-core development machine
 (AMD EPYC, 32 MiB L3), median of repeated runs over random bytes, range over four
 runs on a shared machine:
 
