@@ -7,6 +7,8 @@ not know the model never does.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -242,6 +244,22 @@ def data_dirs(root: str | os.PathLike[str], key: str) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------
 # Other processes
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``residual-store *args`` as its entry point runs it (:func:`residual_store.cli.main`), in
+    this process: its exit status and what it printed, as a finished process would report them.
+    Tests of the process itself (the entry point, what a new process imports, terminals, pipes)
+    start one instead."""
+    from residual_store import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exit:  # argparse's usage errors
+            code = exit.code if isinstance(exit.code, int) else 1
+    return subprocess.CompletedProcess(["residual-store", *args], code, out.getvalue(), err.getvalue())
 
 
 def python_env() -> dict[str, str]:

@@ -4,8 +4,6 @@ entry point, one-line errors, terminals, pipes, imports)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -17,22 +15,12 @@ import jax.numpy as jnp
 import pytest
 
 import residual_store as rs
-from residual_store import cli
+from store_helpers import run_cli
 
 pytestmark = pytest.mark.subprocess
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """``residual-store *args`` as its entry point runs it (:func:`residual_store.cli.main`), in
-    this process: its exit status and what it printed. (The entry point itself, in new processes:
-    :func:`_cli_process`, the terminal and pipe tests below.)"""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(list(args))
-        except SystemExit as exit:  # argparse's usage errors
-            code = exit.code if isinstance(exit.code, int) else 1
-    return subprocess.CompletedProcess(["residual-store", *args], code, out.getvalue(), err.getvalue())
+_cli = run_cli  # the command line in this process; _cli_process: in a new one
 
 
 def _cli_process(*args: str) -> subprocess.CompletedProcess[str]:

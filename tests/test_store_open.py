@@ -15,6 +15,7 @@ import pytest
 
 import residual_store as rs
 from models import init_mlp, mlp_loss
+from store_helpers import run_cli
 
 
 def snapshot(root) -> dict[str, tuple[int, int, str]]:
@@ -91,15 +92,16 @@ def test_a_read_only_store_reads_everything_and_changes_nothing(stored):
 def test_the_command_line_only_reads_a_store_it_inspects(stored):
     root, *_ = stored
     before = snapshot(root)
-    cli = [sys.executable, "-m", "residual_store"]
+    # the entry point's function in this process; the first command in a new process too
+    assert _cli("ls", str(root)).returncode == 0
     for args in (["ls", str(root)], ["inspect", str(root), "mb0"], ["verify", str(root)], ["du", str(root)]):
-        out = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+        out = run_cli(*args)
         assert out.returncode == 0, out.stderr
     assert snapshot(root) == before
     # and a mistyped path is an error, not a new empty store
     typo = str(root) + "-typo"
     for command in ("ls", "verify", "gc", "du"):
-        out = subprocess.run([*cli, command, typo], capture_output=True, text=True, timeout=120)
+        out = run_cli(command, typo)
         assert out.returncode == 2 and "no such folder" in out.stderr, (command, out.stderr)
     assert not os.path.exists(typo)
 
@@ -205,13 +207,15 @@ def test_a_spec_tensorstore_refuses_is_invalid_argument(spec):
 
 
 @pytest.mark.subprocess
-def test_the_command_line_refuses_a_bad_spec_in_one_line():
+def test_the_command_line_refuses_a_bad_spec_in_one_line(aws_environment):
+    """Every spec and command in this process (the entry point's function), and the first of
+    each spec in a new process."""
     import json
 
     for spec in BAD_SPECS:
-        for command in (["ls"], ["verify"], ["inspect", "--timeout", "1"], ["gc", "--dry-run"]):
+        for i, command in enumerate((["ls"], ["verify"], ["inspect", "--timeout", "1"], ["gc", "--dry-run"])):
             args = [command[0], json.dumps(spec), *(["k"] if command[0] == "inspect" else []), *command[1:]]
-            _one_line(_cli(*args), "tensorstore refuses the kvstore spec")
+            _one_line((_cli if i == 0 else run_cli)(*args), "tensorstore refuses the kvstore spec")
 
 
 def _closed_port() -> int:
@@ -254,14 +258,15 @@ def test_an_object_store_that_does_not_answer_is_store_unavailable_within_the_ti
 
 
 @pytest.mark.subprocess
-def test_the_command_line_on_an_unreachable_object_store_says_so_in_one_line():
+def test_the_command_line_on_an_unreachable_object_store_says_so_in_one_line(aws_environment):
+    """Each command in this process (the entry point's function), the first in a new process too."""
     import json
     import time
 
     spec = json.dumps(_s3_spec(_closed_port()))
-    for command in (["ls", spec], ["verify", spec], ["inspect", spec, "k"], ["du", spec], ["rm", spec, "k"]):
+    for i, command in enumerate((["ls", spec], ["ls", spec], ["verify", spec], ["inspect", spec, "k"], ["du", spec], ["rm", spec, "k"])):
         t0 = time.monotonic()
-        out = _cli(*command, "--timeout", "1")
+        out = (_cli if i == 0 else run_cli)(*command, "--timeout", "1")
         assert time.monotonic() - t0 < 60
         line = _one_line(out, "did not answer within --timeout 1 s", "CURL error", "a longer --timeout")
         assert not any(n in out.stderr for n in ("Failed to open file", "aws-error", "AuthCredentialsProvider")), line
