@@ -77,7 +77,7 @@ def _warm_up(fwd, root) -> None:
 def test_dropped_stores_leave_no_threads(tmp_path, fwd):
     _warm_up(fwd, tmp_path / "warm")
     before = _threads_settle(0, timeout=0)
-    for i in range(20):
+    for i in range(10):
         store = rs.Store(tmp_path / f"s{i}", durable=False)
         store.put(_ctx(fwd, i), "a")
         if i % 2:
@@ -85,7 +85,7 @@ def test_dropped_stores_leave_no_threads(tmp_path, fwd):
         del store
         gc.collect()
     assert _threads_settle(before) <= before, [t.name for t in threading.enumerate()]
-    for i in range(20):  # and nothing put was lost
+    for i in range(10):  # and nothing put was lost
         with rs.Store(tmp_path / f"s{i}", read_only=True) as reader:
             assert reader.keys() == ["a"]
 
