@@ -1,8 +1,9 @@
 """What a storage backend of the disk tier is: the operations the disk tier needs (write a
 context's folder as one :class:`ContextWrite`, write and read arrays, put and get small objects
-atomically, list, delete, rename), the strategy that makes its writes atomic
-(:mod:`residual_store._src.store.atomicity`), and the error a backend raises for an entry that
-is not what the store puts there.
+atomically, list, delete), the strategy that makes its writes atomic
+(:mod:`residual_store._src.store.atomicity`: renames and the refresh of a folder's age belong to
+the local folder's strategy, not to every backend), and the error a backend raises for an entry
+that is not what the store puts there.
 
 The backends: :mod:`residual_store._src.store.local_backend` (a local folder) and
 :mod:`residual_store._src.store.kv_backend` (any tensorstore kvstore); :func:`residual_store._src.store.backends.open_backend`
@@ -105,7 +106,6 @@ class Backend(Protocol):
         attributes: Mapping[str, Mapping[str, Any]] | None = None,
         files: Files | None = None,  # small files written with the arrays
     ) -> None: ...
-    def rename(self, src: str, dst: str) -> bool: ...
     def write_shared_arrays(
         self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
     ) -> None: ...
@@ -136,7 +136,6 @@ class Backend(Protocol):
     def is_empty(self) -> bool: ...
     def list_temporary(self, prefix: str) -> list[str]: ...
     def gc_lock(self, *, exclusive: bool) -> AbstractContextManager[None]: ...
-    def touch(self, prefix: str) -> bool: ...
     def sync_folder(self, prefix: str) -> None: ...  # a rename into it survives a power loss
     # how this medium makes a write atomic: a fresh strategy, held by one disk tier
     def atomicity(self) -> Atomicity: ...

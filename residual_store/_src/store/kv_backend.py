@@ -162,9 +162,6 @@ class KvBackend:
         for key, data in (files or {}).items():  # a bundle's parts go out as one object
             self.put_bytes(key, data if isinstance(data, bytes) else b"".join(data), fsync=fsync)
 
-    def rename(self, src: str, dst: str) -> bool:
-        return False  # kvstores have no atomic rename of a prefix
-
     @_requests
     def write_shared_arrays(
         self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
@@ -301,9 +298,6 @@ class KvBackend:
 
     def gc_lock(self, *, exclusive: bool) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # no cross-process lock: gc needs older_than=0 (see age_seconds)
-
-    def touch(self, prefix: str) -> bool:
-        return True  # nothing to refresh: gc on a kvstore has no age rule
 
     def sync_folder(self, prefix: str) -> None:
         pass  # no renames on kvstores
