@@ -597,6 +597,42 @@ def test_memory_only_get_never_drops_a_context(mlp_split, rng):
 # 7. Management
 
 
+def test_internals_stats_leave_out_contexts_popped_or_deleted_while_their_removal_waits(tmp_path, mlp_split, rng, monkeypatch):
+    """``stats()["disk"]`` agrees with ``len(store)`` and ``keys()`` from the moment ``pop`` or
+    ``delete`` returns, not only once the writer has removed the files (held here until later)."""
+    import threading
+
+    from residual_store._src.store import committer as committer_module
+
+    _, _, ctxs = _mlp_contexts(mlp_split, rng, 3)
+    release = threading.Event()
+    removals = []
+    real_delete = committer_module.SingleProcessCommitter.delete
+
+    def held_delete(self, key):
+        removals.append(key)
+        assert release.wait(60)
+        return real_delete(self, key)
+
+    with rs.Store(tmp_path / "s", device_budget=0, host_budget=0) as store:
+        for i, c in enumerate(ctxs):
+            store.put(c, f"k{i}")
+        store.flush()
+        one = store.stats()["disk"]["own_bytes"] // 3
+        assert store.stats()["disk"]["contexts"] == 3 and one > 0
+        monkeypatch.setattr(committer_module.SingleProcessCommitter, "delete", held_delete)
+        store.pop("k0")
+        store.delete("k1")
+        assert committed_keys(tmp_path / "s") == ["k0", "k1", "k2"]  # nothing removed yet
+        disk = store.stats()["disk"]
+        assert disk["contexts"] == len(store) == 1 and store.keys() == ["k2"]
+        assert disk["own_bytes"] == one
+        release.set()
+        store.flush()
+        assert sorted(removals) == ["k0", "k1"] and committed_keys(tmp_path / "s") == ["k2"]
+        assert store.stats()["disk"]["contexts"] == 1
+
+
 def test_pop_delete_keys_contains_len(tmp_path, mlp_split, rng):
     params, batches, ctxs = _mlp_contexts(mlp_split, rng, 3)
     root = tmp_path / "s"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
@@ -219,16 +219,17 @@ class VerifyReport:
 # -- records ----------------------------------------------------------------------------------
 
 
-def disk_bytes(disk: DiskTier | None) -> dict[str, int]:
+def disk_bytes(disk: DiskTier | None, *, leaving: Collection[str] = ()) -> dict[str, int]:
     """What ``stats()`` reports of the committed contexts on ``disk`` (``None``: a memory-only
     store): ``bytes`` (each shared weight once), ``contexts``, and ``own_bytes`` (the contexts'
-    own arrays); damaged manifests are left out."""
+    own arrays); damaged manifests are left out, and so are the keys ``leaving`` (deleted or
+    popped, their removal not yet done: the store already answers that they are gone)."""
     found = {"bytes": 0, "contexts": 0, "own_bytes": 0}
     if disk is None:
         return found
     seen: set[str] = set()
-    for _, stored in disk.iter_manifests():
-        if isinstance(stored, CorruptContextError):
+    for key, stored in disk.iter_manifests():
+        if isinstance(stored, CorruptContextError) or key in leaving:
             continue
         found["contexts"] += 1
         for record in stored.records:

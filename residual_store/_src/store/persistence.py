@@ -223,7 +223,8 @@ class ReadOnlyDisk(_WritesNothing):
     def stats(self) -> dict[str, int]:
         with self._lock:
             io = dict(self._io)
-        return {**inspection.disk_bytes(self.disk), **io}
+            leaving = self._ledger.deleted_keys()  # deleted or popped: gone for every caller
+        return {**inspection.disk_bytes(self.disk, leaving=leaving), **io}
 
     def info(self, key: str) -> ContextInfo:
         return inspection.stored_info(self.disk, key)

@@ -399,6 +399,8 @@ class Store:
         have been had the write been done (``disk["reads"] + pending["reads"]`` counts the
         contexts brought back from below the memory tiers, however fast the disk is).
         Bytes in memory are the contexts' own (intermediates and inputs), as the budgets count.
+        A context deleted or popped leaves ``disk`` when the call returns, as it leaves
+        ``keys()``, before the writer has removed its files.
         """
         self._check_open()
         with self._lock:
