@@ -328,7 +328,9 @@ def request_pool() -> ThreadPoolExecutor:
 
 
 class Loader:
-    """A small thread pool for prefetches; one future per key in flight."""
+    """A small thread pool, joined by ``close``: the store's loads ahead (one
+    future per key in flight, the ledger keeps it), and with one worker the janitor's removals of
+    replaced or deleted data (``persistence.WritableDisk.janitor``)."""
 
     def __init__(self, workers: int = 2) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="residual-store-loader")
