@@ -413,3 +413,56 @@ def test_internals_a_condition_wait_on_a_store_lock_is_outside_and_restores_the_
     finally:
         signal.signal(signal.SIGUSR1, before)
     assert seen == [False]
+
+
+_LANDS_IN_A_CALLBACK = """
+import gc, signal, sys
+import jax.numpy as jnp
+import residual_store as rs
+
+rs.flush_on_sigterm()  # no handler of the program's own: the exit is SystemExit(143)
+fwd = rs.split(lambda x: jnp.sum(jnp.sin(x) ** 2))
+store = rs.Store(sys.argv[1])
+store.put(fwd(jnp.arange(4.0))[1], "before")
+fired = []
+
+def land_here():  # the signal, and bytecodes in which the handler runs, inside the callback
+    if not fired:
+        fired.append(True)
+        signal.raise_signal(signal.SIGTERM)
+        for _ in range(100_000):
+            pass
+
+if sys.argv[2] == "gc_callback":  # as JAX's own _xla_gc_callback
+    gc.callbacks.append(lambda phase, info: land_here() if phase == "start" else None)
+    gc.collect()
+else:
+    class Dropped:
+        def __del__(self):
+            land_here()
+    Dropped()
+import time
+for _ in range(1000):  # ten seconds of the program going on, in which the exit must come
+    time.sleep(0.01)
+print("went on", flush=True)
+sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["gc_callback", "__del__"])
+def test_a_sigterm_landing_where_python_ignores_exceptions_still_ends_the_process(tmp_path, where):
+    """A SIGTERM handled inside a garbage-collection callback (JAX registers one) or a ``__del__``:
+    Python cannot propagate the handler's ``SystemExit`` from there ("Exception ignored"), so the
+    handler raises it again where the main thread goes on: status 143, the put on disk, and the
+    program does not go on as if nothing came."""
+    script = tmp_path / "lands.py"
+    script.write_text(_LANDS_IN_A_CALLBACK)
+    root = tmp_path / "store"
+    done = subprocess.run([sys.executable, str(script), str(root), where], capture_output=True, text=True,
+                          timeout=HARD_TIMEOUT_S, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 128 + signal.SIGTERM, (done.stdout, done.stderr)
+    assert "went on" not in done.stdout and "Exception ignored" not in done.stderr, done.stderr
+    with rs.Store(root, read_only=True) as store:
+        assert store.keys() == ["before"]
+        store.get("before")

@@ -29,18 +29,27 @@ rules keep that safe:
   Only once the bound is past can a further ``SIGTERM`` end a process already ending (with
   status 143); with ``timeout=None`` nothing but ``SIGKILL`` does. Once the program's handler
   returns (the process goes on), the next ``SIGTERM`` is handled afresh.
+
+A ``SystemExit`` raised from a signal handler is lost where the signal lands in code whose
+exceptions Python cannot propagate (a garbage-collection callback such as JAX's, a ``__del__``,
+a weakref callback): Python reports it to ``sys.unraisablehook`` as "Exception ignored" and the
+interrupted code goes on. The handler's hook (:class:`_ExitNotLost`, installed when it first lets
+an exit out) takes that exit back and interrupts the main thread again, so the exit is raised
+anew outside that callback.
 """
 
 from __future__ import annotations
 
+import _thread
 import functools
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.store.critical import in_critical_section, run_when_outside
@@ -65,8 +74,17 @@ class _FlushThenPrevious:
         self.timeout = timeout
         self.state = _IDLE
         self.deadline: float | None = None  # time.monotonic() bound of the current one's drain
+        self.exit: SystemExit | None = None  # the exit let out, while Python may still lose it
+        self.lost = False  # Python lost it (sys.unraisablehook): raise it again
+        self.interrupts = 0  # interruptions of the main thread by _ExitNotLost not yet handled
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.interrupts:  # the main thread interrupted by _ExitNotLost, not a signal
+            self.interrupts -= 1
+            if self.lost and not _ExitNotLost.running:  # (inside the hook it would be lost again)
+                self.lost = False
+                self._exit(SystemExit(self.exit.code if self.exit is not None else 128 + signum))
+            return
         if self.state is not _IDLE:
             self._further(signum)
             return
@@ -89,14 +107,14 @@ class _FlushThenPrevious:
                 _say(f"residual-store: {why} came during the exit drain: the drain goes on")
                 return
             # Unwinding first: ``with`` blocks close their stores; the exit drain runs after.
-            raise SystemExit(128 + signum)
+            self._exit(SystemExit(128 + signum))
         try:
             drain_within(self.deadline, why)
             if callable(self.previous):
                 self.previous(signum, frame)
-        except SystemExit:  # the program's handler ends the process
+        except SystemExit as exc:  # the program's handler ends the process
             self.state = _EXITING
-            raise
+            self._exit(exc)
         finally:
             if self.state is _HANDLING:
                 self.state = _IDLE  # returned (or raised to stop a loop): the process goes on
@@ -106,11 +124,55 @@ class _FlushThenPrevious:
         its bound is past (then something other than the drain holds it up: it ends now)."""
         if self.state is _EXITING and self.deadline is not None and time.monotonic() >= self.deadline:
             _say("residual-store: a further SIGTERM after the flush_on_sigterm bound: the process ends now")
-            raise SystemExit(128 + signum)
+            self._exit(SystemExit(128 + signum))
         _say(
             "residual-store: a further SIGTERM came while the first one is handled; ignored: "
             "the stores' pending writes go on completing"
         )
+
+
+    def _exit(self, exc: SystemExit) -> NoReturn:
+        """Raises ``exc``, the process's exit, watched by :class:`_ExitNotLost` in case the
+        signal landed where Python cannot propagate it."""
+        self.exit = exc
+        if not isinstance(sys.unraisablehook, _ExitNotLost):
+            sys.unraisablehook = _ExitNotLost(self, sys.unraisablehook)
+        raise exc
+
+
+class _ExitNotLost:
+    """``sys.unraisablehook`` while a handler's exit is on its way: the exit that Python could
+    not propagate (the signal landed in a garbage-collection callback, a ``__del__`` or a weakref
+    callback) is not printed and forgotten but raised again. A thread interrupts the main thread
+    (``SIGTERM`` for its handler) every 10 ms until the handler, run outside this hook, has raised
+    the exit anew. Every other unraisable exception goes to the hook that was there before."""
+
+    running = False  # the hook is running (in the main thread): the exit waits until it returns
+
+    def __init__(self, handler: _FlushThenPrevious, previous: Callable[[Any], Any]) -> None:
+        self.handler = handler
+        self.previous = previous
+        self._again: threading.Thread | None = None
+
+    def __call__(self, unraisable: Any) -> None:
+        if self.handler.exit is None or unraisable.exc_value is not self.handler.exit:
+            self.previous(unraisable)
+            return
+        _ExitNotLost.running = True
+        try:
+            self.handler.lost = True
+            if self._again is None or not self._again.is_alive():
+                self._again = threading.Thread(target=self._interrupt_while_lost, daemon=True,
+                                               name="residual-store-exit-again")
+                self._again.start()
+        finally:
+            _ExitNotLost.running = False
+
+    def _interrupt_while_lost(self) -> None:
+        while self.handler.lost:
+            self.handler.interrupts += 1
+            _thread.interrupt_main(signal.SIGTERM)
+            time.sleep(0.01)
 
 
 def _say(line: str) -> None:
