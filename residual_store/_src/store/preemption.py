@@ -76,12 +76,10 @@ class _FlushThenPrevious:
         self.deadline: float | None = None  # time.monotonic() bound of the current one's drain
         self.exit: SystemExit | None = None  # the exit let out, while Python may still lose it
         self.lost = False  # Python lost it (sys.unraisablehook): raise it again
-        self.interrupts = 0  # interruptions of the main thread by _ExitNotLost not yet handled
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if self.interrupts:  # the main thread interrupted by _ExitNotLost, not a signal
-            self.interrupts -= 1
-            if self.lost and not _ExitNotLost.running:  # (inside the hook it would be lost again)
+        if self.lost:  # Python lost the exit; interrupted by _ExitNotLost (or a SIGTERM): raise it anew
+            if not _ExitNotLost.running:  # (inside the hook it would be lost again: the next one)
                 self.lost = False
                 self._exit(SystemExit(self.exit.code if self.exit is not None else 128 + signum))
             return
@@ -170,7 +168,6 @@ class _ExitNotLost:
 
     def _interrupt_while_lost(self) -> None:
         while self.handler.lost:
-            self.handler.interrupts += 1
             _thread.interrupt_main(signal.SIGTERM)
             time.sleep(0.01)
 
