@@ -88,7 +88,7 @@ def test_api_reference_builds(tmp_path):
 def test_internals_format_md_names_the_versions_this_library_writes():
     """docs/format.md's title and layout section name the store layout and manifest versions
     that the code writes (the title once said 3 where the layout is 2)."""
-    from residual_store._src.store.layout import STORE_FORMAT, STORE_VERSION
+    from residual_store._src.store.disk.paths import STORE_FORMAT, STORE_VERSION
     from residual_store_serializers import FORMAT_VERSION
 
     text = (ROOT / "docs" / "format.md").read_text()

@@ -232,7 +232,7 @@ def test_internals_a_gc_paused_after_reading_the_manifests_never_removes_what_a_
     import numpy as np
 
     import residual_store as rs
-    from residual_store._src.store.disk import DiskTier
+    from residual_store._src.store.disk.tier import DiskTier
     from store_helpers import init_params, mlp_batch, mlp_loss
 
     root = tmp_path / "store"

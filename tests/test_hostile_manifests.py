@@ -24,7 +24,7 @@ import pytest
 
 import residual_store as rs
 from residual_store._src.store import backwards
-from residual_store._src.store.disk import DiskTier
+from residual_store._src.store.disk.tier import DiskTier
 from residual_store_serializers.manifest import SELF_CHECKSUM_FIELD, seal_manifest
 from store_helpers import assert_contexts_identical, raw, read_manifest, tree_files
 
@@ -69,7 +69,7 @@ def stored(tmp_path: Path, split) -> tuple[Path, dict[str, Any]]:
 def stored_in_folders(tmp_path: Path, split, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, Any]]:
     """``stored``, each own residual in a folder of its own (no bundle: what the manifests of
     versions 1 to 3 describe), so that a manifest relabelled as an older version is one."""
-    from residual_store._src.store import residual_forms
+    from residual_store._src.store.disk import forms as residual_forms
 
     monkeypatch.setattr(residual_forms, "BUNDLE_CAP", -1)  # no residual fits a bundle
     root, ctxs = _stored(tmp_path, split)

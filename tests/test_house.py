@@ -1,5 +1,5 @@
 """House rules of the code that a test can check: every path of a store's tree is spelled in
-``residual_store/_src/store/paths.py`` only; the store asks its committer how to write, never which
+``residual_store/_src/store/disk/paths.py`` only; the store asks its committer how to write, never which
 kind it has, and the committer answers with methods that do the thing, not flags; only the store
 and its collective module ask whether the job has several processes; JAX internals are used in
 ``_jax_internals`` only; no module is over 700 lines; no test is an expected failure that may pass."""
@@ -82,12 +82,13 @@ def _names(source: str) -> set[str]:
 
 
 # what tells which medium a backend writes to, or makes a write atomic on one medium only: the
-# backends and their strategies (store/atomicity.py) use it, the write path calls the strategy
+# backends and their strategies (store/disk/folder.py, store/disk/kvstore.py) use it, the write
+# path calls the strategy
 _ASK_THE_MEDIUM = {
     "can_rename", "LocalBackend", "KvBackend", "AtomicRenames", "AtomicPuts",
     "rename", "temporary_for", "publish", "touch",
 }
-_WRITE_PATH = [PACKAGE / "_src" / "store" / name for name in ("store.py", "disk.py", "gc.py", "collective.py")]
+_WRITE_PATH = [PACKAGE / "_src" / "store" / name for name in ("store.py", "disk/tier.py", "gc.py", "collective.py")]
 
 
 @pytest.mark.parametrize("module", _WRITE_PATH, ids=lambda m: m.name)
@@ -95,7 +96,7 @@ def test_the_write_path_lets_the_medium_s_strategy_make_writes_atomic(module):
     asked = _names(module.read_text()) & _ASK_THE_MEDIUM
     assert not asked, (
         f"{module.relative_to(PACKAGE.parent)} asks which medium it writes to, or renames itself "
-        f"({sorted(asked)}): call the backend's strategy (store/atomicity.py, disk.atomicity)"
+        f"({sorted(asked)}): call the backend's strategy (disk.atomicity, an Atomicity of store/disk/protocol.py)"
     )
 
 
@@ -254,8 +255,8 @@ def test_the_check_finds_private_imports():
     public = {"Store", "__version__"}
     source = (
         "import residual_store as rs\nfrom residual_store import Store, __version__\n"
-        "from residual_store.demo import run_demo\nfrom residual_store._src.store.disk import DiskTier\n"
-        "from residual_store import _jax_internals\nfrom .store import keys\nimport residual_store._src.store.layout\n"
+        "from residual_store.demo import run_demo\nfrom residual_store._src.store.disk.tier import DiskTier\n"
+        "from residual_store import _jax_internals\nfrom .store import keys\nimport residual_store._src.store.disk.layout\n"
     )
     assert [line for line, _, _ in _private_imports(source, public)] == [4, 5, 6, 7]
 

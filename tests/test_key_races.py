@@ -75,7 +75,7 @@ class _HeldReads:
     is then the old version, whatever happens meanwhile)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, key: str) -> None:
-        from residual_store._src.store.disk import DiskTier
+        from residual_store._src.store.disk.tier import DiskTier
 
         self.read_done = threading.Event()
         self.release = threading.Event()

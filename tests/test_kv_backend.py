@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import residual_store_serializers as serializers
-from residual_store._src.store.backend_protocol import ContextWrite, DamagedFileError
-from residual_store._src.store.backends import open_backend
-from residual_store._src.store.kv_backend import KvBackend
+from residual_store._src.store.disk.backends import open_backend
+from residual_store._src.store.disk.kvstore import KvBackend
+from residual_store._src.store.disk.protocol import ContextWrite, DamagedFileError
 from zarr3_reference import chunk_indices
 
 

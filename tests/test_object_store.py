@@ -218,7 +218,7 @@ def test_the_command_line_on_an_s3_spec(spec):
 
 
 def test_internals_named_credentials_are_left_as_given():
-    from residual_store._src.store import kv_backend
+    from residual_store._src.store.disk import kvstore as kv_backend
 
     given = {"driver": "s3", "bucket": "b", "aws_credentials": {"type": "anonymous"}}
     assert kv_backend._with_quiet_credentials(dict(given)) == given

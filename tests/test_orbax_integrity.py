@@ -340,7 +340,7 @@ def test_kill_9_at_random_points_of_the_delete_never_leaves_a_smaller_item(tmp_p
 
 def test_internals_a_sealed_store_in_a_kvstore_names_what_it_lost_and_gained(rng):
     from residual_store._src.store import item_record
-    from residual_store._src.store.disk import DiskTier
+    from residual_store._src.store.disk.tier import DiskTier
 
     batches = _batches(rng, 3)
     spec = {"driver": "memory", "path": f"ckpt/{random.getrandbits(32)}/contexts/"}

@@ -99,8 +99,8 @@ def internal_tests(source: str) -> list[str]:
 def test_the_check_finds_tests_that_reach_in():
     source = '''
 import residual_store as rs
-from residual_store._src.store import disk as d
-import residual_store._src.store.layout as layout
+from residual_store._src.store.disk import tier as d
+import residual_store._src.store.disk.layout as layout
 import pytest
 
 SLOW_DISK = d.Disk

@@ -1,4 +1,4 @@
-"""The store's read buffers (residual_store._src.store.buffers): a buffer is handed out again only
+"""The store's read buffers (residual_store._src.store.disk.buffers): a buffer is handed out again only
 once nothing refers to it; contexts a user still holds keep their values whatever is read later."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store._src.store.buffers import ReadBuffers
+from residual_store._src.store.disk.buffers import ReadBuffers
 from store_helpers import F32_TOL, assert_trees_close, assert_trees_equal
 
 

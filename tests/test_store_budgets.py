@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store._src.store import budgets, disk
+from residual_store._src.store import budgets
+from residual_store._src.store.disk import tier as disk
 from store_helpers import assert_contexts_identical, python_env
 
 

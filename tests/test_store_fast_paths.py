@@ -13,7 +13,9 @@ import pytest
 
 import residual_store as rs
 import residual_store_serializers as serializers
-from residual_store._src.store import host, layout, residual_forms
+from residual_store._src.store import host
+from residual_store._src.store.disk import forms as residual_forms
+from residual_store._src.store.disk import layout
 from residual_store_serializers import manifest
 from store_helpers import mixed_inputs, mixed_loss
 
@@ -65,7 +67,7 @@ def test_internals_a_write_planned_from_its_template_is_the_write_planned_in_ful
     ]
     assert fast.stored == full.stored
     # what a reader makes of the bytes is what the plan says
-    from residual_store._src.store.records import parse_context_manifest
+    from residual_store._src.store.disk.records import parse_context_manifest
 
     assert parse_context_manifest(key, fast.manifest).records == full.records
 
@@ -159,7 +161,7 @@ def test_a_get_of_many_residuals_gives_arrays_that_compute(context, tmp_path):
 def test_internals_the_layout_a_writer_knows_is_the_one_its_manifest_gives(context, monkeypatch, bundle, template):
     """A replaced context's folder is recycled by layout: the layout its writer remembered
     (``StoredContext.layout``) is the one any process computes from the manifest."""
-    from residual_store._src.store.records import parse_context_manifest
+    from residual_store._src.store.disk.records import parse_context_manifest
 
     layout._templates.clear()
     if not bundle:

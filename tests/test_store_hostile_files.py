@@ -26,7 +26,7 @@ import pytest
 import residual_store as rs
 from residual_store import cli
 from residual_store._src.store import backwards
-from residual_store._src.store.disk import DiskTier
+from residual_store._src.store.disk.tier import DiskTier
 from store_helpers import (
     F32_TOL,
     assert_contexts_identical,

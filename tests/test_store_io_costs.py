@@ -13,7 +13,8 @@ import pytest
 
 import residual_store as rs
 import residual_store_serializers as serializers
-from residual_store._src.store import local_backend, records
+from residual_store._src.store.disk import folder as local_backend
+from residual_store._src.store.disk import records
 from store_helpers import F32_TOL, assert_trees_close, data_dirs
 
 
@@ -77,7 +78,7 @@ def test_internals_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_m
         store.put(ctx, "k")
         store.flush()
         parses = _count(monkeypatch, records, "parse_context_manifest")
-        from residual_store._src.store import disk
+        from residual_store._src.store.disk import tier as disk
         monkeypatch.setattr(disk, "parse_context_manifest", records.parse_context_manifest)
         assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
         assert parses == []
@@ -99,7 +100,7 @@ def test_internals_a_delete_after_this_stores_put_parses_nothing_and_after_anoth
         store.put(split(params, x)[1], "k")
         store.put(split(params, _inputs(21)[1])[1], "other")
         store.flush()
-        from residual_store._src.store import disk
+        from residual_store._src.store.disk import tier as disk
         parses = _count(monkeypatch, disk, "parse_context_manifest")
         (own,) = data_dirs(root, "k")
         store.delete("k")

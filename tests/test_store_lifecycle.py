@@ -21,7 +21,7 @@ import pytest
 import residual_store as rs
 from residual_store._src.context import ResidualContext
 from residual_store._src.store import committer as committer_module
-from residual_store._src.store import disk as disk_module
+from residual_store._src.store.disk import tier as disk_module
 
 
 def _loss(w, x):

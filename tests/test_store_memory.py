@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store._src.store import disk, host
+from residual_store._src.store import host
+from residual_store._src.store.disk import tier as disk
 
 _D = 64
 

@@ -27,7 +27,8 @@ import pytest
 import residual_store as rs
 import residual_store_serializers as serializers
 from residual_store._src.context import ResidualContext
-from residual_store._src.store import host, layout, paths
+from residual_store._src.store import host
+from residual_store._src.store.disk import layout, paths
 from residual_store._src.store.schedule import Schedule, loads_ahead
 from residual_store._src.store.tiers import MemoryTier, Tiers, spill_order
 from residual_store._src.store.workers import Loader, Writer

@@ -95,7 +95,7 @@ def test_internals_s3_url_resolves_to_the_s3_spec_that_round_trips(rng):
     server's endpoint added is a store that round-trips."""
     import tensorstore as ts
 
-    from residual_store._src.store.backends import resolve_path
+    from residual_store._src.store.disk.backends import resolve_path
 
     run = f"run-{uuid.uuid4().hex[:8]}"
     spec = resolve_path(f"s3://residuals/{run}/")

@@ -92,7 +92,7 @@ def test_internals_contexts_brought_back_count_the_same_with_writes_held_or_done
     writes still held at a gate (a slow disk: no disk read at all) or from disk once written."""
     import threading
 
-    from residual_store._src.store import disk
+    from residual_store._src.store.disk import tier as disk
 
     gates: list[threading.Event] = []
     commit = disk.DiskTier.commit

@@ -17,7 +17,7 @@ import pytest
 
 import residual_store as rs
 from residual_store._src.backward import lookup_backward
-from residual_store._src.store import local_backend
+from residual_store._src.store.disk import folder as local_backend
 from store_helpers import run_python, write_script
 
 # Shapes no other residual has, so jax.live_arrays() can find the activation by shape.

@@ -119,7 +119,7 @@ def _files(root):
 
 
 def test_internals_a_version_1_store_is_read_and_upgraded_by_its_first_write(tmp_path, split, monkeypatch):
-    from residual_store._src.store import residual_forms
+    from residual_store._src.store.disk import forms as residual_forms
 
     root = tmp_path / "store"
     params, x = _inputs(7)
@@ -282,7 +282,7 @@ def test_internals_a_write_with_arrays_of_its_own_folder_lists_them(tmp_path, sp
     folders of their own (here: no bundle) is an ordinary group, and zarr lists its arrays."""
     import zarr
 
-    from residual_store._src.store import residual_forms
+    from residual_store._src.store.disk import forms as residual_forms
 
     monkeypatch.setattr(residual_forms, "BUNDLE_CAP", -1)
     root = tmp_path / "store"

@@ -41,12 +41,12 @@ from residual_store._src.export import export_backward, load_backward
 from residual_store._src.keypaths import PathStructure
 from residual_store._src.placement import has_explicit_axes
 from residual_store._src.signature import is_current
-from residual_store._src.store import layout
 from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.disk import paths
 
 if TYPE_CHECKING:
     from residual_store._src.context import ResidualContext
-    from residual_store._src.store.disk import DiskTier
+    from residual_store._src.store.disk.tier import DiskTier
     from residual_store._src.store.workers import Writer
 
 __all__ = [
@@ -420,20 +420,20 @@ class BackwardSaver:
 
 def stored_signatures(disk: DiskTier) -> list[str]:
     """Signatures with a stored backward (a committed manifest)."""
-    suffix = layout.MANIFEST_SUFFIX
-    return [n[: -len(suffix)] for n in disk.backend.list_dir(layout.BACKWARDS) if n.endswith(suffix)]
+    suffix = paths.MANIFEST_SUFFIX
+    return [n[: -len(suffix)] for n in disk.backend.list_dir(paths.BACKWARDS) if n.endswith(suffix)]
 
 
 def is_stored(disk: DiskTier, signature: str) -> bool:
     """Whether the backward of ``signature`` is stored (its manifest is committed)."""
-    return disk.backend.exists(layout.backward_paths(signature)[1])
+    return disk.backend.exists(paths.backward_paths(signature)[1])
 
 
 def write(disk: DiskTier, signature: str, data: bytes | None, manifest: bytes, *, fsync: bool) -> None:
     """The export, then its manifest (the commit: an export without one is a torn write).
     ``data`` is ``None`` for a backward that could not be exported: the manifest alone records
     why."""
-    export_path, manifest_path = layout.backward_paths(signature)
+    export_path, manifest_path = paths.backward_paths(signature)
     if data is not None:
         disk.write_blob(export_path, data, fsync=fsync)
     try:
@@ -452,7 +452,7 @@ def read_manifest(disk: DiskTier, signature: str) -> dict[str, Any] | None:
       CorruptContextError: the manifest is unreadable, of a future version or names another
         signature.
     """
-    manifest = disk.backend.get_bytes(layout.backward_paths(signature)[1])
+    manifest = disk.backend.get_bytes(paths.backward_paths(signature)[1])
     if manifest is None:
         return None
     what = f"stored backward of signature {signature}"
@@ -477,7 +477,7 @@ def read(disk: DiskTier, signature: str) -> tuple[dict[str, Any], bytes | None] 
     m = read_manifest(disk, signature)
     if m is None or m.get("available") is False:
         return None if m is None else (m, None)
-    export_path = layout.backward_paths(signature)[0]
+    export_path = paths.backward_paths(signature)[0]
     nbytes = m.get("nbytes")  # read no more than that (jax.export artifacts stay under 2 GiB)
     limit = nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 <= nbytes < 1 << 31 else 1 << 31
     data = disk.backend.get_bytes(export_path, max_bytes=limit)

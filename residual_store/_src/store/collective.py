@@ -33,13 +33,14 @@ from residual_store._src import _jax_internals
 from residual_store._src.context import ResidualContext, ResidualSpec
 from residual_store._src.errors import InvalidArgumentError, ResidualStoreError, StoreFullError
 from residual_store._src.logs import event
-from residual_store._src.store import layout, residual_forms
 from residual_store._src.store.committer import Committer, SingleProcessCommitter, Staged
 from residual_store._src.store.critical import StoreLock
-from residual_store._src.store.disk import DiskTier
+from residual_store._src.store.disk import forms as residual_forms
+from residual_store._src.store.disk import layout, paths
+from residual_store._src.store.disk.layout import StaleData
+from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
 from residual_store._src.store.key_rules import validate_key
-from residual_store._src.store.layout import StaleData
 
 if TYPE_CHECKING:
     from residual_store._src.store.backwards import BackwardSaver
@@ -184,7 +185,7 @@ def _check_same_everywhere(key: str, spec: ResidualSpec, local_sums: Sequence[Ma
 
 
 def _gathered_sums(infos: Sequence[Mapping[str, Any]]) -> dict[int, dict[tuple[int, ...], tuple[str, str | None]]]:
-    """Every process's chunk checksums, as :data:`~residual_store._src.store.residual_forms.ChunkSums`."""
+    """Every process's chunk checksums, as :data:`~residual_store._src.store.disk.forms.ChunkSums`."""
     out: dict[int, dict[tuple[int, ...], tuple[str, str | None]]] = {}
     for info in infos:
         for i, entries in info["chunks"].items():
@@ -200,7 +201,7 @@ def _of(attributes: Mapping[str, Any], arrays: Mapping[str, Any]) -> dict[str, A
 
 @dataclasses.dataclass
 class _Share:
-    """What one process writes of a :class:`~residual_store._src.store.layout.WritePlan`."""
+    """What one process writes of a :class:`~residual_store._src.store.disk.layout.WritePlan`."""
 
     own: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> array or its chunks
     shared_chunks: dict[str, Any] = dataclasses.field(default_factory=dict)  # chunks of weights, in place
@@ -213,7 +214,7 @@ class _Share:
 class CollectiveCommitter:
     """Writes and deletes contexts of a :class:`DiskTier` with every process of the job.
 
-    The same :class:`~residual_store._src.store.layout.WritePlan` as a single process, committed by
+    The same :class:`~residual_store._src.store.disk.layout.WritePlan` as a single process, committed by
     many: each process holds, for a residual sharded over devices of several processes, only the
     chunks of its own devices (``replica_id == 0``); whole arrays (fully replicated, or on one
     device) are written by process 0 only. The processes exchange their chunks' checksums (and,
@@ -224,7 +225,7 @@ class CollectiveCommitter:
     failure and raise, and process 0 removes the data.
 
     A sharded weight goes where the medium's strategy stages it
-    (:meth:`~residual_store._src.store.atomicity.Atomicity.shared_staging`): a staging folder
+    (:meth:`~residual_store._src.store.disk.protocol.Atomicity.shared_staging`): a staging folder
     renamed into place where the backend can rename (a local or shared file system); on other
     kvstores the weight's content address, where each process writes its chunks (the same bytes
     whoever writes them), and ``zarr.json``, written last by process 0, makes the weight exist.
@@ -272,7 +273,7 @@ class CollectiveCommitter:
 
     def dispose(self, stale: StaleData) -> None:
         # removed: to recycle it, each process would have to claim the same folder
-        self.disk.drop_data(stale, recycle=False)
+        self.disk.atomicity.remove(stale)
 
     # -- writing and deleting -----------------------------------------------------------------
 
@@ -315,7 +316,7 @@ class CollectiveCommitter:
         own_sums = {str(i): [[list(idx), chk, d] for idx, (chk, d) in t.items()]
                     for i, t in residual_forms.chunk_sums(spec, arrays).items()}
         coll, infos = self._begin(
-            f"put {key!r}", {"chunks": own_sums, "local": local_sums, "write_id": layout.new_write_id()}
+            f"put {key!r}", {"chunks": own_sums, "local": local_sums, "write_id": paths.new_write_id()}
         )
         lead = coll.index == 0
         _check_same_everywhere(key, spec, [info["local"] for info in infos])
@@ -406,9 +407,9 @@ class CollectiveCommitter:
             empty = {target: serializers.ChunkedArray(data.shape, data.dtype, data.chunk_shape, {})}
             atomicity.publish_shared(target, path, empty, fsync=fsync)  # its zarr.json makes it exist
         self.backend.write_shared_arrays(share.whole_weights, fsync=fsync)
-        self.backend.put_bytes(layout.group_metadata_path(plan.data_dir), plan.group, fsync=fsync)
+        self.backend.put_bytes(paths.group_metadata_path(plan.data_dir), plan.group, fsync=fsync)
         previous = self.disk.read_manifest_bytes(plan.key)
-        self.backend.put_bytes(layout.manifest_path(plan.key), plan.manifest, fsync=fsync)
+        self.backend.put_bytes(paths.manifest_path(plan.key), plan.manifest, fsync=fsync)
         return previous
 
     def _clean_up(self, plan: layout.WritePlan, share: _Share, lead: bool) -> None:

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from residual_store._src.context import ResidualContext, ResidualSpec
-from residual_store._src.store import layout
-from residual_store._src.store.disk import DiskTier
+from residual_store._src.store.disk import layout, paths
+from residual_store._src.store.disk.layout import StaleData
+from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
 from residual_store._src.store.key_rules import put_key
-from residual_store._src.store.layout import StaleData
 
 if TYPE_CHECKING:
     from residual_store._src.store.backwards import BackwardSaver
@@ -130,7 +130,7 @@ class SingleProcessCommitter:
         """Plans the write (``known``: checksums and content digests of whole arrays already
         computed, by residual index) and commits it (:meth:`DiskTier.commit`)."""
         plan = layout.plan_write(
-            key, spec, arrays, impls, write_id=layout.new_write_id(), whole_sums=known[0], digests=known[1]
+            key, spec, arrays, impls, write_id=paths.new_write_id(), whole_sums=known[0], digests=known[1]
         )
         return self.disk.commit(plan, fsync=fsync)
 
@@ -138,5 +138,5 @@ class SingleProcessCommitter:
         return self.disk.delete(key)
 
     def dispose(self, stale: StaleData) -> None:
-        # kept for a later write of its layout where the backend can rename (see drop_data)
-        self.disk.drop_data(stale, recycle=True)
+        # kept for a later write of its layout where the medium can (a local folder)
+        self.disk.atomicity.recycle(stale)

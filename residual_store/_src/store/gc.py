@@ -5,7 +5,7 @@ folders, stored backwards of signatures no context has (and damaged ones), and t
 interrupted writes. Safe against writers in any process (see docs/format.md, "Garbage
 collection"): :func:`collect` holds the store's gc lock exclusively, which writers hold shared
 from checking which weights exist to committing; and each folder is removed by the medium's
-strategy (:meth:`Atomicity.remove <residual_store._src.store.atomicity.Atomicity.remove>`): in a
+strategy (:meth:`Atomicity.collect <residual_store._src.store.disk.protocol.Atomicity.collect>`): in a
 local folder, a recycled folder is touched before a writer claims it, and a folder is first
 renamed into ``data/.trash`` (atomic against a writer's claim) and only then removed.
 """
@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 from residual_store._src.errors import CorruptContextError
 from residual_store._src.logs import event
-from residual_store._src.store import backwards, layout
-from residual_store._src.store.backend_protocol import Backend
+from residual_store._src.store import backwards
+from residual_store._src.store.disk import paths
+from residual_store._src.store.disk.protocol import Backend
 
 if TYPE_CHECKING:
-    from residual_store._src.store.disk import DiskTier
+    from residual_store._src.store.disk.tier import DiskTier
 
 __all__ = ["KINDS", "collect", "nothing_removed"]
 
@@ -69,12 +70,12 @@ def _collect_locked(disk: DiskTier, older_than: float, dry_run: bool, progress: 
         return {**removed, "skipped_corrupt": 1}
     referenced, signatures = found
 
-    def take(kind: str, paths: Sequence[str], remove: Callable[[], bool]) -> None:
-        """Removes one unneeded item (its ``paths``) if it is old enough, counting it."""
-        if not all(_old_enough(backend, p, older_than) for p in paths):
+    def take(kind: str, items: Sequence[str], remove: Callable[[], bool]) -> None:
+        """Removes one unneeded item (its paths, ``items``) if it is old enough, counting it."""
+        if not all(_old_enough(backend, p, older_than) for p in items):
             removed["young"] += 1
             return
-        sizes = [backend.tree_bytes(p) for p in paths]
+        sizes = [backend.tree_bytes(p) for p in items]
         if dry_run or remove():
             removed[kind] += 1
             removed["bytes"] = -1 if removed["bytes"] < 0 or None in sizes else removed["bytes"] + sum(sizes)  # type: ignore[arg-type]
@@ -82,19 +83,19 @@ def _collect_locked(disk: DiskTier, older_than: float, dry_run: bool, progress: 
                 progress(removed["bytes"], None)
 
     if not dry_run:
-        for name in backend.list_dir(layout.TRASH_DIR):  # left by a gc that was killed
-            backend.delete_tree(layout.trash_path(name))
-    for kind, prefix in (("weights", layout.WEIGHTS), ("data", layout.DATA)):
+        for name in backend.list_dir(paths.TRASH_DIR):  # left by a gc that was killed
+            backend.delete_tree(paths.trash_path(name))
+    for kind, prefix in (("weights", paths.WEIGHTS), ("data", paths.DATA)):
         for name in backend.list_dir(prefix):
-            if layout.is_node_metadata(name):
+            if paths.is_node_metadata(name):
                 continue  # the group's own zarr.json
             path = f"{prefix}/{name}"
             if path not in referenced:
-                take(kind, [path], functools.partial(disk.atomicity.remove, path))
-    for name in backend.list_dir(layout.FREE_DIR):  # recycled folders kept for reuse
-        path = f"{layout.FREE_DIR}/{name}"
-        take("recycled", [path], functools.partial(disk.atomicity.remove, path))
-    stems = {n.rsplit(".", 1)[0] for n in backend.list_dir(layout.BACKWARDS)}
+                take(kind, [path], functools.partial(disk.atomicity.collect, path))
+    for name in backend.list_dir(paths.FREE_DIR):  # recycled folders kept for reuse
+        path = f"{paths.FREE_DIR}/{name}"
+        take("recycled", [path], functools.partial(disk.atomicity.collect, path))
+    stems = {n.rsplit(".", 1)[0] for n in backend.list_dir(paths.BACKWARDS)}
     for sig in sorted(stems):
         if sig in signatures:
             try:
@@ -103,10 +104,10 @@ def _collect_locked(disk: DiskTier, older_than: float, dry_run: bool, progress: 
             except CorruptContextError:
                 pass  # damaged: removed, so a later put of this signature saves it again
         # unneeded, damaged, or a torn write (an export without its manifest)
-        paths = [p for p in layout.backward_paths(sig) if backend.exists(p)]
-        if paths:
-            take("backwards", paths, functools.partial(_delete_all, backend, paths))
-    for prefix in ("", layout.CONTEXTS, layout.BACKWARDS):
+        stored = [p for p in paths.backward_paths(sig) if backend.exists(p)]
+        if stored:
+            take("backwards", stored, functools.partial(_delete_all, backend, stored))
+    for prefix in ("", paths.CONTEXTS, paths.BACKWARDS):
         for name in backend.list_temporary(prefix):
             path = f"{prefix}/{name}" if prefix else name
             take("temporary", [path], functools.partial(_delete_all, backend, [path]))
@@ -120,7 +121,7 @@ def _old_enough(backend: Backend, path: str, older_than: float) -> bool:
     return age is not None and age >= older_than
 
 
-def _delete_all(backend: Backend, paths: Sequence[str]) -> bool:
-    for p in paths:
+def _delete_all(backend: Backend, items: Sequence[str]) -> bool:
+    for p in items:
         backend.delete(p)
     return True

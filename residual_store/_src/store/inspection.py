@@ -5,7 +5,7 @@ part of the store takes on disk, and verification reports.
 The frozen records here are what :meth:`Store.info <residual_store.Store.info>`,
 :meth:`~residual_store.Store.backward_info`, :meth:`~residual_store.Store.usage` and
 :meth:`~residual_store.Store.verify` return; the functions build them from a
-:class:`~residual_store._src.store.disk.DiskTier` or a context in memory and change nothing.
+:class:`~residual_store._src.store.disk.tier.DiskTier` or a context in memory and change nothing.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidArgumentError
-from residual_store._src.store import backwards, layout
-from residual_store._src.store.disk import DiskTier
-from residual_store._src.store.records import StoredContext, check_signature
+from residual_store._src.store import backwards
+from residual_store._src.store.disk import paths
+from residual_store._src.store.disk.records import StoredContext, check_signature
+from residual_store._src.store.disk.tier import DiskTier
 
 __all__ = [
     "BackwardInfo",
@@ -44,7 +45,7 @@ Progress = Callable[[int, int | None], None]
 """Called as work goes on with ``(bytes done, bytes in all)``; ``None`` where the whole is not
 known beforehand (what ``gc`` removes, what ``usage`` measures)."""
 
-USAGE_PARTS = {"data": layout.DATA, "weights": layout.WEIGHTS, "contexts": layout.CONTEXTS, "backwards": layout.BACKWARDS}
+USAGE_PARTS = {"data": paths.DATA, "weights": paths.WEIGHTS, "contexts": paths.CONTEXTS, "backwards": paths.BACKWARDS}
 """The parts of a store's tree :func:`measure` reports, by name."""
 
 
@@ -419,7 +420,7 @@ def measure(disk: DiskTier, progress: Progress | None = None) -> StoreUsage:
     return StoreUsage(
         total=disk.backend.tree_bytes(""),
         parts=parts,
-        recycled=disk.backend.tree_bytes(layout.FREE_DIR),
+        recycled=disk.backend.tree_bytes(paths.FREE_DIR),
         signatures=signatures,
         unreadable=unreadable,
     )
@@ -489,7 +490,7 @@ def verify(
     try:
         stored_backwards = set(backwards.stored_signatures(disk))
     except CorruptContextError as err:  # refused, never followed: its backwards go unchecked
-        stored_backwards, folders[layout.BACKWARDS] = set(), str(err)
+        stored_backwards, folders[paths.BACKWARDS] = set(), str(err)
     broken: dict[str, str] = {}
     checked = sorted(stored_backwards if every_backward else stored_backwards & signatures)
     for signature in checked:

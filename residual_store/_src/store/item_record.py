@@ -40,13 +40,14 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import residual_store_serializers as serializers
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidKeyError, ResidualStoreWarning
-from residual_store._src.store import backwards, layout
-from residual_store._src.store.disk import DiskTier
+from residual_store._src.store import backwards
+from residual_store._src.store.disk import paths
+from residual_store._src.store.disk.folder import LocalBackend
+from residual_store._src.store.disk.paths import ITEM_RECORD, STORE_MARKER
+from residual_store._src.store.disk.records import check_signature
+from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.inspection import VerifyReport, size_damage
 from residual_store._src.store.key_rules import validate_key
-from residual_store._src.store.local_backend import LocalBackend
-from residual_store._src.store.paths import ITEM_RECORD, STORE_MARKER
-from residual_store._src.store.records import check_signature
 from residual_store._src.store.workers import request_pool
 from residual_store_serializers.checksums import parse_checksum
 
@@ -102,7 +103,7 @@ def seal(disk: DiskTier, keys: Sequence[str], step: str) -> None:
                 f"{disk.description}: context {key!r} was saved but its manifest is "
                 f"{'missing' if checksum is None else checksum}; the item is not sealed"
             )
-    stored = {sig: disk.backend.get_bytes(layout.backward_paths(sig)[1]) for sig in backwards.stored_signatures(disk)}
+    stored = {sig: disk.backend.get_bytes(paths.backward_paths(sig)[1]) for sig in backwards.stored_signatures(disk)}
     backward_manifests = {sig: serializers.checksum(data) for sig, data in stored.items() if data is not None}
     record = json.dumps(
         {"format": FORMAT, "version": VERSION, "step": step, "manifests": manifests, "backwards": backward_manifests},
@@ -232,7 +233,7 @@ def _backward_damage(disk: DiskTier, record: Record) -> dict[str, str]:
     than the one saved, or damaged (each read whole and checked: a few per store)."""
     found: dict[str, str] = {}
     for sig, expected in (record.backwards or {}).items():
-        data = disk.backend.get_bytes(layout.backward_paths(sig)[1])
+        data = disk.backend.get_bytes(paths.backward_paths(sig)[1])
         try:
             if data is None:
                 raise CorruptContextError("its manifest is missing")

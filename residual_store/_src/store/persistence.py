@@ -28,13 +28,13 @@ from residual_store._src.context import OWN_KINDS, ResidualContext
 from residual_store._src.errors import ContextNotFoundError, ReadOnlyStoreError
 from residual_store._src.store import backwards, gc, inspection, item_record
 from residual_store._src.store.committer import Committer
-from residual_store._src.store.disk import DiskTier
+from residual_store._src.store.disk.layout import StaleData
+from residual_store._src.store.disk.records import StoredContext
+from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import HostArrays, check_dtypes_writable
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store._src.store.key_rules import put_key
-from residual_store._src.store.layout import StaleData
 from residual_store._src.store.ledger import KeyLedger
-from residual_store._src.store.records import StoredContext
 from residual_store._src.store.tiers import Tiers, own_nbytes
 from residual_store._src.store.weights import LiveWeights
 from residual_store._src.store.workers import Loader, Writer

@@ -15,12 +15,12 @@ from residual_store._src import _jax_internals
 from residual_store._src.context import ResidualContext
 from residual_store._src.errors import ContextNotFoundError, InvalidArgumentError
 from residual_store._src.store import inspection
-from residual_store._src.store.backends import resolve_path
 from residual_store._src.store.budgets import Headroom, parse_budget, parse_bytes, parse_seconds, parse_size
-from residual_store._src.store.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store._src.store.collective import TIMEOUT_S, committer_for
 from residual_store._src.store.critical import StoreLock
-from residual_store._src.store.disk import DiskTier
+from residual_store._src.store.disk.backends import resolve_path
+from residual_store._src.store.disk.buffers import DEFAULT_READ_BUFFER_BYTES
+from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import read_device, to_numpy
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store._src.store.key_rules import validate_key

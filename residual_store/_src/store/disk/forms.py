@@ -13,8 +13,8 @@ how a read gets it back (as ``jax.export``'s serialization keeps each ``_seriali
   content digest), or an own array past the bundle's limits (:func:`plan_whole`); read back
   with its checksum verified while it is read (:func:`read_whole`, :func:`read_wholes`).
 
-:func:`~residual_store._src.store.layout.plan_write` picks each residual's form and plans it
-here; :meth:`~residual_store._src.store.disk.DiskTier.read` schedules the reads here. Every read
+:func:`~residual_store._src.store.disk.layout.plan_write` picks each residual's form and plans it
+here; :meth:`~residual_store._src.store.disk.tier.DiskTier.read` schedules the reads here. Every read
 error names the context, the residual and the file (:class:`CorruptContextError`); a store that
 does not answer raises :class:`StoreUnavailableError`, which is no damage.
 
@@ -44,11 +44,11 @@ import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import CorruptContextError, ResidualStoreError, StoreUnavailableError
 from residual_store._src.placement import rebuild_sharding
-from residual_store._src.store.backend_protocol import Backend, Empty
 from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.disk.paths import bundle_path
+from residual_store._src.store.disk.protocol import Backend, Empty
+from residual_store._src.store.disk.records import BundleRef, StoredContext
 from residual_store._src.store.host import HostArrays, ShardedHost, chunk_index
-from residual_store._src.store.paths import bundle_path
-from residual_store._src.store.records import BundleRef, StoredContext
 from residual_store_serializers import bundle as bundles
 from residual_store_serializers.checksums import checksum_parts
 

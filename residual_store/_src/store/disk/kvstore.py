@@ -1,7 +1,7 @@
 """Any tensorstore kvstore (``memory``, ``file`` with options, ``gcs``, ``s3``) as the disk
 tier's backend: requests bounded by a timeout, refusals and silences reported as
 :class:`~residual_store._src.errors.StoreUnavailableError`; single-object puts as the commits (its
-strategy: :class:`~residual_store._src.store.atomicity.AtomicPuts`)."""
+strategy: :class:`~residual_store._src.store.disk.kvstore.AtomicPuts`)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ import tensorstore as ts
 
 import residual_store_serializers as serializers
 from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
-from residual_store._src.store.atomicity import AtomicPuts
-from residual_store._src.store.backend_protocol import ContextWrite, Empty, Files, damaged
+from residual_store._src.store.disk.protocol import Backend, ContextWrite, Empty, Files, StaleData, damaged
 from residual_store_serializers.kv_errors import is_missing_bucket
 
-__all__ = ["KvBackend", "URL_SCHEMES", "url_spec"]
+__all__ = ["AtomicPuts", "KvBackend", "URL_SCHEMES", "url_spec"]
 
 
 def _requests(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -352,3 +351,44 @@ def _with_quiet_credentials(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("driver") != "s3" or named or not all(os.environ.get(k) for k in _ENVIRONMENT_CREDENTIALS):
         return spec
     return {**spec, "aws_credentials": {"type": "environment"}}
+
+
+class AtomicPuts:
+    """A medium whose single-object puts are atomic and which has no rename of a prefix (a
+    tensorstore kvstore): objects are put where they belong, a manifest's put is the commit,
+    nothing is recycled, and removals are direct."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def stage(self, key: str) -> None:
+        return None
+
+    def commit(self, staged: str | None, key: str, data: bytes, *, fsync: bool) -> bool:
+        self.backend.put_bytes(key, data, fsync=fsync)
+        return False
+
+    def unstage(self, staged: str | None) -> None:
+        pass  # nothing staged
+
+    def recycle(self, stale: StaleData) -> None:
+        self.remove(stale)  # nothing kept: a put has no rename to claim a folder with
+
+    def remove(self, stale: StaleData) -> None:
+        self.backend.delete_tree(stale.data_dir)
+
+    def claim(self, layout: str, data_dir: str) -> bool:
+        return False  # nothing kept
+
+    def collect(self, path: str) -> bool:
+        self.backend.delete_tree(path)
+        return True
+
+    def shared_staging(self, path: str, write_id: str) -> str:
+        return path
+
+    def publish_shared(self, staged: str, path: str, metadata: Mapping[str, Any], *, fsync: bool) -> None:
+        self.backend.write_shared_arrays(metadata, fsync=fsync)
+
+    def drop_shared_staging(self, staged: str, path: str) -> None:
+        pass  # chunks without a zarr.json are no array; gc takes them with the unreferenced weight

@@ -1,13 +1,13 @@
 """The store's tree, pure (no I/O): where each thing lives, and what a write puts where.
 
-The paths come from :mod:`residual_store._src.store.paths`, which spells every one; they are
+The paths come from :mod:`residual_store._src.store.disk.paths`, which spells every one; they are
 re-exported here.
 
 :func:`plan_write` turns a context's host arrays into a :class:`WritePlan`: every array's path
 and bytes (each residual planned in its form, bundled, chunked or whole, by
-:mod:`residual_store._src.store.residual_forms`), its manifest record, the manifest itself and
+:mod:`residual_store._src.store.disk.forms`), its manifest record, the manifest itself and
 the write's group metadata. The plan is
-committed by one process (:meth:`~residual_store._src.store.disk.DiskTier.commit`) or by all the
+committed by one process (:meth:`~residual_store._src.store.disk.tier.DiskTier.commit`) or by all the
 processes of a job (:mod:`residual_store._src.store.collective`); both write the same bytes.
 """
 
@@ -19,7 +19,7 @@ import hashlib
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -27,52 +27,33 @@ import numpy as np
 import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import CorruptContextError
-from residual_store._src.store import paths
-from residual_store._src.store import residual_forms as forms
-from residual_store._src.store.backend_protocol import ContextWrite
 from residual_store._src.store.critical import StoreLock
-from residual_store._src.store.host import HostArrays, ShardedHost
-from residual_store._src.store.paths import (  # noqa: F401 - re-exported
-    BACKWARDS,
-    CONTEXTS,
+from residual_store._src.store.disk import forms
+from residual_store._src.store.disk.paths import (
     DATA,
-    FREE_DIR,
-    GROUPS,
-    MANIFEST_SUFFIX,
-    STORE_FORMAT,
-    STORE_MARKER,
     STORE_VERSION,
-    TRASH_DIR,
     WEIGHTS,
-    backward_paths,
     bundle_path,
     data_dir,
     group_metadata_path,
     in_bundle_name,
-    is_data_dir_of,
-    is_node_metadata,
-    is_weight_path,
     manifest_path,
-    new_write_id,
     own_array_path,
-    recycled_path,
-    staging_path,
-    trash_path,
     weight_path,
 )
-from residual_store._src.store.records import StoredContext, note_residual_count, spec_to_map
+from residual_store._src.store.disk.protocol import ContextWrite, StaleData
+from residual_store._src.store.disk.records import StoredContext, note_residual_count, spec_to_map
+from residual_store._src.store.host import HostArrays, ShardedHost
 from residual_store_serializers import bundle as bundles
 
-__all__ = [  # and, re-exported, every name of paths.__all__
+__all__ = [
     "ArrayWrite",
-    "StaleData",
     "WritePlan",
     "data_of",
     "layout_digest",
     "marker_version",
     "plan_write",
     "root_group",
-    *paths.__all__,
 ]
 
 
@@ -88,13 +69,6 @@ def root_group() -> dict[str, bytes]:
         group_metadata_path(DATA): serializers.encode_group_metadata({}),
         group_metadata_path(WEIGHTS): serializers.encode_group_metadata({}),
     }
-
-
-class StaleData(NamedTuple):
-    """A data folder no manifest references any more, and its layout (for reuse)."""
-
-    data_dir: str
-    layout: str
 
 
 def marker_version(data: bytes, what: str) -> int:
@@ -208,7 +182,7 @@ class WritePlan:
 
     def own_write(self, *, fsync: bool, reuse: bool, staged: str | None = None) -> ContextWrite:
         """What a commit of this plan writes under ``data_dir`` before its weights (a
-        :meth:`~residual_store._src.store.backend_protocol.Backend.write_context`): the own
+        :meth:`~residual_store._src.store.disk.protocol.Backend.write_context`): the own
         arrays and :attr:`files`, and with ``staged`` the manifest under that temporary name;
         ``reuse``: into a recycled folder of :attr:`layout`, renamed to ``data_dir``."""
         return ContextWrite(

@@ -2,10 +2,10 @@
 deleting and recycling (garbage collection is :mod:`residual_store._src.store.gc`; the stored
 backwards' files are :mod:`residual_store._src.store.backwards`; each form a residual takes on
 disk, bundled, chunked or whole, is written and read back by
-:mod:`residual_store._src.store.residual_forms`). Where everything lives is
-:mod:`residual_store._src.store.layout`.
+:mod:`residual_store._src.store.disk.forms`). Where everything lives is
+:mod:`residual_store._src.store.disk.layout`.
 
-A commit (:meth:`DiskTier.commit` of a :class:`~residual_store._src.store.layout.WritePlan`) puts
+A commit (:meth:`DiskTier.commit` of a :class:`~residual_store._src.store.disk.layout.WritePlan`) puts
 every array first (the context's own under a fresh ``data/<key>.<write id>/``, or a recycled
 folder of the same layout renamed to that name; weights under their content digest, skipped when
 already there, a new one written under a temporary name and renamed into place, so a weight other
@@ -18,7 +18,7 @@ commits (:meth:`DiskTier.sync_commits`, before the store's ``flush`` returns). T
 one key: each commit replaces the manifest whole, so readers see one complete context or the
 other (last rename wins; a read that loses the race to a commit reads the new manifest again).
 How the medium makes each step atomic (a rename into place or a put; which replaced folders are
-recycled, and how) is the strategy its backend names, :mod:`residual_store._src.store.atomicity`:
+recycled, and how) is the strategy its backend names, :class:`~residual_store._src.store.disk.protocol.Atomicity`:
 this module never asks which medium it writes to.
 
 Sharded residuals: a ``jax.Array`` with a :class:`~jax.sharding.NamedSharding` over several
@@ -56,15 +56,15 @@ from residual_store._src.errors import (
     StoreUnavailableError,
 )
 from residual_store._src.logs import event
-from residual_store._src.store import layout
-from residual_store._src.store import residual_forms as forms
-from residual_store._src.store.backend_protocol import DamagedFileError
-from residual_store._src.store.backends import open_backend
-from residual_store._src.store.buffers import ReadBuffers
 from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.disk import forms, layout, paths
+from residual_store._src.store.disk.backends import open_backend
+from residual_store._src.store.disk.buffers import ReadBuffers
+from residual_store._src.store.disk.layout import StaleData
+from residual_store._src.store.disk.paths import STORE_FORMAT, STORE_MARKER, STORE_VERSION
+from residual_store._src.store.disk.protocol import DamagedFileError
+from residual_store._src.store.disk.records import StoredContext, parse_context_manifest
 from residual_store._src.store.host import HostArrays, ShardedHost
-from residual_store._src.store.layout import STORE_FORMAT, STORE_MARKER, STORE_VERSION, StaleData
-from residual_store._src.store.records import StoredContext, parse_context_manifest
 from residual_store._src.store.workers import request_pool
 
 __all__ = ["DiskTier", "STORE_MARKER"]
@@ -185,7 +185,7 @@ class DiskTier:
         :class:`StoreFullError` leaving nothing behind.
 
         Returns the data of the context this write replaced, if any: it is unreferenced now, and
-        the caller hands it to :meth:`drop_data` off the write path.
+        the caller hands it to the strategy (:attr:`atomicity`) off the write path.
         """
         key = plan.key
         self.check_writable(f"put {key!r}")
@@ -194,7 +194,7 @@ class DiskTier:
         reuse = self.atomicity.claim(plan.layout, plan.data_dir)
         shared = plan.shared
         created: list[str] = []  # weights this write added: removed again if it fails
-        manifest_path = layout.manifest_path(key)
+        manifest_path = paths.manifest_path(key)
         # Where the medium renames: the manifest is written (and synced) with the arrays under a
         # temporary name, and only renamed into place, its commit, once they and the weights are
         # there. Elsewhere its put, after them, is the commit.
@@ -222,7 +222,7 @@ class DiskTier:
                 committing = True
                 if self.atomicity.commit(staged, manifest_path, plan.manifest, fsync=fsync):
                     with self._lock:  # its folder is synced by sync_commits, once for a burst
-                        self._unsynced.add(layout.CONTEXTS)
+                        self._unsynced.add(paths.CONTEXTS)
         except StoreUnavailableError as err:
             # The store does not answer: asking it to remove what this write put would only wait
             # again. What is there is unreferenced (gc removes it), unless the manifest's put was
@@ -279,7 +279,7 @@ class DiskTier:
         """Caches this commit's parsed manifest under the manifest file's version: a ``get`` or
         the next ``put`` of the key in this process neither reads nor parses it while the file
         is unchanged."""
-        version = self.backend.version(layout.manifest_path(plan.key))
+        version = self.backend.version(paths.manifest_path(plan.key))
         if version is not None:
             self._cache_stat(plan.key, version, plan.stored)
 
@@ -326,11 +326,11 @@ class DiskTier:
     # -- reading ------------------------------------------------------------------------------
 
     def read_manifest_bytes(self, key: str) -> bytes | None:
-        return self.backend.get_bytes(layout.manifest_path(key))
+        return self.backend.get_bytes(paths.manifest_path(key))
 
     def parse_manifest(self, key: str, data: bytes) -> StoredContext:
         """The manifest of ``key``, self checksum and every field checked (see
-        :func:`~residual_store._src.store.records.parse_context_manifest`)."""
+        :func:`~residual_store._src.store.disk.records.parse_context_manifest`)."""
         return parse_context_manifest(key, data)
 
     def stat(self, key: str) -> StoredContext:
@@ -343,7 +343,7 @@ class DiskTier:
         for another file (a reused inode, a coarse clock): :meth:`read` never trusts the cache
         to judge a failed read.
         """
-        return self._stat(key, self.backend.version(layout.manifest_path(key)))
+        return self._stat(key, self.backend.version(paths.manifest_path(key)))
 
     def _stat(self, key: str, version: Any) -> StoredContext:
         """:meth:`stat`, the manifest file's ``version`` already looked up."""
@@ -486,12 +486,12 @@ class DiskTier:
         return forms.read_chunk(self.backend, key, i, stored.records[i], chunk, expected)
 
     def check_bundle(self, key: str, stored: StoredContext, buffer: np.ndarray | None = None) -> None:
-        """See :func:`residual_store._src.store.residual_forms.check_bundle`."""
+        """See :func:`residual_store._src.store.disk.forms.check_bundle`."""
         forms.check_bundle(self.backend, key, stored, buffer)
 
     def keys(self) -> list[str]:
-        suffix = layout.MANIFEST_SUFFIX
-        return [n[: -len(suffix)] for n in self.backend.list_dir(layout.CONTEXTS) if n.endswith(suffix)]
+        suffix = paths.MANIFEST_SUFFIX
+        return [n[: -len(suffix)] for n in self.backend.list_dir(paths.CONTEXTS) if n.endswith(suffix)]
 
     def __contains__(self, key: str) -> bool:
         try:
@@ -503,7 +503,7 @@ class DiskTier:
 
     @staticmethod
     def data_of(manifest: bytes, key: str) -> StaleData | None:
-        """The data folder of ``key``'s (replaced or deleted) manifest, for :meth:`drop_data`;
+        """The data folder of ``key``'s (replaced or deleted) manifest, for the strategy to recycle or remove;
         ``None`` unless the manifest passes every check (its data_dir is then ``key``'s own):
         a damaged or hostile manifest never gets a folder removed, gc finds its data later."""
         try:
@@ -512,21 +512,13 @@ class DiskTier:
             return None
         return layout.data_of(stored)
 
-    def drop_data(self, stale: StaleData, *, recycle: bool = True) -> None:
-        """Disposes of a data folder that no manifest references any more: with ``recycle``,
-        kept for reuse by a later write of the same layout where the medium can (a local folder),
-        otherwise removed (see :meth:`Atomicity.drop <residual_store._src.store.atomicity.Atomicity.drop>`).
-        """
-        self.check_writable("drop data")
-        self.atomicity.drop(stale, recycle=recycle)
-
     def delete(self, key: str) -> tuple[bool, StaleData | None]:
         """Removes ``key``'s manifest, so it vanishes atomically.
 
-        Returns whether it was there and its data, for the caller to :meth:`drop_data`.
+        Returns whether it was there and its data, for the caller to recycle or remove.
         """
         self.check_writable(f"delete {key!r}")
-        manifest = layout.manifest_path(key)
+        manifest = paths.manifest_path(key)
         version = self.backend.version(manifest)
         with self._lock:
             cached = self._stat_cache.pop(key, None)

@@ -1,6 +1,6 @@
-"""Storage backends of the disk tier: a local folder (:mod:`~residual_store._src.store.local_backend`),
-or any tensorstore kvstore (:mod:`~residual_store._src.store.kv_backend`); what both implement is
-:mod:`~residual_store._src.store.backend_protocol`.
+"""Storage backends of the disk tier: a local folder (:mod:`~residual_store._src.store.disk.folder`),
+or any tensorstore kvstore (:mod:`~residual_store._src.store.disk.kvstore`); what both implement is
+:mod:`~residual_store._src.store.disk.protocol`.
 
 A local folder uses the serializers' fast path, atomic renames and fsync; any other kvstore
 (``memory``, ``file`` with options, ``gcs``, ``s3``) goes through tensorstore. What a user
@@ -17,9 +17,9 @@ from typing import Any
 
 import residual_store_serializers as serializers
 from residual_store._src.errors import InvalidArgumentError
-from residual_store._src.store.backend_protocol import Backend
-from residual_store._src.store.kv_backend import KvBackend, url_spec
-from residual_store._src.store.local_backend import LocalBackend, check_writable
+from residual_store._src.store.disk.folder import LocalBackend, check_writable
+from residual_store._src.store.disk.kvstore import KvBackend, url_spec
+from residual_store._src.store.disk.protocol import Backend
 
 __all__ = ["check_path", "open_backend", "resolve_path"]
 
@@ -69,7 +69,7 @@ def resolve_path(path: Any, *, read_only: bool = False, create: bool = True) -> 
       InvalidArgumentError: not a path (:func:`check_path`), a URL of another scheme, a URL
         tensorstore refuses, or a ``~user`` with no such user.
       ReadOnlyStoreError: opened to write where nothing can be written
-        (:func:`~residual_store._src.store.local_backend.check_writable`).
+        (:func:`~residual_store._src.store.disk.folder.check_writable`).
     """
     check_path(path)
     if path is None:

@@ -1,12 +1,12 @@
 """What a storage backend of the disk tier is: the operations the disk tier needs (write a
 context's folder as one :class:`ContextWrite`, write and read arrays, put and get small objects
-atomically, list, delete), the strategy that makes its writes atomic
-(:mod:`residual_store._src.store.atomicity`: renames and the refresh of a folder's age belong to
-the local folder's strategy, not to every backend), and the error a backend raises for an entry
+atomically, list, delete), the strategy that makes its writes atomic (:class:`Atomicity`; each
+backend's module has its own: renames and the refresh of a folder's age belong to the local
+folder's strategy, not to every backend), and the error a backend raises for an entry
 that is not what the store puts there.
 
-The backends: :mod:`residual_store._src.store.local_backend` (a local folder) and
-:mod:`residual_store._src.store.kv_backend` (any tensorstore kvstore); :func:`residual_store._src.store.backends.open_backend`
+The backends: :mod:`residual_store._src.store.disk.folder` (a local folder) and
+:mod:`residual_store._src.store.disk.kvstore` (any tensorstore kvstore); :func:`residual_store._src.store.disk.backends.open_backend`
 picks one for a path.
 """
 
@@ -15,15 +15,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from residual_store._src.errors import CorruptContextError
-from residual_store._src.store.atomicity import Atomicity
-from residual_store._src.store.paths import DATA
+from residual_store._src.store.disk.paths import DATA
 
-__all__ = ["Backend", "ContextWrite", "DamagedFileError", "Empty", "damaged"]
+__all__ = ["Atomicity", "Backend", "ContextWrite", "DamagedFileError", "Empty", "StaleData", "damaged"]
 
 
 class DamagedFileError(CorruptContextError, OSError):
@@ -57,7 +56,7 @@ class ContextWrite:
     under a temporary name (``manifest``), which the caller renames into place afterwards.
 
     Built from the write's plan by
-    :meth:`~residual_store._src.store.layout.WritePlan.own_write`."""
+    :meth:`~residual_store._src.store.disk.layout.WritePlan.own_write`."""
 
     # by path: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard)
     arrays: Mapping[str, Any]
@@ -84,6 +83,88 @@ class ContextWrite:
     def temporaries(self) -> dict[str, bytes]:
         """The files the caller publishes itself (the manifest), by key."""
         return dict([self.manifest]) if self.manifest is not None else {}
+
+
+class StaleData(NamedTuple):
+    """A data folder no manifest references any more, and its layout (for reuse)."""
+
+    data_dir: str
+    layout: str
+
+
+class Atomicity(Protocol):
+    """The writes, recycling and removals of one medium, made atomic its way: the strategy each
+    backend names (:meth:`Backend.atomicity`), beside it in its module.
+
+    - ``AtomicRenames`` (a local folder, :mod:`~residual_store._src.store.disk.folder`): a small
+      object is written and synced under a temporary name and renamed into place, so a
+      manifest's rename is its commit; a replaced data folder is renamed into ``data/.free`` and
+      claimed (renamed again) by a later write of the same layout, which overwrites its files in
+      place; a folder gc chose is renamed into ``data/.trash`` first, so a writer claiming it at
+      the same moment gets it whole or not at all; a sharded weight of a collective write is
+      assembled in a staging folder and renamed into place.
+    - ``AtomicPuts`` (a tensorstore kvstore, :mod:`~residual_store._src.store.disk.kvstore`):
+      there is no rename of a prefix, and a single-object put is atomic, so a manifest's put is
+      its commit; nothing is recycled and gc removes folders directly; a sharded weight's chunks
+      go straight to its content address (the same bytes whoever writes them) and its
+      ``zarr.json``, written last, makes it exist.
+
+    The disk tier, gc and the collective committer call the strategy's methods and never ask
+    which medium they write to.
+
+    A strategy belongs to one disk tier (it may hold the tier's recycled folders): the tier
+    asks its backend for it once."""
+
+    def stage(self, key: str) -> str | None:
+        """Where the bytes of the small object ``key`` (a manifest) go with the rest of a write,
+        written and synced with it before the commit; ``None``: nowhere, :meth:`commit` puts them."""
+        ...
+
+    def commit(self, staged: str | None, key: str, data: bytes, *, fsync: bool) -> bool:
+        """Makes ``key`` hold ``data`` (``staged`` there already, from :meth:`stage`), atomically:
+        readers see the old bytes or the new, never a mix. Returns whether the folder of ``key``
+        still owes a sync for the commit to survive a power loss (the caller syncs it once for a
+        burst of commits)."""
+        ...
+
+    def unstage(self, staged: str | None) -> None:
+        """Removes what :meth:`stage` named, after a write that does not commit."""
+        ...
+
+    def recycle(self, stale: StaleData) -> None:
+        """Disposes of a data folder no manifest references any more, kept for :meth:`claim`
+        where the medium can (else removed)."""
+        ...
+
+    def remove(self, stale: StaleData) -> None:
+        """Removes a data folder no manifest references any more (never kept)."""
+        ...
+
+    def claim(self, layout: str, data_dir: str) -> bool:
+        """Gives a write the name ``data_dir`` for a kept folder of ``layout`` (same shapes and
+        dtypes), to overwrite in place; whether one was found."""
+        ...
+
+    def collect(self, path: str) -> bool:
+        """Removes a folder gc chose, never half under a writer that claims it at the same
+        moment; ``False`` if someone else took it first. A kept folder is never claimed after."""
+        ...
+
+    def shared_staging(self, path: str, write_id: str) -> str:
+        """Where the processes of collective write ``write_id`` put their chunks of the new
+        shared weight ``path`` (``path`` itself: in place, content-addressed)."""
+        ...
+
+    def publish_shared(self, staged: str, path: str, metadata: Mapping[str, Any], *, fsync: bool) -> None:
+        """Makes the shared weight ``path`` exist from the chunks at ``staged``: ``metadata``
+        (``{staged: ChunkedArray}`` without chunks) gives its ``zarr.json``, written last."""
+        ...
+
+    def drop_shared_staging(self, staged: str, path: str) -> None:
+        """Removes chunks staged for ``path`` that are not to be published (the weight is there
+        already, or the write failed)."""
+        ...
+
 
 
 class Backend(Protocol):

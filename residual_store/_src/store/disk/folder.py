@@ -1,5 +1,5 @@
 """A local folder as the disk tier's backend: the serializers' fast path, atomic renames (its
-strategy: :class:`~residual_store._src.store.atomicity.AtomicRenames`), fsync, and nothing below
+strategy: :class:`~residual_store._src.store.disk.folder.AtomicRenames`), fsync, and nothing below
 the root followed if it is a symbolic link."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import numpy as np
 
 import residual_store_serializers as serializers
 from residual_store._src.errors import ReadOnlyStoreError
-from residual_store._src.store.atomicity import AtomicRenames
-from residual_store._src.store.backend_protocol import ContextWrite, DamagedFileError, Empty, Files, damaged
-from residual_store._src.store.paths import STORE_MARKER
+from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.disk.paths import STORE_MARKER, new_write_id, recycled_path, staging_path, trash_path
+from residual_store._src.store.disk.protocol import ContextWrite, DamagedFileError, Empty, Files, StaleData, damaged
 from residual_store_serializers.local import (
     check_array_metadata_local,
     check_folders_local,
@@ -31,7 +31,9 @@ from residual_store_serializers.local import (
     sync_data,
 )
 
-__all__ = ["LocalBackend", "check_writable"]
+__all__ = ["AtomicRenames", "LocalBackend", "check_writable"]
+
+_MAX_FREE_PER_LAYOUT = 64  # recycled folders kept per layout
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -464,3 +466,84 @@ def _remove_quietly(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+class AtomicRenames:
+    """A medium with atomic renames (a local folder): stage and rename into place, recycle
+    replaced data folders, rename into the trash before a removal.
+
+    Holds this disk tier's recycled folders by layout; a folder is touched before it is claimed,
+    so it is young under its new name (gc's age rule) from the moment it has one."""
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self.backend = backend
+        self._lock = StoreLock()
+        self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
+
+    def stage(self, key: str) -> str:
+        return self.backend.temporary_for(key)
+
+    def commit(self, staged: str | None, key: str, data: bytes, *, fsync: bool) -> bool:
+        if staged is None:  # nothing staged: written, synced and renamed now
+            self.backend.put_bytes(key, data, fsync=fsync)
+            return False
+        self.backend.publish(staged, key, fsync=False)  # its folder: synced once for a burst
+        return fsync
+
+    def unstage(self, staged: str | None) -> None:
+        if staged is not None:
+            self.backend.delete(staged)
+
+    def recycle(self, stale: StaleData) -> None:
+        """Keeps the folder for a later write of its layout, which then overwrites its files in
+        place instead of creating some 50 files and folders (file creation dominates small
+        writes), while the layout has room; otherwise removes it."""
+        with self._lock:
+            pool = self._free.setdefault(stale.layout, [])
+            room = len(pool) < _MAX_FREE_PER_LAYOUT
+        if room:
+            target = recycled_path(stale.layout, new_write_id())
+            if self.backend.rename(stale.data_dir, target):
+                with self._lock:
+                    pool.append(target)
+                return
+        self.remove(stale)
+
+    def remove(self, stale: StaleData) -> None:
+        self.backend.delete_tree(stale.data_dir)
+
+    def claim(self, layout: str, data_dir: str) -> bool:
+        while True:
+            with self._lock:
+                free = self._free.get(layout)
+                if not free:
+                    return False
+                candidate = free.pop()
+            # a folder gc took meanwhile fails the touch or the rename
+            if self.backend.touch(candidate) and self.backend.rename(candidate, data_dir):
+                return True
+
+    def collect(self, path: str) -> bool:
+        """Renamed into the trash first (atomic against a writer's claim), then removed."""
+        with self._lock:
+            for pool in self._free.values():
+                if path in pool:
+                    pool.remove(path)
+        trash = trash_path(uuid.uuid4().hex)
+        if not self.backend.rename(path, trash):
+            return False
+        self.backend.delete_tree(trash)
+        return True
+
+    def shared_staging(self, path: str, write_id: str) -> str:
+        return staging_path(path, write_id)
+
+    def publish_shared(self, staged: str, path: str, metadata: Mapping[str, Any], *, fsync: bool) -> None:
+        """The staging folder completed and renamed into place; dropped where another writer put
+        the same bytes there first."""
+        self.backend.write_arrays(metadata, fsync=fsync)
+        if not self.backend.rename(staged, path):
+            self.backend.delete_tree(staged)
+
+    def drop_shared_staging(self, staged: str, path: str) -> None:
+        self.backend.delete_tree(staged)
