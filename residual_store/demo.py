@@ -269,7 +269,6 @@ def _save_comparison(
     its backward). Per row: the contexts' own bytes, the medians of ``repeats`` steps (after one
     to compile) and the gradients' largest relative difference from ``jax.grad``."""
     import residual_store as rs
-    from residual_store._src.store.tiers import own_nbytes
 
     want = reference(params, tokens, drop_keys)
 
@@ -296,7 +295,7 @@ def _save_comparison(
             rows.append({
                 "layers": "jax.checkpoint, named outputs saved" if remat else "plain lax.scan",
                 "save": save,
-                "own_bytes": own_nbytes(fwd(params, tokens[0], drop_keys[0])[1]),
+                "own_bytes": fwd(params, tokens[0], drop_keys[0])[1].spec.own_nbytes,
                 "ms_in_memory": t_memory * 1e3,
                 "ms_spilled": t_spilled * 1e3,
                 "max_rel_grad_diff": max(_tree_max_rel_diff(grads, want), _tree_max_rel_diff(spilled_grads, want)),
@@ -348,7 +347,6 @@ def run_demo(
     import tempfile
 
     import residual_store as rs
-    from residual_store._src.store.tiers import own_nbytes
 
     key = jax.random.key(cfg.seed)
     params = init_transformer(key, cfg)
@@ -372,7 +370,7 @@ def run_demo(
     )
     # Size the budgets from one context: the device holds 2, host memory 3, the rest go to disk.
     probe_tokens = jnp.zeros((cfg.microbatch, cfg.seq_len + 1), jnp.int32)
-    context_bytes = own_nbytes(fwd(params, probe_tokens, key)[1])  # what the budgets count
+    context_bytes = fwd(params, probe_tokens, key)[1].spec.own_nbytes  # what the budgets count
     budgets = {"device": 2 * context_bytes, "host": 3 * context_bytes}
     store = rs.Store(path, device_budget=budgets["device"], host_budget=budgets["host"], durable=False)
     phases = 3 if cfg.compare_save else 2

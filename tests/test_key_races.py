@@ -130,7 +130,7 @@ def test_internals_a_get_overlapping_a_replacement_leaves_no_old_version(tmp_pat
         st.put(versions[1][0], "k")
         st.flush("k")
         st.put(versions[2][0], "other")  # pushes v1 of "k" out of memory: only the disk holds it
-        assert "k" not in st._device and "k" not in st._host
+        assert st._table.locate("k")[0] is None  # in no memory tier, no pending write
         held.release.set()
         reader.join(30)
         assert _which(got[0], versions) == 0  # overlapped the put: the old version, to itself only
@@ -256,7 +256,7 @@ def test_internals_no_copy_runs_under_the_store_lock(tmp_path, monkeypatch):
     """While a put copies a context to host memory (device budget 0) and a get copies it back,
     the store's lock is free: another thread takes it at once."""
     from residual_store._src.store import host as host_module
-    from residual_store._src.store import moves, reads
+    from residual_store._src.store import reads
 
     ctx, _ = _context(0)
     entered, release = threading.Event(), threading.Event()
@@ -268,7 +268,7 @@ def test_internals_no_copy_runs_under_the_store_lock(tmp_path, monkeypatch):
             return copy(*args, **kwargs)
         return wrapped
 
-    for module, name in ((moves, "to_host"), (reads, "to_device")):
+    for module, name in ((reads, "to_host"), (reads, "to_device")):
         monkeypatch.setattr(module, name, slow(getattr(host_module, name)))
     with rs.Store(None, device_budget=0) as st:
         for call in (lambda: st.put(ctx, "k"), lambda: st.get("k")):
@@ -277,8 +277,8 @@ def test_internals_no_copy_runs_under_the_store_lock(tmp_path, monkeypatch):
             worker = threading.Thread(target=call)
             worker.start()
             assert entered.wait(30)
-            assert st._lock.acquire(timeout=5), "the copy runs under the store's lock"
-            st._lock.release()
+            assert st._table.lock.acquire(timeout=5), "the copy runs under the store's lock"
+            st._table.lock.release()
             release.set()
             worker.join(30)
         assert _which(st.get("k"), [(ctx, _context(0)[1])]) == 0

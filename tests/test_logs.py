@@ -33,7 +33,7 @@ def test_a_failed_put_is_a_warning(tmp_path, caplog, monkeypatch):
     params = init_params(jax.random.key(0))
     x, y = mlp_batch(jax.random.key(2), 4)
     with rs.Store(tmp_path / "s") as store:
-        backend = store._side.disk.backend
+        backend = store._persistence.disk.backend
 
         def full(temporary, key, *, fsync):  # the commit: the manifest renamed into place
             raise OSError(28, "No space left on device")

@@ -101,7 +101,7 @@ WORKER = textwrap.dedent(
             jax.block_until_ready(ctx)
             if pid == 1:  # dies right after writing its shards, before the commit
                 import os
-                backend = store._side.disk.backend
+                backend = store._persistence.disk.backend
                 write = backend.write_arrays
 
                 def write_then_die(*args, **kwargs):

@@ -117,11 +117,11 @@ def test_contexts_a_user_holds_keep_their_values_while_later_gets_reuse_buffers(
         pending = [rs.backward(store.get(f"k{i % len(xs)}")) for i in range(4 * len(xs))]
         for i, grads in enumerate(pending):
             assert_trees_equal(grads, in_memory[i % len(xs)])
-        assert store._side.disk.buffers.reused > 0
+        assert store._persistence.disk.buffers.reused > 0
         for got, want in zip(held.residuals, snapshot):
             np.testing.assert_array_equal(np.asarray(got), want)
         assert_trees_equal(rs.backward(held), in_memory[0])
-    assert store._side.disk.buffers.nbytes == 0  # given back at close
+    assert store._persistence.disk.buffers.nbytes == 0  # given back at close
 
 
 @pytest.mark.slow
@@ -130,7 +130,7 @@ def test_read_buffer_bytes_zero_reads_into_fresh_buffers_and_bad_values_are_refu
     w, x = jax.random.normal(jax.random.key(0), (8, 4)), jax.random.normal(jax.random.key(1), (5, 8))
     with rs.Store(tmp_path / "s", device_budget=0, host_budget=0, read_buffer_bytes=0) as store:
         store.put(fwd(w, x)[1], "k")
-        assert store._side.disk.buffers is None
+        assert store._persistence.disk.buffers is None
         assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(w, x), **F32_TOL)
     for bad in (-1, 1.5, True, "1"):
         with pytest.raises(rs.InvalidArgumentError, match="read_buffer_bytes"):
@@ -147,11 +147,11 @@ def test_a_kvstore_store_reads_into_recycled_buffers_too():
     # the kvstore path; the memory kvstore is one per process: a folder of this test's own
     spec = {"driver": "memory", "path": f"read-buffers-{uuid.uuid4().hex}/"}
     with rs.Store(spec, device_budget=0, host_budget=0) as store:
-        assert type(store._side.disk.backend).__name__ == "KvBackend"
+        assert type(store._persistence.disk.backend).__name__ == "KvBackend"
         for i, ctx in enumerate(contexts):
             store.put(ctx, f"k{i}")
         store.flush()
         for _ in range(3):
             for i, want in enumerate(in_memory):
                 assert_trees_equal(rs.backward(store.get(f"k{i}")), want)
-        assert store._side.disk.buffers.reused > 0
+        assert store._persistence.disk.buffers.reused > 0

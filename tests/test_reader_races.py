@@ -226,7 +226,7 @@ def _recycled(root: Path) -> list[str]:
 
 def _backend_of(store: rs.Store):
     """The storage backend of ``store``'s disk tier (wherever the store keeps its disk tier)."""
-    disk = getattr(store, "_disk", None) or store._side.disk
+    disk = getattr(store, "_disk", None) or store._persistence.disk
     return disk.backend
 
 

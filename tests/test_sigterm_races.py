@@ -64,7 +64,7 @@ SCRIPT = textwrap.dedent(
         with rs.Store(root, read_only=True) as reader:
             keys = set(reader.keys())
         missing = sorted(set(acked) - keys)
-        held = store._lock._is_owned()
+        held = store._table.lock._is_owned()
         say(f"own handler: {{len(keys)}} on disk, missing {{missing}}, lock held {{held}}, t={{time.monotonic() - t0:.2f}}")
         if "loop" not in how:
             os._exit(7)  # no exit drain: only what the SIGTERM handler completed is there
@@ -78,7 +78,7 @@ SCRIPT = textwrap.dedent(
         for i in range(8):
             acked.append(store.put(fwd(params, *batch(i))[1], f"mb{{i}}"))
         t0 = time.monotonic()
-        with store._lock:
+        with store._table.lock:
             signal.raise_signal(signal.SIGTERM)
             say("inside the lock after the signal")
         say("after the lock")  # not reached: the handler ran at the release

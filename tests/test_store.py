@@ -889,7 +889,7 @@ def test_replaced_data_is_recycled_and_rewritten_exactly(tmp_path, mlp_split, rn
         store.flush()
         store.put(ctxs[1], "k")  # replaces: ctxs[0]'s folder goes to data/.free
         store.flush()
-        store._side.janitor.submit(lambda: None).result()  # recycling runs off the write path
+        store._persistence.janitor.submit(lambda: None).result()  # recycling runs off the write path
         (recycled,) = os.listdir(free)
         recycled_inode = os.stat(free / recycled).st_ino
         store.put(ctxs[2], "other")  # same layout: takes the recycled folder
@@ -904,7 +904,7 @@ def test_replaced_data_is_recycled_and_rewritten_exactly(tmp_path, mlp_split, rn
             _check_mlp_grads(got, params, *batches[i])
         reader.delete("k")
         reader.flush()
-        reader._side.janitor.submit(lambda: None).result()
+        reader._persistence.janitor.submit(lambda: None).result()
         assert len(os.listdir(free)) == 1
         # the recycled data folder of "k" (its batch was stored with it: inputs are its own)
         assert _counts(reader.gc(older_than=0)) == {"weights": 0, "data": 0, "recycled": 1, "backwards": 0, "temporary": 0}

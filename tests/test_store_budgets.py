@@ -65,7 +65,7 @@ def test_internals_a_share_is_of_the_devices_memory_limit():
 
 def test_store_budgets_take_strings_and_refuse_a_share_of_cpu_memory(tmp_path):
     with rs.Store(None, device_budget="1 KiB", host_budget="2MB") as store:
-        assert (store._device.budget, store._host.budget) == (1024, 2_000_000)
+        assert (store._table.device.budget, store._table.host.budget) == (1024, 2_000_000)
     if jax.devices()[0].platform == "cpu":  # XLA's CPU client reports no memory limit
         with pytest.raises(rs.InvalidArgumentError, match="memory"):
             rs.Store(tmp_path / "s", device_budget="50%")

@@ -289,7 +289,7 @@ with rs.Store(root) as first:
     first.put(small[0], "a")
 # The race: `late` looked for the shared weights just before `first` committed them, so it
 # writes them too; then its write fails (the disk fills up).
-late._side.disk.backend.array_exists = lambda path: False
+late._persistence.disk.backend.array_exists = lambda path: False
 with limited(4 << 10):
     results["race"] = attempt(late, small[1], "b")
 late.close()
@@ -354,7 +354,7 @@ def test_internals_a_put_that_failed_on_a_full_disk_keeps_its_valid_backward_for
     before = {p: (root / p).read_bytes() for p in paths}
     with rs.Store(root) as store:
         assert "big" not in store.keys()
-        assert backwards.read(store._side.disk, sig) is not None  # size and checksum verified
+        assert backwards.read(store._persistence.disk, sig) is not None  # size and checksum verified
         store.put(big, "big")
         store.flush()
     assert {p: (root / p).read_bytes() for p in paths} == before
@@ -469,7 +469,7 @@ def test_put_while_a_get_of_the_same_key_reads_the_disk(tmp_path, split, model, 
         first.put(old, "k")
     store = rs.Store(tmp_path / "s", device_budget=size, host_budget=0, write_through=write_through)
     reading, release = threading.Event(), threading.Event()
-    read = store._side.disk.read  # hold the disk read of "k" until the put below is done
+    read = store._persistence.disk.read  # hold the disk read of "k" until the put below is done
 
     def slow_read(key, **kwargs):
         result = read(key, **kwargs)
@@ -477,7 +477,7 @@ def test_put_while_a_get_of_the_same_key_reads_the_disk(tmp_path, split, model, 
         assert release.wait(30)
         return result
 
-    store._side.disk.read = slow_read
+    store._persistence.disk.read = slow_read
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(store.get, "k")

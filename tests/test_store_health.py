@@ -164,7 +164,7 @@ def test_internals_a_context_replaced_while_looked_at_is_not_called_damaged(tmp_
     root = str(tmp_path / "store")
     contexts = _fill(root, keys=("k", "other"))
     with rs.Store(root) as store:
-        disk = store._side.disk
+        disk = store._persistence.disk
         old = disk.stat("k")
         store.put(contexts["other"], "k")  # a new data folder; the old one recycled
         store.flush()

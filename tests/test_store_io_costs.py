@@ -53,7 +53,7 @@ def test_a_durable_put_into_a_recycled_folder_fsyncs_each_file_once_and_two_fold
         for seed in (1, 2):  # the second replaces the first, whose folder is then recycled
             store.put(split(params, _inputs(seed)[1])[1], "k")
             store.flush()
-            store._side.janitor.submit(lambda: None).result()
+            store._persistence.janitor.submit(lambda: None).result()
         _, ctx = split(params, x)
         fsyncs = _count(monkeypatch, os, "fsync")
         datasyncs = _count(monkeypatch, os, "fdatasync") if hasattr(os, "fdatasync") else fsyncs
@@ -218,7 +218,7 @@ def test_internals_a_burst_of_durable_puts_shares_one_sync_of_the_manifests_fold
     synced = _count(monkeypatch, local_backend, "fsync_folder_local")
     with rs.Store(tmp_path / "s") as store:
         go = threading.Event()
-        store._side.writer.submit(lambda: go.wait(30), 0)  # the puts below queue up behind this
+        store._persistence.writer.submit(lambda: go.wait(30), 0)  # the puts below queue up behind this
         for i, x in enumerate(xs):
             store.put(split(params, x)[1], f"k{i}")
         go.set()

@@ -142,7 +142,7 @@ def test_caches_stay_small_over_many_put_delete_steps(tmp_path, fwd):
         store.stats()
         gc.collect()
         assert len(store._weights) <= 2
-        assert len(store._side.disk._stat_cache) <= 2
+        assert len(store._persistence.disk._stat_cache) <= 2
 
 
 def test_the_stat_cache_forgets_contexts_deleted_by_another_store(tmp_path, fwd):
@@ -152,12 +152,12 @@ def test_the_stat_cache_forgets_contexts_deleted_by_another_store(tmp_path, fwd)
             writer.put(_ctx(fwd, i), f"k{i}")
         writer.flush()
         assert reader.stats()["disk"]["contexts"] == 20
-        assert len(reader._side.disk._stat_cache) == 20
+        assert len(reader._persistence.disk._stat_cache) == 20
         for i in range(20):
             writer.delete(f"k{i}")
         writer.flush()
         assert reader.stats()["disk"]["contexts"] == 0
-        assert len(reader._side.disk._stat_cache) == 0
+        assert len(reader._persistence.disk._stat_cache) == 0
 
 
 def test_internals_the_stat_cache_is_bounded(tmp_path, fwd, monkeypatch):
@@ -167,7 +167,7 @@ def test_internals_the_stat_cache_is_bounded(tmp_path, fwd, monkeypatch):
             store.put(_ctx(fwd, i), f"k{i}")
         store.flush()
         assert store.stats()["disk"]["contexts"] == 12
-        assert len(store._side.disk._stat_cache) == 5
+        assert len(store._persistence.disk._stat_cache) == 5
 
 
 # ----------------------------------------------------------------------------------------------

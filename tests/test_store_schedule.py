@@ -13,7 +13,6 @@ import pytest
 
 import residual_store as rs
 from residual_store._src.store.schedule import Schedule
-from residual_store._src.store.tiers import own_nbytes
 
 N = 64
 
@@ -33,7 +32,7 @@ def contexts():
         x = jax.random.normal(jax.random.key(i + 1), (N, 16))
         _, ctx = fwd(w, x)
         out.append((ctx, jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)), argnums=(0, 1))(w, x)))
-    return fwd, out, own_nbytes(out[0][0])
+    return fwd, out, out[0][0].spec.own_nbytes
 
 
 def _check(got, want):

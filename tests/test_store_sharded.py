@@ -169,7 +169,7 @@ with rs.Store(root) as store:
     for seed in (10, 11):
         store.put(fwd(*inputs(mesh, ("data", None), seed))[1], "again")
         store.flush()
-    store._side.janitor.submit(lambda: None).result()  # recycling runs off the write path
+    store._persistence.janitor.submit(lambda: None).result()  # recycling runs off the write path
     free = os.path.join(root, "data", ".free")
     (recycled,) = os.listdir(free)
     inode = os.stat(os.path.join(free, recycled)).st_ino

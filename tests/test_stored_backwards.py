@@ -176,7 +176,7 @@ def test_internals_the_backward_is_exported_on_the_writer_thread(stored, monkeyp
         assert where == ["residual-store-writer"]
         release.set()
         store.flush()
-        assert backwards.is_stored(store._side.disk, ctx.spec.signature)
+        assert backwards.is_stored(store._persistence.disk, ctx.spec.signature)
     print(f"put of a new signature returned after {returned_after * 1e3:.1f} ms")
 
 

@@ -250,7 +250,7 @@ def _gated(store):
     import threading
 
     gate = threading.Event()
-    store._side.writer.submit(lambda: gate.wait(60), 0)
+    store._persistence.writer.submit(lambda: gate.wait(60), 0)
     return gate
 
 

@@ -170,7 +170,7 @@ def test_a_recycled_folder_keeps_no_attributes_of_another_function(tmp_path):
         store.flush()
         store.delete("a")  # its folder goes to data/.free
         store.flush()
-        store._side.janitor.submit(lambda: None).result()
+        store._persistence.janitor.submit(lambda: None).result()
         _, ctx = rs.split(second)(w, x)
         store.put(ctx, "b")
     names = set()

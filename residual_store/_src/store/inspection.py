@@ -18,7 +18,7 @@ import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidArgumentError
 from residual_store._src.store import backwards
-from residual_store._src.store.disk import paths
+from residual_store._src.store.disk import forms, paths
 from residual_store._src.store.disk.records import StoredContext, check_signature
 from residual_store._src.store.disk.tier import DiskTier
 
@@ -430,18 +430,22 @@ def measure(disk: DiskTier, progress: Progress | None = None) -> StoreUsage:
 
 
 def _verify_context(disk: DiskTier, key: str) -> StoredContext:
-    """Checks ``key``'s files' sizes (the damage ``ls`` shows, in its words), then reads and
-    checks every byte (arrays, their zarr metadata, its bundle's headers as plain zip readers
-    check them); :class:`CorruptContextError` names the damage."""
-    _, damage = _sized_stat(disk, key)
-    if damage is not None:
-        raise CorruptContextError(damage)
-    stored, _ = disk.read(key, place=False)
-    check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
-    if check_metadata is not None:
-        for r in {r.path: r for r in stored.records if not r.bundled}.values():
-            check_metadata(r.path, r.shape, r.dtype, r.chunk_shape)
-    disk.check_bundle(key, stored)
+    """Reads and checks every byte of ``key`` (arrays, their zarr metadata, its bundle's headers as
+    plain zip readers check them), its files' sizes first (the damage ``ls`` shows, in its words);
+    :class:`CorruptContextError` names the damage. All of it inside the read's retry, as ``get``
+    reads: a context replaced meanwhile (by another process) is read again, never called damaged."""
+
+    def check(stored: StoredContext) -> None:
+        damage = size_damage(disk, stored)
+        if damage is not None:
+            raise CorruptContextError(damage)
+        check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
+        if check_metadata is not None:
+            for r in {r.path: r for r in stored.records if not r.bundled}.values():
+                check_metadata(r.path, r.shape, r.dtype, r.chunk_shape)
+        forms.check_bundle(disk.backend, key, stored)
+
+    stored, _ = disk.read(key, place=False, check=check)
     return stored
 
 

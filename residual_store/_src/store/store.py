@@ -6,7 +6,8 @@ import dataclasses
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,20 +18,17 @@ from residual_store._src.errors import ContextNotFoundError, InvalidArgumentErro
 from residual_store._src.store import inspection
 from residual_store._src.store.budgets import Headroom, parse_budget, parse_bytes, parse_seconds, parse_size
 from residual_store._src.store.collective import TIMEOUT_S, committer_for
-from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk.backends import resolve_path
 from residual_store._src.store.disk.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import read_device, to_numpy
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store._src.store.key_rules import validate_key
-from residual_store._src.store.ledger import KeyLedger
-from residual_store._src.store.moves import Moves
-from residual_store._src.store.persistence import Persistence, open_side
+from residual_store._src.store.persistence import Persistence, persistence_for
 from residual_store._src.store.reads import Reads
-from residual_store._src.store.tiers import Tiers, own_nbytes
+from residual_store._src.store.table import KeyTable
 from residual_store._src.store.weights import LiveWeights
-from residual_store._src.store.workers import Loader
+from residual_store._src.store.workers import load_pool
 
 __all__ = ["Store"]
 
@@ -39,15 +37,15 @@ StorePath = str | os.PathLike[str] | Mapping[str, Any] | None
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 
 
-def _shut_down(side: Persistence, loader: Loader) -> None:
+def _shut_down(persistence: Persistence, loads: ThreadPoolExecutor) -> None:
     """Finalizer of a collected store: its threads stop once their queued work is done.
 
     Never waits: the collection may run on one of these threads, or on a thread holding a lock
     their work needs. Writes still complete (the writer runs its queue before it stops, and the
     exit drain waits for it); a failed one is reported on stderr.
     """
-    side.close_later()
-    loader.close(wait=False)
+    persistence.close_later()
+    loads.shutdown(wait=False)
 
 
 class Store:
@@ -141,8 +139,6 @@ class Store:
         device_budget = parse_budget(device_budget, "device_budget", read_device(device))
         headroom = Headroom.of(device_headroom, read_device(device))
         host_budget = parse_size(host_budget, "host_budget")
-        self._tiers = Tiers(device_budget, host_budget)
-        self._device, self._host = self._tiers.device, self._tiers.host
         max_pending_bytes = parse_bytes(max_pending_bytes, "max_pending_bytes")
         read_buffer_bytes = parse_bytes(read_buffer_bytes, "read_buffer_bytes")
         collective_timeout = parse_seconds(collective_timeout, "collective_timeout")
@@ -152,27 +148,26 @@ class Store:
         ) if location is not None else None
         # how writes and deletes reach the disk (collectively, in a job of several processes)
         committer = committer_for(disk, collective_timeout) if disk is not None and not read_only else None
-        # The one lock: it guards the bookkeeping below, never a copy, a read or a wait (ledger.py).
-        self._lock = StoreLock()
-        self._ledger = KeyLedger()
         self._weights = LiveWeights()  # hashed once, not per put; read back without reading
-        self._side = open_side(
-            disk, committer, ledger=self._ledger, lock=self._lock, tiers=self._tiers, weights=self._weights,
-            write_through=write_through, durable=durable, max_pending_bytes=max_pending_bytes,
+        self._persistence = persistence_for(
+            disk, committer, weights=self._weights, write_through=write_through, durable=durable,
+            max_pending_bytes=max_pending_bytes,
         )
-        self._description = self._side.description
-        self._moves = Moves(
-            lock=self._lock, tiers=self._tiers, ledger=self._ledger, side=self._side, headroom=headroom,
-            target=self._target,
+        self._description = self._persistence.description
+        # every key's state, under the store's one lock (table.py): told what leaves memory
+        self._table = KeyTable(
+            device_budget, host_budget, self._persistence.keeping,
+            device_limit=headroom.device_limit if headroom is not None else None, where=self._description,
         )
-        self._loader = Loader()
+        self._persistence.attach(self._table)
+        self._loads = load_pool()
         self._reads = Reads(
-            lock=self._lock, tiers=self._tiers, ledger=self._ledger, side=self._side, moves=self._moves,
-            weights=self._weights, target=self._target, loader=self._loader,
+            table=self._table, disk=self._persistence.disk, backward_for=self._persistence.backward_for,
+            queue=self._persistence.schedule, weights=self._weights, target=self._target, loads=self._loads,
         )
         self._closed = False
         # A collected store's pending writes still complete (the writer runs its queue first).
-        self._finalizer = weakref.finalize(self, _shut_down, self._side, self._loader)
+        self._finalizer = weakref.finalize(self, _shut_down, self._persistence, self._loads)
 
     # -- context manager ----------------------------------------------------------------------
 
@@ -210,7 +205,7 @@ class Store:
           ReadOnlyStoreError: the store was opened ``read_only=True``.
         """
         self._check_open()
-        self._side.check_writable("put")
+        self._persistence.check_writable("put")
         if isinstance(key, ResidualContext) and not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(
                 f"put takes the context first, then the key: put(ctx, {ctx!r}), got put({ctx!r}, ctx)"
@@ -222,23 +217,11 @@ class Store:
                 "put cannot store a context inside jax.jit or another transformation (its residuals "
                 "are tracers, not arrays): return the context from the jitted function and put it there"
             )
-        key = self._side.key_for(key)  # checked; for None a fresh one, where the side can make one
-        staged = self._side.prepare_put(ctx)  # the weights' host copies, before a donation can break them
-        size = own_nbytes(ctx)
-        with self._lock:  # bookkeeping only: the copies it owes are made after (ledger.py, rule 1)
-            self._side.check_capacity(self._tiers, key, size)
-            self._tiers.forget(key)
-            version = self._ledger.begin_put(key)  # an older version's write, load or delete is superseded
-            self._tiers.admit(key, ctx)
-            spills = self._moves.rebalance(protect=key if self._tiers.put_protects(key) else None)
-            writes = []
-            if self._side.writes_put(in_memory=key in self._tiers or self._ledger.has_pending(key)):
-                self._ledger.mark_pending(key, ctx, version)
-                writes.append((key, ctx, version))
-            owed = self._moves.owed()
-        self._moves.settle(owed)
-        self._side.schedule(writes, staged=staged)
-        self._side.schedule(spills)
+        key, staged = self._persistence.prepare_put(ctx, key)  # checked; the weights' host copies
+        moves = self._table.put(key, ctx)  # bookkeeping only: the copies it owes are made after
+        self._reads.settle(moves)
+        if moves.own is not None:
+            self._persistence.schedule([moves.own], staged)
         return key
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
@@ -251,7 +234,7 @@ class Store:
           verification (the message names the key and the residual).
         """
         self._check_open()
-        ctx = self._reads.take(validate_key(key))
+        ctx = self._reads.get(validate_key(key))
         # only now: a load ahead may push out the context just got (the schedule is done with it)
         self._reads.ahead()
         return ctx
@@ -262,16 +245,7 @@ class Store:
         The prefetched context is held for that ``get`` even if the budgets cannot keep it.
         """
         self._check_open()
-        key = validate_key(key)
-        with self._lock:
-            if key in self._device or self._ledger.loading(key):
-                return
-            deleting = self._ledger.deleting(key)
-            in_memory = (key in self._host or self._ledger.has_pending(key)) and not deleting
-        if not in_memory and (deleting or not self._side.holds(key)):
-            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
-        with self._lock:
-            self._reads.start(key)
+        self._reads.prefetch(validate_key(key), self._persistence.holds)
 
     def schedule(self, keys: Sequence[str]) -> None:
         """Declares the order of the coming gets: ``keys`` as they will be got, keys not yet put
@@ -304,15 +278,13 @@ class Store:
             raise InvalidArgumentError(
                 f"schedule expects a sequence of keys in the order they will be got, got {type(keys).__name__}"
             )
-        checked = [validate_key(k) for k in keys]
-        with self._lock:
-            self._tiers.schedule.declare(checked)
+        self._table.declare([validate_key(k) for k in keys])
         self._reads.ahead()
 
     def pop(self, key: str) -> ResidualContext:
         """``get`` then ``delete``."""
         self._check_open()
-        self._side.check_writable("pop")
+        self._persistence.check_writable("pop")
         ctx = self.get(key)
         self.delete(key)
         return ctx
@@ -321,47 +293,37 @@ class Store:
         """Removes ``key`` from every tier; the disk removal runs in the background, after any
         pending write of it (``flush`` waits). Unknown key: :class:`ContextNotFoundError`."""
         self._check_open()
-        self._side.check_writable("delete")
+        self._persistence.check_writable("delete")
         key = validate_key(key)
-        with self._lock:
-            deleting = self._ledger.deleting(key)
-            found = not deleting and (key in self._tiers or self._ledger.has_pending(key) or self._ledger.loading(key))
         # In a multi-process job the delete is collective, in call order with the puts: every
         # process checks here, and process 0 removes the manifest only once all have begun.
-        if not found and deleting:
-            raise ContextNotFoundError(f"context {key!r} was already deleted from store {self!r}")
-        if not found and not self._side.holds(key):
-            raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
-        with self._lock:
-            self._tiers.forget(key)
-            version = self._ledger.begin_delete(key)
-        self._side.delete(key, version)
+        version = self._table.delete(key)
+        if version is None:  # not in memory: the disk tells
+            if not self._persistence.holds(key):
+                raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+            version = self._table.delete_stored(key)
+        self._persistence.delete(key, version)
 
     # -- listing ------------------------------------------------------------------------------
 
     def keys(self) -> list[str]:
         """Every key: in memory, pending, and committed on disk (by any process)."""
         self._check_open()
-        with self._lock:  # before the listing: a removal done meanwhile must not bring a key back
-            keys = set(self._tiers.keys()) | self._ledger.pending_keys()
-            deleting = self._ledger.deleted_keys()
-        keys.update(self._side.keys())
-        return sorted(keys - deleting)
+        live, deleted = self._table.keys()  # before the listing: a removal done meanwhile must not bring a key back
+        return sorted((live | set(self._persistence.keys())) - deleted)
 
     def __contains__(self, key: object) -> bool:
         self._check_open()
         if not isinstance(key, str):
             return False
-        with self._lock:
-            if self._ledger.deleting(key):
-                return False
-            if key in self._tiers or self._ledger.has_pending(key):
-                return True
+        held = self._table.held(key)
+        if held is not None:
+            return held
         try:
             key = validate_key(key)
         except ValueError:
             return False
-        return self._side.holds(key)
+        return self._persistence.holds(key)
 
     def __len__(self) -> int:
         return len(self.keys())
@@ -403,17 +365,9 @@ class Store:
         ``keys()``, before the writer has removed its files.
         """
         self._check_open()
-        with self._lock:
-            result = {
-                name: {"bytes": tier.nbytes, "contexts": len(tier), "bytes_in": tier.bytes_in, "bytes_out": tier.bytes_out}
-                for name, tier in (("device", self._device), ("host", self._host))
-            }
-            # host copies waiting for their writes, in no tier (see moves.py)
-            waiting = [c for k, c in self._ledger.pending_items() if k not in self._tiers]
-            result["pending"] = {
-                "bytes": sum(own_nbytes(c) for c in waiting), "contexts": len(waiting), "reads": self._reads.pending_reads,
-            }
-        result["disk"] = self._side.stats()
+        result = self._table.stats()
+        io, deleted = result.pop("io"), result.pop("deleted")
+        result["disk"] = {**self._persistence.stats(leaving=deleted), **io}
         return result
 
     # -- flush, close -------------------------------------------------------------------------
@@ -442,7 +396,7 @@ class Store:
         """
         self._check_open()
         checked = [validate_key(k) for k in keys]
-        had_writes = self._side.flush(checked)
+        had_writes = self._persistence.flush(checked)
         for key, had in zip(checked, had_writes):
             if not had and key not in self:
                 raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
@@ -461,8 +415,8 @@ class Store:
         """
         self._check_open()
         if not dry_run:
-            self._side.check_writable("gc")
-        return self._side.gc(older_than, dry_run=dry_run, progress=progress)
+            self._persistence.check_writable("gc")
+        return self._persistence.gc(older_than, dry_run=dry_run, progress=progress)
 
     def close(self) -> None:
         """Flushes and stops the background threads; the store cannot be used afterwards."""
@@ -474,9 +428,9 @@ class Store:
             self._closed = True
             self._finalizer.detach()
             try:
-                self._side.close()
+                self._persistence.close()
             finally:
-                self._loader.close()
+                self._loads.shutdown(wait=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -490,14 +444,10 @@ class Store:
         being deleted."""
         self._check_open()
         key = validate_key(key)
-        with self._lock:
-            if self._ledger.deleting(key):
-                raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
-            pending = self._ledger.pending(key)
-            for ctx in (self._device.peek(key), self._host.peek(key), pending):
-                if ctx is not None:
-                    return ctx, pending is not None or not self._ledger.on_disk(key)
-        return None, False
+        ctx, newer, deleted = self._table.locate(key)
+        if deleted:
+            raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
+        return ctx, newer
 
     def info(self, key: str) -> ContextInfo:
         """The record of the context under ``key``: its signature and, per residual, name,
@@ -516,9 +466,9 @@ class Store:
           CorruptContextError: its manifest is damaged.
         """
         ctx, newer = self._find(key)
-        if ctx is not None and (newer or not self._side.persists):
+        if ctx is not None and (newer or not self._table.keeping.below_host):
             return inspection.memory_info(key, ctx.spec)
-        return self._side.info(key)
+        return self._persistence.info(key)
 
     def arrays(self, key: str) -> tuple[np.ndarray, ...]:
         """The residuals of ``key`` as NumPy arrays in host memory, verified, in the order of
@@ -539,8 +489,7 @@ class Store:
         ctx, _ = self._find(key)
         if ctx is not None:
             return tuple(to_numpy(x) for x in ctx.residuals)
-        _, arrays = self._side.read(key, place=False)
-        return tuple(cast(list[np.ndarray], arrays))  # (with place=False: whole NumPy arrays)
+        return self._persistence.arrays(key)
 
     def backward_info(self, signature: str) -> BackwardInfo:
         """Whether a backward of ``signature`` is stored (processes without the model can run
@@ -550,7 +499,7 @@ class Store:
           InvalidArgumentError: ``signature`` is not a signature (``info(key).signature`` is one).
         """
         self._check_open()
-        return self._side.backward_info(signature)
+        return self._persistence.backward_info(signature)
 
     def usage(self, *, progress: Progress | None = None) -> StoreUsage:
         """Bytes the store takes on disk, per part of its tree and per signature (a memory-only
@@ -567,7 +516,7 @@ class Store:
         """
         self._check_open()
         self.flush()  # what was put is on disk
-        return self._side.usage(progress)
+        return self._persistence.usage(progress)
 
     def verify(self, keys: Sequence[str] | None = None, *, progress: Progress | None = None) -> VerifyReport:
         """Reads and checks every byte of every context (or of ``keys``) against its checksums,
@@ -605,7 +554,7 @@ class Store:
         missing = [] if given is None else [k for k in given if k not in self]
         if missing:
             raise ContextNotFoundError(f"no context {', '.join(map(repr, missing))} in store {self!r}")
-        on_disk = set(self._side.keys())
-        report = self._side.verify([k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress)
+        on_disk = set(self._persistence.keys())
+        report = self._persistence.verify([k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress)
         in_memory = sum(k not in on_disk for k in chosen)  # written with write_through=False, not spilled
         return dataclasses.replace(report, verified=report.verified + in_memory) if in_memory else report

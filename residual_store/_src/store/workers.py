@@ -5,6 +5,13 @@ in which case it waits for the worker to catch up: memory held by pending writes
 One worker thread keeps writes in submission order, so the last ``put`` of a key is the one
 that lands.
 
+**A wait for the writer waits for a mark.** ``flush``, ``close``, the SIGTERM drain and the exit
+drain note the number of jobs submitted when they begin and return once the worker has done that
+many: writes queued after they began (another thread that keeps putting) never hold them up. The
+``on_idle`` work (one sync of the manifests' folder for a burst of durable commits) runs after the
+job a waiter's mark names as well as after the last queued job, so a flush that returns is
+durable however busy the queue stays.
+
 Nothing queued is lost on a normal exit: every live writer is drained when the interpreter
 exits (the end of the script, ``sys.exit``, an uncaught exception), by a hook that runs when the
 main thread ends, before ``concurrent.futures`` stops the thread pools the writes use and before
@@ -30,14 +37,17 @@ import threading
 import time
 import traceback
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.store.critical import StoreLock, store_condition
 
-__all__ = ["Writer", "Loader", "drain_all", "drain_within", "bound_exit_drain", "draining_at_exit", "request_pool"]
+__all__ = [
+    "Writer", "bound_exit_drain", "drain_all", "drain_within", "draining_at_exit", "janitor", "load_pool", "request_pool",
+]
 
 _LIVE: weakref.WeakSet[Writer] = weakref.WeakSet()
 _LIVE_LOCK = StoreLock()
@@ -76,9 +86,14 @@ class Writer:
         self._cv = store_condition()
         self._queue: deque[tuple[Callable[[], Any], int, Future[Any]]] = deque()
         self._pending_bytes = 0
+        self._submitted = 0  # jobs submitted so far: a waiter's mark
+        self._done = 0  # jobs done so far (in order: the first _done submitted ones)
+        self._marks: Counter[int] = Counter()  # marks waiters wait for: on_idle runs after those jobs too
         self._errors: list[BaseException] = []
         self._closed = False
         self._thread: threading.Thread | None = None  # started by the first job: a store only read never has one
+        # asked (a weak method, or None) before a drain takes its mark: queues what is owed
+        self.before_drain: Callable[[], Callable[[], None] | None] | None = None
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -87,7 +102,7 @@ class Writer:
         future: Future[Any] = _Future()
         with self._cv:
             if self._closed:
-                raise RuntimeError("the store is closed")
+                raise InvalidArgumentError("this store is closed: open a new rs.Store to use it again")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="residual-store-writer", daemon=True)
                 self._thread.start()
@@ -95,6 +110,7 @@ class Writer:
                 self._cv.wait()
             self._queue.append((job, nbytes, future))
             self._pending_bytes += nbytes
+            self._submitted += 1
             self._cv.notify_all()
         return future
 
@@ -117,21 +133,23 @@ class Writer:
             # Drop the job (and the context it holds) before anyone learns it is done: a flushed
             # store must not keep the arrays of what it wrote alive.
             del job, future
-            self._idle_if_last()
+            self._idle_if_due()
             with self._cv:
                 self._queue.popleft()
                 self._pending_bytes -= nbytes
+                self._done += 1
                 self._cv.notify_all()
         # Closed without a flush (its store was collected): nobody is left to raise these to.
         for lost in unreported:
             _report(lost, "in a store that was dropped without close()")
 
-    def _idle_if_last(self) -> None:
+    def _idle_if_due(self) -> None:
+        """Runs ``on_idle`` after the last queued job, or after a job a waiter's mark names."""
         if self._on_idle is None:
             return
         with self._cv:
-            last = len(self._queue) == 1
-        if not last:
+            due = len(self._queue) == 1 or any(m <= self._done + 1 for m in self._marks)
+        if not due:
             return
         try:
             self._on_idle()
@@ -146,22 +164,31 @@ class Writer:
             return len(self._queue), self._pending_bytes
 
     def _wait_until_done(self, deadline: float | None = None) -> bool:
-        """Under ``_cv``: waits until the queue is empty (or the worker is gone); ``False`` if
-        ``deadline`` (``time.monotonic()``), or the exit bound (:func:`bound_exit_drain`), came
-        first. Wakes now and then to notice an exit bound set while it waits."""
-        while self._queue and self._thread is not None and self._thread.is_alive():
-            limit = _limit(deadline)
-            if limit is None:
-                self._cv.wait(_RECHECK_S)
-                continue
-            left = limit - time.monotonic()
-            if left <= 0:
-                return False
-            self._cv.wait(min(left, _RECHECK_S))
-        return True
+        """Under ``_cv``: waits until the jobs submitted so far are done (its mark; or the worker
+        is gone); ``False`` if ``deadline`` (``time.monotonic()``), or the exit bound
+        (:func:`bound_exit_drain`), came first. Wakes now and then to notice an exit bound set
+        while it waits."""
+        mark = self._submitted
+        self._marks[mark] += 1
+        try:
+            while self._done < mark and self._thread is not None and self._thread.is_alive():
+                limit = _limit(deadline)
+                if limit is None:
+                    self._cv.wait(_RECHECK_S)
+                    continue
+                left = limit - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, _RECHECK_S))
+            return True
+        finally:
+            self._marks[mark] -= 1
+            if self._marks[mark] <= 0:
+                del self._marks[mark]
 
     def flush(self) -> None:
-        """Waits until every queued job has run; raises the first error since the last flush.
+        """Waits until every job queued before the call has run; raises the first error since
+        the last flush.
 
         Raises:
           TimeoutError: the process is ending after a SIGTERM whose bound
@@ -197,9 +224,17 @@ class Writer:
                 thread.join(min(left, _RECHECK_S))
 
     def drain(self, deadline: float | None = None) -> list[BaseException]:
-        """Waits until every queued job has run (at most until ``deadline``, a
-        ``time.monotonic()`` time); returns (and clears) the errors since the last flush
-        instead of raising them."""
+        """Queues what its owner owes (``before_drain``), then waits until every job queued by
+        then has run (at most until ``deadline``, a ``time.monotonic()`` time); returns (and
+        clears) the errors since the last flush instead of raising them."""
+        owed = self.before_drain() if self.before_drain is not None else None
+        if owed is not None:
+            try:
+                owed()
+            except Exception as err:  # noqa: BLE001 - reported with the writes' errors
+                _release_frames(err)
+                with self._cv:
+                    self._errors.append(err)
         with self._cv:
             self._wait_until_done(deadline)
             errors, self._errors = self._errors, []
@@ -327,16 +362,12 @@ def request_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=16, thread_name_prefix="residual-store-request")
 
 
-class Loader:
-    """A small thread pool, joined by ``close``: the store's loads ahead (one
-    future per key in flight, the ledger keeps it), and with one worker the janitor's removals of
-    replaced or deleted data (``persistence.WritableDisk.janitor``)."""
+def janitor() -> ThreadPoolExecutor:
+    """The one thread that removes replaced or deleted data, off the write path (one a store)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="residual-store-janitor")
 
-    def __init__(self, workers: int = 2) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="residual-store-loader")
 
-    def submit(self, job: Callable[[], Any]) -> Future[Any]:
-        return self._pool.submit(job)
-
-    def close(self, wait: bool = True) -> None:
-        self._pool.shutdown(wait=wait)
+def load_pool(workers: int = 2) -> ThreadPoolExecutor:
+    """The threads a store's loads ahead run on (one future per key in flight, the key table
+    keeps it)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="residual-store-load")

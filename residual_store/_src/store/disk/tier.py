@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -366,7 +366,8 @@ class DiskTier:
             self._stat_cache.pop(key, None)
 
     def read(
-        self, key: str, *, place: bool = True, skip: Container[str] = ()
+        self, key: str, *, place: bool = True, skip: Container[str] = (),
+        check: Callable[[StoredContext], None] | None = None,
     ) -> tuple[StoredContext, HostArrays]:
         """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one.
 
@@ -388,6 +389,10 @@ class DiskTier:
 
         Shared arrays (weights) stored whole at a path in ``skip`` are not read: the caller holds
         them already, and they come back as ``None``.
+
+        ``check``, if given, checks more of each manifest read before its arrays are (``verify``:
+        the files' sizes, zarr metadata, the bundle's headers), inside the same retry: what it
+        finds is damage only where the manifest stayed the same.
         """
         failed: tuple[StoredContext, CorruptContextError] | None = None  # the last failed read
         for attempt in range(_READ_ATTEMPTS + 1):
@@ -397,6 +402,8 @@ class DiskTier:
             if attempt == _READ_ATTEMPTS:
                 break
             try:
+                if check is not None:
+                    check(stored)
                 return stored, self._read_arrays(key, stored, place=place, skip=skip)
             except StoreUnavailableError:
                 raise  # no answer is no damage, and asking again would wait again
@@ -484,10 +491,6 @@ class DiskTier:
         if chunk is None:
             return forms.read_whole(self.backend, key, i, stored.records[i], expected, empty=self._empty)
         return forms.read_chunk(self.backend, key, i, stored.records[i], chunk, expected)
-
-    def check_bundle(self, key: str, stored: StoredContext, buffer: np.ndarray | None = None) -> None:
-        """See :func:`residual_store._src.store.disk.forms.check_bundle`."""
-        forms.check_bundle(self.backend, key, stored, buffer)
 
     def keys(self) -> list[str]:
         suffix = paths.MANIFEST_SUFFIX
