@@ -9,8 +9,8 @@ Prints, for the checkout it runs in:
   chain of them (levels: a module importing nothing of the store is level 1), and the import
   cycles (strongly connected groups of more than one module);
 - **pass-through functions**: functions and methods whose whole body (after a docstring) is one
-  ``return f(...)`` or ``f(...)`` whose arguments are only the function's own parameters (some or
-  all, in any order) and constants (a room too many);
+  ``return f(...)`` or ``f(...)`` whose arguments are only the function's own parameters (at
+  least one, in any order) and constants (a room too many);
 - **one key's trip** (``sys.setprofile`` on every thread, after a warm-up store): the store's
   functions entered and the modules they live in, for a ``put`` (caller's thread) and for a
   ``get`` from disk in a freshly opened store (``Store(path, host_budget=0)``, the context of a
@@ -193,7 +193,7 @@ def pass_throughs() -> list[str]:
                 continue
             params = _params(node)
             names = _arg_names(call)
-            if params and names is not None and set(names) <= set(params):
+            if params and names and set(names) <= set(params):
                 found.append(f"{path.relative_to(STORE)}:{node.name}")
     return found
 

@@ -124,7 +124,7 @@ def test_internals_the_plans_of_two_keys_differ_only_in_their_paths(plan_path: s
 
     assert [moved(r.path) for r in one.records] == [r.path for r in two.records]
     assert [r.relocated("p", r.checksum) for r in one.records] == [r.relocated("p", r.checksum) for r in two.records]
-    assert one.layout == two.layout
+    assert one.folder_shape == two.folder_shape
     assert _bundle_bytes(one) == _bundle_bytes(two) and one.bundle.ref.checksum == two.bundle.ref.checksum
     assert [(a.index, moved(a.path), a.shared) for a in one.arrays] == [(a.index, a.path, a.shared) for a in two.arrays]
     m1 = serializers.decode_manifest(one.manifest, what="one")

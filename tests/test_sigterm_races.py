@@ -275,7 +275,7 @@ def test_internals_sigterms_at_random_moments_of_a_put_get_loop_never_hang_or_lo
     reader.join(10)
     out = "".join(lines.queue)
     for line in handled:
-        assert "missing [], lock held False" in line, handled
+        assert "missing [], lock held False" in line, (handled, err)
     assert code == 0, (out, err)
     assert f"handled: {ROUNDS}," in out, (out, err)
     assert "at the end: missing []" in out, (out, err)

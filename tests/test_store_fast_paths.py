@@ -59,7 +59,7 @@ def test_internals_a_write_planned_from_its_template_is_the_write_planned_in_ful
     assert fast.manifest == full.manifest
     assert fast.group == full.group
     assert fast.records == full.records
-    assert fast.layout == full.layout == first.layout
+    assert fast.folder_shape == full.folder_shape == first.folder_shape
     assert fast.bundle.ref == full.bundle.ref
     assert _parts(fast) == _parts(full)
     assert [(w.index, w.path, w.shared, w.whole) for w in fast.arrays] == [
@@ -160,7 +160,7 @@ def test_a_get_of_many_residuals_gives_arrays_that_compute(context, tmp_path):
 @pytest.mark.parametrize("template", [True, False])
 def test_internals_the_layout_a_writer_knows_is_the_one_its_manifest_gives(context, monkeypatch, bundle, template):
     """A replaced context's folder is recycled by layout: the layout its writer remembered
-    (``StoredContext.layout``) is the one any process computes from the manifest."""
+    (``StoredContext.folder_shape``) is the one any process computes from the manifest."""
     from residual_store._src.store.disk.records import parse_context_manifest
 
     layout._templates.clear()
@@ -169,8 +169,8 @@ def test_internals_the_layout_a_writer_knows_is_the_one_its_manifest_gives(conte
     plan = _plan(context, "a", "0" * 12, monkeypatch, template=template)
     assert (plan.bundle is not None) == bundle
     parsed = parse_context_manifest("a", plan.manifest)
-    assert parsed.layout is None
-    assert layout.data_of(parsed) == layout.data_of(plan.stored) == (plan.data_dir, plan.layout)
+    assert parsed.folder_shape is None
+    assert layout.data_of(parsed) == layout.data_of(plan.stored) == (plan.data_dir, plan.folder_shape)
 
 
 @pytest.mark.slow

@@ -57,6 +57,10 @@ def _settled(table: KeyTable, moves: Moves) -> Moves:
     return moves
 
 
+def _claim(table: KeyTable, writes) -> list[tuple[Write, Future]]:  # noqa: ANN001
+    return table.claim_writes(writes, Future)
+
+
 # -- where a put goes, and what the budgets move ------------------------------------------------
 
 
@@ -64,7 +68,7 @@ def test_internals_a_put_goes_to_the_highest_tier_its_size_fits_and_is_owed_a_ho
     table = _table(device=SIZE, host=2 * SIZE)
     small, big = _ctx(1), _ctx(2)
     moves = table.put("small", small)
-    assert _where(table) == (["small"], []) and not moves.owed
+    assert _where(table) == (["small"], []) and not moves.owed.due
     assert moves.own == Write("small", small, moves.own.version)  # write-through: every put is written
     moves = table.put("big", big)
     assert _where(table) == (["small"], ["big"])
@@ -111,7 +115,7 @@ def test_internals_what_leaves_host_memory_is_written_where_the_store_writes_spi
     moves = table.put("c", ctxs[2])  # a leaves host memory for the disk
     assert [(w.key, w.ctx) for w in moves.spills] == [("a", ctxs[0])]
     assert table.locate("a") == (ctxs[0], True, False)  # pending: in no tier, still got from memory
-    assert table.claim_writes(moves.spills) == list(moves.spills)
+    assert [w for w, _ in _claim(table, moves.spills)] == list(moves.spills)
 
 
 def test_internals_what_leaves_host_memory_in_a_write_through_store_is_dropped_once_written():
@@ -295,27 +299,29 @@ def test_internals_a_disk_read_after_a_delete_and_put_never_installs_while_the_r
 
 
 def test_internals_race_2_a_write_no_put_has_queued_yet_is_claimed_by_the_drain():
-    """A signal lands between a put's transition and its queueing: the drain claims the pending
-    write and queues it; the put, back from the handler, finds it claimed and queues nothing."""
+    """A signal lands between a put's transition and its queueing: the drain finds the pending
+    write nobody queued and claims it; the put, back from the handler, finds it claimed and
+    queues nothing."""
     table = _table()
-    table.put("k", _ctx(seed=1))
-    older = table.claim_writes([table.put("k", _ctx(seed=0)).own])  # an earlier put's, queued
+    older = _claim(table, [table.put("k", _ctx(seed=0)).own])  # an earlier put's, queued
     moves = table.put("k", _ctx(seed=2))  # ... the signal lands here
-    drained = table.claim_unqueued()
-    assert [(w.key, w.version) for w in drained] == [("k", moves.own.version)]
-    assert table.claim_writes([moves.own]) == []  # the put's own queueing: already claimed
-    assert table.claim_unqueued() == []
-    assert older and table.write_starting("k", older[0].version) is None  # superseded, skipped
+    unqueued = table.unqueued()
+    assert [(w.key, w.version) for w in unqueued] == [("k", moves.own.version)]
+    drained = _claim(table, unqueued)
+    assert [w for w, _ in drained] == unqueued
+    assert table.newest_writes(["k"]) == [drained[0][1]]  # what flush("k") waits for
+    assert _claim(table, [moves.own]) == []  # the put's own queueing: already claimed
+    assert table.unqueued() == []
+    assert table.write_starting("k", older[0][0].version) is None  # superseded: skipped
 
 
 def test_internals_a_write_is_claimed_once_and_only_while_it_is_current():
     table = _table()
     own = table.put("k", _ctx()).own
-    assert table.claim_writes([own]) == [own]
-    assert table.claim_writes([own]) == []
-    stale = own
+    assert [w for w, _ in _claim(table, [own])] == [own]
+    assert _claim(table, [own]) == []
     table.put("k", _ctx(seed=1))
-    assert table.claim_writes([stale]) == []
+    assert _claim(table, [own]) == []  # a stale version
 
 
 # -- race 3: a read returns the version current when it began -----------------------------------

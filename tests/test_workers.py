@@ -8,13 +8,13 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 import residual_store as rs
-from residual_store._src.store.workers import Writer, load_pool
+from residual_store._src.store.workers import Writer
 
 TIMEOUT = 10.0  # seconds any wait on another thread may take before the test fails
 BLOCKED = 0.05  # how long a thread that must be blocked is watched to stay so
@@ -186,7 +186,7 @@ def test_internals_a_writer_never_used_starts_no_thread_and_closes(writer: MakeW
 
 
 def test_internals_the_load_pool_runs_jobs_side_by_side_and_shutdown_waits_for_them():
-    loader = load_pool(workers=2)
+    loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-load")
     a_started, b_release, names = threading.Event(), threading.Event(), []
     try:
         def a() -> str:

@@ -8,6 +8,8 @@ code written against the built-ins keeps working.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "ResidualStoreError",
     "SignatureMismatchError",
@@ -42,6 +44,17 @@ class ContextNotFoundError(ResidualStoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
         return str(self.args[0]) if self.args else ""
+
+    @classmethod
+    def of(cls, keys: str | Sequence[str], store: object, *, deleted: str = "") -> ContextNotFoundError:
+        """The one message of a missing context: ``no context 'k' in store S``, or, for a key
+        being deleted, ``context 'k' was deleted from store S`` (``deleted="already"``: ``was
+        already deleted``, for a second delete)."""
+        if deleted:
+            when = "was already deleted" if deleted == "already" else "was deleted"
+            return cls(f"context {keys!r} {when} from store {store}")
+        names = ", ".join(map(repr, [keys] if isinstance(keys, str) else keys))
+        return cls(f"no context {names} in store {store}")
 
 
 class InvalidKeyError(ResidualStoreError, ValueError):

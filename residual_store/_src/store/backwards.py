@@ -368,6 +368,8 @@ class BackwardSaver:
         """Once per signature: queues the save of ``ctx``'s backward (the put's stack: warns
         at its caller)."""
         sig = ctx.spec.signature
+        if sig in self._seen:  # (a set's membership is read whole: the lock guards adding)
+            return
         with self._lock:
             if sig in self._seen:
                 return
@@ -385,6 +387,8 @@ class BackwardSaver:
 
     def emit_warnings(self) -> None:
         """Warnings of background saves, on the caller's thread (stack level: its caller's call)."""
+        if not self._warnings:  # (read whole: the lock guards the swap)
+            return
         with self._lock:
             pending, self._warnings = self._warnings, []
         for message in pending:  # export's own errors, which say what a process without the model meets

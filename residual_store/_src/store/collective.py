@@ -19,6 +19,7 @@ learn it at once, instead of waiting for one another until the timeout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -33,7 +34,7 @@ from residual_store._src import _jax_internals
 from residual_store._src.context import ResidualContext, ResidualSpec
 from residual_store._src.errors import InvalidArgumentError, ResidualStoreError, StoreFullError
 from residual_store._src.logs import event
-from residual_store._src.store.committer import Committer, SingleProcessCommitter, Staged
+from residual_store._src.store.committer import Committer, SingleProcessCommitter
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms as residual_forms
 from residual_store._src.store.disk import layout, paths
@@ -261,11 +262,9 @@ class CollectiveCommitter:
     def lands(self, *, superseded: bool) -> bool:
         return True  # every process takes part in every write and delete, in put order
 
-    def stage_shared(self, ctx: ResidualContext) -> Staged:
-        return stage_shared(ctx, partial=True)  # each process writes the shards of its own devices
-
-    def host_arrays(self, ctx: ResidualContext, staged: Staged | None) -> tuple[HostArrays, list[str | None]]:
-        return host_arrays(ctx, staged, partial=True)
+    # each process writes the shards of its own devices
+    stage_shared = staticmethod(functools.partial(stage_shared, partial=True))
+    host_arrays = staticmethod(functools.partial(host_arrays, partial=True))
 
     def save_backward(self, saver: BackwardSaver, ctx: ResidualContext) -> None:
         if jax.process_index() == 0:  # one process saves them for the job

@@ -99,8 +99,7 @@ class SingleProcessCommitter:
     def __init__(self, disk: DiskTier) -> None:
         self.disk = disk
 
-    def key_for(self, key: str | None) -> str:
-        return put_key(key)  # a fresh key is this process's own
+    key_for = staticmethod(put_key)  # a fresh key is this process's own
 
     def writes_through(self, asked: bool) -> bool:
         return asked
@@ -108,11 +107,8 @@ class SingleProcessCommitter:
     def lands(self, *, superseded: bool) -> bool:
         return not superseded  # a stale version never lands
 
-    def stage_shared(self, ctx: ResidualContext) -> Staged:
-        return stage_shared(ctx)  # one process addresses every device: each array whole
-
-    def host_arrays(self, ctx: ResidualContext, staged: Staged | None) -> tuple[HostArrays, list[str | None]]:
-        return host_arrays(ctx, staged)
+    stage_shared = staticmethod(stage_shared)  # one process addresses every device: each array whole
+    host_arrays = staticmethod(host_arrays)
 
     def save_backward(self, saver: BackwardSaver, ctx: ResidualContext) -> None:
         saver.save(ctx)

@@ -430,22 +430,25 @@ def measure(disk: DiskTier, progress: Progress | None = None) -> StoreUsage:
 
 
 def _verify_context(disk: DiskTier, key: str) -> StoredContext:
-    """Reads and checks every byte of ``key`` (arrays, their zarr metadata, its bundle's headers as
-    plain zip readers check them), its files' sizes first (the damage ``ls`` shows, in its words);
+    """Reads and checks every byte of ``key``: its files' sizes first (the damage ``ls`` shows, in
+    its words), then its arrays, their zarr metadata and its bundle's headers as plain zip readers
+    check them;
     :class:`CorruptContextError` names the damage. All of it inside the read's retry, as ``get``
     reads: a context replaced meanwhile (by another process) is read again, never called damaged."""
 
-    def check(stored: StoredContext) -> None:
+    def sizes(stored: StoredContext) -> None:
         damage = size_damage(disk, stored)
         if damage is not None:
             raise CorruptContextError(damage)
+
+    def the_rest(stored: StoredContext) -> None:
         check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
         if check_metadata is not None:
             for r in {r.path: r for r in stored.records if not r.bundled}.values():
                 check_metadata(r.path, r.shape, r.dtype, r.chunk_shape)
         forms.check_bundle(disk.backend, key, stored)
 
-    stored, _ = disk.read(key, place=False, check=check)
+    stored, _ = disk.read(key, place=False, check=(sizes, the_rest))
     return stored
 
 

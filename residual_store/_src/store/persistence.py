@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -41,7 +41,8 @@ from residual_store._src.store.weights import LiveWeights
 from residual_store._src.store.workers import Writer, janitor
 
 __all__ = [
-    "MemoryOnlyPersistence", "Persistence", "ReadOnlyPersistence", "WritablePersistence", "persistence_for",
+    "MemoryOnlyPersistence", "Persistence", "ReadOnlyPersistence", "WritablePersistence", "keeping_for",
+    "persistence_for",
 ]
 
 
@@ -54,14 +55,14 @@ class Persistence(Protocol):
     @property
     def disk(self) -> DiskTier | None: ...  # the store's files, read by gets (None: memory only)
 
-    def attach(self, table: KeyTable) -> None: ...
     def prepare_put(self, ctx: ResidualContext, key: str | None) -> tuple[str, Any]: ...
     def schedule(self, writes: Sequence[Write], staged: Any = None) -> None: ...
     def delete(self, key: str, version: int) -> None: ...
     def holds(self, key: str) -> bool: ...
     def keys(self) -> list[str]: ...
     def arrays(self, key: str) -> tuple[np.ndarray, ...]: ...
-    def backward_for(self, signature: str) -> Any: ...
+    @property
+    def backward_for(self) -> Callable[[str], Any]: ...  # the stored backward of a signature, or None
     def flush(self, keys: Sequence[str] = ()) -> list[bool]: ...
     def stats(self, leaving: Collection[str]) -> dict[str, int]: ...
     def info(self, key: str) -> ContextInfo: ...
@@ -81,9 +82,6 @@ class MemoryOnlyPersistence:
     keeping = Keeping(below_host=False)
     disk = None
 
-    def attach(self, table: KeyTable) -> None:
-        return None  # nothing to write or remove
-
     def prepare_put(self, ctx: ResidualContext, key: str | None) -> tuple[str, Any]:
         return put_key(key), None
 
@@ -100,10 +98,9 @@ class MemoryOnlyPersistence:
         return []
 
     def arrays(self, key: str) -> tuple[np.ndarray, ...]:
-        raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
+        raise ContextNotFoundError.of(key, self.description)
 
-    def backward_for(self, signature: str) -> Any:
-        return None
+    backward_for: Callable[[str], Any] = staticmethod(lambda signature: None)  # nothing stored
 
     def flush(self, keys: Sequence[str] = ()) -> list[bool]:
         return [False] * len(keys)
@@ -112,7 +109,7 @@ class MemoryOnlyPersistence:
         return inspection.disk_bytes(None)
 
     def info(self, key: str) -> ContextInfo:
-        raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
+        raise ContextNotFoundError.of(key, self.description)
 
     def backward_info(self, signature: str) -> BackwardInfo:
         return inspection.backward_info(None, signature)
@@ -147,9 +144,8 @@ class ReadOnlyPersistence:
         # loads the stored backwards rs.backward asks for while the store is open (held weakly there)
         self._stored_backwards = backwards.StoredBackwardLoader(disk)
         register_loader(self._stored_backwards)
-
-    def attach(self, table: KeyTable) -> None:
-        return None  # changes nothing
+        # the stored backward of a signature, read and checked (deserialized on first use)
+        self.backward_for: Callable[[str], Any] = self._stored_backwards.for_context
 
     def check_writable(self, what: str) -> None:
         raise ReadOnlyStoreError(
@@ -158,7 +154,8 @@ class ReadOnlyPersistence:
         )
 
     def prepare_put(self, ctx: ResidualContext, key: str | None) -> tuple[str, Any]:
-        raise AssertionError("a read-only store puts nothing")  # check_writable refused it
+        self.check_writable("put")
+        raise AssertionError("unreachable: check_writable raises")
 
     def schedule(self, writes: Sequence[Write], staged: Any = None) -> None:
         assert not writes, "a read-only store writes nothing"
@@ -176,10 +173,6 @@ class ReadOnlyPersistence:
         """The residuals of ``key`` read from disk as whole NumPy arrays, verified, not placed."""
         _, arrays = self.disk.read(key, place=False)
         return tuple(cast(list[np.ndarray], arrays))
-
-    def backward_for(self, signature: str) -> Any:
-        """The stored backward of ``signature``, read and checked (deserialized on first use)."""
-        return self._stored_backwards.for_context(signature)
 
     def flush(self, keys: Sequence[str] = ()) -> list[bool]:
         return [False] * len(keys)
@@ -222,10 +215,9 @@ class WritablePersistence(ReadOnlyPersistence):
 
     Args:
       disk: the store's files. committer: how writes and deletes reach them (collectively in a
-        job of several processes). weights: the weights the store holds, hashed once and not
-        read back. The store's key table is attached once made (:meth:`attach`): a write asks it
-        whether its version is current, and tells it when it is done.
-      write_through: every put is written, not only what the budgets push out of host memory.
+        job of several processes). table: the store's key table, made with
+        :func:`keeping_for` (a write asks it whether its version is current, and tells it when
+        it is done). weights: the weights the store holds, hashed once and not read back.
       durable: writes are synced before they count as done.
       max_pending_bytes: bytes of queued writes before a put waits.
     """
@@ -235,17 +227,19 @@ class WritablePersistence(ReadOnlyPersistence):
         disk: DiskTier,
         committer: Committer,
         *,
+        table: KeyTable,
         weights: LiveWeights,
-        write_through: bool,
         durable: bool,
         max_pending_bytes: int,
     ) -> None:
         super().__init__(disk)
         self._committer = committer
-        self._table: KeyTable | None = None  # the store's, attached once made (told of this keeping)
+        self._table = table
         self._weights = weights
-        write_through = committer.writes_through(bool(write_through))
-        self.keeping = Keeping(below_host=True, writes_puts=write_through, writes_spills=not write_through)
+        self.keeping = table.keeping
+        # the job holds the context only where a superseded write lands (collectively); else it
+        # takes the pending one when it runs, which by then may be a host copy
+        self._jobs_hold = committer.lands(superseded=True)
         self._durable = bool(durable)
         # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
         self.writer = Writer(max_pending_bytes, on_idle=disk.sync_commits)
@@ -254,14 +248,6 @@ class WritablePersistence(ReadOnlyPersistence):
         self.janitor = janitor()  # removes replaced or deleted data off the write path
         # saves each signature's backward once, on the writer thread
         self._saver = backwards.BackwardSaver(disk, self.writer, durable=self._durable)
-
-    def attach(self, table: KeyTable) -> None:
-        self._table = table
-
-    @property
-    def table(self) -> KeyTable:
-        assert self._table is not None, "the store attaches its table before any put"
-        return self._table
 
     def check_writable(self, what: str) -> None:
         return None
@@ -283,20 +269,17 @@ class WritablePersistence(ReadOnlyPersistence):
     def schedule(self, writes: Sequence[Write], staged: Any = None) -> None:
         """Queues each of ``writes`` that nobody queued yet (``staged``: the first one's weights,
         see :meth:`prepare_put`)."""
-        for write in self.table.claim_writes(writes):
-            # The job holds the context only where a superseded write lands (collectively); else
-            # it takes the pending one when it runs, which by then may be a host copy.
-            held = write.ctx if self._committer.lands(superseded=True) else None
+        for write, future in self._table.claim_writes(writes, self.writer.future):
+            held = write.ctx if self._jobs_hold else None
             first = staged if write is writes[0] else None
             job = functools.partial(self._write, write.key, held, write.version, first)
-            future = self.writer.submit(job, write.ctx.nbytes)
-            self.table.write_queued(write.key, future)  # the newest write of the key: what flush(key) waits for
-            future.add_done_callback(functools.partial(self.table.write_settled, write.key))
+            self.writer.submit(job, write.ctx.nbytes, future)
+            future.add_done_callback(functools.partial(self._table.write_settled, write.key))
 
     def _queue_unclaimed(self) -> None:
         """Queues the writes no put has queued yet (a signal landed between a put's transition and
         its queueing), so a drain writes what the table holds pending (rule 6)."""
-        self.schedule(self.table.claim_unqueued())
+        self.schedule(self._table.unqueued())
 
     def delete(self, key: str, version: int) -> None:
         """Queues the removal of ``key`` from disk (the delete of ``version``), after any
@@ -310,7 +293,7 @@ class WritablePersistence(ReadOnlyPersistence):
             if not keys:
                 self.writer.flush()
                 return []
-            futures = self.table.newest_writes(keys)
+            futures = self._table.newest_writes(keys)
             for future in futures:
                 if future is not None:
                     future.result()  # its write's error, if it failed
@@ -326,7 +309,7 @@ class WritablePersistence(ReadOnlyPersistence):
         """Writes ``version`` of ``key``: ``ctx`` (held where a superseded write lands), or with
         ``None`` its pending context, none if a later put or delete superseded it (rule 4)."""
         committer = self._committer
-        pending = self.table.write_starting(key, version)
+        pending = self._table.write_starting(key, version)
         ctx = ctx if ctx is not None else pending
         if ctx is None:
             return  # superseded: a stale version never lands
@@ -340,11 +323,11 @@ class WritablePersistence(ReadOnlyPersistence):
             del ctx, pending
             stale = committer.write(key, spec, arrays, impls, fsync=self._durable, known=known)
         except BaseException:
-            self.table.write_failed(key, version)  # a put that failed is not in the store (flush raises why)
+            self._table.write_failed(key, version)  # a put that failed is not in the store (flush raises why)
             raise
         self.drop_later(stale)
         self._weights.hold(residuals, impls, known[1])
-        self.table.write_done(key, version, nbytes)
+        self._table.write_done(key, version, nbytes)
 
     def _delete_on_disk(self, key: str, version: int) -> None:
         """After any pending write of ``key``: removes its manifest, also where the key was put
@@ -353,7 +336,7 @@ class WritablePersistence(ReadOnlyPersistence):
         try:
             self.drop_later(self._committer.delete(key)[1])
         finally:
-            self.table.delete_done(key, version)
+            self._table.delete_done(key, version)
 
     def drop_later(self, stale: StaleData | None) -> None:
         """Hands data no manifest references any more to the janitor, off the write path."""
@@ -376,6 +359,17 @@ class WritablePersistence(ReadOnlyPersistence):
         collection may run on one of them, or on a thread holding a lock their work needs)."""
         self.writer.close(wait=False)
         self.janitor.shutdown(wait=False)
+
+
+def keeping_for(disk: DiskTier | None, committer: Committer | None, write_through: bool) -> Keeping:
+    """What a store with this ``disk`` (``None``: memory only) and ``committer`` (``None``: read
+    only) does with what leaves memory: the key table's policy (see :class:`Keeping`)."""
+    if disk is None:
+        return MemoryOnlyPersistence.keeping
+    if committer is None:
+        return ReadOnlyPersistence.keeping
+    writes_puts = committer.writes_through(bool(write_through))
+    return Keeping(below_host=True, writes_puts=writes_puts, writes_spills=not writes_puts)
 
 
 def persistence_for(disk: DiskTier | None, committer: Committer | None, **writing: Any) -> Persistence:

@@ -41,6 +41,7 @@ anew outside that callback.
 from __future__ import annotations
 
 import _thread
+import atexit
 import functools
 import os
 import signal
@@ -53,7 +54,13 @@ from typing import Any, NoReturn
 
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.store.critical import in_critical_section, run_when_outside
-from residual_store._src.store.workers import bound_exit_drain, drain_within, draining_at_exit
+from residual_store._src.store.workers import (
+    AFTER_EXIT_DRAIN,
+    bound_exit_drain,
+    drain_within,
+    draining_at_exit,
+    exit_drained,
+)
 
 __all__ = ["flush_on_sigterm"]
 
@@ -76,6 +83,7 @@ class _FlushThenPrevious:
         self.deadline: float | None = None  # time.monotonic() bound of the current one's drain
         self.exit: SystemExit | None = None  # the exit let out, while Python may still lose it
         self.lost = False  # Python lost it (sys.unraisablehook): raise it again
+        self.end_after_drain: int | None = None  # came during the exit drain: the status once it is over
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if self.lost:  # Python lost the exit; interrupted by _ExitNotLost (or a SIGTERM): raise it anew
@@ -99,10 +107,13 @@ class _FlushThenPrevious:
         why = f"SIGTERM (flush_on_sigterm(timeout={self.timeout}))"
         if self.previous in (signal.SIG_DFL, None):
             self.state = _EXITING
+            if exit_drained():  # Python is finalizing, every write is done: nothing to unwind
+                _end_now(128 + signum)
             if self.deadline is not None:
                 bound_exit_drain(self.deadline, why)  # the exit drain waits until then only
             if draining_at_exit():  # already ending: the exit drain goes on, within the bound
-                _say(f"residual-store: {why} came during the exit drain: the drain goes on")
+                _say(f"residual-store: {why} came during the exit drain: the drain goes on, then the process ends (143)")
+                self.end_after_drain = 128 + signum
                 return
             # Unwinding first: ``with`` blocks close their stores; the exit drain runs after.
             self._exit(SystemExit(128 + signum))
@@ -170,6 +181,38 @@ class _ExitNotLost:
         while self.handler.lost:
             _thread.interrupt_main(signal.SIGTERM)
             time.sleep(0.01)
+
+
+def _end_now(status: int) -> NoReturn:
+    """Ends the process with ``status`` at once, its standard streams flushed: a SIGTERM while
+    Python finalizes (every write done), where raising ``SystemExit`` no longer sets the status
+    and, later, Python's own teardown of signal handling would let it end the process as -15."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - closed or broken: nothing left to flush
+            pass
+    os._exit(status)
+
+
+def _after_exit_drain() -> None:
+    """Once the exit drain is over: a SIGTERM that came during it ends the process now, with
+    143; and none that comes later can end it as -15 (see :func:`_end_now`)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if isinstance(handler, _FlushThenPrevious) and handler.end_after_drain is not None:
+        _end_now(handler.end_after_drain)
+
+
+def _quiet_while_python_tears_down() -> None:
+    """The last exit hook: Python is about to reset its signal handlers to the system's defaults
+    (after which a SIGTERM would end the process as -15, mid-teardown); every write is done, so
+    a SIGTERM from here on is ignored and the process ends with its own status."""
+    if isinstance(signal.getsignal(signal.SIGTERM), _FlushThenPrevious):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+AFTER_EXIT_DRAIN.append(_after_exit_drain)
+atexit.register(_quiet_while_python_tears_down)  # registered first, at import: runs last
 
 
 def _say(line: str) -> None:

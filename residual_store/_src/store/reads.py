@@ -98,7 +98,9 @@ class Reads:
         except BaseException:
             self._table.end_read(key)
             raise
-        self.settle(self._table.finish_read(key, found, ctx, nbytes_read=nbytes))
+        moves = self._table.finish_read(key, found, ctx, nbytes_read=nbytes)
+        if moves.spills or moves.owed.due:
+            self.settle(moves)
         return ctx
 
     def _from_disk(self, key: str) -> tuple[ResidualContext, int]:
@@ -129,13 +131,15 @@ class Reads:
         submit = functools.partial(self._loads.submit, functools.partial(self.load, key))
         if self._table.start_load(key, submit) is None:
             if not holds(key):
-                raise ContextNotFoundError(f"no context {key!r} in store {self._table.where}")
+                raise ContextNotFoundError.of(key, self._table.where)
             self._table.start_load(key, submit, on_disk=True)
 
     def ahead(self) -> None:
         """Starts loading the contexts the schedule names next: the very next one, then as many
         as fit the device budget together with it, at most ``_AHEAD`` loads in flight, stopping
         at the first not yet put (its room is the put's)."""
+        if not self._table.scheduled:  # (read whole; the table answers again under its lock)
+            return
         upcoming, in_flight = self._table.ahead(_LOOKAHEAD)
         if not upcoming:
             return
@@ -169,7 +173,7 @@ class Reads:
         copies only, so the device budget bounds the device memory of the store's contexts,
         pending writes included."""
         owed = moves.owed
-        if owed:
+        if owed.due:
             demoted = [(key, ctx, to_host(ctx)) for key, ctx in owed.demoted]
             released = [(key, ctx, for_writing(ctx, self._target)) for key, ctx in owed.released
                         if holds_device_memory(ctx)]

@@ -24,11 +24,10 @@ from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import read_device, to_numpy
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store._src.store.key_rules import validate_key
-from residual_store._src.store.persistence import Persistence, persistence_for
+from residual_store._src.store.persistence import Persistence, keeping_for, persistence_for
 from residual_store._src.store.reads import Reads
 from residual_store._src.store.table import KeyTable
 from residual_store._src.store.weights import LiveWeights
-from residual_store._src.store.workers import load_pool
 
 __all__ = ["Store"]
 
@@ -149,18 +148,18 @@ class Store:
         # how writes and deletes reach the disk (collectively, in a job of several processes)
         committer = committer_for(disk, collective_timeout) if disk is not None and not read_only else None
         self._weights = LiveWeights()  # hashed once, not per put; read back without reading
+        # every key's state, under the store's one lock (table.py), told what leaves memory
+        self._table = KeyTable(
+            device_budget, host_budget, keeping_for(disk, committer, write_through),
+            device_limit=headroom.device_limit if headroom is not None else None,
+            where=disk.description if disk is not None else "memory only",
+        )
         self._persistence = persistence_for(
-            disk, committer, weights=self._weights, write_through=write_through, durable=durable,
+            disk, committer, table=self._table, weights=self._weights, durable=durable,
             max_pending_bytes=max_pending_bytes,
         )
         self._description = self._persistence.description
-        # every key's state, under the store's one lock (table.py): told what leaves memory
-        self._table = KeyTable(
-            device_budget, host_budget, self._persistence.keeping,
-            device_limit=headroom.device_limit if headroom is not None else None, where=self._description,
-        )
-        self._persistence.attach(self._table)
-        self._loads = load_pool()
+        self._loads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-load")  # loads ahead
         self._reads = Reads(
             table=self._table, disk=self._persistence.disk, backward_for=self._persistence.backward_for,
             queue=self._persistence.schedule, weights=self._weights, target=self._target, loads=self._loads,
@@ -205,7 +204,6 @@ class Store:
           ReadOnlyStoreError: the store was opened ``read_only=True``.
         """
         self._check_open()
-        self._persistence.check_writable("put")
         if isinstance(key, ResidualContext) and not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(
                 f"put takes the context first, then the key: put(ctx, {ctx!r}), got put({ctx!r}, ctx)"
@@ -300,7 +298,7 @@ class Store:
         version = self._table.delete(key)
         if version is None:  # not in memory: the disk tells
             if not self._persistence.holds(key):
-                raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+                raise ContextNotFoundError.of(key, repr(self))
             version = self._table.delete_stored(key)
         self._persistence.delete(key, version)
 
@@ -399,7 +397,7 @@ class Store:
         had_writes = self._persistence.flush(checked)
         for key, had in zip(checked, had_writes):
             if not had and key not in self:
-                raise ContextNotFoundError(f"no context {key!r} in store {self!r}")
+                raise ContextNotFoundError.of(key, repr(self))
 
     def gc(
         self, older_than: float = 3600.0, *, dry_run: bool = False, progress: Progress | None = None
@@ -446,7 +444,7 @@ class Store:
         key = validate_key(key)
         ctx, newer, deleted = self._table.locate(key)
         if deleted:
-            raise ContextNotFoundError(f"context {key!r} was deleted from store {self!r}")
+            raise ContextNotFoundError.of(key, repr(self), deleted="now")
         return ctx, newer
 
     def info(self, key: str) -> ContextInfo:
@@ -553,7 +551,7 @@ class Store:
         chosen = self.keys() if given is None else given
         missing = [] if given is None else [k for k in given if k not in self]
         if missing:
-            raise ContextNotFoundError(f"no context {', '.join(map(repr, missing))} in store {self!r}")
+            raise ContextNotFoundError.of(missing, repr(self))
         on_disk = set(self._persistence.keys())
         report = self._persistence.verify([k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress)
         in_memory = sum(k not in on_disk for k in chosen)  # written with write_through=False, not spilled

@@ -96,7 +96,9 @@ class Owed:
     demoted: tuple[tuple[str, ResidualContext], ...] = ()
     released: tuple[tuple[str, ResidualContext], ...] = ()
 
-    def __bool__(self) -> bool:
+    @property
+    def due(self) -> bool:
+        """Whether any copy is owed."""
         return bool(self.demoted or self.released)
 
 
@@ -166,11 +168,6 @@ class _Entry:
                     or self.write is not None)
 
 
-def own_size(ctx: ResidualContext) -> int:
-    """Bytes of a context's own residuals: what its tier counts (weights are the model's)."""
-    return ctx.spec.own_nbytes
-
-
 class KeyTable:
     """The store's keys, their entries, the memory tiers' sizes and the declared get order, under
     the store's one lock (see the module docstring).
@@ -209,7 +206,7 @@ class KeyTable:
     # -- entries -------------------------------------------------------------------------------
 
     def _deleted(self, key: str) -> ContextNotFoundError:
-        return ContextNotFoundError(f"context {key!r} was deleted from store {self.where}")
+        return ContextNotFoundError.of(key, self.where, deleted="now")
 
     def _entry(self, key: str) -> _Entry:
         entry = self._entries.get(key)
@@ -238,7 +235,7 @@ class KeyTable:
     def _place(self, key: str, entry: _Entry, ctx: ResidualContext, place: str, *, moved: bool = False) -> None:
         if entry.place is not None:
             (self.device if entry.place == DEVICE else self.host).remove(key, moved=moved)
-        (self.device if place == DEVICE else self.host).add(key, own_size(ctx))
+        (self.device if place == DEVICE else self.host).add(key, ctx.spec.own_nbytes)
         entry.ctx, entry.place = ctx, place
         self._unsettled.discard(key)
         if place == HOST:
@@ -256,7 +253,7 @@ class KeyTable:
           StoreFullError: a store with nothing below host memory whose budgets cannot take
             ``ctx`` (nothing changed).
         """
-        size = own_size(ctx)
+        size = ctx.spec.own_nbytes
         with self.lock:
             if not self.keeping.below_host:
                 check_capacity(self.device, self.host, self.schedule, key, size)
@@ -271,7 +268,8 @@ class KeyTable:
             own = None
             if self.keeping.writes_puts or entry.ctx is None:
                 own = self._mark_pending(key, entry, ctx, version)
-            spills = self._rebalance(protect=key if self.schedule.next_use(key) is None else None)
+            protect = key if not self.scheduled or self.schedule.next_use(key) is None else None
+            spills = self._rebalance(protect)
             return Moves(self._take_owed(), tuple(spills), own)
 
     def delete(self, key: str) -> int | None:
@@ -286,7 +284,7 @@ class KeyTable:
         with self.lock:
             entry = self._entries.get(key)
             if entry is not None and entry.deleted:
-                raise ContextNotFoundError(f"context {key!r} was already deleted from store {self.where}")
+                raise ContextNotFoundError.of(key, self.where, deleted="already")
             if entry is None or not (entry.in_memory or entry.load is not None):
                 return None
             return self._delete(key, entry)
@@ -322,9 +320,10 @@ class KeyTable:
             self._unsettled.add(key)
         return Write(key, ctx, version)
 
-    def claim_writes(self, writes: Iterable[Write]) -> list[Write]:
+    def claim_writes(self, writes: Iterable[Write], future: Callable[[], Future[Any]]) -> list[tuple[Write, Future[Any]]]:
         """The writes among ``writes`` that nobody has queued yet (rule 6), now claimed by the
-        caller, which queues them."""
+        caller, which queues each with the future made for it by ``future`` (from now on the
+        newest write of its key: what ``flush(key)`` waits for)."""
         claimed = []
         with self.lock:
             for write in writes:
@@ -332,23 +331,14 @@ class KeyTable:
                 if entry is not None and entry.version == write.version and entry.pending is not None \
                         and not entry.claimed:
                     entry.claimed = True
-                    claimed.append(write)
+                    entry.write = future()
+                    claimed.append((write, entry.write))
         return claimed
 
-    def claim_unqueued(self) -> list[Write]:
-        """Every pending write nobody has queued yet, claimed (a drain queues them, rule 6)."""
+    def unqueued(self) -> list[Write]:
+        """Every pending write nobody has queued yet (a drain claims and queues them, rule 6)."""
         with self.lock:
-            found = []
-            for key, entry in self._entries.items():
-                if entry.pending is not None and not entry.claimed:
-                    entry.claimed = True
-                    found.append(Write(key, entry.pending, entry.version))
-            return found
-
-    def write_queued(self, key: str, future: Future[Any]) -> None:
-        """``future`` is the newest write of ``key``: what ``flush(key)`` waits for."""
-        with self.lock:
-            self._entry(key).write = future
+            return [Write(k, e.pending, e.version) for k, e in self._entries.items() if e.pending is not None and not e.claimed]
 
     def write_settled(self, key: str, future: Future[Any]) -> None:
         """The write ``future`` is over: ``flush(key)`` need not wait for it (a failed one is
@@ -413,6 +403,7 @@ class KeyTable:
                 raise self._deleted(key)
             if self.scheduled:
                 self.schedule.consume(key)
+                self.scheduled = bool(self.schedule)
             if entry is not None:
                 load, entry.load = entry.load, None
                 if load is not None and entry.load_version == entry.version:
@@ -439,12 +430,12 @@ class KeyTable:
     def _begin_read(self, key: str, entry: _Entry | None) -> Found:
         if entry is None:
             if not self.keeping.below_host:
-                raise ContextNotFoundError(f"no context {key!r} in store {self.where}")
+                raise ContextNotFoundError.of(key, self.where)
             entry = self._entry(key)
         source = entry.ctx if entry.place == HOST else entry.pending
         if source is None and not self.keeping.below_host:
             self._drop_if_idle(key, entry)
-            raise ContextNotFoundError(f"no context {key!r} in store {self.where}")
+            raise ContextNotFoundError.of(key, self.where)
         entry.readers += 1
         if source is None:
             return Found(entry.version)
@@ -452,7 +443,7 @@ class KeyTable:
             self.host.touch(key)
         else:
             self.io["pending_reads"] += 1
-        size = own_size(source)
+        size = source.spec.own_nbytes
         # a store with nothing below host memory: a promotion must not push a context out of it
         stays = not self.device.fits(size) or (
             not self.keeping.below_host and entry.place == HOST
@@ -476,7 +467,7 @@ class KeyTable:
             if install and found.ctx is not None:  # copied from memory: the source must still be there
                 install = found.ctx is (entry.ctx if entry.place == HOST else entry.pending)
             elif install:  # read from disk: only where no memory holds a newer copy, nor a removal owes
-                install = not entry.in_memory and entry.removing is None
+                install = entry.ctx is None and entry.pending is None and entry.removing is None
                 entry.on_disk = install or entry.on_disk
             if not install:
                 self._drop_if_idle(key, entry)
@@ -566,7 +557,7 @@ class KeyTable:
             entry = self._entries[victim]
             ctx = entry.ctx
             assert ctx is not None
-            if host.fits(own_size(ctx)):
+            if host.fits(ctx.spec.own_nbytes):
                 self._place(victim, entry, ctx, HOST, moved=True)
             else:
                 device.remove(victim, moved=True)
@@ -613,7 +604,7 @@ class KeyTable:
                     continue
                 source = None if entry is None else entry.ctx if entry.ctx is not None else entry.pending
                 held = entry is not None and (entry.place == DEVICE or entry.load is not None)
-                upcoming.append((key, None if source is None else own_size(source), held))
+                upcoming.append((key, None if source is None else source.spec.own_nbytes, held))
             loading = sum(1 for e in self._entries.values() if e.load is not None and not e.load.done())
             return upcoming, loading
 
@@ -664,7 +655,7 @@ class KeyTable:
             }
             waiting = [e.pending for e in self._entries.values() if e.pending is not None and e.place is None]
             result["pending"] = {
-                "bytes": sum(own_size(c) for c in waiting if c is not None), "contexts": len(waiting),
+                "bytes": sum(c.spec.own_nbytes for c in waiting if c is not None), "contexts": len(waiting),
                 "reads": self.io["pending_reads"],
             }
             result["io"] = {k: v for k, v in self.io.items() if k != "pending_reads"}

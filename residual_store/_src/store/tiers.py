@@ -73,7 +73,8 @@ class MemoryTier:
 
     def add(self, key: str, nbytes: int) -> None:
         """``key`` enters the tier (the most recently used), holding ``nbytes``."""
-        self.remove(key)
+        if key in self._sizes:
+            self.remove(key)
         self._sizes[key] = nbytes
         self.nbytes += nbytes
         self.bytes_in += nbytes

@@ -46,7 +46,8 @@ from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.store.critical import StoreLock, store_condition
 
 __all__ = [
-    "Writer", "bound_exit_drain", "drain_all", "drain_within", "draining_at_exit", "janitor", "load_pool", "request_pool",
+    "Writer", "bound_exit_drain", "drain_all", "drain_within", "draining_at_exit", "exit_drained", "janitor",
+    "request_pool",
 ]
 
 _LIVE: weakref.WeakSet[Writer] = weakref.WeakSet()
@@ -56,6 +57,7 @@ _LIVE_LOCK = StoreLock()
 # drain and the flushes and closes on the way out; None: wait for every write (a normal exit).
 _EXIT_BOUND: tuple[float, str] | None = None
 _AT_EXIT = False  # the exit drain is running
+_EXIT_DRAINED = False  # the exit drain is over: the interpreter is finalizing, nothing of ours is left to write
 
 
 class _Future(Future):  # type: ignore[type-arg]
@@ -97,12 +99,25 @@ class Writer:
         with _LIVE_LOCK:
             _LIVE.add(self)
 
-    def submit(self, job: Callable[[], Any], nbytes: int) -> Future[Any]:
-        """Queues ``job``; waits while more than ``max_pending_bytes`` are queued (backpressure)."""
-        future: Future[Any] = _Future()
+    @staticmethod
+    def future() -> Future[Any]:
+        """A future for a job submitted later (:meth:`submit`): handed out first, so that whoever
+        waits for the job can find it before it is queued."""
+        return _Future()
+
+    def submit(self, job: Callable[[], Any], nbytes: int, future: Future[Any] | None = None) -> Future[Any]:
+        """Queues ``job`` (its result or error goes to ``future``, from :meth:`future`, or a new
+        one); waits while more than ``max_pending_bytes`` are queued (backpressure).
+
+        Raises:
+          InvalidArgumentError: the writer is closed (``future`` then holds that error too).
+        """
+        future = _Future() if future is None else future
         with self._cv:
             if self._closed:
-                raise InvalidArgumentError("this store is closed: open a new rs.Store to use it again")
+                err = InvalidArgumentError("this store is closed: open a new rs.Store to use it again")
+                future.set_exception(err)
+                raise err
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="residual-store-writer", daemon=True)
                 self._thread.start()
@@ -266,6 +281,11 @@ def bound_exit_drain(deadline: float, why: str) -> None:
         _EXIT_BOUND = (deadline, why)
 
 
+def exit_drained() -> bool:
+    """Whether the interpreter's exit drain is over (the process is finalizing)."""
+    return _EXIT_DRAINED
+
+
 def draining_at_exit() -> bool:
     """Whether the interpreter's exit drain is running (in this thread's wait, for a handler)."""
     return _AT_EXIT
@@ -311,12 +331,18 @@ def drain_all() -> None:
     reported on stderr (at exit nobody is left to raise it to). After a SIGTERM that set a bound
     (:func:`bound_exit_drain`), before the drain or while it runs, waits only until then and
     prints what is left."""
-    global _AT_EXIT
+    global _AT_EXIT, _EXIT_DRAINED
     _AT_EXIT = True
     try:
         drain_within(None, "exit")
     finally:
         _AT_EXIT = False
+        _EXIT_DRAINED = True
+        for hook in AFTER_EXIT_DRAIN:
+            hook()
+
+
+AFTER_EXIT_DRAIN: list[Callable[[], None]] = []  # run once the exit drain is over (flush_on_sigterm's)
 
 
 def _report(err: BaseException, when: str) -> None:
@@ -365,9 +391,3 @@ def request_pool() -> ThreadPoolExecutor:
 def janitor() -> ThreadPoolExecutor:
     """The one thread that removes replaced or deleted data, off the write path (one a store)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="residual-store-janitor")
-
-
-def load_pool(workers: int = 2) -> ThreadPoolExecutor:
-    """The threads a store's loads ahead run on (one future per key in flight, the key table
-    keeps it)."""
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="residual-store-load")

@@ -33,7 +33,7 @@ from residual_store_serializers.local import (
 
 __all__ = ["AtomicRenames", "LocalBackend", "check_writable"]
 
-_MAX_FREE_PER_LAYOUT = 64  # recycled folders kept per layout
+_MAX_FREE_PER_SHAPE = 64  # recycled folders kept per folder shape
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -472,13 +472,13 @@ class AtomicRenames:
     """A medium with atomic renames (a local folder): stage and rename into place, recycle
     replaced data folders, rename into the trash before a removal.
 
-    Holds this disk tier's recycled folders by layout; a folder is touched before it is claimed,
+    Holds this disk tier's recycled folders by folder shape; a folder is touched before it is claimed,
     so it is young under its new name (gc's age rule) from the moment it has one."""
 
     def __init__(self, backend: LocalBackend) -> None:
         self.backend = backend
         self._lock = StoreLock()
-        self._free: dict[str, list[str]] = {}  # layout -> recycled data folders
+        self._free: dict[str, list[str]] = {}  # folder shape -> recycled data folders
 
     def stage(self, key: str) -> str:
         return self.backend.temporary_for(key)
@@ -495,14 +495,14 @@ class AtomicRenames:
             self.backend.delete(staged)
 
     def recycle(self, stale: StaleData) -> None:
-        """Keeps the folder for a later write of its layout, which then overwrites its files in
+        """Keeps the folder for a later write of its folder shape, which then overwrites its files in
         place instead of creating some 50 files and folders (file creation dominates small
-        writes), while the layout has room; otherwise removes it."""
+        writes), while the shape has room; otherwise removes it."""
         with self._lock:
-            pool = self._free.setdefault(stale.layout, [])
-            room = len(pool) < _MAX_FREE_PER_LAYOUT
+            pool = self._free.setdefault(stale.folder_shape, [])
+            room = len(pool) < _MAX_FREE_PER_SHAPE
         if room:
-            target = recycled_path(stale.layout, new_write_id())
+            target = recycled_path(stale.folder_shape, new_write_id())
             if self.backend.rename(stale.data_dir, target):
                 with self._lock:
                     pool.append(target)
@@ -512,10 +512,10 @@ class AtomicRenames:
     def remove(self, stale: StaleData) -> None:
         self.backend.delete_tree(stale.data_dir)
 
-    def claim(self, layout: str, data_dir: str) -> bool:
+    def claim(self, folder_shape: str, data_dir: str) -> bool:
         while True:
             with self._lock:
-                free = self._free.get(layout)
+                free = self._free.get(folder_shape)
                 if not free:
                     return False
                 candidate = free.pop()
@@ -535,8 +535,7 @@ class AtomicRenames:
         self.backend.delete_tree(trash)
         return True
 
-    def shared_staging(self, path: str, write_id: str) -> str:
-        return staging_path(path, write_id)
+    shared_staging = staticmethod(staging_path)
 
     def publish_shared(self, staged: str, path: str, metadata: Mapping[str, Any], *, fsync: bool) -> None:
         """The staging folder completed and renamed into place; dropped where another writer put

@@ -371,13 +371,12 @@ class AtomicPuts:
     def unstage(self, staged: str | None) -> None:
         pass  # nothing staged
 
-    def recycle(self, stale: StaleData) -> None:
-        self.remove(stale)  # nothing kept: a put has no rename to claim a folder with
-
     def remove(self, stale: StaleData) -> None:
         self.backend.delete_tree(stale.data_dir)
 
-    def claim(self, layout: str, data_dir: str) -> bool:
+    recycle = remove  # nothing kept: a put has no rename to claim a folder with
+
+    def claim(self, folder_shape: str, data_dir: str) -> bool:
         return False  # nothing kept
 
     def collect(self, path: str) -> bool:

@@ -50,7 +50,7 @@ __all__ = [
     "ArrayWrite",
     "WritePlan",
     "data_of",
-    "layout_digest",
+    "folder_shape",
     "marker_version",
     "plan_write",
     "root_group",
@@ -96,24 +96,24 @@ def marker_version(data: bytes, what: str) -> int:
     return version
 
 
-def layout_digest(
+def folder_shape(
     spec: ResidualSpec, arrays: Iterable[tuple[int, str, tuple[int, ...], str, tuple[int, ...] | None]]
 ) -> str:
     """A digest of (name, shape, dtype, chunk shape, zarr attributes) of each own array, given as
     ``(residual index, name in the folder, shape, dtype, chunk shape or None)``, the attributes
-    those of ``spec``'s residual: a folder of equal layout can take another write's arrays in
+    those of ``spec``'s residual: a folder of equal shape can take another write's arrays in
     place, each ``zarr.json`` unchanged. Remembered per spec and arrays (every write of one
-    signature has the same layout)."""
+    signature has the same folder shape)."""
     own = tuple((i, name, tuple(int(d) for d in shape), dtype, None if chunks is None else tuple(int(c) for c in chunks))
                 for i, name, shape, dtype, chunks in arrays)
     try:
-        return _layout_digest(spec, own)
+        return _folder_shape(spec, own)
     except TypeError:  # a spec holding an unhashable value
-        return _layout_digest.__wrapped__(spec, own)
+        return _folder_shape.__wrapped__(spec, own)
 
 
 @functools.lru_cache(maxsize=64)
-def _layout_digest(spec: ResidualSpec, own: tuple[tuple[int, str, tuple[int, ...], str, tuple[int, ...] | None], ...]) -> str:
+def _folder_shape(spec: ResidualSpec, own: tuple[tuple[int, str, tuple[int, ...], str, tuple[int, ...] | None], ...]) -> str:
     h = hashlib.sha256()
     for i, name, shape, dtype, chunks in sorted(own, key=lambda t: (t[1], str(t[2:]))):
         grid = "" if chunks is None else f"|{chunks}"
@@ -123,11 +123,11 @@ def _layout_digest(spec: ResidualSpec, own: tuple[tuple[int, str, tuple[int, ...
 
 
 def data_of(stored: StoredContext) -> StaleData:
-    """The data folder of a committed context and its layout (see :func:`layout_digest`)."""
-    if stored.layout is not None:
-        return StaleData(stored.data_dir, stored.layout)
+    """The data folder of a committed context and its shape (see :func:`folder_shape`)."""
+    if stored.folder_shape is not None:
+        return StaleData(stored.data_dir, stored.folder_shape)
     prefix = stored.data_dir + "/"
-    return StaleData(stored.data_dir, layout_digest(stored.spec, (
+    return StaleData(stored.data_dir, folder_shape(stored.spec, (
         (i, in_bundle_name(i) if r.bundled else r.path[len(prefix):], r.shape, r.dtype, r.chunk_shape)
         for i, r in enumerate(stored.records)
         if r.path.startswith(prefix)
@@ -159,7 +159,7 @@ class WritePlan:
 
     key: str
     data_dir: str
-    layout: str  # of the own arrays: a recycled folder of this layout can take the write
+    folder_shape: str  # of the own arrays: a recycled folder of this shape can take the write
     arrays: tuple[ArrayWrite, ...]
     records: tuple[serializers.ArrayRecord, ...]
     manifest: bytes
@@ -184,7 +184,7 @@ class WritePlan:
         """What a commit of this plan writes under ``data_dir`` before its weights (a
         :meth:`~residual_store._src.store.disk.protocol.Backend.write_context`): the own
         arrays and :attr:`files`, and with ``staged`` the manifest under that temporary name;
-        ``reuse``: into a recycled folder of :attr:`layout`, renamed to ``data_dir``."""
+        ``reuse``: into a recycled folder of :attr:`folder_shape`, renamed to ``data_dir``."""
         return ContextWrite(
             self.own, self.attributes, self.files, fsync=fsync, reuse=reuse,
             manifest=(staged, self.manifest) if staged is not None else None,
@@ -287,7 +287,7 @@ def plan_write(
             for i, (r, k) in enumerate(zip(records, spec.kinds))
         ],
     }}, no_members=all(a.shared for a in writes))  # the folder holds no array: zarr skips bundle.zip
-    layout = layout_digest(spec, [
+    shape = folder_shape(spec, [
         *((a.index, a.path[len(folder) + 1:], a.data.shape, serializers.zarr_dtype_name(a.data.dtype),
            getattr(a.data, "chunk_shape", None) if not a.whole else None)
           for a in writes if not a.shared),
@@ -295,9 +295,9 @@ def plan_write(
     ])
     stored = StoredContext(
         key, spec, tuple(records), tuple(impls), created, jax.__version__, folder, tuple(shardings),
-        bundle.ref if bundle is not None else None, layout,
+        bundle.ref if bundle is not None else None, shape,
     )
-    return WritePlan(key, folder, layout, tuple(writes), tuple(records), manifest, group, stored, bundle)
+    return WritePlan(key, folder, shape, tuple(writes), tuple(records), manifest, group, stored, bundle)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -305,7 +305,7 @@ class _Template:
     """What every write of one signature shares, worked out at its first write: the host
     arrays' shapes and dtypes it holds for, each residual's record but for its path and checksum
     (checked once), the spec's map, the bundle's layout, the group's ``zarr.json`` split where
-    the paths go, and the layout digest. For a context whose own arrays all go in its bundle
+    the paths go, and the folder shape. For a context whose own arrays all go in its bundle
     and whose residuals are all NumPy arrays: a write of it then costs a few operations per
     residual (its checksum, its path), not a record built and checked."""
 
@@ -317,7 +317,7 @@ class _Template:
     record_maps: tuple[dict[str, Any], ...]  # the records' manifest maps
     spec_map: dict[str, Any]
     group_parts: tuple[str, ...]  # the group's JSON around the key, the manifest's path, each path
-    layout: str
+    folder_shape: str
 
     @functools.cached_property
     def bundled_set(self) -> frozenset[int]:
@@ -386,10 +386,10 @@ def _make_template(spec: ResidualSpec, arrays: Sequence[np.ndarray], impls: Sequ
     pieces = group.split(placeholder_json)
     if len(pieces) != len(records) + len(bundled) + 3:  # a name holding the placeholder: no template
         return None
-    layout = layout_digest(spec, [(i, in_bundle_name(i), arrays[i].shape, dtype_names[i], None) for i in bundled])
+    shape = folder_shape(spec, [(i, in_bundle_name(i), arrays[i].shape, dtype_names[i], None) for i in bundled])
     return _Template(
         tuple(x.shape for x in arrays), tuple(x.dtype for x in arrays), tuple(bundled), bundle, records,
-        tuple(r.to_dict() for r in records), spec_to_map(spec, impls), tuple(pieces), layout,
+        tuple(r.to_dict() for r in records), spec_to_map(spec, impls), tuple(pieces), shape,
     )
 
 
@@ -454,6 +454,6 @@ def _plan_from_template(
     group = "".join(text).encode()
     stored = StoredContext(
         key, spec, records, tuple(impls), created, jax.__version__, folder, tuple(None for _ in records), ref,
-        template.layout,
+        template.folder_shape,
     )
-    return WritePlan(key, folder, template.layout, tuple(writes), records, manifest, group, stored, bundle)
+    return WritePlan(key, folder, template.folder_shape, tuple(writes), records, manifest, group, stored, bundle)

@@ -118,8 +118,8 @@ def staging_path(path: str, write_id: str) -> str:
     return f"{path}.{write_id}.tmp"
 
 
-def recycled_path(layout: str, unique: str) -> str:
-    return f"{FREE_DIR}/{layout}.{unique}"
+def recycled_path(folder_shape: str, unique: str) -> str:
+    return f"{FREE_DIR}/{folder_shape}.{unique}"
 
 
 def trash_path(unique: str) -> str:

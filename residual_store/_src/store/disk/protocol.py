@@ -63,7 +63,7 @@ class ContextWrite:
     attributes: Mapping[str, Mapping[str, Any]]  # the arrays' zarr attributes, by path
     files: Files
     fsync: bool
-    # into a recycled folder of the write's layout, renamed to the write's name: the arrays
+    # into a recycled folder of the write's folder shape, renamed to the write's name: the arrays
     # there have these shapes, dtypes and attributes (their zarr.json stay), and the folder's
     # new name is synced with the rest; otherwise a folder named for this write alone
     reuse: bool = False
@@ -86,10 +86,10 @@ class ContextWrite:
 
 
 class StaleData(NamedTuple):
-    """A data folder no manifest references any more, and its layout (for reuse)."""
+    """A data folder no manifest references any more, and its folder shape (for reuse)."""
 
     data_dir: str
-    layout: str
+    folder_shape: str
 
 
 class Atomicity(Protocol):
@@ -99,7 +99,7 @@ class Atomicity(Protocol):
     - ``AtomicRenames`` (a local folder, :mod:`~residual_store._src.store.disk.folder`): a small
       object is written and synced under a temporary name and renamed into place, so a
       manifest's rename is its commit; a replaced data folder is renamed into ``data/.free`` and
-      claimed (renamed again) by a later write of the same layout, which overwrites its files in
+      claimed (renamed again) by a later write of the same folder shape, which overwrites its files in
       place; a folder gc chose is renamed into ``data/.trash`` first, so a writer claiming it at
       the same moment gets it whole or not at all; a sharded weight of a collective write is
       assembled in a staging folder and renamed into place.
@@ -140,8 +140,8 @@ class Atomicity(Protocol):
         """Removes a data folder no manifest references any more (never kept)."""
         ...
 
-    def claim(self, layout: str, data_dir: str) -> bool:
-        """Gives a write the name ``data_dir`` for a kept folder of ``layout`` (same shapes and
+    def claim(self, folder_shape: str, data_dir: str) -> bool:
+        """Gives a write the name ``data_dir`` for a kept folder of ``folder_shape`` (same shapes and
         dtypes), to overwrite in place; whether one was found."""
         ...
 

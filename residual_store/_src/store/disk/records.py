@@ -86,7 +86,7 @@ class StoredContext:
     shardings: tuple[dict[str, Any] | None, ...] = ()  # per residual: its sharding record, if any
     bundle: BundleRef | None = None
     # the layout digest of its own arrays, where its writer knew it (see layout.data_of)
-    layout: str | None = dataclasses.field(default=None, compare=False)
+    folder_shape: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -191,7 +191,7 @@ class DiskTier:
         self.check_writable(f"put {key!r}")
         self.ensure_groups()
         previous = self._committed_data(key)
-        reuse = self.atomicity.claim(plan.layout, plan.data_dir)
+        reuse = self.atomicity.claim(plan.folder_shape, plan.data_dir)
         shared = plan.shared
         created: list[str] = []  # weights this write added: removed again if it fails
         manifest_path = paths.manifest_path(key)
@@ -328,11 +328,6 @@ class DiskTier:
     def read_manifest_bytes(self, key: str) -> bytes | None:
         return self.backend.get_bytes(paths.manifest_path(key))
 
-    def parse_manifest(self, key: str, data: bytes) -> StoredContext:
-        """The manifest of ``key``, self checksum and every field checked (see
-        :func:`~residual_store._src.store.disk.records.parse_context_manifest`)."""
-        return parse_context_manifest(key, data)
-
     def stat(self, key: str) -> StoredContext:
         """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed
         (or deleted between the look-up of its version and its read), :class:`CorruptContextError`
@@ -347,16 +342,14 @@ class DiskTier:
 
     def _stat(self, key: str, version: Any) -> StoredContext:
         """:meth:`stat`, the manifest file's ``version`` already looked up."""
-        if version is not None:
-            with self._lock:
-                cached = self._stat_cache.get(key)  # (marks it recently used)
-                if cached is not None and cached[0] == version:
-                    return cached[1]
-        self.forget_stat(key)
-        data = self.read_manifest_bytes(key)
+        with self._lock:
+            cached = self._stat_cache.pop(key, None) if version is None else self._stat_cache.get(key)
+            if cached is not None and cached[0] == version:
+                return cached[1]  # (marked recently used)
+        data = self.backend.get_bytes(paths.manifest_path(key))
         if data is None:
-            raise ContextNotFoundError(f"no context {key!r} in store {self.description}")
-        stored = self.parse_manifest(key, data)
+            raise ContextNotFoundError.of(key, self.description)
+        stored = parse_context_manifest(key, data)  # self checksum and every field checked
         if version is not None:
             self._cache_stat(key, version, stored)
         return stored
@@ -367,7 +360,7 @@ class DiskTier:
 
     def read(
         self, key: str, *, place: bool = True, skip: Container[str] = (),
-        check: Callable[[StoredContext], None] | None = None,
+        check: tuple[Callable[[StoredContext], None], Callable[[StoredContext], None]] | None = None,
     ) -> tuple[StoredContext, HostArrays]:
         """Reads and verifies every array of ``key``; :class:`CorruptContextError` names the bad one.
 
@@ -390,9 +383,10 @@ class DiskTier:
         Shared arrays (weights) stored whole at a path in ``skip`` are not read: the caller holds
         them already, and they come back as ``None``.
 
-        ``check``, if given, checks more of each manifest read before its arrays are (``verify``:
-        the files' sizes, zarr metadata, the bundle's headers), inside the same retry: what it
-        finds is damage only where the manifest stayed the same.
+        ``check``, if given, checks more of each manifest read, before its arrays are read and
+        after (``verify``: the files' sizes first, then their zarr metadata and the bundle's
+        headers), inside the same retry: what it finds is damage only where the manifest
+        stayed the same.
         """
         failed: tuple[StoredContext, CorruptContextError] | None = None  # the last failed read
         for attempt in range(_READ_ATTEMPTS + 1):
@@ -403,8 +397,11 @@ class DiskTier:
                 break
             try:
                 if check is not None:
-                    check(stored)
-                return stored, self._read_arrays(key, stored, place=place, skip=skip)
+                    check[0](stored)
+                arrays = self._read_arrays(key, stored, place=place, skip=skip)
+                if check is not None:
+                    check[1](stored)
+                return stored, arrays
             except StoreUnavailableError:
                 raise  # no answer is no damage, and asking again would wait again
             except CorruptContextError as err:
