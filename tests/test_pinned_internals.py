@@ -105,8 +105,8 @@ def test_internals_the_reuse_rule_counts_every_reference_but_the_pools_own():
     assert not pinned._only_the_pool_holds(bufs, 1)
     del held
     assert pinned._only_the_pool_holds(bufs, 1)
-    in_closure = bufs[0]
-    assert not pinned._only_the_pool_holds(bufs, 0), in_closure
+    held_elsewhere = bufs[0]
+    assert not pinned._only_the_pool_holds(bufs, 0), held_elsewhere
 
 
 def _race(pool: HostPool, rounds: int, threads: int) -> list[str]:
@@ -169,8 +169,7 @@ def test_internals_the_race_finds_a_pool_that_reuses_buffers_still_held(monkeypa
 
 
 def test_internals_a_pool_smaller_than_a_context_keeps_what_fits_and_copies_the_rest():
-    xs = _arrays(0, ((256,), (256,), (256,), (256,)))  # 1 KiB each
-    pool = HostPool(capacity_bytes=1536)
+    pool = HostPool(capacity_bytes=1536)  # a context of four arrays of 1 KiB: one fits
     for seed in range(4):
         xs = _arrays(seed, ((256,), (256,), (256,), (256,)))
         copies = pool.to_host(xs)
