@@ -43,6 +43,24 @@ _COUNTER = CompileCounter()
 jax.monitoring.register_event_duration_secs_listener(_COUNTER._listener)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def float32_matmuls_on_a_tpu() -> Iterator[None]:
+    """On a TPU, float32 matmuls at JAX's default precision run as bfloat16 passes and agree with
+    a float64 reference to about three digits; the suite's float32 comparisons (``rtol=1e-5``)
+    assume float32 arithmetic, which ``"highest"`` gives there (about seven digits). Elsewhere
+    (CI's CPU) nothing changes. (A fixture, not import-time code: asking for the backend
+    starts JAX's backends, which some test modules configure at import.)"""
+    if jax.default_backend() != "tpu":
+        yield
+        return
+    before = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]  # (a runtime flag)
+    jax.config.update("jax_default_matmul_precision", "highest")  # every thread's (writers trace too)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
+
+
 @pytest.fixture
 def compiles() -> CompileCounter:
     """``with compiles.counting() as c: ...; c.count`` is the number of backend compiles."""

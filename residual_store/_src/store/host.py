@@ -23,6 +23,7 @@ from residual_store._src import _jax_internals
 from residual_store._src.context import OWN_KINDS, SHARED_KINDS, ResidualContext, ResidualSpec, describe_residual
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.placement import sharding_record
+from residual_store._src.store.pinned import HostPool, copies_done, poolable, returnable, wait_copies
 
 __all__ = [
     "HostArrays",
@@ -30,6 +31,7 @@ __all__ = [
     "check_live",
     "check_dtypes_writable",
     "chunk_index",
+    "copy_done",
     "detached",
     "host_arrays",
     "host_memory_kind",
@@ -41,6 +43,7 @@ __all__ = [
     "to_device_sharded",
     "to_host",
     "to_numpy",
+    "wait_copied",
 ]
 
 
@@ -339,20 +342,46 @@ def host_memory_kind(device: Any) -> str | None:
 
 
 
-def to_host(ctx: ResidualContext) -> ResidualContext:
-    """A copy of ``ctx`` with its own residuals in host memory; weights stay where they are."""
-    copies: dict[int, Any] = {}
+def to_host(ctx: ResidualContext, pool: HostPool | None = None) -> ResidualContext:
+    """A copy of ``ctx`` with its own residuals in host memory; weights stay where they are.
 
-    def move(x: Any, kind: str) -> Any:
-        if kind not in OWN_KINDS:
-            return x
-        if id(x) not in copies:
-            copies[id(x)] = _host_copy(x)
-        return copies[id(x)]
+    ``pool``: the residuals it takes are copied into its reused pinned buffers, at the link's
+    speed and asynchronously (:func:`copy_done` tells when the copy has finished); the others,
+    and all of them without a pool, as before (``jax.device_put`` to ``pinned_host``)."""
+    return _with_own(ctx, lambda arrays: _host_copies(arrays, pool))
 
+
+def _with_own(ctx: ResidualContext, copy: Callable[[list[Any]], list[Any]]) -> ResidualContext:
+    """``ctx`` with its own residuals replaced by ``copy`` of them, given each distinct array
+    once however many residuals it is (its copies stay one array)."""
+    own: dict[int, Any] = {}
+    for x, kind in zip(ctx.residuals, ctx.spec.kinds):
+        if kind in OWN_KINDS:
+            own.setdefault(id(x), x)
+    copies = dict(zip(own, copy(list(own.values()))))
     return ResidualContext.tree_unflatten(
-        ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)]
+        ctx.spec, [copies[id(x)] if k in OWN_KINDS else x for x, k in zip(ctx.residuals, ctx.spec.kinds)]
     )
+
+
+def _host_copies(arrays: list[Any], pool: HostPool | None) -> list[Any]:
+    """:func:`_host_copy` of each array, those ``pool`` takes copied by it in one program."""
+    pooled = [i for i, x in enumerate(arrays) if pool is not None and poolable(x)]
+    done = dict(zip(pooled, pool.to_host([arrays[i] for i in pooled]))) if pool is not None and pooled else {}
+    return [done[i] if i in done else _host_copy(x) for i, x in enumerate(arrays)]
+
+
+def copy_done(ctx: ResidualContext) -> bool:
+    """Whether the copies that put ``ctx``'s own residuals in host memory (:func:`to_host`,
+    :func:`for_writing`) have finished (or failed), without waiting. The device memory they
+    were copied from is free from then on, once nothing else holds it: until then a store
+    counts it as the device's. A residual held as a NumPy array counts as copied."""
+    return copies_done([x for x, kind in zip(ctx.residuals, ctx.spec.kinds) if kind in OWN_KINDS])
+
+
+def wait_copied(ctx: ResidualContext) -> None:
+    """Waits until :func:`copy_done` is true of ``ctx``; raises what a failed copy raised."""
+    wait_copies([x for x, kind in zip(ctx.residuals, ctx.spec.kinds) if kind in OWN_KINDS])
 
 
 def _host_copy(x: Any) -> Any:
@@ -484,25 +513,24 @@ def _is_host_memory(device: jax.Device) -> bool:
     return device.platform == "cpu"
 
 
-def for_writing(ctx: ResidualContext, device: jax.Device | None = None) -> ResidualContext:
+def for_writing(
+    ctx: ResidualContext, device: jax.Device | None = None, pool: HostPool | None = None
+) -> ResidualContext:
     """A copy of ``ctx`` whose own residuals are in host memory, for a write that has not run
     yet, so that the device arrays can go now: an array on a CPU, where device memory is host
     memory, whole on the device a read would place it on (``device``, see :func:`read_device`)
     as a NumPy view of its buffer (no copy, and :func:`to_device` puts it back there); any other
-    as :func:`to_host` copies it (asynchronously to ``pinned_host``, with its sharding; JAX
-    completes the copy before it frees the source)."""
+    as :func:`to_host` copies it, through ``pool`` where given (asynchronously to
+    ``pinned_host``, with its sharding; JAX completes the copy before it frees the source)."""
     target = read_device(device)
-    copies: dict[int, Any] = {}
 
-    def move(x: Any, kind: str) -> Any:
-        if kind not in OWN_KINDS:
-            return x
-        if id(x) not in copies:
-            view = isinstance(x, jax.Array) and _is_host_memory(target) and is_whole_on(x, target)
-            copies[id(x)] = _numpy(x) if view and not _is_key_dtype(x.dtype) else _host_copy(x)
-        return copies[id(x)]
+    def copy(arrays: list[Any]) -> list[Any]:
+        views = [isinstance(x, jax.Array) and _is_host_memory(target) and is_whole_on(x, target)
+                 and not _is_key_dtype(x.dtype) for x in arrays]
+        copies = iter(_host_copies([x for x, view in zip(arrays, views) if not view], pool))
+        return [_numpy(x) if view else next(copies) for x, view in zip(arrays, views)]
 
-    return ResidualContext.tree_unflatten(ctx.spec, [move(x, k) for x, k in zip(ctx.residuals, ctx.spec.kinds)])
+    return _with_own(ctx, copy)
 
 
 def _default_memory_kind(sharding: Any) -> str:
@@ -535,27 +563,29 @@ def is_whole_on(x: Any, device: jax.Device) -> bool:
     )
 
 
-def to_device(ctx: ResidualContext, device: jax.Device | None = None) -> ResidualContext:
+def to_device(
+    ctx: ResidualContext, device: jax.Device | None = None, pool: HostPool | None = None
+) -> ResidualContext:
     """A copy of ``ctx`` in device memory (the default memory space of its arrays' devices; a
-    NumPy host copy goes to ``device``, else the default device); shared arrays stay shared."""
-    copies: dict[int, Any] = {}
+    NumPy host copy goes to ``device``, else the default device); shared arrays stay shared.
+    ``pool``: the host arrays it takes go back in one program, at the link's speed (the pool's
+    buffers are reused only once nothing holds them: the context, until it is dropped)."""
+    distinct = list({id(x): x for x in ctx.residuals}.values())
+    back = [i for i, x in enumerate(distinct) if pool is not None and returnable(x)]
+    placed = dict(zip(back, pool.to_device([distinct[i] for i in back]))) if pool is not None and back else {}
+    moved = {id(x): placed[i] if i in placed else _moved(x, device) for i, x in enumerate(distinct)}
+    return ResidualContext.tree_unflatten(ctx.spec, [moved[id(x)] for x in ctx.residuals])
 
-    def move(x: Any) -> Any:
-        if id(x) in copies:
-            return copies[id(x)]
-        if isinstance(x, jax.Array):
-            sharding = x.sharding
-            default = _default_memory_kind(sharding)
-            if sharding.memory_kind in (None, default):
-                moved = x
-            else:
-                moved = _uncommitted_if_sub_byte(jax.device_put(x, sharding.with_memory_kind(default)))
-        else:
-            moved = device_put_all([x], device)[0]
-        copies[id(x)] = moved
-        return moved
 
-    return ResidualContext.tree_unflatten(ctx.spec, [move(x) for x in ctx.residuals])
+def _moved(x: Any, device: jax.Device | None) -> Any:
+    """One residual in device memory (see :func:`to_device`)."""
+    if not isinstance(x, jax.Array):
+        return device_put_all([x], device)[0]
+    sharding = x.sharding
+    default = _default_memory_kind(sharding)
+    if sharding.memory_kind in (None, default):
+        return x
+    return _uncommitted_if_sub_byte(jax.device_put(x, sharding.with_memory_kind(default)))
 
 
 def device_put_all(arrays: Sequence[np.ndarray], device: jax.Device | None = None) -> list[jax.Array]:

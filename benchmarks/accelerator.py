@@ -1,0 +1,455 @@
+"""Offloading on an accelerator: the copy paths, a put's time until its device bytes are free, and
+a pipeline step through a store at several budgets, each against the serial floor.
+
+Prints, in one run (docs/store.md records a TPU v5e's output):
+
+1. **Copy paths** (GB/s, medians): device -> host by ``jax.device_put`` to fresh ``pinned_host``
+   memory, by ``np.asarray`` (unpinned host memory), and through the host pool
+   (``store/pinned.py``: reused, donated pinned buffers) for one large array, two, and 300 small
+   ones; host -> device by ``jax.device_put`` and by the pool. The best of each direction is what
+   the serial floor uses.
+2. **A put's time until its device bytes are free**: one context (about 2 GiB of own residuals at
+   the default shapes) put into ``rs.Store(None, device_budget=0)``, the source dropped, device
+   bytes in use polled every 0.5 ms until they fell by the context's size; and the pool's copy of
+   the same arrays; each against bytes / best D2H.
+3. **The pipeline step** (F1..Fn, then Bn..B1) of a ``lax.scan`` of transformer blocks (bf16):
+   the contexts in a list; each put into ``rs.Store(None, device_budget=k contexts)`` after its
+   forward and popped for its backward, the next one prefetched (k = 0, 1, 2); JAX's own remat
+   offload of the blocks' named intermediates (``save_and_offload_only_these_names``, one fused
+   ``value_and_grad`` a microbatch); and the pressure case (contexts 1.5x the device's memory,
+   ``device_budget="25%"``), for ``save="all"`` and ``"auto"``. Each row: ms a microbatch, the
+   ratio to the list, the ratio to the **serial floor**, peak device GiB (sampled every 0.5 ms by
+   a thread), and whether the gradients equal the list's.
+
+The serial floor of a row is the list's compute plus the bytes that must leave the device under
+its budget (``(n - k)`` contexts' own bytes) times ``1/D2H + 1/H2D`` at the best paths measured in
+the same run: what a store that copies exactly what the budget forces, at the link's speed and
+beside nothing, would take. The store rows use the public ``rs.Store`` API only.
+
+Run: ``python benchmarks/accelerator.py`` on the accelerator (the issue's shapes: 8 blocks,
+d=1024, T=1024, B=4, 3 microbatches); ``--quick`` for small shapes on a CPU (the logic, in
+seconds); ``--parts`` to run some parts only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from stacks import add_trees, in_memory_step  # noqa: E402
+from timing import Case, interleaved_medians  # noqa: E402
+
+import residual_store as rs  # noqa: E402
+from residual_store._src.store.pinned import HostPool  # noqa: E402
+
+PARTS = ("copies", "free", "pipeline", "remat", "pressure")
+NAMES = ("attn_out", "mlp_hidden", "mlp_out")  # the intermediates remat offload moves
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    blocks: int
+    d: int
+    seq: int
+    batch: int
+    heads: int
+    microbatches: int
+    copy_bytes: int  # one large array of the copy paths
+    small_count: int  # the many small arrays of the copy paths
+    small_bytes: int
+
+
+FULL = Shapes(blocks=8, d=1024, seq=1024, batch=4, heads=8, microbatches=3, copy_bytes=1 << 30,
+              small_count=300, small_bytes=256 << 10)
+QUICK = Shapes(blocks=2, d=64, seq=32, batch=2, heads=2, microbatches=3, copy_bytes=4 << 20,
+               small_count=300, small_bytes=4 << 10)
+
+
+# -- device memory ---------------------------------------------------------------------------------
+
+
+def _in_use(device: Any) -> int | None:
+    stats = device.memory_stats()
+    return None if not stats or "bytes_in_use" not in stats else int(stats["bytes_in_use"])
+
+
+def _limit(device: Any) -> int | None:
+    stats = device.memory_stats()
+    return None if not stats or "bytes_limit" not in stats else int(stats["bytes_limit"])
+
+
+class PeakSampler:
+    """The most device bytes in use while the ``with`` block runs, polled by a thread every
+    ``every`` seconds (``peak`` is ``None`` where the backend reports none)."""
+
+    def __init__(self, device: Any, every: float = 0.0005) -> None:
+        self._device, self._every = device, every
+        self._stop = threading.Event()
+        self.peak: int | None = _in_use(device)
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set() and self.peak is not None:
+            self.peak = max(self.peak, _in_use(self._device) or 0)
+            time.sleep(self._every)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _wait_freed(device: Any, below: int, start: float, timeout: float = 30.0) -> float | None:
+    """Seconds from ``start`` until device bytes in use fell to ``below`` (``None``: not
+    reported, or not within ``timeout``)."""
+    while time.perf_counter() - start < timeout:
+        now = _in_use(device)
+        if now is None:
+            return None
+        if now <= below:
+            return time.perf_counter() - start
+        time.sleep(0.0005)
+    return None
+
+
+# -- 1. copy paths ---------------------------------------------------------------------------------
+
+
+def _filled(nbytes: int, count: int, seed: float) -> list[jax.Array]:
+    """``count`` bf16 arrays of ``nbytes`` each, computed on the default device."""
+    shape = (max(nbytes // 2 // 1024, 1), 1024)
+    make = jax.jit(lambda s: jnp.full(shape, s, jnp.bfloat16))
+    return jax.block_until_ready([make(jnp.float32(seed + i)) for i in range(count)])
+
+
+def _pinned(xs: list[jax.Array]) -> list[jax.Array]:
+    return jax.block_until_ready(jax.device_put(xs, [x.sharding.with_memory_kind("pinned_host") for x in xs]))
+
+
+def copy_paths(shapes: Shapes, repeats: int) -> dict[str, dict[str, float]]:
+    """GB/s of each path, by direction. Each is timed after two untimed runs: the pool's first
+    copy goes into new buffers, its second compiles the program that reuses them."""
+    one = _filled(shapes.copy_bytes, 1, 1.0)
+    two = _filled(shapes.copy_bytes, 2, 2.0)
+    small = _filled(shapes.small_bytes, shapes.small_count, 3.0)
+    pool = HostPool()
+    fresh: list[jax.Array] = []
+
+    def refill() -> None:  # (np.asarray keeps the host copy it made on the array: a new one each run)
+        fresh[:] = jax.block_until_ready([x + 0 for x in one])
+
+    def rate(xs: list[jax.Array], fn: Callable[[], Any], setup: Callable[[], Any] | None = None) -> float:
+        seconds = interleaved_medians({"path": Case(fn, setup)}, repeats, warmup=2)["path"]
+        return sum(x.nbytes for x in xs) / seconds / 1e9
+
+    d2h = {
+        "jax.device_put to fresh pinned_host, 1 array": rate(one, lambda: _pinned(one)),
+        "np.asarray (unpinned host), 1 array": rate(one, lambda: [np.asarray(x) for x in fresh], refill),
+        "pool (reused pinned buffer), 1 array": rate(one, lambda: pool.to_host(one)),
+        "pool, 2 arrays": rate(two, lambda: pool.to_host(two)),
+        f"pool, {shapes.small_count} small arrays": rate(small, lambda: pool.to_host(small)),
+    }
+    host_one, host_small = pool.to_host(one), pool.to_host(small)
+    device = [x.sharding for x in one]
+    h2d = {
+        "jax.device_put from pinned_host, 1 array": rate(one, lambda: jax.device_put(host_one, device)),
+        "pool.to_device, 1 array": rate(one, lambda: pool.to_device(host_one)),
+        f"pool.to_device, {shapes.small_count} small arrays": rate(small, lambda: pool.to_device(host_small)),
+    }
+    return {"d2h": d2h, "h2d": h2d}
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+
+def init(shapes: Shapes, seed: int = 0) -> dict[str, jax.Array]:
+    d, L = shapes.d, shapes.blocks
+    sizes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w1": (d, 4 * d), "w2": (4 * d, d)}
+    keys = dict(zip(sizes, jax.random.split(jax.random.key(seed), len(sizes))))
+    return {name: (jax.random.normal(keys[name], (L, *s)) / math.sqrt(s[0])).astype(jnp.bfloat16)
+            for name, s in sizes.items()}
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+
+
+def block(heads: int, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """A pre-norm transformer block in bf16: causal attention of ``heads`` heads, a 4x MLP."""
+    b, t, d = h.shape
+    x = _norm(h)
+    q, k, v = ((x @ w[n]).reshape(b, t, heads, d // heads) for n in ("wq", "wk", "wv"))
+    causal = jnp.where(jnp.tril(jnp.ones((t, t), bool)), 0, -1e4).astype(h.dtype)
+    probs = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d // heads) + causal)
+    attn = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, d)
+    h = h + checkpoint_name(attn @ w["wo"], "attn_out")
+    hidden = checkpoint_name(jax.nn.gelu(_norm(h) @ w["w1"], approximate=False), "mlp_hidden")
+    return h + checkpoint_name(hidden @ w["w2"], "mlp_out")
+
+
+def make_loss(heads: int, policy: Any = None) -> Callable[[dict[str, jax.Array], jax.Array], jax.Array]:
+    step = functools.partial(block, heads)
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy)
+
+    def loss(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        h, _ = jax.lax.scan(lambda h, w: (step(h, w), None), x, params)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    return loss
+
+
+def own_bytes(ctx: rs.ResidualContext) -> int:
+    return int(ctx.spec.own_nbytes)
+
+
+# -- 2. a put until its device bytes are free -------------------------------------------------------
+
+
+def put_until_free(fwd: rs.Split, params: Any, x: jax.Array) -> dict[str, Any]:
+    """A context's put into ``Store(None, device_budget=0)`` and the pool's copy of its arrays
+    (the second of two, the first compiles): seconds until the call returned and until device
+    bytes in use fell by the context's own bytes."""
+    pool = HostPool()
+    with rs.Store(None, device_budget=0) as store:
+        puts: dict[str, Callable[[rs.ResidualContext], Any]] = {
+            "store": lambda ctx: store.put(ctx, "k"), "pool": lambda ctx: pool.to_host(_own(ctx))}
+        out = {}
+        for path, put in puts.items():
+            for _ in range(2):  # (the first into new buffers, the second compiles the reusing copy)
+                _until_free(fwd(params, x)[1], put)
+            out[path] = _until_free(fwd(params, x)[1], put)
+    return out
+
+
+def _own(ctx: rs.ResidualContext) -> list[jax.Array]:
+    return [r for r, kind in zip(ctx.residuals, ctx.spec.kinds) if kind != "weight"]
+
+
+def _until_free(ctx: rs.ResidualContext, put: Callable[[rs.ResidualContext], Any]) -> dict[str, Any]:
+    device = jax.devices()[0]
+    jax.block_until_ready(ctx)
+    size, base = own_bytes(ctx), _in_use(device)
+    start = time.perf_counter()
+    kept = put(ctx)
+    returned = time.perf_counter() - start
+    del ctx  # (the only reference left is the put's)
+    freed = _wait_freed(device, base - int(0.95 * size), start) if base is not None else None
+    jax.block_until_ready(kept)
+    return {"bytes": size, "returned_s": returned, "freed_s": freed}
+
+
+# -- 3. the pipeline step ---------------------------------------------------------------------------
+
+
+def store_step(store: rs.Store, fwd: rs.Split, calls: list[tuple], ct: Any) -> Any:
+    """Every context put into ``store`` after its forward, popped for its backward in reverse
+    with the next one prefetched: a pipeline stage's step with its contexts offloaded."""
+    keys = [f"mb{i}" for i in range(len(calls))]
+    for key, call in zip(keys, calls):
+        store.put(fwd(*call)[1], key)
+    grads = None
+    for i in reversed(range(len(calls))):
+        if i > 0:
+            store.prefetch(keys[i - 1])
+        grads = add_trees(grads, fwd.backward(store.pop(keys[i]), ct))
+    return jax.block_until_ready(grads)
+
+
+def remat_step(value_and_grad: Callable[..., Any], calls: list[tuple]) -> Any:
+    grads = None
+    for call in calls:
+        grads = add_trees(grads, value_and_grad(*call)[1])
+    return jax.block_until_ready(grads)
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    microbatches: int
+    seconds: float | None  # a step
+    moved: int  # bytes that must leave the device (and come back) under the row's budget
+    peak: int | None
+    identical: bool | None = None
+    note: str = ""
+
+
+def _run_row(name: str, microbatches: int, fn: Callable[[], Any], moved: int, repeats: int, want: Any = None) -> Row:
+    """A step's median seconds after two untimed runs (the first compiles and fills a store's
+    pool, the second compiles its reusing copies), peak device bytes while timed, and whether its
+    gradients equal ``want``."""
+    device = jax.devices()[0]
+    try:
+        got = fn()
+        jax.block_until_ready(fn())
+        identical = None if want is None else all(
+            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+        del got
+        with PeakSampler(device) as peak:
+            seconds = interleaved_medians({name: Case(fn)}, repeats, warmup=0)[name]
+        return Row(name, microbatches, seconds, moved, peak.peak, identical)
+    except Exception as err:  # noqa: BLE001 - a row that cannot run says why (out of memory, say)
+        return Row(name, microbatches, None, moved, None, None, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+
+
+def pipeline(shapes: Shapes, parts: set[str], saves: list[str], budgets: list[int], repeats: int) -> dict[str, Any]:
+    params = init(shapes)
+    n = shapes.microbatches
+    keys = jax.random.split(jax.random.key(1), n)
+    xs = [jax.random.normal(k, (shapes.batch, shapes.seq, shapes.d), jnp.bfloat16) for k in keys]
+    calls = [(params, x) for x in xs]
+    ct = jnp.float32(1.0 / n)
+    loss = make_loss(shapes.heads)
+    device = jax.devices()[0]
+    out: dict[str, Any] = {}
+    for save in saves:
+        fwd = rs.split(loss, save=save)
+        size = own_bytes(fwd(*calls[0])[1])
+        rows: list[Row] = []
+        if parts & {"pipeline", "pressure"}:
+            want = in_memory_step(fwd, calls, ct)
+            rows.append(_run_row(f"{n} contexts in a list", n, lambda: in_memory_step(fwd, calls, ct), 0, repeats))
+        if "pipeline" in parts:
+            for k in budgets:
+                with rs.Store(None, device_budget=k * size) as store:
+                    rows.append(_run_row(f"Store(None, device_budget={k} contexts)", n,
+                                         functools.partial(store_step, store, fwd, calls, ct),
+                                         max(n - k, 0) * size, repeats, want))
+        if "pressure" in parts:
+            limit = _limit(device)
+            count = math.ceil(1.5 * limit / size) if limit else 2 * n
+            budget: Any = "25%" if limit else 2 * size
+            kept = (int(0.25 * limit) // size) if limit else 2
+            many = [(params, xs[i % n]) for i in range(count)]
+            with rs.Store(None, device_budget=budget) as store:
+                rows.append(_run_row(f"pressure: {count} contexts, device_budget={budget if limit else '2 contexts'}",
+                                     count, functools.partial(store_step, store, fwd, many, ct),
+                                     (count - kept) * size, repeats))
+        out[save] = {"context_bytes": size, "rows": rows}
+    if "remat" in parts:
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(NAMES),
+            offload_src="device", offload_dst="pinned_host")
+        vg = jax.jit(jax.value_and_grad(make_loss(shapes.heads, policy)))
+        out["remat"] = _run_row("JAX remat offload of the named residuals (fused)", n,
+                                functools.partial(remat_step, vg, calls), 0, repeats)
+    return out
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f}"
+
+
+def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | None,
+           pipe: dict[str, Any] | None) -> list[str]:
+    """The run's tables, as text lines."""
+    lines = [f"# benchmarks/accelerator.py, {datetime.date.today()}, {jax.devices()[0].device_kind} "
+             f"({jax.default_backend()}), JAX {jax.__version__}"]
+    d2h = h2d = None
+    if copies is not None:
+        lines.append("\n## Copy paths (GB/s, medians)")
+        for direction, paths in copies.items():
+            for name, gbps in paths.items():
+                lines.append(f"{direction}  {name:<52} {gbps:8.2f}")
+        d2h, h2d = (max(v for k, v in copies[d].items() if "np.asarray" not in k) for d in ("d2h", "h2d"))
+        lines.append(f"best into or out of pinned host memory: D2H {d2h:.2f} GB/s, H2D {h2d:.2f} GB/s "
+                     "(the serial floor uses these; np.asarray's unpinned copy is no host tier's, and a view on a CPU)")
+    if free is not None:
+        lines.append("\n## A put until its device bytes are free (device_budget=0)")
+        for path, r in free.items():
+            ideal = f"{r['freed_s'] / (r['bytes'] / (d2h * 1e9)):.2f}x bytes/best D2H" if d2h and r["freed_s"] else ""
+            freed = "n/a (no bytes in use reported)" if r["freed_s"] is None else f"{r['freed_s'] * 1e3:9.1f} ms"
+            lines.append(f"{path:<6} {r['bytes'] / 2**20:.1f} MiB: returned in {r['returned_s'] * 1e3:8.1f} ms, "
+                         f"device bytes free after {freed} {ideal}")
+    for save, part in (pipe or {}).items():
+        if save == "remat":
+            continue
+        lines.append(f"\n## Pipeline step, save={save!r} ({part['context_bytes'] / 2**20:.1f} MiB own residuals a context)")
+        lines.extend(_rows(part["rows"], d2h, h2d))
+    if pipe and "remat" in pipe:
+        lines.append("\n## JAX's own offload")
+        lines.extend(_rows([pipe["remat"]], d2h, h2d, base=_list_row(pipe)))
+    return lines
+
+
+def _list_row(pipe: dict[str, Any]) -> Row | None:
+    part = pipe.get("all") or next((p for k, p in pipe.items() if k != "remat"), None)
+    return part["rows"][0] if part and part["rows"] and part["rows"][0].name.endswith("in a list") else None
+
+
+def _rows(rows: list[Row], d2h: float | None, h2d: float | None, base: Row | None = None) -> list[str]:
+    """One line a row: ms a microbatch, against the list's (``base``, else the first row if it is
+    the list) and against the serial floor (see the module docstring)."""
+    base = base or (rows[0] if rows and rows[0].name.endswith("in a list") else None)
+    per_mb = base.seconds / base.microbatches if base is not None and base.seconds else None
+    out = [f"{'case':<52} {'ms/mb':>9} {'vs list':>8} {'vs floor':>9} {'peak GiB':>9} {'same grads':>10}"]
+    for row in rows:
+        count = row.microbatches
+        ms = None if row.seconds is None else row.seconds / count * 1e3
+        floor = None
+        if per_mb is not None and d2h and h2d:
+            floor = per_mb * count + row.moved * (1 / (d2h * 1e9) + 1 / (h2d * 1e9))
+        vs_list = "" if ms is None or per_mb is None else f"{ms / (per_mb * 1e3):.2f}"
+        vs_floor = "" if row.seconds is None or floor is None else f"{row.seconds / floor:.2f}"
+        same = "" if row.identical is None else str(row.identical)
+        shown = "failed" if ms is None else f"{ms:.1f}"
+        out.append(f"{row.name:<52} {shown:>9} {vs_list:>8} {vs_floor:>9} {_gib(row.peak):>9} {same:>10} {row.note}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes (a CPU, in seconds)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
+    parser.add_argument("--saves", default="all,auto")
+    parser.add_argument("--budgets", default="0,1,2", help="device budgets of the store rows, in contexts")
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    args = parser.parse_args(argv)
+    shapes = QUICK if args.quick else FULL
+    parts = set(args.parts.split(","))
+    unknown = parts - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    copies = copy_paths(shapes, args.repeats) if "copies" in parts else None
+    free = None
+    if "free" in parts:
+        params = init(shapes)
+        x = jax.random.normal(jax.random.key(9), (shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)
+        free = put_until_free(rs.split(make_loss(shapes.heads), save="all"), params, x)
+    pipe = None
+    if parts & {"pipeline", "remat", "pressure"}:
+        pipe = pipeline(shapes, parts, args.saves.split(","), [int(k) for k in args.budgets.split(",")], args.repeats)
+    lines = report(copies, free, pipe)
+    print("\n".join(lines), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"copies": copies, "free": free, "report": lines}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
