@@ -16,7 +16,8 @@ import pytest
 
 import residual_store as rs
 from residual_store._src.context import ResidualContext
-from residual_store._src.store.table import Found, Keeping, KeyTable, Moves, Write
+from residual_store._src.store.owed import Found, Keeping, Moves, Write
+from residual_store._src.store.table import KeyTable
 
 WRITES_PUTS = Keeping(below_host=True, writes_puts=True)  # a store with a path (write-through)
 OFFLOAD = Keeping(below_host=True, writes_spills=True)  # write_through=False

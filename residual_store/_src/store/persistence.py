@@ -36,7 +36,8 @@ from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import check_dtypes_writable
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store._src.store.key_rules import put_key
-from residual_store._src.store.table import Keeping, KeyTable, Write
+from residual_store._src.store.owed import Keeping, Write
+from residual_store._src.store.table import KeyTable
 from residual_store._src.store.weights import LiveWeights
 from residual_store._src.store.workers import Writer, janitor
 

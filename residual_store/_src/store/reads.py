@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from residual_store._src.context import ResidualContext, bound_context, check_representable, describe_residual
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError
-from residual_store._src.store.host import for_writing, holds_device_memory, place, to_device, to_host
+from residual_store._src.store.host import for_writing, holds_device_memory, place, to_device, to_host, wait_copied
+from residual_store._src.store.owed import Found, Moves, Write
+from residual_store._src.store.pinned import HostPool
 from residual_store._src.store.schedule import loads_ahead
-from residual_store._src.store.table import Found, KeyTable, Moves, Write
+from residual_store._src.store.table import KeyTable
 from residual_store._src.store.weights import LiveWeights
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ class Reads:
       weights: the weights on the device already (not read again).
       target: the device contexts are placed on (``None``: JAX's default).
       loads: the threads loads ahead run on.
+      pool: the pinned host memory copies to and from host memory go through.
+      landings: the thread that waits for each copy to host memory to land.
     """
 
     def __init__(
@@ -62,6 +66,8 @@ class Reads:
         weights: LiveWeights,
         target: Any,
         loads: ThreadPoolExecutor,
+        pool: HostPool,
+        landings: ThreadPoolExecutor,
     ) -> None:
         self._table = table
         self._disk = disk
@@ -70,10 +76,14 @@ class Reads:
         self._weights = weights
         self._target = target
         self._loads = loads
+        self._pool = pool
+        self._landings = landings
 
     def get(self, key: str) -> ResidualContext:
         """For a ``get``: the load of ``key`` in flight if it loads the current version, the
         device tier's context, or a read now."""
+        if self._table.in_flight:  # (read whole; wait_landed asks again under the lock)
+            self.wait_landed()
         found = self._table.begin_get(key)
         if found.load is not None:
             return found.load.result()  # kept for this get even when the budgets could not hold it
@@ -81,6 +91,8 @@ class Reads:
 
     def load(self, key: str) -> ResidualContext:
         """``key`` from memory or disk, on the device (a load ahead's job)."""
+        if self._table.in_flight:
+            self.wait_landed()
         found = self._table.begin_read(key)
         return found.ctx if found.on_device else self._read(key, found)  # type: ignore[return-value]
 
@@ -92,14 +104,14 @@ class Reads:
             if found.ctx is not None:
                 # a context the device budget cannot hold is served as a device copy and left
                 # where it is, so a get under a small budget costs one copy, not a round trip
-                ctx = to_device(found.ctx, self._target)
+                ctx = to_device(found.ctx, self._target, self._pool)
             else:
                 ctx, nbytes = self._from_disk(key)
         except BaseException:
             self._table.end_read(key)
             raise
         moves = self._table.finish_read(key, found, ctx, nbytes_read=nbytes)
-        if moves.spills or moves.owed.due:
+        if moves.spills or moves.owed.demoted or moves.owed.released:
             self.settle(moves)
         return ctx
 
@@ -174,9 +186,45 @@ class Reads:
         pending writes included."""
         owed = moves.owed
         if owed.due:
-            demoted = [(key, ctx, to_host(ctx)) for key, ctx in owed.demoted]
-            released = [(key, ctx, for_writing(ctx, self._target)) for key, ctx in owed.released
+            # (a copy that fails to start raises here: the context it copies stays as it was)
+            demoted = [(key, ctx, to_host(ctx, self._pool)) for key, ctx in owed.demoted if holds_device_memory(ctx)]
+            released = [(key, ctx, for_writing(ctx, self._target, self._pool)) for key, ctx in owed.released
                         if holds_device_memory(ctx)]
-            self._table.settle(demoted, released)
+            landing = [(self._landings.submit(self._land, key, ctx, copy), ctx.spec.own_nbytes)
+                       for key, ctx, copy in (*demoted, *released)]
+            self._table.settle(demoted, released, landing)
+            for future, _ in landing:  # (at once if it has landed already)
+                future.add_done_callback(self._table.landed)
         if moves.spills:
             self._queue(moves.spills)
+
+    def _land(self, key: str, source: ResidualContext, copy: ResidualContext) -> None:
+        """On the landings thread: waits until ``copy`` of ``source`` has landed in host memory
+        (the device memory it held is free then, once nothing else holds ``source``, which this
+        job lets go of); a failed copy puts ``source`` back, intact on the device (rule 7)."""
+        try:
+            wait_copied(copy)
+        except BaseException:
+            self._table.copy_failed(key, source, copy)
+            raise
+
+    def wait_landed(self) -> None:
+        """Waits until the copies to host memory in flight have landed, so that what comes to
+        the device next is not on top of them (rule 7); their device bytes are then free.
+
+        Raises:
+          What a failed copy raised (the context it copied is back, intact on the device).
+        """
+        if not self._table.in_flight:  # (read whole; the table answers again under its lock)
+            return
+        flying, failed = self._table.leaving()
+        for future in flying:
+            try:
+                future.result()
+            except BaseException as err:  # noqa: BLE001 - the first one is raised below
+                failed.append(err)
+            finally:
+                self._table.landed(future)
+        self._table.leaving()  # (the failures the waits above found: raised here, once)
+        if failed:
+            raise failed[0]

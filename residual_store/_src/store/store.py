@@ -25,6 +25,7 @@ from residual_store._src.store.host import read_device, to_numpy
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store._src.store.key_rules import validate_key
 from residual_store._src.store.persistence import Persistence, keeping_for, persistence_for
+from residual_store._src.store.pinned import HostPool, capacity_for
 from residual_store._src.store.reads import Reads
 from residual_store._src.store.table import KeyTable
 from residual_store._src.store.weights import LiveWeights
@@ -36,7 +37,7 @@ StorePath = str | os.PathLike[str] | Mapping[str, Any] | None
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
 
 
-def _shut_down(persistence: Persistence, loads: ThreadPoolExecutor) -> None:
+def _shut_down(persistence: Persistence, loads: ThreadPoolExecutor, landings: ThreadPoolExecutor) -> None:
     """Finalizer of a collected store: its threads stop once their queued work is done.
 
     Never waits: the collection may run on one of these threads, or on a thread holding a lock
@@ -45,6 +46,7 @@ def _shut_down(persistence: Persistence, loads: ThreadPoolExecutor) -> None:
     """
     persistence.close_later()
     loads.shutdown(wait=False)
+    landings.shutdown(wait=False)
 
 
 class Store:
@@ -160,13 +162,17 @@ class Store:
         )
         self._description = self._persistence.description
         self._loads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="residual-store-load")  # loads ahead
+        # the pinned host memory the host tier and pending writes' copies draw on (pinned.py)
+        self._pool = HostPool(capacity_for(host_budget, max_pending_bytes))
+        self._landings = ThreadPoolExecutor(max_workers=1, thread_name_prefix="residual-store-landing")
         self._reads = Reads(
             table=self._table, disk=self._persistence.disk, backward_for=self._persistence.backward_for,
             queue=self._persistence.schedule, weights=self._weights, target=self._target, loads=self._loads,
+            pool=self._pool, landings=self._landings,
         )
         self._closed = False
         # A collected store's pending writes still complete (the writer runs its queue first).
-        self._finalizer = weakref.finalize(self, _shut_down, self._persistence, self._loads)
+        self._finalizer = weakref.finalize(self, _shut_down, self._persistence, self._loads, self._landings)
 
     # -- context manager ----------------------------------------------------------------------
 
@@ -216,6 +222,8 @@ class Store:
                 "are tracers, not arrays): return the context from the jitted function and put it there"
             )
         key, staged = self._persistence.prepare_put(ctx, key)  # checked; the weights' host copies
+        if self._table.in_flight:  # the device holds its budget and at most one context leaving
+            self._reads.wait_landed()
         moves = self._table.put(key, ctx)  # bookkeeping only: the copies it owes are made after
         self._reads.settle(moves)
         if moves.own is not None:
@@ -350,7 +358,9 @@ class Store:
         """Bytes and contexts per tier (disk ``bytes`` count each shared weight once; its
         ``own_bytes`` only the contexts' own arrays, as the memory tiers count), and what this
         store moved since it was opened: per memory tier ``bytes_in`` (put, promoted or spilled
-        into it) and ``bytes_out`` (moved to another tier); on disk ``reads`` and ``bytes_read``
+        into it) and ``bytes_out`` (moved to another tier); on the device ``leaving``, the bytes
+        of contexts whose copy to host memory is still in flight (their device memory is not
+        free yet: the store waits for them before it adds more); on disk ``reads`` and ``bytes_read``
         (contexts read back, and the bytes of their arrays; weights already on the device are
         not read), ``writes`` and ``bytes_written`` (contexts committed, and their own bytes).
         ``pending``: the contexts waiting for their disk write that no memory tier holds, kept
@@ -429,6 +439,8 @@ class Store:
                 self._persistence.close()
             finally:
                 self._loads.shutdown(wait=True)
+                self._landings.shutdown(wait=True)
+                self._pool.release()
 
     def _check_open(self) -> None:
         if self._closed:

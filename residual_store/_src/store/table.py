@@ -40,6 +40,13 @@ kill suites end to end):
    (:meth:`KeyTable.claim_unqueued`). So a put whose transition is done is never lost by a drain
    that ran before it queued its write.
 
+7. **Device bytes count until they have left.** A context copied to host memory (pushed out of
+   the device tier, or a pending write's copy) holds its device memory until the copy has
+   landed: the table counts those bytes (``leaving``) from :meth:`KeyTable.settle` until
+   :meth:`KeyTable.landed`, and a store waits for them before a put or a read adds more, so the
+   device holds at most the device budget and one context's copy in flight. A copy that fails
+   puts the context it copied back where it was, intact on the device.
+
 Together: after ``put`` or ``delete`` of a key returns, no call of this store returns an older
 version of that key, and no read that overlapped them leaves an older version behind.
 """
@@ -50,91 +57,18 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
 from residual_store._src.context import ResidualContext
 from residual_store._src.errors import ContextNotFoundError
 from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.owed import NOTHING, Found, Keeping, Moves, Owed, Write
 from residual_store._src.store.schedule import Schedule
 from residual_store._src.store.tiers import MemoryTier, check_capacity, spill_order, would_overflow
 
-__all__ = ["Found", "KeyTable", "Keeping", "Moves", "Owed", "Write"]
+__all__ = ["KeyTable"]
 
 DEVICE, HOST = "device", "host"
-
-
-class Write(NamedTuple):
-    """A write to queue: the key, the context, and the version it is."""
-
-    key: str
-    ctx: ResidualContext
-    version: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Keeping:
-    """What the store's persistence does with what leaves memory, chosen when it opens.
-
-    Attributes:
-      below_host: a disk lies below host memory (what a promotion pushes out of host memory is
-        not lost); without one a put the budgets cannot hold is refused.
-      writes_puts: every put is written (write-through).
-      writes_spills: a context pushed out of host memory is written (else dropped).
-    """
-
-    below_host: bool
-    writes_puts: bool = False
-    writes_spills: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Owed:
-    """Copies a transition owes, made by its caller outside the lock: ``demoted``, contexts that
-    entered the host tier in device memory (to copy to host memory); ``released``, pending
-    writes' contexts that no tier holds (to copy for writing, so their device memory goes)."""
-
-    demoted: tuple[tuple[str, ResidualContext], ...] = ()
-    released: tuple[tuple[str, ResidualContext], ...] = ()
-
-    @property
-    def due(self) -> bool:
-        """Whether any copy is owed."""
-        return bool(self.demoted or self.released)
-
-
-@dataclasses.dataclass(frozen=True)
-class Moves:
-    """What a transition owes its caller, done outside the lock: the copies (:class:`Owed`),
-    then the writes to claim and queue: a put's own write (``own``), then the writes of contexts
-    the budgets pushed out of host memory (``spills``)."""
-
-    owed: Owed = Owed()
-    spills: tuple[Write, ...] = ()
-    own: Write | None = None
-
-
-NOTHING = Moves()
-
-
-@dataclasses.dataclass(frozen=True)
-class Found:
-    """Where a read finds a key (:meth:`KeyTable.begin_get`, :meth:`KeyTable.begin_read`).
-
-    Attributes:
-      version: the key's version, noted for the install (rule 3).
-      ctx: the context to return as it is (``on_device``), or to copy to the device (a host
-        tier's context or a pending write's), or ``None``: read the disk.
-      on_device: ``ctx`` is the device tier's: nothing to copy, no read to finish.
-      load: a load in flight of the current version, taken for this get: its result.
-      stays: a copy of ``ctx`` is returned without entering the device tier (its budget, or a
-        memory-only store's, could not keep it).
-    """
-
-    version: int
-    ctx: ResidualContext | None = None
-    on_device: bool = False
-    load: Future[Any] | None = None
-    stays: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -201,6 +135,9 @@ class KeyTable:
         self._entries: dict[str, _Entry] = {}
         self._owed: list[tuple[str, ResidualContext]] = []  # demoted since the last Moves
         self._unsettled: set[str] = set()  # pending contexts in no tier, not yet copied for writing
+        self._leaving: dict[Future[Any], int] = {}  # copies to host in flight -> the device bytes they hold
+        self._copy_errors: list[BaseException] = []  # of copies that failed, not yet raised
+        self.in_flight = 0  # copies in flight and failures to raise, read without the lock by who waits
         self.io = dict.fromkeys(("reads", "bytes_read", "writes", "bytes_written", "pending_reads"), 0)
 
     # -- entries -------------------------------------------------------------------------------
@@ -507,11 +444,17 @@ class KeyTable:
     # -- copies owed -------------------------------------------------------------------------------
 
     def settle(self, demoted: Sequence[tuple[str, ResidualContext, ResidualContext]],
-               released: Sequence[tuple[str, ResidualContext, ResidualContext]]) -> None:
+               released: Sequence[tuple[str, ResidualContext, ResidualContext]],
+               landing: Sequence[tuple[Future[Any], int]] = ()) -> None:
         """The copies of an :class:`Owed`, made: each host copy takes the place of the context it
         copies, where that context still is (by identity: a copy of a context that a later put or
-        delete superseded meanwhile is dropped)."""
+        delete superseded meanwhile is dropped). ``landing``: the copies still in flight (a
+        future that ends when each has landed) and the device bytes each holds until then
+        (rule 7)."""
         with self.lock:
+            for future, nbytes in landing:
+                self._leaving[future] = nbytes
+            self.in_flight = len(self._leaving) + len(self._copy_errors)
             for key, ctx, copy in demoted:
                 entry = self._entries.get(key)
                 if entry is None:
@@ -524,6 +467,33 @@ class KeyTable:
                 entry = self._entries.get(key)
                 if entry is not None and entry.pending is ctx:
                     entry.pending = copy
+
+    def landed(self, future: Future[Any]) -> None:
+        """The copy ``future`` waited for has landed (or failed, kept to raise): its device bytes
+        are free."""
+        with self.lock:
+            if self._leaving.pop(future, None) is not None and future.exception() is not None:
+                self._copy_errors.append(future.exception())  # type: ignore[arg-type]
+            self.in_flight = len(self._leaving) + len(self._copy_errors)
+
+    def copy_failed(self, key: str, source: ResidualContext, copy: ResidualContext) -> None:
+        """The copy of ``source`` to host memory failed: where ``copy`` took its place,
+        ``source`` takes it back (intact, on the device)."""
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                if entry.ctx is copy:
+                    entry.ctx = source
+                if entry.pending is copy:
+                    entry.pending = source
+
+    def leaving(self) -> tuple[list[Future[Any]], list[BaseException]]:
+        """The copies to host memory in flight (rule 7), and the errors of those that failed
+        since the last call."""
+        with self.lock:
+            errors, self._copy_errors = self._copy_errors, []
+            self.in_flight = len(self._leaving)
+            return list(self._leaving), errors
 
     def _take_owed(self) -> Owed:
         """The copies owed since the last call. A pending context that the host tier holds a copy
@@ -653,6 +623,7 @@ class KeyTable:
                 tier.name: {"bytes": tier.nbytes, "contexts": len(tier), "bytes_in": tier.bytes_in, "bytes_out": tier.bytes_out}
                 for tier in (self.device, self.host)
             }
+            result["device"]["leaving"] = sum(self._leaving.values())  # copies to host in flight
             waiting = [e.pending for e in self._entries.values() if e.pending is not None and e.place is None]
             result["pending"] = {
                 "bytes": sum(c.spec.own_nbytes for c in waiting if c is not None), "contexts": len(waiting),
