@@ -366,3 +366,21 @@ def test_internals_stats_count_tiers_pending_copies_and_the_disk_io():
     assert stats["pending"] == {"bytes": SIZE, "contexts": 1, "reads": 0}
     found = table.begin_get("a")
     assert found.ctx is not None and table.stats()["pending"]["reads"] == 1
+
+
+def test_internals_a_load_ahead_enters_the_device_tier_only_where_it_has_room():
+    """A prefetch brings ``a`` back while the device tier is full with ``b``: ``a`` is held for its
+    get alone and ``b`` stays (it may be needed first); once there is room, a load enters."""
+    table = _table(device=SIZE, host=None)
+    a, b = _ctx(seed=1), _ctx(seed=2)
+    table.put("a", a)
+    table.put("b", b)  # a moves to host memory
+    found = table.begin_read("a")
+    assert found.ahead and found.ctx is a
+    assert table.finish_read("a", found, _ctx(seed=1)) == Moves()
+    assert _where(table) == (["b"], ["a"])
+    table.delete("b")
+    found = table.begin_read("a")
+    copy = _ctx(seed=1)
+    table.finish_read("a", found, copy)
+    assert _where(table) == (["a"], []) and table.begin_get("a").ctx is copy

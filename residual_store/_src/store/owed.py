@@ -80,6 +80,9 @@ class Found:
       load: a load in flight of the current version, taken for this get: its result.
       stays: a copy of ``ctx`` is returned without entering the device tier (its budget, or a
         memory-only store's, could not keep it).
+      ahead: a load ahead of need: what it brings enters the device tier only where the tier
+        has room for it as it is (never pushing out a context it holds, which may be needed
+        sooner); else it is held for its get alone.
     """
 
     version: int
@@ -87,3 +90,4 @@ class Found:
     on_device: bool = False
     load: Future[Any] | None = None
     stays: bool = False
+    ahead: bool = False

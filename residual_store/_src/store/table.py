@@ -351,7 +351,8 @@ class KeyTable:
             return self._begin_read(key, entry)
 
     def begin_read(self, key: str) -> Found:
-        """A load of ``key`` starts (see :meth:`begin_get`; nothing consumed, no load taken).
+        """A load ahead of ``key`` starts (see :meth:`begin_get`; nothing consumed, no load taken;
+        what it brings enters the device tier only where it has room, see :class:`Found`).
 
         Raises:
           ContextNotFoundError: the key is being deleted.
@@ -362,9 +363,9 @@ class KeyTable:
                 raise self._deleted(key)
             if entry is not None and entry.place == DEVICE:
                 return Found(entry.version, entry.ctx, on_device=True)
-            return self._begin_read(key, entry)
+            return self._begin_read(key, entry, ahead=True)
 
-    def _begin_read(self, key: str, entry: _Entry | None) -> Found:
+    def _begin_read(self, key: str, entry: _Entry | None, *, ahead: bool = False) -> Found:
         if entry is None:
             if not self.keeping.below_host:
                 raise ContextNotFoundError.of(key, self.where)
@@ -375,7 +376,7 @@ class KeyTable:
             raise ContextNotFoundError.of(key, self.where)
         entry.readers += 1
         if source is None:
-            return Found(entry.version)
+            return Found(entry.version, ahead=ahead)
         if entry.place == HOST:
             self.host.touch(key)
         else:
@@ -386,7 +387,7 @@ class KeyTable:
             not self.keeping.below_host and entry.place == HOST
             and would_overflow(self.device, self.host, self.schedule, key, size)
         )
-        return Found(entry.version, source, stays=stays)
+        return Found(entry.version, source, stays=stays, ahead=ahead)
 
     def finish_read(self, key: str, found: Found, ctx: ResidualContext, *, nbytes_read: int | None = None) -> Moves:
         """A read of ``found`` is done with ``ctx`` on the device (copied from ``found.ctx``, or
@@ -401,6 +402,8 @@ class KeyTable:
                 return NOTHING
             entry.readers -= 1
             install = entry.version == found.version and not found.stays and entry.place != DEVICE
+            if found.ahead and self.device.budget is not None:  # only into room the tier has now
+                install = install and self.device.nbytes + ctx.spec.own_nbytes <= self.device.budget
             if install and found.ctx is not None:  # copied from memory: the source must still be there
                 install = found.ctx is (entry.ctx if entry.place == HOST else entry.pending)
             elif install:  # read from disk: only where no memory holds a newer copy, nor a removal owes
