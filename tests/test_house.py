@@ -447,8 +447,8 @@ def test_no_test_but_the_demos_own_imports_the_demo():
 
 @pytest.mark.slow  # seconds of its own: the fast tier keeps under 90 s
 def test_the_serializers_install_under_the_projects_own_name(tmp_path):
-    """``serializers/`` installs as ``residual_store_serializers``: a top-level ``serializers``
-    is another published distribution's name, and a user with both would get one overwritten."""
+    """The formats install as ``residual_store_serializers``: a top-level ``serializers`` is
+    another published distribution's name, and a user with both would get one overwritten."""
     import subprocess
     import sys
     import tomllib
@@ -456,7 +456,7 @@ def test_the_serializers_install_under_the_projects_own_name(tmp_path):
     config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
     setuptools = config["tool"]["setuptools"]
     assert not [p for p in setuptools["packages"] if p.split(".")[0] == "serializers"]
-    assert setuptools["package-dir"] == {"residual_store_serializers": "serializers"}
+    assert "residual_store_serializers" in setuptools["packages"]
     points = [v for group in config["project"]["entry-points"].values() for v in group.values()]
     assert points and all(v.startswith(("residual_store.", "residual_store_serializers.")) for v in points)
     probe = (
