@@ -39,7 +39,7 @@ from residual_store._src.cli_text import table as _table
 if TYPE_CHECKING:
     import numpy as np
 
-    from residual_store import BackwardInfo, ContextInfo, Store
+    from residual_store import BackwardInfo, ContextInfo, Store, StoreUnavailableError
 
 __all__ = ["main"]
 
@@ -47,6 +47,10 @@ __all__ = ["main"]
 class _UsageError(Exception):
     """A bad path or key: reported as one line on stderr."""
 
+
+# seconds each request to an object store may take unless --timeout says (rs.Store's default:
+# the command line imports nothing of the library before a command runs)
+DEFAULT_TIMEOUT_S = 30.0
 
 # ``scheme://`` at the start of PATH: a kvstore URL, which rs.Store parses (or refuses)
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
@@ -76,6 +80,11 @@ def _open(args: argparse.Namespace, *, read_only: bool = True) -> Store:
     where = _store_path(args.path)
     try:
         return rs.Store(where, create=False, read_only=read_only, timeout=args.timeout)
+    except rs.ReadOnlyStoreError as err:  # (said in the command line's terms, not the API's)
+        raise _UsageError(
+            f"{err.reason or args.path + ' cannot be written'}: `residual-store {args.command}` changes the "
+            "store; ls, inspect, verify, du, export and diff only read it"
+        ) from None
     except rs.StoreNotFoundError:
         if isinstance(where, dict) or _URL.match(where):
             raise _UsageError(f"no residual store in the kvstore {args.path}; check PATH") from None
@@ -107,14 +116,20 @@ def _stores_inside(folder: str) -> list[str]:
     return found
 
 
-def _unavailable(args: argparse.Namespace, err: BaseException) -> str:
-    """An object store that did not answer, with command-line advice."""
+def _unavailable(args: argparse.Namespace, err: StoreUnavailableError) -> str:
+    """An object store that did not answer, with command-line advice; what no wait heals (an
+    unknown host, refused credentials) as the library says it."""
+    if not err.timed_out:
+        return str(err)
     cause = str(err.__cause__ or "").strip().splitlines()
-    why = f" ({cause[0]})" if cause else ""
+    why = f" ({cause[0].split(' [', 1)[0]})" if cause else ""
     timeout = getattr(args, "timeout", None)
-    within, advice = (f" within --timeout {timeout:g} s", "a longer --timeout") if timeout else ("", "--timeout SECONDS")
+    within, advice = (
+        (f" within --timeout {timeout:g} s", "a longer --timeout") if timeout
+        else (f" within {DEFAULT_TIMEOUT_S:g} s (the default --timeout)", "--timeout SECONDS")
+    )
     return (
-        f"{args.path}: the object store did not answer{within} or refused the request{why}; check the "
+        f"{args.path}: the object store did not answer{within} or gave up on the request{why}; check the "
         f"endpoint, the network and the credentials, or give {advice}"
     )
 
@@ -189,8 +204,13 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from residual_store.demo import DemoConfig, run_demo
 
+    plot = None if args.no_plot else args.plot
+    if plot is not None:  # before the run, not after it
+        folder = os.path.dirname(os.path.abspath(os.path.expanduser(plot)))
+        if not os.path.isdir(folder):
+            raise _UsageError(f"--plot {plot}: no folder {folder} to write it in; make it, or give --no-plot")
     cfg = DemoConfig(steps=args.steps, n_microbatches=args.microbatches)
-    result = run_demo(cfg, store_path=args.store, plot_path=None if args.no_plot else args.plot)
+    result = run_demo(cfg, store_path=args.store, plot_path=plot, timeout=args.timeout)
     worst = max(*result["max_rel_grad_diff"], result["zero_bubble"]["max_rel_grad_diff"])
     ok = worst < 1e-4
     print(f"gradient check against jax.grad: {'PASS' if ok else 'FAIL'} (max rel. diff {worst:.2e})")
@@ -553,16 +573,15 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         if json_flag:
             p.add_argument("--json", action="store_true", help="machine-readable output")
-        if name != "demo":
-            p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
-                           help="seconds each request to an object store may take, retries included "
-                           "(default: tensorstore's retries, minutes for an unreachable store)")
+        p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                       help="seconds each request to an object store may take, retries included "
+                       f"(default {DEFAULT_TIMEOUT_S:g})")
         return p
 
     demo = command("demo", "train a small transformer with a pipeline schedule", _cmd_demo)
     demo.add_argument("--steps", type=_count, default=3, help="training steps (default 3)")
     demo.add_argument("--microbatches", type=_count, default=8, help="microbatches per step (default 8)")
-    demo.add_argument("--store", default=None, help="store folder (default: a temporary one)")
+    demo.add_argument("--store", default=None, help="store folder or kvstore URL (default: a temporary folder)")
     demo.add_argument("--plot", default="residual_store_demo.png", help="where to write the PNG")
     demo.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     command("ls", "list the contexts of a store; exit 1 if one is damaged", _cmd_ls, json_flag=True).add_argument("path")
@@ -645,6 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"residual-store {args.command}: {first}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(f"residual-store {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
 
 

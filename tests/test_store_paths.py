@@ -247,6 +247,7 @@ def test_a_read_only_mount_is_refused_at_open_and_read_with_read_only(rng, tmp_p
         assert cli(["rm", str(mount / "store"), "mb0"]) == 2
         err = capsys.readouterr().err
         assert "read-only file system" in err and len(err.strip().splitlines()) == 1
+        assert "`residual-store rm` changes the store; ls, inspect" in err and "read_only=True" not in err
         assert cli(["ls", str(mount / "store")]) == 0
         assert sorted(os.listdir(mount)) == ["empty", "store"]
 

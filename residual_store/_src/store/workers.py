@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from residual_store._src.store.critical import StoreLock, store_condition
+from residual_store._src.store.exit_status import fail_at_exit
 
 __all__ = ["Writer", "Loader", "drain_all", "drain_within", "bound_exit_drain", "draining_at_exit", "request_pool"]
 
@@ -286,6 +287,8 @@ def drain_all() -> None:
 
 def _report(err: BaseException, when: str) -> None:
     print(f"residual-store: a background write failed {when}: {type(err).__name__}: {err}", file=sys.stderr)
+    if _AT_EXIT:
+        fail_at_exit()  # the process's exit status says it too (exit_status.py)
 
 
 def _release_frames(err: BaseException) -> None:
