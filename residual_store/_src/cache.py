@@ -13,6 +13,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from cachetools import Cache, LRUCache
 
+from residual_store._src.errors import InvalidArgumentError
+
 __all__ = ["CacheInfo", "ExecutableCache", "DEFAULT_CACHE_SIZE"]
 
 DEFAULT_CACHE_SIZE = 64
@@ -62,7 +64,7 @@ class ExecutableCache(Generic[V]):
 
     def __init__(self, maxsize: int, on_evict: Callable[[V], None] | None = None) -> None:
         if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
-            raise ValueError(f"cache_size must be a positive int, got {maxsize!r}")
+            raise InvalidArgumentError(f"cache_size must be a positive int, got {maxsize!r}")
         self._data = _EvictionsSeen(maxsize)
         self._lock = threading.Lock()
         self._on_evict = on_evict
