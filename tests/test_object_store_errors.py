@@ -167,14 +167,14 @@ def _silent_listener() -> socket.socket:
 def test_a_store_that_never_answers_is_reported_within_the_default_timeout():
     with _silent_listener() as silent:
         t0 = time.monotonic()
-        with pytest.raises(rs.StoreUnavailableError, match="did not answer within 30 s") as info:
+        with pytest.raises(rs.StoreUnavailableError, match="did not answer within the default timeout of 30 s") as info:
             rs.Store(_s3(f"http://127.0.0.1:{silent.getsockname()[1]}"))
         took = time.monotonic() - t0
     assert 25 < took < 60, took  # the default bound, not tensorstore's minutes of retries
-    assert info.value.timed_out and "timeout=SECONDS (the default is 30 s)" in str(info.value)
+    assert info.value.timed_out and "or give timeout=SECONDS" in str(info.value)
     with _silent_listener() as silent:  # timeout= bounds each request
         t0 = time.monotonic()
-        with pytest.raises(rs.StoreUnavailableError, match="did not answer within 2 s") as info:
+        with pytest.raises(rs.StoreUnavailableError, match="did not answer within the timeout of 2 s") as info:
             rs.Store(_s3(f"http://127.0.0.1:{silent.getsockname()[1]}"), timeout=2)
         assert time.monotonic() - t0 < 10 and "give a longer timeout" in str(info.value)
 
@@ -184,7 +184,7 @@ def test_a_refused_connection_is_retried_within_the_timeout():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
     t0 = time.monotonic()
-    with pytest.raises(rs.StoreUnavailableError, match="did not answer within 1 s") as info:
+    with pytest.raises(rs.StoreUnavailableError, match="did not answer within the timeout of 1 s") as info:
         rs.Store(_s3(f"http://127.0.0.1:{port}"), timeout=1)
     assert time.monotonic() - t0 < 10 and info.value.timed_out
 

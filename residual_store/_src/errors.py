@@ -49,7 +49,17 @@ class InvalidKeyError(ResidualStoreError, ValueError):
 
 
 class CorruptContextError(ResidualStoreError):
-    """Stored data failed verification: checksum, truncation, a missing array, a bad manifest."""
+    """Stored data failed verification: checksum, truncation, a missing array, a bad manifest.
+
+    Attributes:
+      key: the damaged context's key, where the error is about one context (``None`` for the
+        store's own files, such as its marker).
+      damage: what is damaged, naming its file once, without the advice (a program that words
+        its own, as the command line does, says it after the key).
+    """
+
+    key: str | None = None
+    damage: str = ""
 
 
 class StoreFullError(ResidualStoreError):

@@ -80,7 +80,7 @@ _LOCAL_DRIVERS = ("file", "memory")
 def _tried_once(spec: dict[str, Any]) -> dict[str, Any]:
     """``spec`` whose requests are tried once (a networked driver's; any other as it is)."""
     name = _RETRY_RESOURCES.get(spec.get("driver"))  # type: ignore[arg-type]
-    return spec if name is None else {**spec, name: {"max_retries": 1}}
+    return spec if name is None else {**spec, name: {"max_retries": 1, "initial_delay": "1ms", "max_delay": "1ms"}}
 
 
 def _with_timeout(spec: dict[str, Any], timeout: float | None) -> dict[str, Any]:
@@ -175,9 +175,10 @@ class KvBackend:
             reason = f"the object store refused the credentials or the request: {why}"
             advice = "Check the credentials and the bucket's permissions (a refusal is not retried)"
         else:
-            limit = f"{self.timeout:g} s" if self.timeout is not None else "the time it took"
-            reason = f"the object store did not answer within {limit}, or gave up on the request: {why}"
-            longer = "a longer timeout" if self.timeout_given else f"timeout=SECONDS (the default is {DEFAULT_TIMEOUT_S:g} s)"
+            limit = (f"the timeout of {self.timeout:g} s" if self.timeout_given
+                     else f"the default timeout of {self.timeout:g} s" if self.timeout is not None else "the time it took")
+            reason = f"the object store did not answer within {limit}, or refused the request: {why}"
+            longer = "a longer timeout" if self.timeout_given else "timeout=SECONDS"
             advice = f"Check the endpoint, the network and the credentials, or give {longer}"
             timed_out = True
         error = StoreUnavailableError(f"{self.description}: {reason}. {advice}")

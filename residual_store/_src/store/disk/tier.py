@@ -60,6 +60,7 @@ from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms, layout, paths
 from residual_store._src.store.disk.backends import open_backend
 from residual_store._src.store.disk.buffers import ReadBuffers
+from residual_store._src.store.disk.damage import damaged_context, manifest_damage, size_damage, without_key
 from residual_store._src.store.disk.layout import StaleData
 from residual_store._src.store.disk.paths import STORE_FORMAT, STORE_MARKER, STORE_VERSION
 from residual_store._src.store.disk.protocol import DamagedFileError
@@ -330,8 +331,12 @@ class DiskTier:
 
     def parse_manifest(self, key: str, data: bytes) -> StoredContext:
         """The manifest of ``key``, self checksum and every field checked (see
-        :func:`~residual_store._src.store.disk.records.parse_context_manifest`)."""
-        return parse_context_manifest(key, data)
+        :func:`~residual_store._src.store.disk.records.parse_context_manifest`); a damaged one
+        raises :class:`CorruptContextError` in the store's words (:mod:`damage`)."""
+        try:
+            return parse_context_manifest(key, data)
+        except CorruptContextError as err:
+            raise damaged_context(key, manifest_damage(key, err)) from err
 
     def stat(self, key: str) -> StoredContext:
         """The validated manifest of ``key``; :class:`ContextNotFoundError` if not committed
@@ -392,8 +397,9 @@ class DiskTier:
         failed: tuple[StoredContext, CorruptContextError] | None = None  # the last failed read
         for attempt in range(_READ_ATTEMPTS + 1):
             stored = self.stat(key)  # after a failure, read again (forgotten below); not found: deleted
-            if failed is not None and _same_data(stored, failed[0]):
-                raise failed[1]  # the manifest stayed the same: the data is damaged
+            if failed is not None and _same_data(stored, failed[0]):  # the manifest stayed the same:
+                why = size_damage(self.backend, stored) or without_key(key, str(failed[1]))
+                raise damaged_context(key, why) from failed[1]  # the data is damaged
             if attempt == _READ_ATTEMPTS:
                 break
             try:
