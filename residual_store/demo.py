@@ -32,8 +32,9 @@ Params = dict[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """Sizes and schedule of the demo; the defaults run in under a minute on two CPU cores (42 s
-    measured on a 2-core machine with other work running, most of it compiling)."""
+    """Sizes and schedule of the demo; the defaults run in about 30 s on two idle CPU cores (32 s
+    measured 2026-12-06, most of it compiling), and up to about 90 s where other work shares
+    them (61 to 86 s measured)."""
 
     vocab: int = 64
     d_model: int = 64
