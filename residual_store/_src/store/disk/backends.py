@@ -112,7 +112,7 @@ def _lost_slash(text: str, scheme: str) -> str:
     meant = f"{scheme}:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
     return (
         f"store path {text!r} looks like a URL that lost a slash (as pathlib.Path makes of {meant!r}): "
-        f"give {meant!r} (a str, not a pathlib.Path); a local folder of that name is {'./' + text!r}"
+        f"give {meant!r}; a local folder of that name is {'./' + text!r}"
     )
 
 
