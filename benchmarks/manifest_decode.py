@@ -42,7 +42,8 @@ SIZES = (10, 200, 1000)
 
 
 def old_module(rev: str) -> ModuleType:
-    """``serializers/manifest.py`` as it was at ``rev``, imported as a module of its own."""
+    """The manifest module as it was at ``rev`` (then ``serializers/manifest.py``, since renamed
+    ``residual_store_serializers/``), imported as a module of its own."""
     source = subprocess.run(
         ["git", "show", f"{rev}:serializers/manifest.py"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout

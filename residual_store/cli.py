@@ -39,7 +39,7 @@ from residual_store._src.cli_text import table as _table
 if TYPE_CHECKING:
     import numpy as np
 
-    from residual_store import BackwardInfo, ContextInfo, Store
+    from residual_store import BackwardInfo, ContextInfo, CorruptContextError, Store, StoreUnavailableError
 
 __all__ = ["main"]
 
@@ -47,6 +47,10 @@ __all__ = ["main"]
 class _UsageError(Exception):
     """A bad path or key: reported as one line on stderr."""
 
+
+# seconds each request to an object store may take unless --timeout says (rs.Store's default:
+# the command line imports nothing of the library before a command runs)
+DEFAULT_TIMEOUT_S = 30.0
 
 # ``scheme://`` at the start of PATH: a kvstore URL, which rs.Store parses (or refuses)
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
@@ -76,6 +80,11 @@ def _open(args: argparse.Namespace, *, read_only: bool = True) -> Store:
     where = _store_path(args.path)
     try:
         return rs.Store(where, create=False, read_only=read_only, timeout=args.timeout)
+    except rs.ReadOnlyStoreError as err:  # (said in the command line's terms, not the API's)
+        raise _UsageError(
+            f"{err.reason or args.path + ' cannot be written'}: `residual-store {args.command}` changes the "
+            "store; ls, inspect, verify, du, export and diff only read it"
+        ) from None
     except rs.StoreNotFoundError:
         if isinstance(where, dict) or _URL.match(where):
             raise _UsageError(f"no residual store in the kvstore {args.path}; check PATH") from None
@@ -107,12 +116,18 @@ def _stores_inside(folder: str) -> list[str]:
     return found
 
 
-def _unavailable(args: argparse.Namespace, err: BaseException) -> str:
-    """An object store that did not answer, with command-line advice."""
+def _unavailable(args: argparse.Namespace, err: StoreUnavailableError) -> str:
+    """An object store that did not answer, with command-line advice; what no wait heals (an
+    unknown host, refused credentials) as the library says it."""
+    if not err.timed_out:
+        return str(err)
     cause = str(err.__cause__ or "").strip().splitlines()
-    why = f" ({cause[0]})" if cause else ""
+    why = f" ({cause[0].split(' [', 1)[0]})" if cause else ""
     timeout = getattr(args, "timeout", None)
-    within, advice = (f" within --timeout {timeout:g} s", "a longer --timeout") if timeout else ("", "--timeout SECONDS")
+    within, advice = (
+        (f" within --timeout {timeout:g} s", "a longer --timeout") if timeout
+        else (f" within {DEFAULT_TIMEOUT_S:g} s (the default --timeout)", "--timeout SECONDS")
+    )
     return (
         f"{args.path}: the object store did not answer{within} or refused the request{why}; check the "
         f"endpoint, the network and the credentials, or give {advice}"
@@ -189,8 +204,13 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from residual_store.demo import DemoConfig, run_demo
 
+    plot = None if args.no_plot else args.plot
+    if plot is not None:  # before the run, not after it
+        folder = os.path.dirname(os.path.abspath(os.path.expanduser(plot)))
+        if not os.path.isdir(folder):
+            raise _UsageError(f"--plot {plot}: no folder {folder} to write it in; make it, or give --no-plot")
     cfg = DemoConfig(steps=args.steps, n_microbatches=args.microbatches)
-    result = run_demo(cfg, store_path=args.store, plot_path=None if args.no_plot else args.plot)
+    result = run_demo(cfg, store_path=args.store, plot_path=plot, timeout=args.timeout)
     worst = max(*result["max_rel_grad_diff"], result["zero_bubble"]["max_rel_grad_diff"])
     ok = worst < 1e-4
     print(f"gradient check against jax.grad: {'PASS' if ok else 'FAIL'} (max rel. diff {worst:.2e})")
@@ -202,7 +222,7 @@ def _backward_json(info: BackwardInfo) -> dict[str, Any]:
     data = {"stored": info.stored, "jax_version": info.jax_version}
     if info.stored:
         return {**data, "platforms": list(info.platforms), "left_out": dict(info.left_out)}
-    return {**data, "reason": info.reason}
+    return {**data, "reason": info.reason, "damaged": info.damaged}
 
 
 def _backward_text(info: BackwardInfo) -> str:
@@ -210,7 +230,17 @@ def _backward_text(info: BackwardInfo) -> str:
         left = info.left_out
         note = f"; not for {', '.join(sorted(left))}" if left else ""
         return f"stored for {', '.join(info.platforms)} (jax {info.jax_version}{note})"
+    if info.damaged:
+        return f"DAMAGED ({(info.reason or '').removeprefix('damaged: ')})"
     return f"not stored: {info.reason}"
+
+
+def _backward_step(args: argparse.Namespace) -> str:
+    """What to do about a damaged stored backward."""
+    return (
+        f"next: `residual-store gc {shlex.quote(args.path)} --older-than 0` removes a damaged stored backward; "
+        "the next put of its signature saves it again"
+    )
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
@@ -227,7 +257,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             except rs.ContextNotFoundError:
                 continue  # removed meanwhile
             except rs.CorruptContextError as err:
-                entries.append({"key": key, "error": str(err)})
+                entries.append({"key": key, "error": err.damage or str(err)})
                 continue
             entries.append({
                 "key": key, "signature": info.signature, "residuals": len(info.residuals),
@@ -246,9 +276,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             continue
         backward = backwards[e["signature"]]
         e["backward"] = _backward_json(backward)
+        shown = ",".join(backward.platforms) if backward.stored else "DAMAGED" if backward.damaged else "no"
         rows.append([
             e["key"], str(e["residuals"]), _human(e["bytes"]), _human(e["own_bytes"]),
-            e["signature"], ",".join(backward.platforms) if backward.stored else "no", _age(e["age"]), mark,
+            e["signature"], shown, _age(e["age"]), mark,
         ])
     damaged = [e["key"] for e in entries if "error" in e]
     summary = _plural(len(entries), "context")
@@ -258,8 +289,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if damaged:
         lines.append(_next_step(args, damaged, checked=False))
     lines += [f"{sig}: backward {_backward_text(b)}" for sig, b in backwards.items()]
+    broken = any(b.damaged for b in backwards.values())
+    lines += [_backward_step(args)] if broken else []
     _emit(args, entries, _table(rows) + "\n" + "\n".join(lines))
-    return 1 if damaged else 0
+    return 1 if damaged or broken else 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -290,30 +323,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         header += "\n(a path FILE.zip:G/ is the group G/ inside that zip file, not a folder)"
     if info.damage is not None:
         header += f"\nDAMAGED {info.key}: {info.damage}\n{_next_step(args, [info.key], checked=False)}"
+    if backward.damaged:
+        header += f"\n{_backward_step(args)}"
     _emit(
         args,
         {"key": info.key, "signature": info.signature, "backward": _backward_json(backward),
          "damage": info.damage, "residuals": data},
         header + "\n" + _table(rows),
     )
-    return 0 if info.damage is None else 1
+    return 0 if info.damage is None and not backward.damaged else 1
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    """Checks every byte; exit status 1 if anything is damaged."""
-    import residual_store as rs
-
-    def store_damaged(err: rs.CorruptContextError) -> int:  # the marker or a folder of the store
-        _emit(args, {"damaged_store": str(err)}, f"DAMAGED store {args.path}: {err}")
-        return 1
-
-    try:
-        with _open(args) as store, _Progress("verifying") as progress:
-            if args.keys:
-                _refuse_missing(args, store, args.keys)
-            report = store.verify(args.keys or None, progress=progress)
-    except rs.CorruptContextError as err:
-        return store_damaged(err)
+    """Checks every byte; exit status 1 if anything is damaged (a damaged store marker or
+    folder of the store: :func:`_report_damage`)."""
+    with _open(args) as store, _Progress("verifying") as progress:
+        if args.keys:
+            _refuse_missing(args, store, args.keys)
+        report = store.verify(args.keys or None, progress=progress)
     contexts = report.verified + len(report.damaged)
     backwards = report.backwards_verified + len(report.damaged_backwards)
     lines = [f"DAMAGED {key}: {why}" for key, why in report.damaged.items()]
@@ -325,10 +352,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         f"{len(report.damaged) + len(report.damaged_backwards) + len(report.damaged_folders)} damaged"
     )
     steps = [_next_step(args, list(report.damaged), checked=True)] if report.damaged else []
-    steps += [
-        f"next: `residual-store gc {shlex.quote(args.path)} --older-than 0` removes a damaged stored backward; "
-        "the next put of its signature saves it again"
-    ] if report.damaged_backwards else []
+    steps += [_backward_step(args)] if report.damaged_backwards else []
     steps += [
         f"next: replace the link {folder} with the folder it stands for (a store reads nothing through a link); "
         "a stored backward lost meanwhile is saved again by the next put of its signature"
@@ -411,13 +435,15 @@ def _cmd_du(args: argparse.Namespace) -> int:
         with _Progress("counting what gc would free") as progress:
             reclaim = store.gc(older_than=0, dry_run=True, progress=progress)
     unknown = reclaim["bytes"] < 0 or reclaim.get("skipped_corrupt")
-    data = {
+    damaged = dict(usage.unreadable_manifests)
+    data: dict[str, Any] = {
         "measured": usage.measured,
         "total": usage.total,
         **usage.parts,
         "recycled": usage.recycled,
         "gc_would_free": None if unknown else reclaim["bytes"],
         "signatures": {sig: dataclasses.asdict(u) for sig, u in usage.signatures.items()},
+        "damaged": [{"key": k, "error": why} for k, why in damaged.items()],
     }
     rows = [["signature", "contexts", "intermediate", "inputs", "weights (once)"]]
     for sig, u in usage.signatures.items():
@@ -425,7 +451,7 @@ def _cmd_du(args: argparse.Namespace) -> int:
     total = usage.total
     if reclaim.get("skipped_corrupt"):
         disk_lines = [f"on disk: {_human(total)} in all" if total is not None else "",
-                      "gc removes nothing while a manifest is unreadable (see `residual-store verify`)"]
+                      "gc removes nothing while a manifest is unreadable:"]
     elif total is None:
         disk_lines = ["disk usage: not measurable on this kvstore (bytes above are as the manifests record them)"]
     else:
@@ -434,8 +460,11 @@ def _cmd_du(args: argparse.Namespace) -> int:
             f"on disk: {_human(total)} in all ({sizes}; of data, {_human(usage.recycled or 0)} recycled for reuse)",
             f"gc --older-than 0 would free {_human(reclaim['bytes'])} ({_gc_items(reclaim)})" if not unknown else "",
         ]
-    _emit(args, data, _table(rows) + "\n" + "\n".join(line for line in disk_lines if line))
-    return 0
+    disk_lines += [f"DAMAGED {key}: {why}" for key, why in damaged.items()]
+    disk_lines += [_next_step(args, list(damaged), checked=False)] if damaged else []
+    rows_note = "(weights (once): a weight that contexts of several signatures hold is counted under the first of them)"
+    _emit(args, data, _table(rows) + "\n" + "\n".join(line for line in [rows_note, *disk_lines] if line))
+    return 1 if damaged else 0
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
@@ -553,16 +582,15 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         if json_flag:
             p.add_argument("--json", action="store_true", help="machine-readable output")
-        if name != "demo":
-            p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
-                           help="seconds each request to an object store may take, retries included "
-                           "(default: tensorstore's retries, minutes for an unreachable store)")
+        p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
+                       help="seconds each request to an object store may take, retries included "
+                       f"(default {DEFAULT_TIMEOUT_S:g})")
         return p
 
     demo = command("demo", "train a small transformer with a pipeline schedule", _cmd_demo)
     demo.add_argument("--steps", type=_count, default=3, help="training steps (default 3)")
     demo.add_argument("--microbatches", type=_count, default=8, help="microbatches per step (default 8)")
-    demo.add_argument("--store", default=None, help="store folder (default: a temporary one)")
+    demo.add_argument("--store", default=None, help="store folder or kvstore URL (default: a temporary folder)")
     demo.add_argument("--plot", default="residual_store_demo.png", help="where to write the PNG")
     demo.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     command("ls", "list the contexts of a store; exit 1 if one is damaged", _cmd_ls, json_flag=True).add_argument("path")
@@ -616,6 +644,18 @@ def _version() -> str:
     return f"residual-store {__version__} (jax {jax.__version__}, jaxlib {jaxlib.__version__})"
 
 
+def _report_damage(args: argparse.Namespace, err: CorruptContextError) -> int:
+    """A damaged context (or store) a command met: its DAMAGED line and what to do next, as
+    ``ls`` and ``verify`` say them; exit status 1 (damage found)."""
+    if err.key is None:
+        _emit(args, {"damaged_store": str(err)}, f"DAMAGED store: {err}")  # (the error names the store)
+    else:
+        step = _next_step(args, [err.key], checked=False)
+        _emit(args, {"damaged": [{"key": err.key, "error": err.damage}], "next": [step]},
+              f"DAMAGED {err.key}: {err.damage}\n{step}")
+    return 1
+
+
 def _quiet_stdout() -> None:
     """After a closed pipe (``| head``): later writes, and the flush at exit, go nowhere."""
     try:
@@ -639,12 +679,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return 0
+    except rs.CorruptContextError as err:  # damage met: said as ls and verify say it, status 1
+        return _report_damage(args, err)
     except (_UsageError, rs.ResidualStoreError, OSError) as err:
         text = _unavailable(args, err) if isinstance(err, rs.StoreUnavailableError) else str(err).strip()
         first = text.splitlines()[0] if text else type(err).__name__
         print(f"residual-store {args.command}: {first}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(f"residual-store {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
 
 

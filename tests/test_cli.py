@@ -250,10 +250,14 @@ def test_a_kvstore_spec_as_path_and_corrupt_manifests(tmp_path):
     manifest = [os.path.join(path, "contexts", f) for f in os.listdir(os.path.join(path, "contexts")) if f.startswith("broken")][0]
     with open(manifest, "r+b") as f:
         f.truncate(20)
-    for args in (("inspect", path, "broken"), ("gc", path, "--older-than", "0"), ("export", path, "broken")):
-        out = _cli(*args)
-        assert out.returncode == 2, (args, out.stdout, out.stderr)
-        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    gc = _cli("gc", path, "--older-than", "0")
+    assert gc.returncode == 2 and len(gc.stderr.strip().splitlines()) == 1 and "Traceback" not in gc.stderr
+    broken = "DAMAGED broken: manifest contexts/broken.manifest: "  # the file once, relative to the store
+    for args in (("inspect", path, "broken"), ("export", path, "broken"), ("diff", path, "good", "broken")):
+        out = _cli(*args)  # damage met: said as ls says it, with the next step, status 1
+        assert out.returncode == 1 and out.stdout.startswith(broken) and out.stderr == "", (args, out)
+        assert f"next: `residual-store verify {path}` checks every byte; `residual-store rm {path} broken`" in out.stdout
+        assert out.stdout.count("broken.manifest") == 1 and tmp_path.name not in out.stdout.split("\n")[0]
     ls = _cli("ls", path)
     assert ls.returncode == 1 and "CORRUPT" in ls.stdout and "2 contexts, 1 damaged" in ls.stdout, ls.stdout
     assert _cli("ls", path, "--json").returncode == 1
@@ -261,10 +265,12 @@ def test_a_kvstore_spec_as_path_and_corrupt_manifests(tmp_path):
     assert verify.returncode == 1 and [d["key"] for d in json.loads(verify.stdout)["damaged"]] == ["broken"]
     unknown = _cli("verify", path, "good", "nope")
     assert unknown.returncode == 2 and "no context 'nope'" in unknown.stderr and "DAMAGED" not in unknown.stdout
-    assert _cli("diff", path, "good", "broken").returncode == 2
     du = _cli("du", path, "--json")
-    assert du.returncode == 0 and [e["contexts"] for e in json.loads(du.stdout)["signatures"].values()] == [1]
-    assert json.loads(du.stdout)["gc_would_free"] is None and "unreadable" in _cli("du", path).stdout
+    assert du.returncode == 1 and [e["contexts"] for e in json.loads(du.stdout)["signatures"].values()] == [1]
+    assert json.loads(du.stdout)["gc_would_free"] is None
+    assert [d["key"] for d in json.loads(du.stdout)["damaged"]] == ["broken"]
+    text = _cli("du", path).stdout
+    assert "a manifest is unreadable" in text and broken in text, text  # which one, not only that one is
     # the way out: rm the damaged context, then everything works again
     assert _cli("rm", path, "broken").returncode == 0
     assert _cli("verify", path).returncode == 0 and _cli("gc", path, "--older-than", "0").returncode == 0

@@ -70,3 +70,48 @@ def test_the_command_checks_its_arguments_first(argv):
     assert done.stdout == "" and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and argv[0] in done.stderr
     assert time.monotonic() - start < 10  # no JAX import, no compile
+
+
+def _demo(*argv: str, cwd=None):
+    import subprocess
+    import sys
+
+    from store_helpers import python_env
+
+    return subprocess.Popen([sys.executable, "-m", "residual_store", "demo", *argv], cwd=cwd, env=python_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_plot_folder_or_store_it_cannot_use_is_refused_before_the_run(tmp_path):
+    import time
+
+    start = time.monotonic()
+    runs = {
+        "plot": _demo("--plot", str(tmp_path / "missing" / "demo.png"), cwd=tmp_path),
+        "store": _demo("--store", "s3:/bucket/run", "--no-plot", cwd=tmp_path),
+    }
+    said = {}
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 2 and "Traceback" not in err, (name, out, err)
+        assert len(err.strip().splitlines()) == 1 and "step 1/" not in out, (name, out, err)
+        said[name] = err
+    assert time.monotonic() - start < 60  # no training ran
+    assert "--plot" in said["plot"] and "make it, or give --no-plot" in said["plot"]
+    assert "give 's3://bucket/run'" in said["store"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no ./s3:, no missing/
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ctrl_c_says_so_and_exits_130(tmp_path):
+    import signal
+
+    run = _demo("--no-plot", cwd=tmp_path)
+    assert "residual-store demo:" in run.stdout.readline()  # running
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 130, (out, err)
+    assert err.strip().splitlines()[-1] == "residual-store demo: interrupted (Ctrl-C)" and "Traceback" not in err

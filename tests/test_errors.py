@@ -118,8 +118,9 @@ def test_bad_split_arguments():
         rs.split(scalar, argnums=-1)
     with pytest.raises(rs.InvalidArgumentError, match="both argnums and static_argnums"):
         rs.split(scalar, argnums=0, static_argnums=0)
-    with pytest.raises(ValueError, match="cache_size"):
-        rs.split(scalar, cache_size=0)
+    for size in (0, -1, 1.5, True):  # the library's error (a TypeError), as for every argument
+        with pytest.raises(rs.InvalidArgumentError, match="cache_size must be a positive int"):
+            rs.split(scalar, cache_size=size)
 
 
 def test_backward_of_something_else(fwd):

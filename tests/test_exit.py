@@ -213,3 +213,36 @@ def test_internals_the_exit_hook_runs_before_the_thread_pools_stop():
     hooks = [getattr(h, "func", h) for h in getattr(threading, "_threading_atexits", [])]
     assert io.drain_all in hooks
     assert hooks.index(io.drain_all) > hooks.index(futures_thread._python_exit)
+
+
+FAILING_WRITER = textwrap.dedent(
+    """
+    import atexit, os, shutil, sys
+    import jax.numpy as jnp, residual_store as rs
+    root, log = sys.argv[1], sys.argv[2]
+    store = rs.Store(root)
+    shutil.rmtree(os.path.join(root, "data"))
+    open(os.path.join(root, "data"), "w").close()  # a file where the writes need a folder
+    atexit.register(lambda: print("the script's own atexit handler ran", flush=True))
+    notes = open(log, "w")
+    notes.write("buffered, never flushed by the script")
+    store.put(rs.split(lambda w: jnp.sum(jnp.sin(w)))(jnp.ones(3))[1], "mb0")
+    print("put", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_at_exit_ends_the_process_with_status_1(tmp_path):
+    """A script that ends normally while its put cannot be written: the failure is printed, and
+    the exit status is 1, not 0, once the rest of the exit has run (the script's atexit handler,
+    its open file's buffer written)."""
+    log = tmp_path / "notes.txt"
+    done = subprocess.run(
+        [sys.executable, "-c", FAILING_WRITER, str(tmp_path / "store"), str(log)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    assert "put" in done.stdout and "the script's own atexit handler ran" in done.stdout
+    assert "residual-store: a background write failed at exit" in done.stderr
+    assert log.read_text() == "buffered, never flushed by the script"

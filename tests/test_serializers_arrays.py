@@ -444,7 +444,7 @@ _EFBIG_SCRIPT = textwrap.dedent(
 @pytest.mark.subprocess
 def test_serializers_imports_neither_jax_nor_residual_store() -> None:
     repo = Path(__file__).resolve().parents[1]
-    code = "import sys, serializers; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+    code = "import sys, residual_store_serializers; print(sorted(m for m in sys.modules if m.split('.')[0] in "
     code += "('jax', 'jaxlib', 'residual_store')))"
     proc = subprocess.run(
         [sys.executable, "-c", code],
@@ -457,7 +457,7 @@ def test_serializers_imports_neither_jax_nor_residual_store() -> None:
     assert proc.stdout.strip() == "[]", proc.stdout
     # numpy imports pickle itself; what matters is that no serializer uses it.
     pickling = re.compile(r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle)\b|allow_pickle", re.M)
-    for source in (repo / "serializers").glob("*.py"):
+    for source in (repo / "residual_store_serializers").glob("*.py"):
         assert not pickling.search(source.read_text()), source
 
 

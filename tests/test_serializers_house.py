@@ -1,12 +1,12 @@
-"""House rules of ``serializers/`` that a test can check: its modules are peers over shared,
-public format modules, not a chain of borrowed internals.
+"""House rules of the on-disk formats (``residual_store_serializers/``) that a test can check: its
+modules are peers over shared, public format modules, not a chain of borrowed internals.
 
 * No module imports an underscore name from a sibling: what two modules share is public in
   one of them (in its ``__all__``).
-* ``serializers.local`` and ``serializers.kv`` (two ways to the same bytes) do not import each
+* ``local`` and ``kv`` (two ways to the same bytes) do not import each
   other.
 * No module is longer than 700 lines: a longer one holds more than one job.
-* What a full disk is (``DISK_FULL_ERRNOS``) is defined once, in ``serializers/errors.py``.
+* What a full disk is (``DISK_FULL_ERRNOS``) is defined once, in ``residual_store_serializers/errors.py``.
 * Importing a module starts no thread: a thread pool is made when first used.
 """
 
@@ -17,42 +17,43 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "serializers"
+NAME = "residual_store_serializers"
+PACKAGE = Path(__file__).resolve().parents[1] / NAME
 MODULES = sorted(PACKAGE.glob("*.py"))
 MAX_LINES = 700
 
 
 def _sibling_imports(source: str) -> list[tuple[int, str, str | None]]:
     """(line, sibling module, imported name or ``None`` for a module import) of every import of
-    a ``serializers`` module in ``source``, anywhere in it (a function's lazy import too)."""
+    a module of the formats' package in ``source``, anywhere in it (a function's lazy import too)."""
     found: list[tuple[int, str, str | None]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level:  # from . import x / from .x import y
-                module = "serializers" + ("." + module if module else "")
-            if module == "serializers":  # from serializers import kv
-                found += [(node.lineno, f"serializers.{a.name}", None) for a in node.names]
-            elif module.startswith("serializers."):
+                module = NAME + ("." + module if module else "")
+            if module == NAME:  # from residual_store_serializers import kv
+                found += [(node.lineno, f"{NAME}.{a.name}", None) for a in node.names]
+            elif module.startswith(NAME + "."):
                 found += [(node.lineno, module, a.name) for a in node.names]
         elif isinstance(node, ast.Import):
-            found += [(node.lineno, a.name, None) for a in node.names if a.name.startswith("serializers.")]
+            found += [(node.lineno, a.name, None) for a in node.names if a.name.startswith(NAME + ".")]
     return found
 
 
 def test_the_check_finds_what_it_should():
     source = (
-        "from serializers.zarr import _disk_array, chunk_key\n"
+        "from residual_store_serializers.zarr import _disk_array, chunk_key\n"
         "from .local import aligned_empty\n"
-        "import serializers.kv\n"
-        "def f():\n    from serializers import local\n"
+        "import residual_store_serializers.kv\n"
+        "def f():\n    from residual_store_serializers import local\n"
     )
     assert _sibling_imports(source) == [
-        (1, "serializers.zarr", "_disk_array"),
-        (1, "serializers.zarr", "chunk_key"),
-        (2, "serializers.local", "aligned_empty"),
-        (3, "serializers.kv", None),
-        (5, "serializers.local", None),
+        (1, f"{NAME}.zarr", "_disk_array"),
+        (1, f"{NAME}.zarr", "chunk_key"),
+        (2, f"{NAME}.local", "aligned_empty"),
+        (3, f"{NAME}.kv", None),
+        (5, f"{NAME}.local", None),
     ]
 
 
@@ -71,7 +72,7 @@ def test_what_a_module_takes_from_a_sibling_is_in_that_siblings_all(module):
     for line, source, name in _sibling_imports(module.read_text()):
         if name is None:
             continue
-        sibling = PACKAGE / (source.removeprefix("serializers.") + ".py")
+        sibling = PACKAGE / (source.removeprefix(NAME + ".") + ".py")
         exported = _all(sibling.read_text())
         assert name in exported, f"{module.name}:{line} imports {name!r}, not in {source}.__all__"
 
@@ -86,8 +87,8 @@ def _all(source: str) -> set[str]:
 @pytest.mark.parametrize("module, other", [("local", "kv"), ("kv", "local")])
 def test_local_and_kv_do_not_import_each_other(module, other):
     imports = _sibling_imports((PACKAGE / f"{module}.py").read_text())
-    assert not [i for i in imports if i[1] == f"serializers.{other}"], (
-        f"serializers.{module} imports serializers.{other}: what they share belongs in a shared module"
+    assert not [i for i in imports if i[1] == f"{NAME}.{other}"], (
+        f"{NAME}.{module} imports {NAME}.{other}: what they share belongs in a shared module"
     )
 
 

@@ -197,6 +197,23 @@ def test_cache_eviction_recompiles(rng):
     assert fwd.cache_info().forward_compiles == 3
 
 
+def test_cache_info_counts_a_resumed_backward_it_keeps():
+    """A split that never ran the forward rebuilds and compiles the backward of a context of its
+    function: kept, so counted in currsize; hits and misses count calls of the split only."""
+    loss = lambda x: jnp.sum(jnp.sin(x))
+    _, ctx = rs.split(loss)(jnp.ones(3))
+    resumed = rs.split(loss)
+    np.testing.assert_allclose(resumed.backward(ctx), jnp.cos(jnp.ones(3)), **F32_TOL)
+    resumed.backward(ctx)  # the executable kept: not compiled again
+    info = resumed.cache_info()
+    assert (info.forward_compiles, info.backward_compiles, info.currsize) == (0, 1, 1)
+    assert (info.hits, info.misses) == (0, 0)
+    resumed(jnp.ones(3))  # now its forward too: one signature, one entry
+    resumed(jnp.ones(3))
+    info = resumed.cache_info()
+    assert (info.forward_compiles, info.currsize, info.hits, info.misses) == (1, 1, 1, 1)
+
+
 def test_python_scalars_and_numpy_inputs(rng):
     def f(x, scale):
         return jnp.sum(jnp.sin(x) * scale)

@@ -160,6 +160,7 @@ def test_internals_a_context_replaced_while_looked_at_is_not_called_damaged(tmp_
     """The look at the sizes runs on a manifest that may be replaced under it (its old files
     removed or recycled): only damage seen on a manifest that stayed the same is reported."""
     from residual_store._src.store import inspection
+    from residual_store._src.store.disk.damage import size_damage
 
     root = str(tmp_path / "store")
     contexts = _fill(root, keys=("k", "other"))
@@ -170,7 +171,7 @@ def test_internals_a_context_replaced_while_looked_at_is_not_called_damaged(tmp_
         store.flush()
         # the old folder is recycled by the store's janitor, after the write (flush does not wait)
         wait_for(lambda: not os.path.exists(os.path.join(root, old.bundle.path)), "the old bundle's removal")
-        assert inspection.size_damage(disk, old) is not None  # the old manifest's files are gone
+        assert size_damage(disk.backend, old) is not None  # the old manifest's files are gone
         looks = iter([old])
         real_stat = disk.stat
         disk.stat = lambda key: next(looks, None) or real_stat(key)  # the first look: the old manifest
@@ -179,3 +180,83 @@ def test_internals_a_context_replaced_while_looked_at_is_not_called_damaged(tmp_
         finally:
             del disk.stat
         assert damage is None and stored.data_dir != old.data_dir
+
+
+# -- one wording everywhere (issue 45, item 5) -------------------------------------------------
+
+
+def test_every_read_says_the_damage_as_ls_says_it(truncated, capsys):
+    """``get``, ``arrays``, ``verify`` and the command line's ``export`` and ``diff`` name the
+    truncated bundle once, by its path in the store, in the words of ``ls``, with the next step."""
+    root, rel, full = truncated
+    words = f"bundle {rel} is truncated ({full // 2:,} bytes on disk, the manifest says {full:,})"
+    with rs.Store(root) as store:
+        for read in (store.get, store.arrays):
+            with pytest.raises(rs.CorruptContextError) as info:
+                read("bad")
+            said = str(info.value)
+            assert said.startswith(f"context 'bad' is damaged: {words}. Next: store.delete('bad') removes it")
+            assert said.count("bundle.zip") == 1 and root not in said and "chunk file" not in said
+            assert (info.value.key, info.value.damage) == ("bad", words)
+        assert store.verify().damaged == {"bad": words}
+    for argv in (("export", root, "bad", "-o", os.path.join(root, "..", "bad.npz")), ("diff", root, "good", "bad")):
+        status, out = _run(capsys, *argv)
+        assert status == 1, (argv, out)
+        assert out.splitlines() == [
+            f"DAMAGED bad: {words}",
+            f"next: `residual-store verify {root}` checks every byte; `residual-store rm {root} bad` removes it "
+            "(`residual-store gc` then frees its files); or restore the checkpoint step that saved it, or put it again",
+        ]
+
+
+def test_a_truncated_stored_backward_is_damaged_in_ls_and_inspect(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    _fill(root)
+    [export] = [os.path.join(root, "backwards", f) for f in os.listdir(os.path.join(root, "backwards"))
+                if f.endswith(".export")]
+    full = os.path.getsize(export)
+    os.truncate(export, full - 100)
+    rel = os.path.relpath(export, root)
+    with rs.Store(root, read_only=True) as store:
+        info = store.backward_info(store.info("good").signature)
+    assert not info.stored and info.damaged
+    assert info.reason == f"damaged: its export {rel} is truncated ({full - 100:,} bytes on disk, the manifest says {full:,})"
+    for argv in (("ls", root), ("inspect", root, "good")):
+        status, out = _run(capsys, *argv)
+        assert status == 1 and f"DAMAGED (its export {rel} is truncated ({full - 100:,} bytes on disk" in out, out
+        assert f"next: `residual-store gc {root} --older-than 0` removes a damaged stored backward" in out
+    status, out = _run(capsys, "verify", root)
+    assert status == 1 and "DAMAGED backward" in out
+
+
+def test_a_damaged_store_marker_says_the_way_back_and_the_way_back_works(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    _fill(root)
+    marker = os.path.join(root, "residual-store.json")
+    with open(marker, "w") as f:
+        f.write("garbage")
+    with pytest.raises(rs.CorruptContextError, match="write the file residual-store.json again") as info:
+        rs.Store(root, read_only=True)
+    assert info.value.key is None
+    status, out = _run(capsys, "ls", root)
+    assert status == 1 and out.startswith("DAMAGED store: ") and out.count(root) == 1, out
+    line = '{"format": "residual-store", "version": 2}'
+    assert f"the one line {line}" in out
+    with open(marker, "w") as f:  # the way back the message gives
+        f.write(line + "\n")
+    status, out = _run(capsys, "verify", root)
+    assert status == 0 and "2 of 2 contexts verified" in out
+
+
+def test_du_names_the_unreadable_manifest(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    _fill(root)
+    with open(os.path.join(root, "contexts", "bad.manifest"), "r+b") as f:
+        f.truncate(20)
+    status, out = _run(capsys, "du", root)
+    assert status == 1 and "DAMAGED bad: manifest contexts/bad.manifest: " in out, out
+    assert f"`residual-store rm {root} bad`" in out
+    assert "a weight that contexts of several signatures hold is counted under the first of them" in out
+    with rs.Store(root, read_only=True) as store:
+        usage = store.usage()
+    assert usage.unreadable == 1 and list(usage.unreadable_manifests) == ["bad"]

@@ -16,6 +16,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import residual_store as rs
@@ -289,6 +290,9 @@ def _operations(key: str):
         "stats": lambda s, ctx: s.stats(),
         "gc": lambda s, ctx: s.gc(older_than=0),
         "schedule": lambda s, ctx: s.schedule([key]),
+        "get with a default": lambda s, ctx: s.get(key, None),
+        "items": lambda s, ctx: list(s.items()),
+        "enter": lambda s, ctx: s.__enter__(),
     }
 
 
@@ -303,8 +307,9 @@ def test_a_closed_store_refuses_every_operation(tmp_path, fwd, with_path):
         with pytest.raises(rs.InvalidArgumentError, match="closed"):
             op(store, ctx)
     assert "closed" in repr(store)
-    with store:  # entering and leaving a closed store is harmless
-        pass
+    with pytest.raises(rs.InvalidArgumentError, match="closed"):
+        with store:  # not entered: its body would fail at its first call
+            pass
     if with_path:
         with rs.Store(tmp_path / "s", read_only=True) as reader:
             assert reader.keys() == ["a"]
@@ -315,3 +320,27 @@ def test_a_collective_timeout_that_is_not_a_positive_number_is_refused(tmp_path,
     with pytest.raises(rs.InvalidArgumentError, match="collective_timeout"):
         rs.Store(tmp_path / "s", collective_timeout=bad)
     assert not (tmp_path / "s").exists()  # refused before anything is created
+
+
+@pytest.mark.parametrize("empty", [True, False], ids=["empty", "with a context"])
+def test_gc_takes_the_durations_the_command_line_takes_and_refuses_the_rest(tmp_path, fwd, empty):
+    with rs.Store(tmp_path / "s") as store:
+        if not empty:
+            store.put(_ctx(fwd), "a")
+            store.flush()
+            store.delete("a")  # its data folder and stored backward: unneeded, and young
+            store.flush()
+        hour = store.gc(older_than=3600, dry_run=True)
+        assert (hour["young"] == 0) == empty and hour["bytes"] == 0  # all of it young: kept
+        for given in (3600.0, "1h", "60m", " 1H ", "3600", "3600s", np.float32(3600)):
+            assert store.gc(older_than=given, dry_run=True) == hour, given
+        now = store.gc(older_than="0", dry_run=True)
+        assert now["young"] == 0 and (now["bytes"] == 0) == empty
+        for bad, message in ((-1, "at least 0"), ("-1h", "at least 0"), ("1x", "not a duration"),
+                             ("", "not a duration"), (float("nan"), "at least 0"), (True, "must be a duration"),
+                             (None, "must be a duration"), ([1], "must be a duration")):
+            with pytest.raises(rs.InvalidArgumentError, match=f"older_than.*{message}"):
+                store.gc(older_than=bad)
+        with pytest.raises(rs.InvalidArgumentError, match="dry_run must be True or False"):
+            store.gc(older_than=0, dry_run="yes")
+        assert store.gc(older_than="0s") == now  # as the dry run said

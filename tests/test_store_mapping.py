@@ -1,10 +1,14 @@
 """A store is used as the mapping API.md shows: ``store[key]``, ``store[key] = ctx``,
-``del store[key]``, ``list(store)``; a put with its arguments the wrong way round says the
-order; the package ships ``py.typed`` for type checkers."""
+``del store[key]``, ``list(store)``, and the rest of ``collections.abc.MutableMapping`` (``get``
+and ``pop`` with a default, ``items``, ``values``, ``update``, ``setdefault``, ``popitem``,
+``clear``); a put with its arguments the wrong way round says the order; flags are booleans; a
+closed store is not entered; the package ships ``py.typed`` for type checkers."""
 
 from __future__ import annotations
 
+import collections.abc
 import tomllib
+import weakref
 from pathlib import Path
 
 import jax
@@ -70,3 +74,61 @@ def test_the_package_ships_py_typed():
     assert (ROOT / "residual_store" / "py.typed").is_file()
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "py.typed" in config["tool"]["setuptools"]["package-data"]["residual_store"]
+
+
+def _same_gradients(fwd, ctx, expected):
+    got = fwd.backward(ctx)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, expected)
+
+
+@pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "disk"])
+def test_the_store_is_a_mutable_mapping_with_every_method_it_implies(tmp_path, contexts, on_disk):
+    fwd, [(c0, g0), (c1, g1)] = contexts
+    with rs.Store(tmp_path / "s" if on_disk else None, device_budget=0) as store:
+        assert isinstance(store, collections.abc.MutableMapping) and isinstance(store, collections.abc.Mapping)
+        assert weakref.ref(store)() is store and hash(store) == hash(store)  # still hashable (no Mapping.__eq__)
+        missing = object()
+        assert store.get("mb0", None) is None and store.get("mb0", missing) is missing
+        assert store.pop("mb0", missing) is missing
+        with pytest.raises(rs.ContextNotFoundError):  # without a default: the store's contract
+            store.get("mb0")
+        store.update({"mb0": c0}, mb1=c1)
+        assert sorted(store) == ["mb0", "mb1"]
+        _same_gradients(fwd, store.get("mb1", None), g1)
+        assert [k for k, _ in store.items()] == ["mb0", "mb1"] and len(store.values()) == 2
+        for (key, ctx), expected in zip(store.items(), (g0, g1)):
+            _same_gradients(fwd, ctx, expected)
+        assert store.setdefault("mb0", c1) is not None and "mb0" in store
+        _same_gradients(fwd, store.setdefault("mb0", c1), g0)  # there already: kept
+        key, ctx = store.popitem()
+        assert key == "mb0" and list(store) == ["mb1"]
+        _same_gradients(fwd, ctx, g0)
+        _same_gradients(fwd, store.pop("mb1", None), g1)
+        assert len(store) == 0
+        with pytest.raises(rs.ContextNotFoundError, match="empty"):
+            store.popitem()
+        assert store.setdefault("mb2", c0) is c0 and list(store) == ["mb2"]
+        other = rs.Store(None)
+        other.update(store)  # from another store: a mapping
+        assert list(other) == ["mb2"]
+        store.update([("mb3", c1)])  # from pairs
+        store.clear()
+        assert list(store) == [] and len(store) == 0 and list(other) == ["mb2"]
+
+
+@pytest.mark.parametrize("flag", ["write_through", "durable", "create", "read_only"])
+def test_flags_are_booleans(tmp_path, flag):
+    with pytest.raises(rs.InvalidArgumentError, match=f"{flag} must be True or False, got str 'no'"):
+        rs.Store(tmp_path / "s", **{flag: "no"})
+    assert not (tmp_path / "s").exists()  # refused before anything is made
+    with rs.Store(tmp_path / "s", **{flag: np.bool_(flag != "read_only")}):
+        pass
+
+
+def test_a_closed_store_is_not_entered_again(tmp_path):
+    store = rs.Store(tmp_path / "s")
+    with store:
+        pass
+    with pytest.raises(rs.InvalidArgumentError, match="is closed"):
+        with store:
+            pass

@@ -17,6 +17,7 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +131,37 @@ def test_other_schemes_and_bad_urls_are_refused_and_nothing_is_made(cwd, url, me
     assert _everything_under(cwd) == []
 
 
+@pytest.mark.parametrize(
+    "given, meant",
+    [
+        (Path("s3://bucket/x"), "s3://bucket/x"),  # pathlib makes it s3:/bucket/x
+        ("s3:/bucket/x", "s3://bucket/x"),
+        ("gs:/bucket/run", "gs://bucket/run"),
+        (Path("file:///runs/a"), "file:///runs/a"),  # file:/runs/a
+        ("memory:", "memory://"),
+        ("http:/example.com/x", "http://example.com/x"),
+    ],
+)
+def test_a_url_that_lost_a_slash_is_refused_with_the_url_it_meant(cwd, given, meant, capsys):
+    with pytest.raises(rs.InvalidArgumentError, match="looks like a URL that lost a slash") as info:
+        rs.Store(given)
+    assert f"give {meant!r}" in str(info.value) and f"'./{os.fspath(given)}'" in str(info.value)
+    assert cli(["ls", os.fspath(given)]) == 2
+    assert f"give {meant!r}" in capsys.readouterr().err
+    assert _everything_under(cwd) == []  # not ./s3:/bucket/x
+
+
+def test_a_folder_whose_first_part_ends_with_a_colon_opens_as_dot_slash(rng, cwd):
+    ctx, expected = _context(rng)
+    with rs.Store("./s3:/bucket/x") as store:  # what the refusal offers for a folder so named
+        store.put(ctx, "mb0")
+    with rs.Store(cwd / "s3:" / "bucket" / "x", read_only=True) as store:  # no first part "s3:"
+        _check(store.get("mb0"), expected)
+    with rs.Store("ab:c/d") as store:  # "ab:c" is no scheme alone: a folder
+        pass
+    assert _everything_under(cwd)[:2] == ["ab:c", "ab:c/d"]
+
+
 # -- ~ ---------------------------------------------------------------------------------------
 
 
@@ -142,8 +174,6 @@ def test_a_leading_tilde_is_the_home_folder(rng, tmp_path, cwd, monkeypatch, cap
         store.put(ctx, "mb0")
     assert (home / "runs" / "a" / "residual-store.json").is_file()
     assert _everything_under(cwd) == []  # no folder named ~
-    from pathlib import Path
-
     with rs.Store(Path("~/runs/a"), read_only=True) as store:
         _check(store.get("mb0"), expected)
     with pytest.raises(rs.InvalidArgumentError, match="no home folder for user"):
@@ -217,6 +247,7 @@ def test_a_read_only_mount_is_refused_at_open_and_read_with_read_only(rng, tmp_p
         assert cli(["rm", str(mount / "store"), "mb0"]) == 2
         err = capsys.readouterr().err
         assert "read-only file system" in err and len(err.strip().splitlines()) == 1
+        assert "`residual-store rm` changes the store; ls, inspect" in err and "read_only=True" not in err
         assert cli(["ls", str(mount / "store")]) == 0
         assert sorted(os.listdir(mount)) == ["empty", "store"]
 

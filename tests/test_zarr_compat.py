@@ -125,7 +125,7 @@ def test_plain_zarr_reads_ml_floats_with_no_call(tmp_path: Path) -> None:
     proc = _run_plain_python(_PLAIN_ZARR_READER, str(tmp_path), "group", cwd=tmp_path)
     assert proc.returncode == 0, (
         "the installed residual-store predates its zarr.buffer entry point (pip install -e .), or "
-        "ASSUMPTION BROKEN (serializers/zarr_plugin.py): zarr's open_group parsed a data type "
+        "ASSUMPTION BROKEN (residual_store_serializers/zarr_plugin.py): zarr's open_group parsed a data type "
         f"before it loaded its zarr.buffer entry points: {proc.stderr[-3000:]}"
     )
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -175,10 +175,10 @@ _PROBE_READER = textwrap.dedent(
 
 @pytest.mark.subprocess
 def test_zarr_still_does_not_load_data_type_entry_points_itself(tmp_path: Path) -> None:
-    """Why serializers/zarr_plugin.py exists: zarr-python (3.1.0 to at least 3.3.0) collects the
+    """Why residual_store_serializers/zarr_plugin.py exists: zarr-python (3.1.0 to at least 3.3.0) collects the
     ``zarr.data_type`` entry points but never loads them, so it refuses an array whose data type
     only such an entry point declares. The day this fails because the array was read, zarr loads
-    them itself: drop serializers/zarr_plugin.py and the ``zarr.buffer`` entry point (the
+    them itself: drop residual_store_serializers/zarr_plugin.py and the ``zarr.buffer`` entry point (the
     ``zarr.data_type`` ones stay), and say so in docs/format.md."""
     site = tmp_path / "site"
     info = site / "rs_probe-0.dist-info"
@@ -194,7 +194,7 @@ def test_zarr_still_does_not_load_data_type_entry_points_itself(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("refused: No Zarr data type found that matches 'rs_probe_float32'"), (
         f"zarr now loads its zarr.data_type entry points itself ({proc.stdout.strip()!r}): "
-        "serializers/zarr_plugin.py and the zarr.buffer entry point can go"
+        "residual_store_serializers/zarr_plugin.py and the zarr.buffer entry point can go"
     )
 
 

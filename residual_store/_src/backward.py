@@ -94,6 +94,10 @@ class Executables:
         with self._lock:
             self._by_placement.clear()
 
+    def __len__(self) -> int:
+        """Executables held now (compiled, not dropped since)."""
+        return len(self._by_placement)
+
     def run(self, residuals: list[Any], cts: list[Any], check: Callable[[], None]) -> Any:
         """``fn(residuals, cts)``: inlined into the caller's trace under ``jax.jit``, else
         through the executable for these placements. ``check()`` names a bad residual (a wrong
@@ -208,6 +212,11 @@ class Backward:
         """The ``ClosedJaxpr`` of the flat function on these abstract inputs (traced, not
         compiled): what a B/W split partitions."""
         return self._jitted.trace(list(residual_avals), list(cotangent_avals)).jaxpr
+
+    @property
+    def holds_compiled(self) -> bool:
+        """Whether an executable of it is compiled and kept (for ``cache_info().currsize``)."""
+        return len(self._executables) > 0
 
     def drop_compiled(self) -> None:
         """Forgets the executables (the split's cache evicted them); the next call compiles again."""

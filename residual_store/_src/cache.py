@@ -13,6 +13,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from cachetools import Cache, LRUCache
 
+from residual_store._src.errors import InvalidArgumentError
+
 __all__ = ["CacheInfo", "ExecutableCache", "DEFAULT_CACHE_SIZE"]
 
 DEFAULT_CACHE_SIZE = 64
@@ -25,11 +27,17 @@ class CacheInfo(NamedTuple):
 
     Attributes:
       forward_compiles: forward executables compiled (one per new signature, again after eviction).
-      backward_compiles: backward executables compiled.
-      hits: forward calls served by a cached executable.
+      backward_compiles: backward executables compiled, resumed contexts' included.
+      hits: forward calls served by a cached executable (calls of the split, as
+        ``functools.lru_cache`` counts calls of the function it caches; backwards are counted
+        in ``backward_compiles``).
       misses: forward calls that had to trace and compile.
-      currsize: signatures now cached.
-      maxsize: the most signatures kept; the least recently used is dropped beyond it.
+      currsize: signatures whose compiled executables the split keeps now: those its cache
+        holds, and those whose backward it rebuilt and compiled for a context it never ran the
+        forward of (a resumed context, :meth:`Split.backward`).
+      maxsize: the most signatures the cache keeps; the least recently used is dropped beyond it
+        (with its backward's executables). A resumed context's backward is kept outside this
+        bound, one per signature.
     """
 
     forward_compiles: int
@@ -62,7 +70,7 @@ class ExecutableCache(Generic[V]):
 
     def __init__(self, maxsize: int, on_evict: Callable[[V], None] | None = None) -> None:
         if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
-            raise ValueError(f"cache_size must be a positive int, got {maxsize!r}")
+            raise InvalidArgumentError(f"cache_size must be a positive int, got {maxsize!r}")
         self._data = _EvictionsSeen(maxsize)
         self._lock = threading.Lock()
         self._on_evict = on_evict

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from residual_store._src.durations import parse_duration
+
 __all__ = ["age", "count", "duration", "human", "plural", "seconds", "status_line", "table"]
 
 
@@ -13,21 +15,13 @@ def plural(n: int, word: str, plural: str | None = None) -> str:
     return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 def duration(text: str) -> float:
-    """Seconds from ``"90"``, ``"90s"``, ``"15m"``, ``"1h"`` or ``"2d"`` (argparse type)."""
-    t = text.strip().lower()
-    scale = _DURATION_UNITS.get(t[-1:], None)
-    number = t[:-1] if scale is not None else t
+    """Seconds from ``"90"``, ``"90s"``, ``"15m"``, ``"1h"`` or ``"2d"`` (argparse type): the
+    forms ``Store.gc(older_than=...)`` takes, read by the same parser."""
     try:
-        value = float(number) * (scale or 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use seconds or 90s, 15m, 1h, 2d") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a duration is at least 0")
-    return value
+        return parse_duration(text, "--older-than")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--older-than: ")) from None
 
 
 def seconds(text: str) -> float:

@@ -62,7 +62,17 @@ class InvalidKeyError(ResidualStoreError, ValueError):
 
 
 class CorruptContextError(ResidualStoreError):
-    """Stored data failed verification: checksum, truncation, a missing array, a bad manifest."""
+    """Stored data failed verification: checksum, truncation, a missing array, a bad manifest.
+
+    Attributes:
+      key: the damaged context's key, where the error is about one context (``None`` for the
+        store's own files, such as its marker).
+      damage: what is damaged, naming its file once, without the advice (a program that words
+        its own, as the command line does, says it after the key).
+    """
+
+    key: str | None = None
+    damage: str = ""
 
 
 class StoreFullError(ResidualStoreError):
@@ -78,14 +88,33 @@ class StoreNotFoundError(ResidualStoreError, FileNotFoundError):
 
 
 class ReadOnlyStoreError(ResidualStoreError, PermissionError):
-    """A write (``put``, ``pop``, ``delete``, ``gc``) on a store opened with ``read_only=True``."""
+    """A write (``put``, ``pop``, ``delete``, ``gc``) on a store opened with ``read_only=True``,
+    or a store opened to write where nothing can be written (a read-only mount, no permission).
+
+    Attributes:
+      reason: what cannot be written and why, without the advice (a program that words its own,
+        as the command line does, says it in its own terms).
+    """
+
+    reason: str = ""
 
 
 class StoreUnavailableError(ResidualStoreError, OSError):
     """An object store (a tensorstore kvstore such as ``s3`` or ``gcs``) did not answer within
     ``Store(..., timeout=...)`` or refused the request (connection refused, retries exhausted,
-    credentials refused). A put that met it is not committed, and nothing half-written is ever
-    visible; check the endpoint, the network and the credentials, or give a longer timeout."""
+    an unknown host, credentials refused). A put that met it is not committed, and nothing
+    half-written is ever visible; the message says what to check.
+
+    Attributes:
+      reason: what happened, without the advice (a program that words its own, as the command
+        line does, says it after its own name for the store).
+      timed_out: whether a longer timeout might have helped (the store did not answer in time,
+        or tensorstore's retries ran out); ``False`` for what no wait heals (an unknown host,
+        refused credentials, a bucket that is not there).
+    """
+
+    reason: str = ""
+    timed_out: bool = False
 
 
 class ResidualStoreWarning(UserWarning):

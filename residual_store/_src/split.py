@@ -362,12 +362,15 @@ class Split:
 
     def cache_info(self) -> CacheInfo:
         """Compile counts and cache statistics (see :class:`CacheInfo`)."""
+        forwards = {entry.spec.signature for entry in self._cache.values()}
+        with self._trace_lock:
+            resumed = sum(sig not in forwards and bwd.holds_compiled for sig, bwd in self._by_signature.items())
         return CacheInfo(
             forward_compiles=self._forward_compiles,
             backward_compiles=self._backward_compiles,
             hits=self._cache.hits,
             misses=self._cache.misses,
-            currsize=len(self._cache),
+            currsize=len(self._cache) + resumed,
             maxsize=self._cache.maxsize,
         )
 

@@ -15,9 +15,12 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
+from residual_store._src.durations import parse_duration
 from residual_store._src.errors import InvalidArgumentError
 
-__all__ = ["Headroom", "memory_stats", "parse_budget", "parse_bytes", "parse_seconds", "parse_size"]
+__all__ = [
+    "Headroom", "check_flags", "memory_stats", "parse_age", "parse_budget", "parse_bytes", "parse_seconds", "parse_size",
+]
 
 _UNITS = {
     "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,  # (a bare "8G" is ambiguous: refused)
@@ -33,6 +36,23 @@ def parse_bytes(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
     return int(value)
+
+
+def check_flags(**flags: Any) -> None:
+    """Raises :class:`InvalidArgumentError` for a flag that is not a ``bool`` (``"no"`` is a
+    true string, and would be taken for ``True``)."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise InvalidArgumentError(f"{name} must be True or False, got {type(value).__name__} {value!r:.60}")
+
+
+def parse_age(value: Any, name: str) -> float:
+    """An age (``gc``'s ``older_than``) as the command line's ``--older-than`` takes it: seconds,
+    or ``"90s"``, ``"15m"``, ``"1h"``, ``"2d"`` (:func:`~residual_store._src.durations.parse_duration`)."""
+    try:
+        return parse_duration(value, name)
+    except ValueError as err:
+        raise InvalidArgumentError(str(err)) from None
 
 
 @overload

@@ -11,14 +11,14 @@ The frozen records here are what :meth:`Store.info <residual_store.Store.info>`,
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
 
-import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidArgumentError
 from residual_store._src.store import backwards
 from residual_store._src.store.disk import forms, paths
+from residual_store._src.store.disk.damage import damaged_context, size_damage, size_words, without_key
 from residual_store._src.store.disk.records import StoredContext, check_signature
 from residual_store._src.store.disk.tier import DiskTier
 
@@ -36,7 +36,6 @@ __all__ = [
     "disk_bytes",
     "measure",
     "memory_info",
-    "size_damage",
     "stored_info",
     "verify",
 ]
@@ -131,6 +130,9 @@ class BackwardInfo:
       jax_version: the JAX version that exported it (or recorded why it could not).
       reason: why none is runnable (``stored`` is ``False``): none stored yet, not exportable,
         damaged.
+      damaged: whether one is stored but damaged: its manifest unreadable, or its export missing
+        or of another size than its manifest says (what one ``stat`` shows; ``verify`` reads
+        every byte). ``gc`` removes it; the next put of its signature saves it again.
     """
 
     signature: str
@@ -139,6 +141,7 @@ class BackwardInfo:
     left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
     jax_version: str | None = None
     reason: str | None = None
+    damaged: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +152,9 @@ class SignatureUsage:
       contexts: how many contexts.
       intermediate: bytes of their intermediates (their own).
       inputs: bytes of their per-context inputs (their own).
-      weights: bytes of the weights they hold, each counted once.
+      weights: bytes of the weights they hold, each counted once in the whole store: a weight
+        that contexts of several signatures hold is counted under the first of them, in
+        signature order.
     """
 
     contexts: int = 0
@@ -170,6 +175,7 @@ class StoreUsage:
       recycled: bytes of data folders kept for reuse (part of ``"data"``; ``gc`` frees them).
       signatures: per signature, what its contexts hold (:class:`SignatureUsage`).
       unreadable: contexts whose manifest could not be read (not counted in ``signatures``).
+      unreadable_manifests: those contexts, key -> what is damaged (as ``verify`` says it).
     """
 
     total: int | None
@@ -177,6 +183,7 @@ class StoreUsage:
     recycled: int | None
     signatures: Mapping[str, SignatureUsage]
     unreadable: int = 0
+    unreadable_manifests: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def measured(self) -> bool:
@@ -287,7 +294,7 @@ def _sized_stat(disk: DiskTier, key: str) -> tuple[StoredContext, str | None]:
     deleted meanwhile."""
     stored = disk.stat(key)
     for _ in range(_LOOKS):
-        damage = size_damage(disk, stored)
+        damage = size_damage(disk.backend, stored)
         if damage is None:
             return stored, None
         disk.forget_stat(key)  # the manifest file itself again, not a cached parse
@@ -296,55 +303,6 @@ def _sized_stat(disk: DiskTier, key: str) -> tuple[StoredContext, str | None]:
             return again, damage
         stored = again
     return stored, None  # replaced on every look: busy, not seen damaged (verify reads it)
-
-
-def _sized_files(stored: StoredContext) -> Iterator[tuple[str, str, int]]:
-    """(its name in words, path, bytes) of each file of ``stored`` whose size its manifest
-    fixes: the bundle (its recorded size) and each chunk file of an array outside it (its
-    chunk's raw bytes, the only codec being ``bytes``; an array with no element has none)."""
-    if stored.bundle is not None:
-        yield f"bundle {stored.bundle.path}", stored.bundle.path, stored.bundle.nbytes
-    seen: set[str] = set()
-    for i, r in enumerate(stored.records):
-        if r.bundled or r.path in seen or math.prod(r.shape) == 0:
-            continue
-        seen.add(r.path)
-        try:
-            itemsize = serializers.numpy_dtype(r.dtype).itemsize
-        except (serializers.SerializationError, ValueError, TypeError):
-            continue  # a dtype this process cannot read: get and verify say so
-        if r.chunk_shape is None:
-            files = [("/".join((r.path, serializers.chunk_key(r.shape) or "")), math.prod(r.shape) * itemsize)]
-        else:
-            chunk_bytes = math.prod(r.chunk_shape) * itemsize
-            chunks = (serializers.chunk_index_key(idx) for idx, _ in r.chunk_checksums or ())
-            files = [("/".join((r.path, chunk)), chunk_bytes) for chunk in chunks]
-        for path, nbytes in files:
-            yield f"residual {i} ({r.name}): file {path}", path, nbytes
-
-
-def size_damage(disk: DiskTier, stored: StoredContext) -> str | None:
-    """The first file of ``stored`` that is missing or of another size than its manifest says,
-    in words naming it once (``None``: every size is right, or the storage gives no sizes).
-
-    One ``stat`` per file and nothing read: what ``ls`` and ``inspect`` can afford for every
-    context. A truncated copy or a half-written file shows here; a flipped byte only in
-    :func:`verify`."""
-    backend = disk.backend
-    for what, path, expected in _sized_files(stored):
-        try:
-            size = backend.tree_bytes(path)
-            if size is None:
-                return None  # a kvstore: listings give no sizes
-            if size == expected:
-                continue
-            if size == 0 and not backend.exists(path):
-                return f"{what} is missing"
-        except CorruptContextError as err:  # a link on the way, refused
-            return f"{what} cannot be read: {err}"
-        kind = "truncated" if size < expected else "too long"
-        return f"{what} is {kind} ({size:,} bytes on disk, the manifest says {expected:,})"
-    return None
 
 
 def backward_info(disk: DiskTier | None, signature: str) -> BackwardInfo:
@@ -363,9 +321,14 @@ def backward_info(disk: DiskTier | None, signature: str) -> BackwardInfo:
     if disk is None:
         return BackwardInfo(signature, False, reason="a memory-only store stores no backwards")
     try:
-        status = backwards.describe(backwards.read_manifest(disk, signature))
+        manifest = backwards.read_manifest(disk, signature)
     except CorruptContextError as err:
-        return BackwardInfo(signature, False, reason=f"damaged: {err}")
+        return BackwardInfo(signature, False, reason=f"damaged: {err}", damaged=True)
+    status = backwards.describe(manifest)
+    damage = _export_damage(disk, signature, manifest) if status["stored"] else None
+    if damage is not None:
+        return BackwardInfo(signature, False, jax_version=status.get("jax_version"), reason=f"damaged: {damage}",
+                            damaged=True)
     return BackwardInfo(
         signature,
         status["stored"],
@@ -374,6 +337,22 @@ def backward_info(disk: DiskTier | None, signature: str) -> BackwardInfo:
         jax_version=status.get("jax_version"),
         reason=status.get("reason"),
     )
+
+
+def _export_damage(disk: DiskTier, signature: str, manifest: Mapping[str, Any] | None) -> str | None:
+    """The stored backward's export missing or of another size than its manifest says, in the
+    words of :mod:`~residual_store._src.store.disk.damage` (one ``stat``; ``None`` where the
+    storage gives no sizes, or all is well)."""
+    expected = (manifest or {}).get("nbytes")
+    if not isinstance(expected, int):
+        return None  # an older manifest without it: verify reads the export
+    export = paths.backward_paths(signature)[0]
+    size = disk.backend.tree_bytes(export)
+    if size is None or size == expected:
+        return None
+    if size == 0 and not disk.backend.exists(export):
+        return f"its export {export} is missing"
+    return size_words(f"its export {export}", size, expected)
 
 
 # -- disk usage -------------------------------------------------------------------------------
@@ -404,11 +383,11 @@ def _signature_usage(manifests: Iterable[StoredContext], progress: Progress | No
 def measure(disk: DiskTier, progress: Progress | None = None) -> StoreUsage:
     """The bytes of each part of the store on disk (measured on a folder; ``None`` on kvstores,
     whose listings give no sizes) and what its manifests record per signature."""
-    unreadable = 0
+    unreadable: dict[str, str] = {}
     manifests = []
-    for _, stored in disk.iter_manifests():
+    for key, stored in disk.iter_manifests():
         if isinstance(stored, CorruptContextError):
-            unreadable += 1
+            unreadable[key] = stored.damage or without_key(key, str(stored))
         else:
             manifests.append(stored)
     signatures = _signature_usage(manifests, progress)
@@ -422,7 +401,8 @@ def measure(disk: DiskTier, progress: Progress | None = None) -> StoreUsage:
         parts=parts,
         recycled=disk.backend.tree_bytes(paths.FREE_DIR),
         signatures=signatures,
-        unreadable=unreadable,
+        unreadable=len(unreadable),
+        unreadable_manifests=unreadable,
     )
 
 
@@ -437,9 +417,9 @@ def _verify_context(disk: DiskTier, key: str) -> StoredContext:
     reads: a context replaced meanwhile (by another process) is read again, never called damaged."""
 
     def sizes(stored: StoredContext) -> None:
-        damage = size_damage(disk, stored)
+        damage = size_damage(disk.backend, stored)
         if damage is not None:
-            raise CorruptContextError(damage)
+            raise damaged_context(key, damage)
 
     def the_rest(stored: StoredContext) -> None:
         check_metadata = getattr(disk.backend, "check_metadata", None)  # zarr.json, for plain zarr
@@ -486,7 +466,7 @@ def verify(
         except ContextNotFoundError:
             continue  # deleted meanwhile, by another process: nothing to check
         except CorruptContextError as err:
-            damaged[key] = str(err)
+            damaged[key] = err.damage or without_key(key, str(err))
         else:
             verified += 1
             signatures.add(stored.spec.signature)

@@ -42,11 +42,12 @@ import residual_store_serializers as serializers
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidKeyError, ResidualStoreWarning
 from residual_store._src.store import backwards
 from residual_store._src.store.disk import paths
+from residual_store._src.store.disk.damage import size_damage
 from residual_store._src.store.disk.folder import LocalBackend
 from residual_store._src.store.disk.paths import ITEM_RECORD, STORE_MARKER
 from residual_store._src.store.disk.records import check_signature
 from residual_store._src.store.disk.tier import DiskTier
-from residual_store._src.store.inspection import VerifyReport, size_damage
+from residual_store._src.store.inspection import VerifyReport
 from residual_store._src.store.key_rules import validate_key
 from residual_store._src.store.workers import request_pool
 from residual_store_serializers.checksums import parse_checksum
@@ -256,7 +257,7 @@ def _file_damage(disk: DiskTier, record: Record, keys: Iterable[str]) -> dict[st
             stored = disk.stat(key)
         except (ContextNotFoundError, CorruptContextError) as err:
             return str(err)
-        damage = size_damage(disk, stored)
+        damage = size_damage(disk.backend, stored)
         return f"its data is not whole: {damage}" if damage is not None else broken.get(stored.spec.signature)
 
     keys = list(keys)

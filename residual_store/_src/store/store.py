@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import jax
 import numpy as np
@@ -16,7 +16,15 @@ from residual_store._src import _jax_internals
 from residual_store._src.context import ResidualContext
 from residual_store._src.errors import ContextNotFoundError, InvalidArgumentError
 from residual_store._src.store import inspection
-from residual_store._src.store.budgets import Headroom, parse_budget, parse_bytes, parse_seconds, parse_size
+from residual_store._src.store.budgets import (
+    Headroom,
+    check_flags,
+    parse_age,
+    parse_budget,
+    parse_bytes,
+    parse_seconds,
+    parse_size,
+)
 from residual_store._src.store.collective import TIMEOUT_S, committer_for
 from residual_store._src.store.disk.backends import resolve_path
 from residual_store._src.store.disk.buffers import DEFAULT_READ_BUFFER_BYTES
@@ -24,6 +32,7 @@ from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import read_device, to_numpy
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
 from residual_store._src.store.key_rules import validate_key
+from residual_store._src.store.mapping import StoreMapping
 from residual_store._src.store.persistence import Persistence, keeping_for, persistence_for
 from residual_store._src.store.pinned import HostPool, capacity_for
 from residual_store._src.store.reads import Reads
@@ -35,6 +44,9 @@ __all__ = ["Store"]
 StorePath = str | os.PathLike[str] | Mapping[str, Any] | None
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30
+
+T = TypeVar("T")
+_NO_DEFAULT: Any = object()  # get and pop without a default raise for a missing key
 
 
 def _shut_down(persistence: Persistence, loads: ThreadPoolExecutor, landings: ThreadPoolExecutor) -> None:
@@ -49,7 +61,7 @@ def _shut_down(persistence: Persistence, loads: ThreadPoolExecutor, landings: Th
     landings.shutdown(wait=False)
 
 
-class Store:
+class Store(StoreMapping):
     """Residual contexts by key, in tiers: device -> host memory -> disk.
 
     Args:
@@ -57,7 +69,9 @@ class Store:
         reads them (``"file:///runs/a"``, ``"memory://"``, ``"s3://bucket/runs/a"``,
         ``"gs://bucket/runs/a"``; any other ``scheme://`` raises :class:`InvalidArgumentError`),
         a tensorstore kvstore spec (``{"driver": "file", "path": ...}``, ``{"driver": "memory"}``,
-        ``gcs``/``s3`` specs pass through), or ``None`` for memory only. Opened to write, a
+        ``gcs``/``s3`` specs pass through), or ``None`` for memory only; a first part that looks
+        like a scheme without ``//`` (``s3:/bucket/x``, what ``pathlib.Path`` makes of a URL)
+        raises :class:`InvalidArgumentError` naming the URL it probably meant. Opened to write, a
         folder that cannot be written (a read-only mount, no permission) raises
         :class:`ReadOnlyStoreError` at once: pass ``read_only=True`` to read it.
       device_budget, host_budget: bytes of intermediates each memory tier may hold (``None``:
@@ -88,16 +102,24 @@ class Store:
         (``None``: JAX's default device): a pipeline stage's store gives its stage's device.
         Sharded residuals go back to their recorded mesh either way.
       timeout: seconds each request to an object store (a kvstore spec such as ``s3`` or
-        ``gcs``) may take, tensorstore's retries included (``None``: tensorstore's own retries,
-        which take minutes to give up on an unreachable store). A request that outlives it, or
-        that the store refuses, raises :class:`StoreUnavailableError` (from ``Store(...)``,
-        ``get`` and the like, or from ``flush`` for a background write). A local folder has no
-        requests to bound.
+        ``gcs``) may take, tensorstore's retries included (``None``: 30 s). A request that
+        outlives it, or that the store refuses, raises :class:`StoreUnavailableError` (from
+        ``Store(...)``, ``get`` and the like, or from ``flush`` for a background write); what no
+        retry heals (an unknown host, refused credentials) is reported at the first request, not
+        retried. A local folder has no requests to bound.
 
-    Nothing put is lost on a normal exit: pending writes complete at interpreter exit (the end
-    of the script, ``sys.exit``, an uncaught exception) and when the store is garbage-collected.
-    Only a killed process (``kill -9``, an unhandled ``SIGTERM``) loses what was put after the
-    last ``flush``; :func:`residual_store.flush_on_sigterm` makes ``SIGTERM`` complete the writes.
+    With ``write_through=True`` (the default), nothing put is lost on a normal exit: pending
+    writes complete at interpreter exit (the end of the script, ``sys.exit``, an uncaught
+    exception) and when the store is garbage-collected; a write that fails then is printed on
+    stderr and the process ends with status 1. Only a killed process (``kill -9``, an unhandled
+    ``SIGTERM``) loses what was put after the last ``flush``;
+    :func:`residual_store.flush_on_sigterm` makes ``SIGTERM`` complete the writes. With
+    ``write_through=False`` the disk holds only what the budgets pushed out, and ``close`` (or
+    the exit) drops the rest by design.
+
+    The store is a :class:`collections.abc.MutableMapping` from key to context
+    (:mod:`~residual_store._src.store.mapping`), except that ``get(key)`` without a default
+    raises for a missing key, as ``store[key]`` does.
 
     Example:
       >>> import jax.numpy as jnp, residual_store as rs, tempfile
@@ -128,6 +150,7 @@ class Store:
         device_headroom: int | str | None = None,
     ) -> None:
         self._closed = True  # until every part exists: a failed constructor leaves no threads
+        check_flags(write_through=write_through, durable=durable, create=create, read_only=read_only)
         self._read_only = bool(read_only)
         if path is None and self._read_only:
             raise InvalidArgumentError("a memory-only store (path=None) cannot be read_only")
@@ -177,6 +200,7 @@ class Store:
     # -- context manager ----------------------------------------------------------------------
 
     def __enter__(self) -> Store:
+        self._check_open()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -232,15 +256,25 @@ class Store:
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
 
-    def get(self, key: str) -> ResidualContext:
+    @overload
+    def get(self, key: str) -> ResidualContext: ...
+    @overload
+    def get(self, key: str, default: T) -> ResidualContext | T: ...
+    def get(self, key: str, default: Any = _NO_DEFAULT) -> Any:
         """The context under ``key``, on device: waits for a prefetch, verifies what it reads.
+        With a ``default``, a missing key returns it, as a mapping's ``get`` does.
 
         Raises:
-          ContextNotFoundError: no such key. CorruptContextError: stored data failed
-          verification (the message names the key and the residual).
+          ContextNotFoundError: no such key (and no ``default``). CorruptContextError: stored
+          data failed verification (the message names the key and the residual).
         """
         self._check_open()
-        ctx = self._reads.get(validate_key(key))
+        try:
+            ctx = self._reads.get(validate_key(key))
+        except ContextNotFoundError:
+            if default is _NO_DEFAULT:
+                raise
+            return default
         # only now: a load ahead may push out the context just got (the schedule is done with it)
         self._reads.ahead()
         return ctx
@@ -287,11 +321,20 @@ class Store:
         self._table.declare([validate_key(k) for k in keys])
         self._reads.ahead()
 
-    def pop(self, key: str) -> ResidualContext:
-        """``get`` then ``delete``."""
+    @overload
+    def pop(self, key: str) -> ResidualContext: ...
+    @overload
+    def pop(self, key: str, default: T) -> ResidualContext | T: ...
+    def pop(self, key: str, default: Any = _NO_DEFAULT) -> Any:
+        """``get`` then ``delete``; with a ``default``, a missing key returns it."""
         self._check_open()
         self._persistence.check_writable("pop")
-        ctx = self.get(key)
+        try:
+            ctx = self.get(key)
+        except ContextNotFoundError:
+            if default is _NO_DEFAULT:
+                raise
+            return default
         self.delete(key)
         return ctx
 
@@ -335,8 +378,7 @@ class Store:
         return len(self.keys())
 
     # -- the mapping protocol: store[key], store[key] = ctx, del store[key], iteration ---------
-    # (not a collections.abc.Mapping: Store.get raises for a missing key, as store[key] does,
-    # where Mapping.get would return a default)
+    # (the rest of collections.abc.MutableMapping: mapping.py)
 
     def __getitem__(self, key: str) -> ResidualContext:
         """``store[key]`` is ``store.get(key)`` (:class:`ContextNotFoundError`, a ``KeyError``)."""
@@ -410,11 +452,13 @@ class Store:
                 raise ContextNotFoundError.of(key, repr(self))
 
     def gc(
-        self, older_than: float = 3600.0, *, dry_run: bool = False, progress: Progress | None = None
+        self, older_than: float | str = 3600.0, *, dry_run: bool = False, progress: Progress | None = None
     ) -> dict[str, int]:
         """Removes what no committed context needs: unreferenced weights and data, recycled
         folders, stored backwards of signatures no context has (and damaged ones), temporary
-        files of interrupted writes; only items at least ``older_than`` seconds old.
+        files of interrupted writes; only items at least ``older_than`` old: seconds (``0``:
+        all), or a string as the command line's ``--older-than`` takes (``"90s"``, ``"15m"``,
+        ``"1h"``, ``"2d"``).
 
         Returns how many of each kind it removed (``dry_run``: would remove, changing nothing),
         ``"young"``, the unneeded items it kept for being younger, and ``"bytes"``, what it
@@ -422,6 +466,8 @@ class Store:
         far after each item (see :meth:`verify`).
         """
         self._check_open()
+        older_than = parse_age(older_than, "older_than")
+        check_flags(dry_run=dry_run)
         if not dry_run:
             self._persistence.check_writable("gc")
         return self._persistence.gc(older_than, dry_run=dry_run, progress=progress)
@@ -568,3 +614,6 @@ class Store:
         report = self._persistence.verify([k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress)
         in_memory = sum(k not in on_disk for k in chosen)  # written with write_through=False, not spilled
         return dataclasses.replace(report, verified=report.verified + in_memory) if in_memory else report
+
+
+MutableMapping.register(Store)  # (registered, not derived: see mapping.py)

@@ -44,6 +44,7 @@ from typing import Any
 
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.store.critical import StoreLock, store_condition
+from residual_store._src.store.exit_status import fail_at_exit
 
 __all__ = [
     "Writer", "bound_exit_drain", "drain_all", "drain_within", "draining_at_exit", "exit_drained", "janitor",
@@ -347,6 +348,8 @@ AFTER_EXIT_DRAIN: list[Callable[[], None]] = []  # run once the exit drain is ov
 
 def _report(err: BaseException, when: str) -> None:
     print(f"residual-store: a background write failed {when}: {type(err).__name__}: {err}", file=sys.stderr)
+    if _AT_EXIT:
+        fail_at_exit()  # the process's exit status says it too (exit_status.py)
 
 
 def _release_frames(err: BaseException) -> None:

@@ -27,6 +27,10 @@ Location = str | Mapping[str, Any] | None
 
 # ``scheme://`` at the start of a path: a URL (RFC 3986's scheme characters), never a folder
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+# ``scheme:`` as a path's whole first part (then ``/`` or nothing): a URL that lost a slash, as
+# ``pathlib.Path("s3://bucket/x")`` makes it (``s3:/bucket/x``); two letters at least, so that a
+# drive letter (``C:/``) is not one
+_LOST_SLASH = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(?:/|$)")
 
 
 def check_path(path: Any) -> None:
@@ -61,13 +65,15 @@ def resolve_path(path: Any, *, read_only: bool = False, create: bool = True) -> 
     a folder with a leading ``~`` expanded to the user's home.
 
     A path is never taken literally where it means something else: ``"s3://bucket/run"`` as a
-    folder would be ``./s3:/bucket/run``, ``"~/runs"`` a folder named ``~``. Opened to write
+    folder would be ``./s3:/bucket/run``, ``"~/runs"`` a folder named ``~``; and a path whose
+    first part is ``scheme:`` (``s3:/bucket/run``, what ``pathlib.Path`` makes of the URL) is
+    refused with the URL it probably meant. Opened to write
     (``read_only=False``), a local folder that cannot be written is refused here, before
     anything is written.
 
     Raises:
       InvalidArgumentError: not a path (:func:`check_path`), a URL of another scheme, a URL
-        tensorstore refuses, or a ``~user`` with no such user.
+        tensorstore refuses, a URL that lost a slash, or a ``~user`` with no such user.
       ReadOnlyStoreError: opened to write where nothing can be written
         (:func:`~residual_store._src.store.disk.folder.check_writable`).
     """
@@ -86,6 +92,9 @@ def _from_text(text: str) -> str | dict[str, Any]:
     url = _URL_SCHEME.match(text)
     if url is not None:
         return url_spec(text, url.group(1))
+    lost = _LOST_SLASH.match(text)
+    if lost is not None:
+        raise InvalidArgumentError(_lost_slash(text, lost.group(1)))
     folder = os.path.expanduser(text)
     if folder.startswith("~"):
         user = folder[1:].split(os.sep, 1)[0]
@@ -94,6 +103,17 @@ def _from_text(text: str) -> str | dict[str, Any]:
             if user else f"store path {text!r}: no home folder to expand ~ to (HOME is not set)"
         )
     return folder
+
+
+def _lost_slash(text: str, scheme: str) -> str:
+    """The refusal of ``text``, a path whose first part is ``scheme:``: the URL it probably
+    meant, and how to name such a folder if a folder was meant."""
+    rest = text[len(scheme) + 1 :].lstrip("/")
+    meant = f"{scheme}:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
+    return (
+        f"store path {text!r} looks like a URL that lost a slash (as pathlib.Path makes of {meant!r}): "
+        f"give {meant!r}; a local folder of that name is {'./' + text!r}"
+    )
 
 
 def _local_folder(location: str | Mapping[str, Any]) -> str | None:

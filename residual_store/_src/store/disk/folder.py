@@ -432,10 +432,12 @@ def check_writable(root: str, *, create: bool) -> None:
         return  # no store to open: StoreNotFoundError says so
     why = "on a read-only file system" if _read_only_mount(folder) else "not writable by this process"
     where = root if folder == os.path.abspath(root) else f"{root}: the folder above it, {folder},"
-    raise ReadOnlyStoreError(
+    error = ReadOnlyStoreError(
         f"{where} is {why}, and a store opened to write needs to write there: pass read_only=True "
         "to read a store there, or give a writable folder"
     )
+    error.reason = f"{where} is {why}"
+    raise error
 
 
 def _writable(folder: str) -> bool:

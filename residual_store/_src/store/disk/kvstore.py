@@ -6,8 +6,10 @@ strategy: :class:`~residual_store._src.store.disk.kvstore.AtomicPuts`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -17,10 +19,17 @@ import tensorstore as ts
 
 import residual_store_serializers as serializers
 from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
+from residual_store._src.store.disk.paths import STORE_MARKER
 from residual_store._src.store.disk.protocol import Backend, ContextWrite, Empty, Files, StaleData, damaged
-from residual_store_serializers.kv_errors import is_missing_bucket
+from residual_store._src.store.disk.sdk_logs import sdk_logs_to_logger
+from residual_store_serializers.kv_errors import is_missing_bucket, ts_message
 
-__all__ = ["AtomicPuts", "KvBackend", "URL_SCHEMES", "url_spec"]
+__all__ = ["AtomicPuts", "DEFAULT_TIMEOUT_S", "KvBackend", "URL_SCHEMES", "url_spec"]
+
+# Seconds each request to an object store may take by default, tensorstore's retries included:
+# an unreachable store is reported within it (tensorstore alone retries for minutes), and a
+# context of a few GiB goes up or comes down well within it on a cloud machine's link.
+DEFAULT_TIMEOUT_S = 30.0
 
 
 def _requests(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,10 +55,32 @@ def _refused(err: BaseException) -> bool:
     return isinstance(err, PermissionError) or str(err).startswith(("PERMISSION_DENIED", "UNAUTHENTICATED"))
 
 
+# curl's words for a name that does not resolve (curl codes 5 and 6: the proxy's, the host's)
+_UNKNOWN_HOST = re.compile(r"Could not resolve (?:proxy|host): ([^\s\[\]]+)")
+
+
+def _unknown_host(err: BaseException) -> str | None:
+    """The host ``err`` says does not resolve, if it says so."""
+    found = _UNKNOWN_HOST.search(ts_message(err.__cause__ or err))
+    return found.group(1) if found else None
+
+
+def _no_credentials(err: BaseException) -> bool:
+    """The store refused the credentials, or none could be had (tensorstore's words)."""
+    text = ts_message(err.__cause__ or err)
+    return _refused(err.__cause__ or err) or "Failed to get credentials" in text
+
+
 # tensorstore's context resource for the retries of each networked driver (all three take
 # max_retries, initial_delay and max_delay)
 _RETRY_RESOURCES = {"s3": "s3_request_retries", "gcs": "gcs_request_retries", "http": "http_request_retries"}
 _LOCAL_DRIVERS = ("file", "memory")
+
+
+def _tried_once(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` whose requests are tried once (a networked driver's; any other as it is)."""
+    name = _RETRY_RESOURCES.get(spec.get("driver"))  # type: ignore[arg-type]
+    return spec if name is None else {**spec, name: {"max_retries": 1, "initial_delay": "1ms", "max_delay": "1ms"}}
 
 
 def _with_timeout(spec: dict[str, Any], timeout: float | None) -> dict[str, Any]:
@@ -72,20 +103,32 @@ def _with_timeout(spec: dict[str, Any], timeout: float | None) -> dict[str, Any]
 class KvBackend:
     """Any tensorstore kvstore spec (``memory``, ``file`` with options, ``gcs``, ``s3``).
 
-    With a ``timeout``, every request waits at most that many seconds and tensorstore's
-    retries are fitted into it (:func:`_with_timeout`); a request that outlives it, or that
-    the store refuses or gives up on, raises :class:`StoreUnavailableError`. A spec tensorstore
-    refuses raises :class:`InvalidArgumentError`."""
+    Every request to an object store waits at most ``timeout`` seconds
+    (:data:`DEFAULT_TIMEOUT_S` if ``None``; a local kvstore's, with ``None``, as long as it
+    takes), tensorstore's retries fitted into it (:func:`_with_timeout`); a request that
+    outlives it, or that the store refuses or gives up on, raises
+    :class:`StoreUnavailableError`. The first request is tried once (:meth:`_first_contact`):
+    a failure no retry heals is reported at once. A spec tensorstore refuses raises
+    :class:`InvalidArgumentError`."""
 
     def __init__(self, spec: Mapping[str, Any], timeout: float | None = None) -> None:
         self.description = repr(dict(spec))
-        self.timeout = timeout
         self.remote = spec.get("driver") not in _LOCAL_DRIVERS
-        self.spec = _with_timeout(_with_quiet_credentials(dict(spec)), timeout)
+        self.timeout_given = timeout is not None
+        self.timeout = DEFAULT_TIMEOUT_S if timeout is None and self.remote else timeout
+        self.spec = _with_timeout(_with_quiet_credentials(dict(spec)), self.timeout)
         self.context = serializers.default_context()
+        # the SDKs log while the first request looks for credentials: kept off the terminal
+        with sdk_logs_to_logger() if self.remote else contextlib.nullcontext():
+            if self.remote:
+                self._first_contact()
+            self.kv = self._open(self.spec)
+
+    def _open(self, spec: dict[str, Any]) -> Any:
+        """The kvstore of ``spec``; :class:`InvalidArgumentError` for a spec tensorstore refuses."""
         try:
-            opened = ts.KvStore.open(self._with_slash(self.spec), context=self.context)
-            self.kv = serializers.wait_request(opened, timeout, "opening the kvstore")
+            opened = ts.KvStore.open(self._with_slash(spec), context=self.context)
+            return serializers.wait_request(opened, self.timeout, "opening the kvstore")
         except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
             if serializers.is_unavailable(err):
                 raise self.unavailable(err) from err
@@ -96,24 +139,51 @@ class KvBackend:
                 "https://google.github.io/tensorstore/kvstore/index.html for the drivers and their options"
             ) from None
 
-    def unavailable(self, err: BaseException) -> StoreUnavailableError:
-        """The :class:`StoreUnavailableError` of a request that met ``err``."""
-        text = err.strerror if isinstance(err, OSError) and isinstance(err.strerror, str) else str(err)
-        why = (text.strip().splitlines() or [type(err).__name__])[0]
-        if is_missing_bucket(err):
-            why = why.split(" [", 1)[0]  # (the HTTP details after it: the response's headers and body)
-            return StoreUnavailableError(
-                f"{self.description}: the bucket {self.spec.get('bucket', '')!r} is not there (deleted, or an "
-                f"object store that restarted without it): {why}. Check the bucket and the endpoint, or make "
-                "the bucket again"
+    def _first_contact(self) -> None:
+        """A read of the store marker, tried once: a failure no retry heals (a host that does
+        not resolve, credentials refused or not to be had, a bucket that is not there), or no
+        answer within the whole timeout, raises :class:`StoreUnavailableError` at once, where
+        tensorstore would retry a name that does not resolve 32 times. Any other failure is
+        left to the requests that follow, with their retries (a refused connection may be a
+        server starting)."""
+        try:
+            kv = serializers.wait_request(
+                ts.KvStore.open(self._with_slash(_tried_once(self.spec)), context=self.context), self.timeout,
+                "opening the kvstore",
             )
-        limit = (f"within the timeout of {self.timeout:g} s" if self.timeout is not None
-                 else "(no timeout: give rs.Store(..., timeout=SECONDS) to bound each request)")
-        return StoreUnavailableError(
-            f"{self.description}: the object store did not answer {limit}, or refused the "
-            f"request: {why}. Check the endpoint, the network and the credentials, or give a "
-            "longer timeout"
-        )
+            serializers.wait_request(kv.read(STORE_MARKER), self.timeout, f"reading {STORE_MARKER}")
+        except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
+            silent = isinstance(err, OSError) and err.errno == errno.ETIMEDOUT  # the whole timeout
+            if silent or _unknown_host(err) or _no_credentials(err) or is_missing_bucket(err.__cause__ or err):
+                raise self.unavailable(err) from err
+
+    def unavailable(self, err: BaseException) -> StoreUnavailableError:
+        """The :class:`StoreUnavailableError` of a request that met ``err``: its ``reason``
+        (what happened, without advice), and ``timed_out`` where a longer timeout may help."""
+        text = err.strerror if isinstance(err, OSError) and isinstance(err.strerror, str) else str(err)
+        why = (text.strip().splitlines() or [type(err).__name__])[0].split(" [", 1)[0]  # (not the HTTP details)
+        host = _unknown_host(err)
+        timed_out = False
+        if is_missing_bucket(err.__cause__ or err) or is_missing_bucket(err):
+            reason = (f"the bucket {self.spec.get('bucket', '')!r} is not there (deleted, or an object store "
+                      f"that restarted without it): {why}")
+            advice = "Check the bucket and the endpoint, or make the bucket again"
+        elif host is not None:
+            reason = f"the object store's host {host} is unknown (no such name, or no network)"
+            advice = "Check the endpoint and the network (a name that does not resolve is not retried)"
+        elif _no_credentials(err):
+            reason = f"the object store refused the credentials or the request: {why}"
+            advice = "Check the credentials and the bucket's permissions (a refusal is not retried)"
+        else:
+            limit = (f"the timeout of {self.timeout:g} s" if self.timeout_given
+                     else f"the default timeout of {self.timeout:g} s" if self.timeout is not None else "the time it took")
+            reason = f"the object store did not answer within {limit}, or refused the request: {why}"
+            longer = "a longer timeout" if self.timeout_given else "timeout=SECONDS"
+            advice = f"Check the endpoint, the network and the credentials, or give {longer}"
+            timed_out = True
+        error = StoreUnavailableError(f"{self.description}: {reason}. {advice}")
+        error.reason, error.timed_out = reason, timed_out
+        return error
 
     @staticmethod
     def _with_slash(spec: dict[str, Any]) -> dict[str, Any]:

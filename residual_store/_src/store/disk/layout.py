@@ -31,6 +31,8 @@ from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms
 from residual_store._src.store.disk.paths import (
     DATA,
+    STORE_FORMAT,
+    STORE_MARKER,
     STORE_VERSION,
     WEIGHTS,
     bundle_path,
@@ -71,6 +73,13 @@ def root_group() -> dict[str, bytes]:
     }
 
 
+# what to do about a damaged marker: the contexts are not in it, and the marker is one fixed line
+_WAY_BACK = (
+    f"the contexts are not in it: where this is a residual store, write the file {STORE_MARKER} again with "
+    f"the one line {STORE_FORMAT.decode().strip()} (nothing else reads it), then verify the store"
+)
+
+
 def marker_version(data: bytes, what: str) -> int:
     """The format version the store marker ``data`` records (``what``: the marker, for errors).
 
@@ -83,10 +92,10 @@ def marker_version(data: bytes, what: str) -> int:
     except (UnicodeDecodeError, ValueError):
         marker = None
     if not isinstance(marker, dict) or marker.get("format") != "residual-store":
-        raise CorruptContextError(f"{what} is damaged (not a residual-store marker): {data[:80]!r}")
+        raise CorruptContextError(f"{what} is damaged (not a residual-store marker): {data[:80]!r}; {_WAY_BACK}")
     version = marker.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CorruptContextError(f"{what} has an invalid format version {version!r}")
+        raise CorruptContextError(f"{what} has an invalid format version {version!r}; {_WAY_BACK}")
     if version > STORE_VERSION:
         raise CorruptContextError(
             f"{what} has format version {version}, newer than the version {STORE_VERSION} this "

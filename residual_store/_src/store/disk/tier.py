@@ -60,6 +60,7 @@ from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms, layout, paths
 from residual_store._src.store.disk.backends import open_backend
 from residual_store._src.store.disk.buffers import ReadBuffers
+from residual_store._src.store.disk.damage import damaged_context, manifest_damage, size_damage, without_key
 from residual_store._src.store.disk.layout import StaleData
 from residual_store._src.store.disk.paths import STORE_FORMAT, STORE_MARKER, STORE_VERSION
 from residual_store._src.store.disk.protocol import DamagedFileError
@@ -349,7 +350,10 @@ class DiskTier:
         data = self.backend.get_bytes(paths.manifest_path(key))
         if data is None:
             raise ContextNotFoundError.of(key, self.description)
-        stored = parse_context_manifest(key, data)  # self checksum and every field checked
+        try:
+            stored = parse_context_manifest(key, data)  # self checksum and every field checked
+        except CorruptContextError as err:  # in the store's words (damage.py)
+            raise damaged_context(key, manifest_damage(key, err)) from err
         if version is not None:
             self._cache_stat(key, version, stored)
         return stored
@@ -391,8 +395,9 @@ class DiskTier:
         failed: tuple[StoredContext, CorruptContextError] | None = None  # the last failed read
         for attempt in range(_READ_ATTEMPTS + 1):
             stored = self.stat(key)  # after a failure, read again (forgotten below); not found: deleted
-            if failed is not None and _same_data(stored, failed[0]):
-                raise failed[1]  # the manifest stayed the same: the data is damaged
+            if failed is not None and _same_data(stored, failed[0]):  # the manifest stayed the same:
+                why = size_damage(self.backend, stored) or without_key(key, str(failed[1]))
+                raise damaged_context(key, why) from failed[1]  # the data is damaged
             if attempt == _READ_ATTEMPTS:
                 break
             try:
