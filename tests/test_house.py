@@ -533,3 +533,92 @@ def test_the_check_finds_private_attributes_set_from_outside():
 def test_no_private_attribute_is_set_from_outside_its_class(module):
     found = _private_sets(module.read_text())
     assert not found, f"give the class a way to be told (a constructor, a method): {found}"
+
+
+# -- the key table: one owner of the store's lock, nothing slow under it (issue 43) ----------------
+
+_STORE = PACKAGE / "_src" / "store"
+
+
+def _store_walk():  # noqa: ANN202 - the house's measures, shared with benchmarks/store_walk.py
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("store_walk", PACKAGE.parent / "benchmarks" / "store_walk.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _lock_uses(source: str) -> list[str]:
+    """Where ``source`` takes or touches the key table's lock (``table.lock``, ``self._table.lock``)
+    or any ``with ... lock`` of its own."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "lock" and "table" in ast.unparse(node.value):
+            found.append(ast.unparse(node))
+        if isinstance(node, ast.With):
+            found += [ast.unparse(i.context_expr) for i in node.items if "lock" in ast.unparse(i.context_expr).lower()]
+    return found
+
+
+def test_the_check_finds_the_store_lock_taken():
+    assert sorted(_lock_uses("with self._table.lock:\n    pass\nx = store._table.lock\n")) == [
+        "self._table.lock", "self._table.lock", "store._table.lock"
+    ]
+
+
+@pytest.mark.parametrize("module", ["store.py", "reads.py", "persistence.py"])
+def test_the_facade_reads_and_persistence_take_no_store_lock(module):
+    """The key table owns the store's lock: every transition is one of its methods."""
+    found = _lock_uses((_STORE / module).read_text())
+    assert not found, f"{module} takes a lock itself: {found}; ask the key table (table.py)"
+
+
+def test_the_store_lock_is_the_tables_alone():
+    users = sorted(str(m.relative_to(_STORE)) for m in _STORE.rglob("*.py") if m.name != "table.py"
+                   and any("table" in u for u in _lock_uses(m.read_text())))
+    assert not users, f"these modules take the key table's lock: {users}"
+
+
+def test_the_table_imports_nothing_that_copies_reads_writes_or_waits():
+    """Nothing slow under the lock: the table and what its transitions return import no disk,
+    host-copy or worker module (rule 1 of table.py, as a rule of the house)."""
+    allowed = {"context", "errors", "store.critical", "store.schedule", "store.tiers", "store.owed"}
+    for name in ("table.py", "owed.py"):
+        tree = ast.parse((_STORE / name).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                    and n.module.startswith("residual_store")}
+        inside = {m.removeprefix("residual_store._src.") for m in imported}
+        assert inside <= allowed, f"{name} imports {sorted(inside - allowed)}: nothing slow runs under the lock"
+
+
+def test_the_stores_imports_have_no_cycle_and_at_most_eleven_levels():
+    walk = _store_walk()
+    graph = walk.import_graph()
+    assert walk._cycles(graph) == [], "an import cycle inside store/"
+    levels, chain = walk._levels(graph)
+    assert levels <= 11, f"{levels} levels of imports: {' > '.join(chain)}"
+
+
+def test_the_store_has_few_functions_that_only_forward_their_arguments():
+    found = _store_walk().pass_throughs()
+    assert len(found) <= 15, f"{len(found)} pass-through functions (a room too many each): {found}"
+
+
+def test_house_md_names_every_module_and_none_that_is_gone():
+    text = (PACKAGE.parent / "docs" / "house.md").read_text()
+    named = {n for n in re.findall(r"`((?:[a-z_]+/)*[a-z_0-9]+\.py)`", text) if not n.startswith(("tests/", "benchmarks/"))}
+    missing = []
+    for module in MODULES:
+        rel = module.relative_to(PACKAGE)
+        if module.name == "__init__.py" or module.parent == PACKAGE:
+            continue
+        short = str(rel.relative_to("_src")) if rel.parts[0] == "_src" else str(rel)
+        in_store = short.removeprefix("store/")
+        if not ({short, in_store, module.name} & named):
+            missing.append(short)
+    assert not missing, f"docs/house.md does not name {missing}"
+    modules = {m.name for m in PACKAGE.rglob("*.py")} | {m.name for m in (PACKAGE.parent / "residual_store_serializers").glob("*.py")}
+    gone = sorted(n for n in named if n.rsplit("/", 1)[-1] not in modules)
+    assert not gone, f"docs/house.md names modules that are gone: {gone}"

@@ -380,17 +380,13 @@ class Store(StoreMapping):
     # -- the mapping protocol: store[key], store[key] = ctx, del store[key], iteration ---------
     # (the rest of collections.abc.MutableMapping: mapping.py)
 
-    def __getitem__(self, key: str) -> ResidualContext:
-        """``store[key]`` is ``store.get(key)`` (:class:`ContextNotFoundError`, a ``KeyError``)."""
-        return self.get(key)
+    __getitem__ = get  # store[key]: ContextNotFoundError (a KeyError) for a missing key
 
     def __setitem__(self, key: str, ctx: ResidualContext) -> None:
         """``store[key] = ctx`` is ``store.put(ctx, key)``."""
         self.put(ctx, key)
 
-    def __delitem__(self, key: str) -> None:
-        """``del store[key]`` is ``store.delete(key)``."""
-        self.delete(key)
+    __delitem__ = delete  # del store[key]
 
     def __iter__(self) -> Iterator[str]:
         """The keys, as :meth:`keys` lists them when iteration starts."""
