@@ -19,7 +19,8 @@ Prints, in one run (docs/store.md records a TPU v5e's output):
    ``value_and_grad`` a microbatch); and the pressure case (contexts 1.5x the device's memory,
    ``device_budget="25%"``), for ``save="all"`` and ``"auto"``. Each row: ms a microbatch, the
    ratio to the list, the ratio to the **serial floor**, peak device GiB (sampled every 0.5 ms by
-   a thread), and whether the gradients equal the list's.
+   a thread) and the GiB in use when the row's timed runs began (what earlier work left: a peak
+   is only as low as that), and whether the gradients equal the list's.
 
 The serial floor of a row is the list's compute plus the bytes that must leave the device under
 its budget (``(n - k)`` contexts' own bytes) times ``1/D2H + 1/H2D`` at the best paths measured in
@@ -37,6 +38,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gc
 import json
 import math
 import sys
@@ -103,7 +105,8 @@ class PeakSampler:
     def __init__(self, device: Any, every: float = 0.0005) -> None:
         self._device, self._every = device, every
         self._stop = threading.Event()
-        self.peak: int | None = _in_use(device)
+        self.start: int | None = _in_use(device)  # in use before the block: what earlier work left
+        self.peak: int | None = self.start
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
@@ -293,6 +296,7 @@ class Row:
     peak: int | None
     identical: bool | None = None
     note: str = ""
+    start: int | None = None  # device bytes in use when the timed runs began
 
 
 def _run_row(name: str, microbatches: int, fn: Callable[[], Any], moved: int, repeats: int, want: Any = None) -> Row:
@@ -306,9 +310,10 @@ def _run_row(name: str, microbatches: int, fn: Callable[[], Any], moved: int, re
         identical = None if want is None else all(
             np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
         del got
+        gc.collect()  # (what earlier rows left unreferenced goes before the sampler starts)
         with PeakSampler(device) as peak:
             seconds = interleaved_medians({name: Case(fn)}, repeats, warmup=0)[name]
-        return Row(name, microbatches, seconds, moved, peak.peak, identical)
+        return Row(name, microbatches, seconds, moved, peak.peak, identical, start=peak.start)
     except Exception as err:  # noqa: BLE001 - a row that cannot run says why (out of memory, say)
         return Row(name, microbatches, None, moved, None, None, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
 
@@ -406,7 +411,7 @@ def _rows(rows: list[Row], d2h: float | None, h2d: float | None, base: Row | Non
     the list) and against the serial floor (see the module docstring)."""
     base = base or (rows[0] if rows and rows[0].name.endswith("in a list") else None)
     per_mb = base.seconds / base.microbatches if base is not None and base.seconds else None
-    out = [f"{'case':<52} {'ms/mb':>9} {'vs list':>8} {'vs floor':>9} {'peak GiB':>9} {'same grads':>10}"]
+    out = [f"{'case':<52} {'ms/mb':>9} {'vs list':>8} {'vs floor':>9} {'peak GiB':>9} {'at start':>9} {'same grads':>10}"]
     for row in rows:
         count = row.microbatches
         ms = None if row.seconds is None else row.seconds / count * 1e3
@@ -417,7 +422,8 @@ def _rows(rows: list[Row], d2h: float | None, h2d: float | None, base: Row | Non
         vs_floor = "" if row.seconds is None or floor is None else f"{row.seconds / floor:.2f}"
         same = "" if row.identical is None else str(row.identical)
         shown = "failed" if ms is None else f"{ms:.1f}"
-        out.append(f"{row.name:<52} {shown:>9} {vs_list:>8} {vs_floor:>9} {_gib(row.peak):>9} {same:>10} {row.note}")
+        out.append(f"{row.name:<52} {shown:>9} {vs_list:>8} {vs_floor:>9} {_gib(row.peak):>9} {_gib(row.start):>9} "
+                   f"{same:>10} {row.note}")
     return out
 
 
