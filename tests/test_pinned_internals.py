@@ -289,3 +289,16 @@ def test_internals_what_the_pool_takes():
 def test_internals_a_store_pool_is_sized_by_its_host_budget():
     assert pinned.capacity_for(3 << 30, 1 << 30) == 4 << 30
     assert 0 < pinned.capacity_for(None) <= pinned.capacity_for(None) * 2
+
+
+def test_internals_arrays_back_from_the_pool_compute_with_device_arrays():
+    """Many arrays (once placed by a jitted identity, whose outputs kept the host memory space
+    in their type: ``add`` then refused them), copied out and back three times, the third
+    through the reusing program: each comes back a plain device array that computes."""
+    pool = HostPool()
+    xs = [jnp.full((16, 8), float(i)) for i in range(9)]
+    for _ in range(3):
+        back = pool.to_device(pool.to_host(xs))
+        for b, x in zip(back, xs):
+            assert b.sharding.memory_kind == x.sharding.memory_kind
+            np.testing.assert_array_equal(np.asarray(b + x), 2 * np.asarray(x))

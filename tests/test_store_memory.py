@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,14 @@ def _put_one(store, w, key, seed):
     return values, size
 
 
+def _landed(store: rs.Store) -> None:
+    """Waits until no copy to host memory is in flight (the put returned once it started)."""
+    deadline = time.monotonic() + 30
+    while store.stats()["device"]["leaving"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert store.stats()["device"]["leaving"] == 0
+
+
 def _check_puts(store, w, gate, values, budget, budget_contexts, one, pinned, base):
     """12 puts while the writer is held; the gate opens at the end, or at a failure (so that
     the store can close)."""
@@ -83,6 +92,9 @@ def _check_puts(store, w, gate, values, budget, budget_contexts, one, pinned, ba
         for i in range(12):
             values[f"k{i}"], size = _put_one(store, w, f"k{i}", i + 1)
             assert size == one
+            leaving = store.stats()["device"]["leaving"]
+            assert leaving <= one  # at most the context just put is on its way to host memory
+            _landed(store)
             held = _device_bytes() - base
             stats = store.stats()
             allowed = budget + one + (0 if pinned else stats["pending"]["bytes"])  # CPU: views of its buffers

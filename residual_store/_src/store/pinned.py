@@ -5,7 +5,9 @@ the host pins memory, a copy into pinned memory that is already there at the lin
 one TPU v5e (JAX 0.10.2; docs/store.md has the table): ``jax.device_put`` to fresh pinned memory
 0.4-1.1 GB/s; a compiled program that donates a pinned buffer of the same shape and writes its
 output there 14.6 GB/s (11 GB/s for 300 arrays of 512 KiB in one program); back to the device
-14 GB/s either way. So :class:`HostPool` keeps the pinned buffers it copied into, and copies the
+14 GB/s either way (a jitted identity placing them is faster for hundreds of small arrays, but
+keeps each input's host memory space in its output's type: :meth:`HostPool.to_device` uses
+``jax.device_put``). So :class:`HostPool` keeps the pinned buffers it copied into, and copies the
 next arrays into them with one compiled program per signature (the buffers' shardings), which
 donates them. A copy is asynchronous: :meth:`HostPool.to_host` returns once it is enqueued,
 before the bytes have moved (``jax.Array.is_ready`` of a copy tells when they have; the source's
@@ -160,16 +162,6 @@ def _copy_program(targets: tuple[Any, ...]) -> Callable[..., tuple[jax.Array, ..
     return jax.jit(_same, donate_argnums=1, keep_unused=True, out_shardings=targets)
 
 
-@functools.lru_cache(maxsize=64)
-def _placing_program(targets: tuple[Any, ...]) -> Callable[..., tuple[jax.Array, ...]]:
-    """A program that places its arguments on ``targets`` (host -> device in one program: 40%
-    faster than ``jax.device_put`` for hundreds of small arrays, the same for large ones)."""
-    return jax.jit(lambda arrays: arrays, out_shardings=targets)
-
-
-_PROGRAM_FROM = 8  # to_device: below this many arrays jax.device_put is as fast and compiles nothing
-
-
 def copies_done(arrays: Sequence[Any]) -> bool:
     """Whether every ``jax.Array`` of ``arrays`` (the host copies a copy returned) is ready:
     its copy has finished (or failed), without waiting. Other values count as done."""
@@ -254,11 +246,9 @@ class HostPool:
         at the link's speed; asynchronous. The host arrays are left as they are (a buffer is
         reused only once nothing refers to it; XLA finishes this copy before a later one writes
         there)."""
-        targets = tuple(x.sharding.with_memory_kind(_default_kind(x)) for x in arrays)
-        if len(arrays) >= _PROGRAM_FROM:
-            placed = list(_placing_program(targets)(tuple(arrays)))
-        else:
-            placed = jax.device_put(list(arrays), list(targets))
+        # (one jax.device_put of them all: a jitted identity placing them instead keeps each
+        # input's host memory space in its output's type, which later computations refuse)
+        placed = jax.device_put(list(arrays), [x.sharding.with_memory_kind(_default_kind(x)) for x in arrays])
         with self._lock:
             self._counts.update(returned=sum(int(x.nbytes) for x in arrays))
         return placed

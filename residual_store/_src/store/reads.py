@@ -190,7 +190,7 @@ class Reads:
             demoted = [(key, ctx, to_host(ctx, self._pool)) for key, ctx in owed.demoted if holds_device_memory(ctx)]
             released = [(key, ctx, for_writing(ctx, self._target, self._pool)) for key, ctx in owed.released
                         if holds_device_memory(ctx)]
-            landing = [(self._landings.submit(self._land, key, ctx, copy), ctx.spec.own_nbytes)
+            landing = [(self._landings.submit(self._land, key, [ctx, copy]), ctx.spec.own_nbytes)
                        for key, ctx, copy in (*demoted, *released)]
             self._table.settle(demoted, released, landing)
             for future, _ in landing:  # (at once if it has landed already)
@@ -198,10 +198,13 @@ class Reads:
         if moves.spills:
             self._queue(moves.spills)
 
-    def _land(self, key: str, source: ResidualContext, copy: ResidualContext) -> None:
-        """On the landings thread: waits until ``copy`` of ``source`` has landed in host memory
-        (the device memory it held is free then, once nothing else holds ``source``, which this
-        job lets go of); a failed copy puts ``source`` back, intact on the device (rule 7)."""
+    def _land(self, key: str, held: list[ResidualContext]) -> None:
+        """On the landings thread: waits until the copy of a context (``held``: the context and
+        its copy, taken out of the list at once, so that only this call holds them) has landed
+        in host memory; the device memory it held is free once this returns, if nothing else
+        holds the context. A failed copy puts the context back, intact on the device (rule 7)."""
+        source, copy = held
+        held.clear()  # (the pool's job keeps its arguments a while after it is done)
         try:
             wait_copied(copy)
         except BaseException:
