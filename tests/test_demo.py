@@ -72,13 +72,22 @@ def test_the_command_checks_its_arguments_first(argv):
     assert time.monotonic() - start < 10  # no JAX import, no compile
 
 
+# ``python -m residual_store demo ARGV`` with Ctrl-C reaching it as it reaches a program started
+# from a terminal, also where this suite runs in the background (a shell's background jobs start
+# with SIGINT ignored, and Python then never raises KeyboardInterrupt)
+_DEMO = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = ['residual-store', 'demo', *sys.argv[1:]]; runpy.run_module('residual_store', run_name='__main__')"
+)
+
+
 def _demo(*argv: str, cwd=None):
     import subprocess
     import sys
 
     from store_helpers import python_env
 
-    return subprocess.Popen([sys.executable, "-m", "residual_store", "demo", *argv], cwd=cwd, env=python_env(),
+    return subprocess.Popen([sys.executable, "-c", _DEMO, *argv], cwd=cwd, env=python_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -36,9 +36,8 @@ from residual_store._src.errors import InvalidArgumentError, ResidualStoreError,
 from residual_store._src.logs import event
 from residual_store._src.store.committer import Committer, SingleProcessCommitter
 from residual_store._src.store.critical import StoreLock
-from residual_store._src.store.disk import forms as residual_forms
-from residual_store._src.store.disk import layout, paths
-from residual_store._src.store.disk.layout import StaleData
+from residual_store._src.store.disk import forms, layout, paths
+from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
 from residual_store._src.store.key_rules import validate_key
@@ -313,7 +312,7 @@ class CollectiveCommitter:
     ) -> StaleData | None:
         local_sums = _process_local_sums(arrays)
         own_sums = {str(i): [[list(idx), chk, d] for idx, (chk, d) in t.items()]
-                    for i, t in residual_forms.chunk_sums(spec, arrays).items()}
+                    for i, t in forms.chunk_sums(spec, arrays).items()}
         coll, infos = self._begin(
             f"put {key!r}", {"chunks": own_sums, "local": local_sums, "write_id": paths.new_write_id()}
         )

@@ -20,7 +20,7 @@ import numpy as np
 
 from residual_store._src.context import ResidualContext, ResidualSpec
 from residual_store._src.store.disk import layout, paths
-from residual_store._src.store.disk.layout import StaleData
+from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
 from residual_store._src.store.key_rules import put_key

@@ -61,9 +61,8 @@ from residual_store._src.store.disk import forms, layout, paths
 from residual_store._src.store.disk.backends import open_backend
 from residual_store._src.store.disk.buffers import ReadBuffers
 from residual_store._src.store.disk.damage import damaged_context, manifest_damage, size_damage, without_key
-from residual_store._src.store.disk.layout import StaleData
 from residual_store._src.store.disk.paths import STORE_FORMAT, STORE_MARKER, STORE_VERSION
-from residual_store._src.store.disk.protocol import DamagedFileError
+from residual_store._src.store.disk.protocol import DamagedFileError, StaleData
 from residual_store._src.store.disk.records import StoredContext, parse_context_manifest
 from residual_store._src.store.host import HostArrays, ShardedHost
 from residual_store._src.store.workers import request_pool
@@ -421,7 +420,7 @@ class DiskTier:
     def _read_arrays(
         self, key: str, stored: StoredContext, *, place: bool = False, skip: Container[str] = ()
     ) -> HostArrays:
-        """Reads and verifies the arrays, each in its form (:mod:`residual_forms`): from a
+        """Reads and verifies the arrays, each in its form (:mod:`~residual_store._src.store.disk.forms`): from a
         folder, a small context in this thread (handing a few reads to other threads costs more
         than they take), a large one two reads at a time (file reads and checksums release the
         GIL); from an object store, up to 16 requests at a time."""
@@ -483,7 +482,7 @@ class DiskTier:
 
     def _read_in_turn(self, key: str, stored: StoredContext, tasks: Sequence[forms.Task]) -> list[np.ndarray]:
         """Every task in this thread: whole arrays in one call of the backend
-        (:func:`residual_forms.read_wholes`)."""
+        (:func:`~residual_store._src.store.disk.forms.read_wholes`)."""
         if any(chunk is not None for _, chunk, _ in tasks):
             return [self._read_task(key, stored, task) for task in tasks]
         return forms.read_wholes(self.backend, key, stored.records, tasks, empty=self._empty)
