@@ -462,7 +462,7 @@ def measure_io(
         assert all(np.array_equal(np.asarray(g), a) for g, a in zip(got.residuals, arrays))
     got = opened.get("r")
     assert all(np.array_equal(np.asarray(g), a) for g, a in zip(got.residuals, arrays))
-    assert opened._side.disk.buffers is not None and opened._side.disk.buffers.reused > 0
+    assert opened._persistence.disk.buffers is not None and opened._persistence.disk.buffers.reused > 0
     opened.close()
 
     # -- round trip: durable put+flush, then get in a fresh Store -------------------------------

@@ -43,13 +43,12 @@ import jax.numpy as jnp  # noqa: E402
 from split_overhead import interleaved_medians, mlp_stage_case, parse_args, table, transformer_stage_case  # noqa: E402
 
 import residual_store as rs  # noqa: E402
-from residual_store._src.store.tiers import own_nbytes  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _own(ctx: rs.ResidualContext) -> int:
-    return own_nbytes(ctx)
+    return ctx.spec.own_nbytes
 
 
 def measure_halves(name: str, stage: Any, args: tuple[Any, ...], runs: int) -> dict[str, Any]:
