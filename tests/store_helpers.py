@@ -8,6 +8,7 @@ not know the model never does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -326,3 +327,33 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) ->
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+def which_version(ctx: Any, versions: Sequence[tuple[Any, np.ndarray]]) -> int:
+    """The version ``ctx`` is among ``versions`` (``(context, the gradient it must give)``), by
+    its gradient (``rs.backward``, compared with ``jax.grad``'s)."""
+    import residual_store as rs
+
+    got = np.asarray(rs.backward(ctx))
+    for i, (_, want) in enumerate(versions):
+        if np.allclose(got, want, rtol=1e-5, atol=1e-6):
+            return i
+    raise AssertionError(f"a context that is no version put: gradient {got.ravel()[:4]}...")
+
+
+@functools.cache
+def _tiny_split() -> Any:
+    import residual_store as rs
+
+    # w is a weight (held by reference, never counted); x and the intermediates are the
+    # context's own residuals
+    return rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w)), argnums=(0, 1), weight_argnums=0)
+
+
+def tiny_context(rows: int = 1, seed: int = 0) -> Any:
+    """A real context of a few floats whose own residuals grow with ``rows`` (one compiled split
+    for every test that uses it, one compile per row count): what the store's parts are tested
+    with one transition at a time."""
+    w = jnp.arange(6.0, dtype=jnp.float32).reshape(3, 2) / 7
+    x = jnp.arange(rows * 3.0, dtype=jnp.float32).reshape(rows, 3) + seed
+    return _tiny_split()(w, x)[1]

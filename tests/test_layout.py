@@ -4,37 +4,18 @@ their paths, a fresh folder per write."""
 
 from __future__ import annotations
 
-import functools
 import json
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import residual_store as rs
 import residual_store_serializers as serializers
 from residual_store._src.context import ResidualContext
 from residual_store._src.store import host
 from residual_store._src.store.disk import layout, paths
+from store_helpers import tiny_context
 
-
-def _loss(w: jax.Array, x: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.tanh(x @ w))
-
-
-@functools.cache
-def _forward() -> rs.Split:
-    # w is a weight (held by reference, never counted); x and the intermediates are the
-    # context's own residuals
-    return rs.split(_loss, argnums=(0, 1), weight_argnums=0)
-
-
-def _ctx(rows: int = 1, seed: int = 0) -> ResidualContext:
-    """A real context whose own residuals grow with ``rows`` (one compile per row count)."""
-    w = jnp.arange(6.0, dtype=jnp.float32).reshape(3, 2) / 7
-    x = jnp.arange(rows * 3.0, dtype=jnp.float32).reshape(rows, 3) + seed
-    return _forward()(w, x)[1]
+_ctx = tiny_context
 
 
 def _size(rows: int = 1) -> int:

@@ -7,36 +7,22 @@ same end to end.
 
 from __future__ import annotations
 
-import functools
 from concurrent.futures import Future
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 import residual_store as rs
 from residual_store._src.context import ResidualContext
 from residual_store._src.store.owed import Found, Keeping, Moves, Write
 from residual_store._src.store.table import KeyTable
+from store_helpers import tiny_context
 
 WRITES_PUTS = Keeping(below_host=True, writes_puts=True)  # a store with a path (write-through)
 OFFLOAD = Keeping(below_host=True, writes_spills=True)  # write_through=False
 MEMORY = Keeping(below_host=False)  # no path
 
 
-def _loss(w: jax.Array, x: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.tanh(x @ w))
-
-
-@functools.cache
-def _forward() -> rs.Split:
-    return rs.split(_loss, argnums=(0, 1), weight_argnums=0)
-
-
-def _ctx(rows: int = 1, seed: int = 0) -> ResidualContext:
-    w = jnp.arange(6.0, dtype=jnp.float32).reshape(3, 2) / 7
-    x = jnp.arange(rows * 3.0, dtype=jnp.float32).reshape(rows, 3) + seed
-    return _forward()(w, x)[1]
+_ctx = tiny_context
 
 
 SIZE = _ctx().spec.own_nbytes

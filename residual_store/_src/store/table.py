@@ -145,6 +145,14 @@ class KeyTable:
     def _deleted(self, key: str) -> ContextNotFoundError:
         return ContextNotFoundError.of(key, self.where, deleted="now")
 
+    def _live(self, key: str) -> _Entry | None:
+        """The entry of ``key`` (``None``: nothing happened to it here); raises for a key being
+        deleted (rule 5)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.deleted:
+            raise self._deleted(key)
+        return entry
+
     def _entry(self, key: str) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
@@ -335,9 +343,7 @@ class KeyTable:
           ContextNotFoundError: the key is being deleted (rule 5).
         """
         with self.lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.deleted:
-                raise self._deleted(key)
+            entry = self._live(key)
             if self.scheduled:
                 self.schedule.consume(key)
                 self.scheduled = bool(self.schedule)
@@ -358,9 +364,7 @@ class KeyTable:
           ContextNotFoundError: the key is being deleted.
         """
         with self.lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.deleted:
-                raise self._deleted(key)
+            entry = self._live(key)
             if entry is not None and entry.place == DEVICE:
                 return Found(entry.version, entry.ctx, on_device=True)
             return self._begin_read(key, entry, ahead=True)
@@ -433,9 +437,7 @@ class KeyTable:
           ContextNotFoundError: the key is being deleted.
         """
         with self.lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.deleted:
-                raise self._deleted(key)
+            entry = self._live(key)
             if entry is not None and (entry.place == DEVICE or (entry.load is not None and entry.load_version == entry.version)):
                 return True
             if (entry is None or not entry.in_memory) and not on_disk:
