@@ -6,6 +6,7 @@ its disk (a fresh read-only store on the same folder)."""
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -101,3 +102,27 @@ def test_internals_a_writable_store_writes_and_removes_in_call_order(tmp_path):
     with rs.Store(tmp_path / "s", read_only=True) as reader:
         assert reader.keys() == ["k"]
         np.testing.assert_allclose(np.asarray(rs.backward(reader.get("k"))), grad_b, rtol=1e-5, atol=1e-6)
+
+
+def test_gc_counts_after_the_janitor_disposed_of_what_a_delete_left(tmp_path):
+    """A delete's data goes to the janitor, off the write path; gc (a dry run too) waits for it,
+    else a folder being recycled is counted twice (as data, then as recycled) or not at all."""
+    gate = threading.Event()
+    with rs.Store(tmp_path / "s") as store:
+        store.put(_ctx(1)[0], "a")
+        store.flush()
+        janitor = store._persistence.janitor
+        janitor.submit(gate.wait)  # the janitor busy: the delete's disposal waits behind this
+        store.delete("a")
+        store.flush()
+        counted: list[dict[str, int]] = []
+        gc = threading.Thread(target=lambda: counted.append(store.gc(3600, dry_run=True)))
+        gc.start()
+        try:
+            gc.join(0.5)
+            assert gc.is_alive() and not counted  # waiting for the disposal, not counting half of it
+        finally:
+            gate.set()  # (the store's close waits for the janitor)
+        gc.join(30)
+        assert counted == [store.gc(3600, dry_run=True)]
+        assert counted[0]["young"] == 2  # the recycled data folder and the unneeded stored backward

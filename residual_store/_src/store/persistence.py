@@ -345,7 +345,10 @@ class WritablePersistence(ReadOnlyPersistence):
             self.janitor.submit(functools.partial(self._committer.dispose, stale))
 
     def gc(self, older_than: float, *, dry_run: bool, progress: Progress | None) -> dict[str, int]:
+        """Counts (or removes) after every write queued so far and every disposal of what they
+        replaced: a folder the janitor is recycling would else be counted twice, or not at all."""
         self.flush()
+        self.janitor.submit(_nothing).result()  # one janitor thread: the disposals queued before it ran
         return super().gc(older_than, dry_run=dry_run, progress=progress)
 
     def close(self) -> None:
@@ -382,3 +385,7 @@ def persistence_for(disk: DiskTier | None, committer: Committer | None, **writin
     if committer is None:
         return ReadOnlyPersistence(disk)
     return WritablePersistence(disk, committer, **writing)
+
+
+def _nothing() -> None:
+    """A janitor job that marks where the disposals queued before it end."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from residual_store._src.context import ResidualContext, bound_context, check_representable, describe_residual
@@ -140,7 +140,7 @@ class Reads:
         Raises:
           ContextNotFoundError: the store does not hold ``key``.
         """
-        submit = functools.partial(self._loads.submit, functools.partial(self.load, key))
+        submit = self._submitter(key)
         if self._table.start_load(key, submit) is None:
             if not holds(key):
                 raise ContextNotFoundError.of(key, self._table.where)
@@ -161,11 +161,14 @@ class Reads:
                             _AHEAD - in_flight)
         for key in start:
             try:
-                self._table.start_load(
-                    key, functools.partial(self._loads.submit, functools.partial(self.load, key)), on_disk=True
-                )
+                self._table.start_load(key, self._submitter(key), on_disk=True)
             except ContextNotFoundError:
                 continue  # deleted meanwhile
+
+    def _submitter(self, key: str) -> Callable[[], Future[ResidualContext]]:
+        """What queues a load of ``key`` on the load threads (the table calls it, see
+        :meth:`KeyTable.start_load`)."""
+        return functools.partial(self._loads.submit, functools.partial(self.load, key))
 
     def _stored_size(self, key: str) -> int | None:
         """The own bytes of ``key`` on disk, or ``None`` if the disk does not hold it."""
@@ -222,12 +225,8 @@ class Reads:
             return
         flying, failed = self._table.leaving()
         for future in flying:
-            try:
-                future.result()
-            except BaseException as err:  # noqa: BLE001 - the first one is raised below
-                failed.append(err)
-            finally:
-                self._table.landed(future)
-        self._table.leaving()  # (the failures the waits above found: raised here, once)
+            future.exception()  # waits until it is done (what failed, the table keeps)
+            self._table.landed(future)  # (its error kept once, whether its callback or this came first)
+        failed += self._table.leaving()[1]
         if failed:
             raise failed[0]
