@@ -37,8 +37,8 @@ kill suites end to end):
 6. **A pending write is queued exactly once, by whoever claims it first.** The put that made it
    claims it right after its transition (:meth:`KeyTable.claim_writes`); a drain that finds a
    write no one has claimed yet (a signal landed in between) claims and queues it itself
-   (:meth:`KeyTable.claim_unqueued`). So a put whose transition is done is never lost by a drain
-   that ran before it queued its write.
+   (:meth:`KeyTable.unqueued`, then :meth:`KeyTable.claim_writes`). So a put whose transition
+   is done is never lost by a drain that ran before it queued its write.
 
 7. **Device bytes count until they have left.** A context copied to host memory (pushed out of
    the device tier, or a pending write's copy) holds its device memory until the copy has
