@@ -104,7 +104,7 @@ def test_internals_a_writable_store_writes_and_removes_in_call_order(tmp_path):
         np.testing.assert_allclose(np.asarray(rs.backward(reader.get("k"))), grad_b, rtol=1e-5, atol=1e-6)
 
 
-def test_gc_counts_after_the_janitor_disposed_of_what_a_delete_left(tmp_path):
+def test_internals_gc_counts_after_the_janitor_disposed_of_what_a_delete_left(tmp_path):
     """A delete's data goes to the janitor, off the write path; gc (a dry run too) waits for it,
     else a folder being recycled is counted twice (as data, then as recycled) or not at all."""
     gate = threading.Event()

@@ -70,6 +70,36 @@ def test_internals_a_puts_device_bytes_count_until_its_copy_has_landed_and_the_n
         assert store.stats()["device"]["leaving"] == 0
 
 
+def test_internals_flush_waits_until_the_copies_to_host_memory_have_landed_and_raises_a_failed_one_once(versions, monkeypatch):
+    """After ``flush()`` the device memory of what left the device is free (a put returns once
+    its copy started); a copy that failed in flight is raised by it, once, its context intact."""
+    landed = threading.Event()
+    real = reads.wait_copied
+
+    def slow(ctx):  # noqa: ANN001
+        time.sleep(0.2)
+        real(ctx)
+        landed.set()
+
+    def failed(ctx):  # noqa: ANN001
+        raise RuntimeError("the copy to host memory failed")
+
+    monkeypatch.setattr(reads, "wait_copied", slow)
+    with rs.Store(None, device_budget=0) as store:
+        store.put(versions[0][0], "a")
+        assert store.stats()["device"]["leaving"] == versions[0][0].spec.own_nbytes
+        store.flush()
+        assert landed.is_set() and store.stats()["device"]["leaving"] == 0
+        monkeypatch.setattr(reads, "wait_copied", failed)
+        store.put(versions[1][0], "b")
+        with pytest.raises(RuntimeError, match="copy to host memory failed"):
+            store.flush()
+        store.flush()  # (raised once)
+        monkeypatch.undo()
+        for key, i in (("a", 0), ("b", 1)):
+            np.testing.assert_allclose(_grad_of(store.get(key)), versions[i][1], rtol=1e-5, atol=1e-6)
+
+
 def test_internals_a_copy_that_fails_to_start_leaves_the_context_intact_on_the_device(versions, monkeypatch):
     def broken(ctx, pool=None):  # noqa: ANN001
         raise RuntimeError("pinned host memory exhausted")

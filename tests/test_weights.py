@@ -82,6 +82,7 @@ def test_a_stage_input_spilled_to_host_memory_leaves_the_device(rng):
     with rs.Store(None, device_budget=0) as store:  # host memory only
         store.put(ctx, "mb0")
         del ctx, h
+        store.flush()  # the copy to host memory has landed (put returned once it started)
         gc.collect()
         assert _live_of_shape(ACT) == []
         assert store.stats()["host"]["contexts"] == 1

@@ -419,7 +419,9 @@ class Store(StoreMapping):
     # -- flush, close -------------------------------------------------------------------------
 
     def flush(self, *keys: str) -> None:
-        """Returns once every acknowledged write is complete (and durable with ``durable=True``).
+        """Returns once every acknowledged write is complete (and durable with ``durable=True``),
+        and, without keys, every copy to host memory in flight has landed: the device memory of
+        the contexts that left the device is free.
 
         ``flush(key, ...)`` waits for the puts of those keys only, as Orbax's
         ``wait_until_finished`` does for one save: when it returns, every other ``Store`` on the
@@ -438,11 +440,14 @@ class Store(StoreMapping):
         Raises:
           The first error of a background write since the last ``flush()`` (with keys: the error of
           those keys' writes), e.g. :class:`StoreFullError` for a disk that filled up (that context
-          was not committed). ContextNotFoundError: a key this store was never given.
+          was not committed); without keys, then the error of a copy to host memory that failed
+          (its context is back on the device, intact). ContextNotFoundError: a key this store was never given.
         """
         self._check_open()
         checked = [validate_key(k) for k in keys]
         had_writes = self._persistence.flush(checked)
+        if not checked:
+            self._reads.wait_landed()
         for key, had in zip(checked, had_writes):
             if not had and key not in self:
                 raise ContextNotFoundError.of(key, repr(self))
