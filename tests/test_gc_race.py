@@ -245,7 +245,7 @@ def test_internals_a_gc_paused_after_reading_the_manifests_never_removes_what_a_
     writer.flush()
     writer.delete("a")  # its weight is unreferenced, its data folder recycled into data/.free
     writer.flush()
-    writer._persistence.janitor.submit(lambda: None).result()  # the recycling has run
+    writer._persistence.disposed()  # the recycling has run
     old = os.path.getmtime(root) - 60
     for folder in ("weights", "data/.free"):
         for name in os.listdir(root / folder):

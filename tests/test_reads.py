@@ -44,9 +44,9 @@ def _grad_of(ctx: rs.ResidualContext) -> np.ndarray:
     return np.asarray(rs.backward(ctx))
 
 
-def test_internals_a_puts_device_bytes_count_until_its_copy_has_landed_and_the_next_put_waits(versions, monkeypatch):
-    """Each copy to host memory takes 0.2 s to land here: a put returns at once with its bytes
-    still counted as leaving the device; the next put waits until they have left."""
+@pytest.fixture
+def slow_copies(monkeypatch) -> threading.Event:  # noqa: ANN001
+    """Each copy to host memory takes 0.2 s to land; the event is set once one has."""
     landed = threading.Event()
     real = reads.wait_copied
 
@@ -56,6 +56,17 @@ def test_internals_a_puts_device_bytes_count_until_its_copy_has_landed_and_the_n
         landed.set()
 
     monkeypatch.setattr(reads, "wait_copied", slow)
+    return landed
+
+
+def _failed_copy(ctx):  # noqa: ANN001
+    raise RuntimeError("the copy to host memory failed")
+
+
+def test_internals_a_puts_device_bytes_count_until_its_copy_has_landed_and_the_next_put_waits(versions, slow_copies):
+    """Each copy to host memory takes 0.2 s to land here: a put returns at once with its bytes
+    still counted as leaving the device; the next put waits until they have left."""
+    landed = slow_copies
     size = versions[0][0].spec.own_nbytes
     with rs.Store(None, device_budget=0) as store:
         t0 = time.monotonic()
@@ -70,27 +81,18 @@ def test_internals_a_puts_device_bytes_count_until_its_copy_has_landed_and_the_n
         assert store.stats()["device"]["leaving"] == 0
 
 
-def test_internals_flush_waits_until_the_copies_to_host_memory_have_landed_and_raises_a_failed_one_once(versions, monkeypatch):
+def test_internals_flush_waits_until_the_copies_to_host_memory_have_landed_and_raises_a_failed_one_once(
+    versions, slow_copies, monkeypatch
+):
     """After ``flush()`` the device memory of what left the device is free (a put returns once
     its copy started); a copy that failed in flight is raised by it, once, its context intact."""
-    landed = threading.Event()
-    real = reads.wait_copied
-
-    def slow(ctx):  # noqa: ANN001
-        time.sleep(0.2)
-        real(ctx)
-        landed.set()
-
-    def failed(ctx):  # noqa: ANN001
-        raise RuntimeError("the copy to host memory failed")
-
-    monkeypatch.setattr(reads, "wait_copied", slow)
+    landed = slow_copies
     with rs.Store(None, device_budget=0) as store:
         store.put(versions[0][0], "a")
         assert store.stats()["device"]["leaving"] == versions[0][0].spec.own_nbytes
         store.flush()
         assert landed.is_set() and store.stats()["device"]["leaving"] == 0
-        monkeypatch.setattr(reads, "wait_copied", failed)
+        monkeypatch.setattr(reads, "wait_copied", _failed_copy)
         store.put(versions[1][0], "b")
         with pytest.raises(RuntimeError, match="copy to host memory failed"):
             store.flush()
@@ -114,10 +116,7 @@ def test_internals_a_copy_that_fails_to_start_leaves_the_context_intact_on_the_d
 
 
 def test_internals_a_copy_that_fails_in_flight_puts_the_context_back_intact_and_says_so(versions, monkeypatch):
-    def failed(ctx):  # noqa: ANN001
-        raise RuntimeError("the copy to host memory failed")
-
-    monkeypatch.setattr(reads, "wait_copied", failed)
+    monkeypatch.setattr(reads, "wait_copied", _failed_copy)
     with rs.Store(None, device_budget=0) as store:
         store.put(versions[0][0], "a")  # returns at once; the copy fails in flight
         with pytest.raises(RuntimeError, match="copy to host memory failed"):

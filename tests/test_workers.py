@@ -32,6 +32,18 @@ def _gate_job(gate: threading.Event, log: list[str], name: str) -> Callable[[], 
     return job
 
 
+def _blocked_until_gate_opens(gate: threading.Event, fn: Callable[[], Any], what: str) -> list[Any]:
+    """Runs ``fn`` on a thread and checks that it has not returned while ``gate`` is shut; then
+    opens the gate and waits for it. Its result (or its error) comes back in a list."""
+    _, returned, out = _in_thread(fn)
+    try:
+        assert not returned.wait(BLOCKED), f"{what} returned before the gate opened"
+    finally:
+        gate.set()
+    _wait(returned)
+    return out
+
+
 def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, threading.Event, list[Any]]:
     """Runs ``fn`` on a daemon thread; the event is set (and the list holds its result or its
     error) when it returns."""
@@ -104,12 +116,7 @@ def test_internals_a_job_bigger_than_the_bound_is_taken_when_nothing_is_pending(
 def test_internals_flush_waits_for_every_queued_job(writer: MakeWriter):
     w, gate, log = writer(), threading.Event(), []
     futures = [w.submit(_gate_job(gate, log, str(i)), 1) for i in range(3)]
-    _, flushed, out = _in_thread(w.flush)
-    try:
-        assert not flushed.wait(BLOCKED), "flush returned before its jobs ran"
-    finally:
-        gate.set()
-    _wait(flushed)
+    out = _blocked_until_gate_opens(gate, w.flush, "flush (its jobs wait at the gate)")
     assert out == [None] and log == ["0", "1", "2"] and all(f.done() for f in futures)
 
 
@@ -164,12 +171,7 @@ def test_internals_close_runs_what_is_queued_then_stops_the_worker(writer: MakeW
     w.submit(lambda: threads.append(threading.current_thread()), 1)
     for i in range(3):
         w.submit(_gate_job(gate, log, str(i)), 1)
-    _, closed, out = _in_thread(w.close)
-    try:
-        assert not closed.wait(BLOCKED), "close returned before its queue ran"
-    finally:
-        gate.set()
-    _wait(closed)
+    out = _blocked_until_gate_opens(gate, w.close, "close (its queue waits at the gate)")
     assert out == [None] and log == ["0", "1", "2"]
     assert not threads[0].is_alive()
     with pytest.raises(rs.InvalidArgumentError, match="closed"):
@@ -209,12 +211,7 @@ def test_internals_the_load_pool_runs_jobs_side_by_side_and_shutdown_waits_for_t
         slow = loader.submit(lambda: _wait(gate) or "done")
     finally:
         b_release.set()
-    _, closed, _ = _in_thread(loader.shutdown)
-    try:
-        assert not closed.wait(BLOCKED), "close returned before its running job ended"
-    finally:
-        gate.set()
-    _wait(closed)
+    _blocked_until_gate_opens(gate, loader.shutdown, "close (its running job waits at the gate)")
     assert slow.result(timeout=0) == "done"
     with pytest.raises(RuntimeError):
         loader.submit(lambda: None)

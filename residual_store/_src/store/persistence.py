@@ -348,8 +348,13 @@ class WritablePersistence(ReadOnlyPersistence):
         """Counts (or removes) after every write queued so far and every disposal of what they
         replaced: a folder the janitor is recycling would else be counted twice, or not at all."""
         self.flush()
-        self.janitor.submit(_nothing).result()  # one janitor thread: the disposals queued before it ran
+        self.disposed()
         return super().gc(older_than, dry_run=dry_run, progress=progress)
+
+    def disposed(self) -> None:
+        """Waits until the janitor has disposed of what was handed to it so far (one thread: a
+        job queued now runs after them)."""
+        self.janitor.submit(_nothing).result()
 
     def close(self) -> None:
         try:
