@@ -386,7 +386,7 @@ def test_internals_a_drain_claims_a_write_no_put_queued(tmp_path, versions):
     try:
         moves = store._table.put("k", versions[0][0])  # a transition whose writes were never queued
         assert moves.own is not None
-        assert store._persistence.writer.drain() == []
+        assert store._persistence.writer.drain() == ([], True)
         with rs.Store(tmp_path / "s", read_only=True) as other:
             assert "k" in other
     finally:

@@ -33,6 +33,16 @@ The rules:
    the main thread's count they look at; other threads are never interrupted by a handler and
    take the locks as they would a ``threading.RLock``.
 
+5. **A change that must be whole.** :func:`critical_section` counts the thread as inside without
+   a lock, around a change that spans several locks' sections and must not be cut in two by a
+   signal: a ``put`` from its key table transition until its write is queued. A signal handler
+   that lands there runs once the change is whole.
+6. **Ctrl-C waits too.** :func:`defer_keyboard_interrupt` (a store opened in the main thread
+   calls it) replaces Python's default ``SIGINT`` handler by one that raises the same
+   ``KeyboardInterrupt``, at once outside a critical section, else when the thread leaves it
+   (once, however many times Ctrl-C was pressed meanwhile). A handler of the program's own is
+   left alone.
+
 What must hold for no wait to deadlock: every lock that the main thread can hold at a point
 where a signal lands and that a writer thread (or the drain itself) needs is a StoreLock. So
 every lock of the store package is one (a test of the house checks it): the store's, the
@@ -42,12 +52,16 @@ The locks outside it (a split's tracing, a backward's compilation) are never tak
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["StoreLock", "in_critical_section", "run_when_outside", "store_condition"]
+__all__ = [
+    "StoreLock", "critical_section", "defer_keyboard_interrupt", "in_critical_section", "run_when_outside",
+    "store_condition",
+]
 
 
 class _ThreadState(threading.local):
@@ -160,3 +174,56 @@ def store_condition() -> threading.Condition:
     """A ``threading.Condition`` whose lock is a new :class:`StoreLock` (rule 2: a wait on it is
     outside every critical section)."""
     return threading.Condition(StoreLock())  # type: ignore[arg-type]  # the RLock methods Condition uses
+
+
+class _CriticalSection:
+    """``with critical_section():`` counts the thread as inside, holding no lock (rule 5)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _STATE.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _leave(_STATE)
+
+
+_CRITICAL = _CriticalSection()
+
+
+def critical_section() -> _CriticalSection:
+    """A change a signal handler must not cut in two (rule 5): it runs once the change is whole."""
+    return _CRITICAL
+
+
+def _raise_keyboard_interrupt() -> None:
+    _DeferredInterrupt.pending = False
+    raise KeyboardInterrupt
+
+
+class _DeferredInterrupt:
+    """Python's ``SIGINT`` handler, but waiting out critical sections (rule 6)."""
+
+    pending = False  # one deferred already: a further Ctrl-C meanwhile adds none
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not in_critical_section():
+            raise KeyboardInterrupt
+        if not _DeferredInterrupt.pending:
+            _DeferredInterrupt.pending = True
+            run_when_outside(_raise_keyboard_interrupt)
+
+    def __repr__(self) -> str:
+        return "<residual-store's default_int_handler: raises KeyboardInterrupt outside a store's critical sections>"
+
+
+def defer_keyboard_interrupt() -> None:
+    """Makes Ctrl-C wait out the store's critical sections (rule 6), where ``SIGINT`` has
+    Python's default handler and this is the main thread; else changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _DeferredInterrupt())
+    except (ValueError, OSError):  # no signals here (an embedded interpreter): nothing to defer
+        pass

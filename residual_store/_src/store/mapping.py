@@ -14,10 +14,10 @@ without a default raises :class:`~residual_store.ContextNotFoundError` (a ``KeyE
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, Iterable, Iterator, Mapping, MutableMapping, ValuesView
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
+from typing import TYPE_CHECKING, Any, Protocol
 
-from residual_store._src.errors import ContextNotFoundError
+from residual_store._src.errors import ContextNotFoundError, InvalidArgumentError, InvalidKeyError
 
 if TYPE_CHECKING:
     from residual_store._src.context import ResidualContext
@@ -29,6 +29,7 @@ class _Verbs(Protocol):
     """What the mixin spells the rest with: the store's own methods."""
 
     def keys(self) -> list[str]: ...
+    def pop(self, key: str) -> ResidualContext: ...
     def __getitem__(self, key: str) -> ResidualContext: ...
     def __setitem__(self, key: str, ctx: ResidualContext) -> None: ...
     def __delitem__(self, key: str) -> None: ...
@@ -52,8 +53,14 @@ class StoreMapping:
     def update(self: _Verbs, other: Mapping[str, ResidualContext] | Iterable[tuple[str, ResidualContext]] = (),
                /, **contexts: ResidualContext) -> None:
         """Puts every ``key: context`` of ``other`` (a mapping, a store, or pairs) and of
-        ``contexts``, as ``dict.update`` does."""
-        MutableMapping.update(self, other, **contexts)  # type: ignore[arg-type]
+        ``contexts``, as ``dict.update`` does, in their order; what ``dict.update`` refuses
+        raises the library's errors (:class:`InvalidArgumentError`, a ``TypeError``, for what is
+        not iterable; :class:`InvalidKeyError`, a ``ValueError``, for an item of another length
+        than two, or a key that is not a str)."""
+        for key, ctx in _pairs(other):  # (each checked by __setitem__ and put)
+            self[key] = ctx
+        for key, ctx in contexts.items():
+            self[key] = ctx
 
     def setdefault(self: _Verbs, key: str, default: ResidualContext) -> ResidualContext:
         """The context under ``key``; where there is none, puts ``default`` there and returns it."""
@@ -65,14 +72,14 @@ class StoreMapping:
 
     def popitem(self: _Verbs) -> tuple[str, ResidualContext]:
         """Removes one context and returns ``(key, context)`` (the first key, in key order);
-        :class:`ContextNotFoundError` for an empty store."""
-        for key in self.keys():
-            try:
-                ctx = self[key]
-            except ContextNotFoundError:
-                continue  # removed meanwhile
-            del self[key]
-            return key, ctx
+        :class:`ContextNotFoundError` only for a store that is empty: a key another thread
+        removes meanwhile is passed over, as a dict under a lock would never have shown it."""
+        while keys := self.keys():
+            for key in keys:
+                try:
+                    return key, self.pop(key)
+                except ContextNotFoundError:
+                    continue  # removed meanwhile
         raise ContextNotFoundError(f"popitem: the store {self!r} is empty")
 
     def clear(self: _Verbs) -> None:
@@ -82,3 +89,24 @@ class StoreMapping:
                 del self[key]
             except ContextNotFoundError:
                 pass  # removed meanwhile
+
+
+def _pairs(other: object) -> Iterator[tuple[Any, Any]]:
+    """``other``'s ``(key, context)`` pairs, one at a time, as ``dict.update`` takes them: a
+    mapping's items (anything with ``keys()``: a store's contexts are got as they come), or an
+    iterable of pairs."""
+    if isinstance(other, Mapping) or hasattr(other, "keys"):
+        for key in other.keys():  # type: ignore[attr-defined]
+            yield key, other[key]  # type: ignore[index]
+        return
+    if not isinstance(other, Iterable):
+        raise InvalidArgumentError(
+            f"update expects a mapping of key -> context or (key, context) pairs, got {type(other).__name__}"
+        )
+    for i, item in enumerate(other):  # (the errors dict.update raises: TypeError, then ValueError)
+        if not isinstance(item, Iterable):
+            raise InvalidArgumentError(f"update: item #{i} is not a (key, context) pair: {item!r:.60}")
+        pair = tuple(item)
+        if len(pair) != 2:
+            raise InvalidKeyError(f"update: item #{i} is not a (key, context) pair: {item!r:.60}")
+        yield pair

@@ -289,7 +289,10 @@ class WritablePersistence(ReadOnlyPersistence):
 
     def flush(self, keys: Sequence[str] = ()) -> list[bool]:
         """Waits for every write queued when it was called (or those of ``keys``: whether each
-        had one) and raises the first error since the last flush (of those keys' writes)."""
+        had one) and raises the first error since the last flush (of those keys' writes). A
+        write the table holds pending and nobody queued (a put whose copy failed on the way) is
+        queued first, as the exit drain would (rule 6): flush, close and the exit agree."""
+        self._queue_unclaimed()
         try:
             if not keys:
                 self.writer.flush()
@@ -340,9 +343,16 @@ class WritablePersistence(ReadOnlyPersistence):
             self._table.delete_done(key, version)
 
     def drop_later(self, stale: StaleData | None) -> None:
-        """Hands data no manifest references any more to the janitor, off the write path."""
-        if stale is not None:
+        """Hands data no manifest references any more to the janitor, off the write path. Where
+        the janitor takes no more work (the store was dropped without ``close()``, its
+        finalizer stopped it), the write that replaced the data is done all the same: the data
+        is left for ``gc``, never reported as the write's failure."""
+        if stale is None:
+            return
+        try:
             self.janitor.submit(functools.partial(self._committer.dispose, stale))
+        except RuntimeError:  # "cannot schedule new futures after shutdown"
+            pass
 
     def gc(self, older_than: float, *, dry_run: bool, progress: Progress | None) -> dict[str, int]:
         """Counts (or removes) after every write queued so far and every disposal of what they

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from residual_store._src.context import ResidualContext, bound_context, check_representable, describe_residual
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError
 from residual_store._src.store.host import for_writing, holds_device_memory, place, to_device, to_host, wait_copied
-from residual_store._src.store.owed import Found, Moves, Write
+from residual_store._src.store.owed import Found, Moves, Owed, Write
 from residual_store._src.store.pinned import HostPool
 from residual_store._src.store.schedule import loads_ahead
 from residual_store._src.store.table import KeyTable
@@ -187,19 +187,24 @@ class Reads:
         is, then queues the writes of what left host memory. A pending write then holds host
         copies only, so the device budget bounds the device memory of the store's contexts,
         pending writes included."""
-        owed = moves.owed
-        if owed.due:
-            # (a copy that fails to start raises here: the context it copies stays as it was)
-            demoted = [(key, ctx, to_host(ctx, self._pool)) for key, ctx in owed.demoted if holds_device_memory(ctx)]
-            released = [(key, ctx, for_writing(ctx, self._target, self._pool)) for key, ctx in owed.released
-                        if holds_device_memory(ctx)]
-            landing = [(self._landings.submit(self._land, key, [ctx, copy]), ctx.spec.own_nbytes)
-                       for key, ctx, copy in (*demoted, *released)]
-            self._table.settle(demoted, released, landing)
-            for future, _ in landing:  # (at once if it has landed already)
-                future.add_done_callback(self._table.landed)
-        if moves.spills:
-            self._queue(moves.spills)
+        try:
+            if moves.owed.due:
+                self._copy(moves.owed)
+        finally:  # a copy that failed to start leaves what left host memory to write all the same
+            if moves.spills:
+                self._queue(moves.spills)
+
+    def _copy(self, owed: Owed) -> None:
+        """Makes the copies ``owed`` and tells the table; a copy that fails to start raises here,
+        and the context it copies stays as it was."""
+        demoted = [(key, ctx, to_host(ctx, self._pool)) for key, ctx in owed.demoted if holds_device_memory(ctx)]
+        released = [(key, ctx, for_writing(ctx, self._target, self._pool)) for key, ctx in owed.released
+                    if holds_device_memory(ctx)]
+        landing = [(self._landings.submit(self._land, key, [ctx, copy]), ctx.spec.own_nbytes)
+                   for key, ctx, copy in (*demoted, *released)]
+        self._table.settle(demoted, released, landing)
+        for future, _ in landing:  # (at once if it has landed already)
+            future.add_done_callback(self._table.landed)
 
     def _land(self, key: str, held: list[ResidualContext]) -> None:
         """On the landings thread: waits until the copy of a context (``held``: the context and

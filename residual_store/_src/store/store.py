@@ -25,7 +25,9 @@ from residual_store._src.store.budgets import (
     parse_seconds,
     parse_size,
 )
+from residual_store._src.store.calls import Calls, store_call
 from residual_store._src.store.collective import TIMEOUT_S, committer_for
+from residual_store._src.store.critical import critical_section, defer_keyboard_interrupt
 from residual_store._src.store.disk.backends import resolve_path
 from residual_store._src.store.disk.buffers import DEFAULT_READ_BUFFER_BYTES
 from residual_store._src.store.disk.tier import DiskTier
@@ -150,6 +152,7 @@ class Store(StoreMapping):
         device_headroom: int | str | None = None,
     ) -> None:
         self._closed = True  # until every part exists: a failed constructor leaves no threads
+        self._calls = Calls()  # the calls in progress; close() and the exit stop them first (calls.py)
         check_flags(write_through=write_through, durable=durable, create=create, read_only=read_only)
         self._read_only = bool(read_only)
         if path is None and self._read_only:
@@ -194,13 +197,14 @@ class Store(StoreMapping):
             pool=self._pool, landings=self._landings,
         )
         self._closed = False
+        defer_keyboard_interrupt()  # Ctrl-C waits until a put is whole (critical.py, rule 6)
         # A collected store's pending writes still complete (the writer runs its queue first).
         self._finalizer = weakref.finalize(self, _shut_down, self._persistence, self._loads, self._landings)
 
     # -- context manager ----------------------------------------------------------------------
 
     def __enter__(self) -> Store:
-        self._check_open()
+        self._calls.check()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -220,6 +224,7 @@ class Store(StoreMapping):
 
     # -- put ----------------------------------------------------------------------------------
 
+    @store_call
     def put(self, ctx: ResidualContext, key: str | None = None) -> str:
         """Adds ``ctx`` under ``key`` (a fresh unique key if ``None``) and returns the key.
 
@@ -233,7 +238,6 @@ class Store(StoreMapping):
             multi-process job (see docs/store.md).
           ReadOnlyStoreError: the store was opened ``read_only=True``.
         """
-        self._check_open()
         if isinstance(key, ResidualContext) and not isinstance(ctx, ResidualContext):
             raise InvalidArgumentError(
                 f"put takes the context first, then the key: put(ctx, {ctx!r}), got put({ctx!r}, ctx)"
@@ -248,10 +252,15 @@ class Store(StoreMapping):
         key, staged = self._persistence.prepare_put(ctx, key)  # checked; the weights' host copies
         if self._table.in_flight:  # the device holds its budget and at most one context leaving
             self._reads.wait_landed()
-        moves = self._table.put(key, ctx)  # bookkeeping only: the copies it owes are made after
-        self._reads.settle(moves)
-        if moves.own is not None:
-            self._persistence.schedule([moves.own], staged)
+        # From the transition until its write is queued, a put is one change: a signal waits for
+        # it (critical.py), and a copy that fails on the way still leaves the put whole.
+        with critical_section():
+            moves = self._table.put(key, ctx)  # bookkeeping only: the copies it owes are made after
+            try:
+                self._reads.settle(moves)
+            finally:
+                if moves.own is not None:
+                    self._persistence.schedule([moves.own], staged)
         return key
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
@@ -260,6 +269,7 @@ class Store(StoreMapping):
     def get(self, key: str) -> ResidualContext: ...
     @overload
     def get(self, key: str, default: T) -> ResidualContext | T: ...
+    @store_call
     def get(self, key: str, default: Any = _NO_DEFAULT) -> Any:
         """The context under ``key``, on device: waits for a prefetch, verifies what it reads.
         With a ``default``, a missing key returns it, as a mapping's ``get`` does.
@@ -268,7 +278,6 @@ class Store(StoreMapping):
           ContextNotFoundError: no such key (and no ``default``). CorruptContextError: stored
           data failed verification (the message names the key and the residual).
         """
-        self._check_open()
         try:
             ctx = self._reads.get(validate_key(key))
         except ContextNotFoundError:
@@ -279,14 +288,15 @@ class Store(StoreMapping):
         self._reads.ahead()
         return ctx
 
+    @store_call
     def prefetch(self, key: str) -> None:
         """Starts bringing ``key`` to the device in the background; the next ``get`` takes it.
 
         The prefetched context is held for that ``get`` even if the budgets cannot keep it.
         """
-        self._check_open()
         self._reads.prefetch(validate_key(key), self._persistence.holds)
 
+    @store_call
     def schedule(self, keys: Sequence[str]) -> None:
         """Declares the order of the coming gets: ``keys`` as they will be got, keys not yet put
         included (a pipeline knows its whole order before its first forward); an empty list
@@ -313,7 +323,6 @@ class Store(StoreMapping):
           InvalidKeyError: a key outside the key rules (the previous schedule stays).
           InvalidArgumentError: ``keys`` is not a sequence of str.
         """
-        self._check_open()
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
             raise InvalidArgumentError(
                 f"schedule expects a sequence of keys in the order they will be got, got {type(keys).__name__}"
@@ -325,9 +334,9 @@ class Store(StoreMapping):
     def pop(self, key: str) -> ResidualContext: ...
     @overload
     def pop(self, key: str, default: T) -> ResidualContext | T: ...
+    @store_call
     def pop(self, key: str, default: Any = _NO_DEFAULT) -> Any:
         """``get`` then ``delete``; with a ``default``, a missing key returns it."""
-        self._check_open()
         self._persistence.check_writable("pop")
         try:
             ctx = self.get(key)
@@ -338,31 +347,32 @@ class Store(StoreMapping):
         self.delete(key)
         return ctx
 
+    @store_call
     def delete(self, key: str) -> None:
         """Removes ``key`` from every tier; the disk removal runs in the background, after any
         pending write of it (``flush`` waits). Unknown key: :class:`ContextNotFoundError`."""
-        self._check_open()
         self._persistence.check_writable("delete")
         key = validate_key(key)
         # In a multi-process job the delete is collective, in call order with the puts: every
         # process checks here, and process 0 removes the manifest only once all have begun.
-        version = self._table.delete(key)
-        if version is None:  # not in memory: the disk tells
-            if not self._persistence.holds(key):
-                raise ContextNotFoundError.of(key, repr(self))
-            version = self._table.delete_stored(key)
-        self._persistence.delete(key, version)
+        with critical_section():  # hidden and its removal queued, or neither (a signal waits)
+            version = self._table.delete(key)
+            if version is None:  # not in memory: the disk tells
+                if not self._persistence.holds(key):
+                    raise ContextNotFoundError.of(key, repr(self))
+                version = self._table.delete_stored(key)
+            self._persistence.delete(key, version)
 
     # -- listing ------------------------------------------------------------------------------
 
+    @store_call
     def keys(self) -> list[str]:
         """Every key: in memory, pending, and committed on disk (by any process)."""
-        self._check_open()
         live, deleted = self._table.keys()  # before the listing: a removal done meanwhile must not bring a key back
         return sorted((live | set(self._persistence.keys())) - deleted)
 
+    @store_call
     def __contains__(self, key: object) -> bool:
-        self._check_open()
         if not isinstance(key, str):
             return False
         held = self._table.held(key)
@@ -383,8 +393,9 @@ class Store(StoreMapping):
     __getitem__ = get  # store[key]: ContextNotFoundError (a KeyError) for a missing key
 
     def __setitem__(self, key: str, ctx: ResidualContext) -> None:
-        """``store[key] = ctx`` is ``store.put(ctx, key)``."""
-        self.put(ctx, key)
+        """``store[key] = ctx`` is ``store.put(ctx, key)``, but a mapping's key is a string:
+        ``store[None] = ctx`` raises :class:`InvalidKeyError` (``put(ctx)`` makes a key)."""
+        self.put(ctx, validate_key(key))
 
     __delitem__ = delete  # del store[key]
 
@@ -392,6 +403,7 @@ class Store(StoreMapping):
         """The keys, as :meth:`keys` lists them when iteration starts."""
         return iter(self.keys())
 
+    @store_call
     def stats(self) -> dict[str, dict[str, int]]:
         """Bytes and contexts per tier (disk ``bytes`` count each shared weight once; its
         ``own_bytes`` only the contexts' own arrays, as the memory tiers count), and what this
@@ -410,7 +422,6 @@ class Store(StoreMapping):
         A context deleted or popped leaves ``disk`` when the call returns, as it leaves
         ``keys()``, before the writer has removed its files.
         """
-        self._check_open()
         result = self._table.stats()
         io, deleted = result.pop("io"), result.pop("deleted")
         result["disk"] = {**self._persistence.stats(leaving=deleted), **io}
@@ -418,6 +429,7 @@ class Store(StoreMapping):
 
     # -- flush, close -------------------------------------------------------------------------
 
+    @store_call
     def flush(self, *keys: str) -> None:
         """Returns once every acknowledged write is complete (and durable with ``durable=True``),
         and, without keys, every copy to host memory in flight has landed: the device memory of
@@ -443,8 +455,10 @@ class Store(StoreMapping):
           was not committed); without keys, then the error of a copy to host memory that failed
           (its context is back on the device, intact). ContextNotFoundError: a key this store was never given.
         """
-        self._check_open()
         checked = [validate_key(k) for k in keys]
+        self._flush(checked)
+
+    def _flush(self, checked: Sequence[str] = ()) -> None:
         had_writes = self._persistence.flush(checked)
         if not checked:
             self._reads.wait_landed()
@@ -452,6 +466,7 @@ class Store(StoreMapping):
             if not had and key not in self:
                 raise ContextNotFoundError.of(key, repr(self))
 
+    @store_call
     def gc(
         self, older_than: float | str = 3600.0, *, dry_run: bool = False, progress: Progress | None = None
     ) -> dict[str, int]:
@@ -466,7 +481,6 @@ class Store(StoreMapping):
         freed (-1 on kvstores, which do not say). ``progress`` is called with the bytes freed so
         far after each item (see :meth:`verify`).
         """
-        self._check_open()
         older_than = parse_age(older_than, "older_than")
         check_flags(dry_run=dry_run)
         if not dry_run:
@@ -474,24 +488,28 @@ class Store(StoreMapping):
         return self._persistence.gc(older_than, dry_run=dry_run, progress=progress)
 
     def close(self) -> None:
-        """Flushes and stops the background threads; the store cannot be used afterwards."""
-        if self._closed:
-            return
-        try:
-            self.flush()
-        finally:
-            self._closed = True
-            self._finalizer.detach()
-            try:
-                self._persistence.close()
-            finally:
-                self._loads.shutdown(wait=True)
-                self._landings.shutdown(wait=True)
-                self._pool.release()
+        """Flushes and stops the background threads; the store cannot be used afterwards.
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidArgumentError(f"this store ({self._description}) is closed: open a new rs.Store to use it again")
+        Calls that other threads make from the moment ``close`` is called raise
+        :class:`InvalidArgumentError` and change nothing; those already in progress complete
+        first, and what they put is flushed with the rest: a ``put`` that returned is on disk
+        when ``close`` returns. A second ``close`` (from another thread too) returns once the
+        first is done."""
+        with self._calls.ending():  # one close at a time: a second waits for the first to be done
+            if self._closed:
+                return
+            self._calls.stop(f"this store ({self._description}) is closed: open a new rs.Store to use it again")
+            try:
+                self._flush()
+            finally:
+                self._closed = True
+                self._finalizer.detach()
+                try:
+                    self._persistence.close()
+                finally:
+                    self._loads.shutdown(wait=True)
+                    self._landings.shutdown(wait=True)
+                    self._pool.release()
 
     # -- inspection ---------------------------------------------------------------------------
 
@@ -499,13 +517,13 @@ class Store(StoreMapping):
         """The context under ``key`` in memory (a memory tier's, or a put's waiting for its write)
         and whether that is newer than the disk's copy; :class:`ContextNotFoundError` for a key
         being deleted."""
-        self._check_open()
         key = validate_key(key)
         ctx, newer, deleted = self._table.locate(key)
         if deleted:
             raise ContextNotFoundError.of(key, repr(self), deleted="now")
         return ctx, newer
 
+    @store_call
     def info(self, key: str) -> ContextInfo:
         """The record of the context under ``key``: its signature and, per residual, name,
         shape, dtype, bytes, kind and where it lies; no array is read.
@@ -527,6 +545,7 @@ class Store(StoreMapping):
             return inspection.memory_info(key, ctx.spec)
         return self._persistence.info(key)
 
+    @store_call
     def arrays(self, key: str) -> tuple[np.ndarray, ...]:
         """The residuals of ``key`` as NumPy arrays in host memory, verified, in the order of
         :meth:`info`'s ``residuals`` (a typed PRNG key as its key data); nothing is placed on
@@ -548,6 +567,7 @@ class Store(StoreMapping):
             return tuple(to_numpy(x) for x in ctx.residuals)
         return self._persistence.arrays(key)
 
+    @store_call
     def backward_info(self, signature: str) -> BackwardInfo:
         """Whether a backward of ``signature`` is stored (processes without the model can run
         it), for which platforms and JAX version, or why not; reads its manifest only.
@@ -555,9 +575,9 @@ class Store(StoreMapping):
         Raises:
           InvalidArgumentError: ``signature`` is not a signature (``info(key).signature`` is one).
         """
-        self._check_open()
         return self._persistence.backward_info(signature)
 
+    @store_call
     def usage(self, *, progress: Progress | None = None) -> StoreUsage:
         """Bytes the store takes on disk, per part of its tree and per signature (a memory-only
         store: none; see :meth:`stats` for memory). ``progress``: as in :meth:`verify`.
@@ -571,10 +591,10 @@ class Store(StoreMapping):
           >>> usage.total > 0, [u.contexts for u in usage.signatures.values()]
           (True, [1])
         """
-        self._check_open()
         self.flush()  # what was put is on disk
         return self._persistence.usage(progress)
 
+    @store_call
     def verify(self, keys: Sequence[str] | None = None, *, progress: Progress | None = None) -> VerifyReport:
         """Reads and checks every byte of every context (or of ``keys``) against its checksums,
         and the stored backwards (of those contexts' signatures), changing nothing: damage is
@@ -600,7 +620,6 @@ class Store(StoreMapping):
           InvalidKeyError: a key outside the key rules. InvalidArgumentError: ``keys`` is not a
           sequence of keys.
         """
-        self._check_open()
         if keys is not None and (isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence)):
             raise InvalidArgumentError(
                 f"verify expects a sequence of keys (or None for all), got {type(keys).__name__}: {keys!r:.60}"

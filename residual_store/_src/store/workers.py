@@ -43,6 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from residual_store._src.errors import InvalidArgumentError
+from residual_store._src.store.calls import stop_all
 from residual_store._src.store.critical import StoreLock, store_condition
 from residual_store._src.store.exit_status import fail_at_exit
 
@@ -239,11 +240,12 @@ class Writer:
                     return
                 thread.join(min(left, _RECHECK_S))
 
-    def drain(self, deadline: float | None = None) -> list[BaseException]:
-        """Queues what its owner owes (``before_drain``), then waits until every job queued by
-        then has run (at most until ``deadline``, a ``time.monotonic()`` time); returns (and
-        clears) the errors since the last flush instead of raising them."""
-        owed = self.before_drain() if self.before_drain is not None else None
+    def drain(self, deadline: float | None = None) -> tuple[list[BaseException], bool]:
+        """Queues what its owner owes (``before_drain``; a closed writer's owner owes nothing:
+        its close flushed), then waits until every job queued by then has run (at most until
+        ``deadline``, a ``time.monotonic()`` time). Returns (and clears) the errors since the
+        last flush instead of raising them, and whether those jobs are all done."""
+        owed = self.before_drain() if self.before_drain is not None and not self._closed else None
         if owed is not None:
             try:
                 owed()
@@ -252,13 +254,19 @@ class Writer:
                 with self._cv:
                     self._errors.append(err)
         with self._cv:
-            self._wait_until_done(deadline)
+            mark = self._submitted  # (the mark _wait_until_done takes: the lock is held)
+            done = self._wait_until_done(deadline) and self._done >= mark
             errors, self._errors = self._errors, []
-        return errors
+        return errors, done
 
     def _name(self) -> str:
         return f"store {self.label}" if self.label else "a store"
 
+
+_EXITING = (
+    "the interpreter is exiting (its main thread has ended): a store takes no new calls once its "
+    "writes are drained at exit; join the threads that use a store before the main thread ends"
+)
 
 # How often a wait with no bound looks again whether a SIGTERM set one meanwhile.
 _RECHECK_S = 0.5
@@ -298,10 +306,14 @@ def drain_within(deadline: float | None, why: str) -> bool:
     stderr. Past the deadline, prints what is left (naming ``why``) and returns ``False``."""
     with _LIVE_LOCK:
         writers = list(_LIVE)
+    unfinished = []
     for writer in writers:
-        for err in writer.drain(deadline):
+        errors, done = writer.drain(deadline)
+        for err in errors:
             _report(err, "at exit" if _AT_EXIT else f"after {why}")
-    left = [(w, *w.backlog()) for w in writers]
+        if not done:
+            unfinished.append(writer)
+    left = [(w, *w.backlog()) for w in unfinished]
     left = [(w, jobs, nbytes) for w, jobs, nbytes in left if jobs]
     if not left:
         return True
@@ -335,6 +347,9 @@ def drain_all() -> None:
     global _AT_EXIT, _EXIT_DRAINED
     _AT_EXIT = True
     try:
+        # No store takes a call from here on; the calls in progress in threads still running
+        # (daemon threads, or threads not joined) complete first, and their writes are drained.
+        stop_all(_EXITING, _limit(None))
         drain_within(None, "exit")
     finally:
         _AT_EXIT = False
