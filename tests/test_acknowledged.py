@@ -262,6 +262,52 @@ else:
 """
 
 
+BACKPRESSURE_SCRIPT = """
+import os, signal, sys, threading
+sys.path.insert(0, sys.argv[2])
+import residual_store as rs
+from store_helpers import tiny_context
+root = sys.argv[1]
+first, second = tiny_context(rows=4, seed=1), tiny_context(rows=4, seed=2)
+store = rs.Store(root, max_pending_bytes=first.nbytes)  # a second pending put waits for the first
+gate = threading.Event()
+committer = store._persistence._committer
+real = committer.write
+def held(*args, **kwargs):  # the writer is behind: the first write waits at the gate
+    gate.wait()
+    return real(*args, **kwargs)
+committer.write = held
+
+def on_disk(key):
+    with rs.Store(root, read_only=True) as reader:
+        return reader.arrays(key)[-1].ravel().tolist() if key in reader.keys() else None
+
+def own(signum, frame):
+    print("own handler", on_disk("b"), flush=True)
+signal.signal(signal.SIGTERM, own)
+rs.flush_on_sigterm(timeout=None)
+store.put(first, "a")
+
+def signal_then_open_the_gate():  # the signal lands while the put of "b" waits for room
+    while not store._persistence.writer._cv._waiters:
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    threading.Timer(0.3, gate.set).start()
+threading.Thread(target=signal_then_open_the_gate).start()
+store.put(second, "b")
+print("put returned", flush=True)
+store.close()
+"""
+
+
+@pytest.mark.slow
+def test_internals_sigterm_while_a_put_waits_for_room_runs_the_programs_handler_once_that_put_is_written(tmp_path):
+    script = write_script(tmp_path, "backpressure.py", BACKPRESSURE_SCRIPT)
+    code, out, err = _run(script, str(tmp_path / "store"), str(TESTS_DIR))
+    assert code == 0, err
+    assert out.splitlines() == [f"own handler {_last(tiny_context(rows=4, seed=2))}", "put returned"], out
+
+
 def _last(ctx: rs.ResidualContext) -> list[float]:
     return np.asarray(ctx.residuals[-1]).ravel().tolist()
 

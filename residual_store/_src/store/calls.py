@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from _thread import get_ident
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -100,10 +101,11 @@ class Calls:
         until the first is done."""
         return self._ending
 
-    def stop(self, why: str, deadline: float | None = None) -> bool:
+    def stop(self, why: str, limit: Callable[[], float | None] = lambda: None) -> bool:
         """Refuses every call from now on with ``why``, then waits until the calls in progress in
-        other threads (alive ones) have returned, at most until ``deadline``
-        (``time.monotonic()``). Returns whether they all did."""
+        other threads (alive ones) have returned, at most until ``limit()`` (a
+        ``time.monotonic()`` deadline, asked again while it waits: a ``SIGTERM`` may set one;
+        ``None``: no bound). Returns whether they all did."""
         self._refusal = why  # before counting: a call let in is one this stop sees
         _OPEN.discard(self)
         me = threading.get_ident()
@@ -112,29 +114,40 @@ class Calls:
                 alive = {t.ident for t in threading.enumerate()}
                 if not any(count and ident != me and ident in alive for ident, count in list(self._depth.items())):
                     return True
+                deadline = limit()
                 left = _RECHECK_S if deadline is None else min(_RECHECK_S, deadline - time.monotonic())
                 if left <= 0:
                     return False
                 self._cv.wait(left)
 
 
-def stop_all(why: str, deadline: float | None = None) -> None:
+def stop_all(why: str, limit: Callable[[], float | None]) -> None:
     """Stops every store that still takes calls (the interpreter exits): see :meth:`Calls.stop`."""
     for calls in list(_OPEN):
-        calls.stop(why, deadline)
+        calls.stop(why, limit)
 
 
 def store_call(method: F) -> F:
     """Runs ``method`` (of a store, whose ``_calls`` counts it) as one call of its store:
-    refused once the store is stopped, and waited for by the stop."""
+    refused once the store is stopped, and waited for by the stop (:meth:`Calls.begin` and
+    :meth:`Calls.end`, inlined: every public call of a store passes here)."""
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls = self._calls
-        calls.begin()
+        depth = calls._depth
+        me = get_ident()
+        count = depth.get(me, 0) + 1
+        depth[me] = count  # counted before checked
+        if count == 1 and calls._refusal is not None:
+            calls._end(me, 1)
+            raise InvalidArgumentError(calls._refusal)
         try:
             return method(self, *args, **kwargs)
         finally:
-            calls.end()
+            if count == 1 and calls._refusal is None:
+                depth.pop(me, None)  # (a stop that begins now sees it gone at its next look)
+            else:
+                calls._end(me, count)
 
     return call  # type: ignore[return-value]

@@ -40,6 +40,7 @@ from residual_store._src.store.pinned import HostPool, capacity_for
 from residual_store._src.store.reads import Reads
 from residual_store._src.store.table import KeyTable
 from residual_store._src.store.weights import LiveWeights
+from residual_store._src.store.workers import exit_limit
 
 __all__ = ["Store"]
 
@@ -498,7 +499,9 @@ class Store(StoreMapping):
         with self._calls.ending():  # one close at a time: a second waits for the first to be done
             if self._closed:
                 return
-            self._calls.stop(f"this store ({self._description}) is closed: open a new rs.Store to use it again")
+            # (after a SIGTERM that bounds the exit, the wait for other threads' calls is bounded too)
+            self._calls.stop(f"this store ({self._description}) is closed: open a new rs.Store to use it again",
+                             exit_limit)
             try:
                 self._flush()
             finally:

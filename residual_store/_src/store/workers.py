@@ -48,8 +48,8 @@ from residual_store._src.store.critical import StoreLock, store_condition
 from residual_store._src.store.exit_status import fail_at_exit
 
 __all__ = [
-    "Writer", "bound_exit_drain", "drain_all", "drain_within", "draining_at_exit", "exit_drained", "janitor",
-    "request_pool",
+    "Writer", "bound_exit_drain", "drain_all", "drain_within", "draining_at_exit", "exit_drained", "exit_limit",
+    "janitor", "request_pool",
 ]
 
 _LIVE: weakref.WeakSet[Writer] = weakref.WeakSet()
@@ -290,6 +290,11 @@ def bound_exit_drain(deadline: float, why: str) -> None:
         _EXIT_BOUND = (deadline, why)
 
 
+def exit_limit() -> float | None:
+    """The exit bound's deadline (``time.monotonic()``) once a ``SIGTERM`` set one, else ``None``."""
+    return _limit(None)
+
+
 def exit_drained() -> bool:
     """Whether the interpreter's exit drain is over (the process is finalizing)."""
     return _EXIT_DRAINED
@@ -349,7 +354,7 @@ def drain_all() -> None:
     try:
         # No store takes a call from here on; the calls in progress in threads still running
         # (daemon threads, or threads not joined) complete first, and their writes are drained.
-        stop_all(_EXITING, _limit(None))
+        stop_all(_EXITING, exit_limit)
         drain_within(None, "exit")
     finally:
         _AT_EXIT = False
