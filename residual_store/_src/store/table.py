@@ -38,7 +38,9 @@ kill suites end to end):
    claims it right after its transition (:meth:`KeyTable.claim_writes`); a drain that finds a
    write no one has claimed yet (a signal landed in between) claims and queues it itself
    (:meth:`KeyTable.unqueued`, then :meth:`KeyTable.claim_writes`). So a put whose transition
-   is done is never lost by a drain that ran before it queued its write.
+   is done is never lost by a drain that ran before it queued its write; ``flush`` does the same
+   (a put whose copy failed on the way), and a put is a critical section from its transition to
+   its queueing, so a signal handler's drain never runs between the two (``critical.py``).
 
 7. **Device bytes count until they have left.** A context copied to host memory (pushed out of
    the device tier, or a pending write's copy) holds its device memory until the copy has
