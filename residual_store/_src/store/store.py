@@ -349,7 +349,7 @@ class Store(StoreMapping):
         version = self._table.delete(key)
         if version is None:  # not in memory: the disk tells
             if not self._persistence.holds(key):
-                raise ContextNotFoundError.of(key, repr(self))
+                raise ContextNotFoundError.of(key, self._description)
             version = self._table.delete_stored(key)
         self._persistence.delete(key, version)
 
@@ -450,7 +450,7 @@ class Store(StoreMapping):
             self._reads.wait_landed()
         for key, had in zip(checked, had_writes):
             if not had and key not in self:
-                raise ContextNotFoundError.of(key, repr(self))
+                raise ContextNotFoundError.of(key, self._description)
 
     def gc(
         self, older_than: float | str = 3600.0, *, dry_run: bool = False, progress: Progress | None = None
@@ -503,7 +503,7 @@ class Store(StoreMapping):
         key = validate_key(key)
         ctx, newer, deleted = self._table.locate(key)
         if deleted:
-            raise ContextNotFoundError.of(key, repr(self), deleted="now")
+            raise ContextNotFoundError.of(key, self._description, deleted="now")
         return ctx, newer
 
     def info(self, key: str) -> ContextInfo:
@@ -610,7 +610,7 @@ class Store(StoreMapping):
         chosen = self.keys() if given is None else given
         missing = [] if given is None else [k for k in given if k not in self]
         if missing:
-            raise ContextNotFoundError.of(missing, repr(self))
+            raise ContextNotFoundError.of(missing, self._description)
         on_disk = set(self._persistence.keys())
         report = self._persistence.verify([k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress)
         in_memory = sum(k not in on_disk for k in chosen)  # written with write_through=False, not spilled

@@ -115,6 +115,8 @@ class DiskTier:
         if self._has_marker():
             return
         where = self.backend.description
+        if self._holds_contexts():  # a store that lost its marker: neither a new store nor none
+            raise CorruptContextError(layout.lost_marker(where))
         if self.read_only or not create:
             what = "no such folder" if not self.backend.root_exists() else f"not a residual store (no {STORE_MARKER})"
             raise StoreNotFoundError(
@@ -139,6 +141,10 @@ class DiskTier:
             raise InvalidArgumentError(
                 f"{where}: a part of this path is a file, not a folder ({err}); a store needs a folder"
             ) from err
+
+    def _holds_contexts(self) -> bool:
+        """Whether the root holds contexts' manifests (though no marker)."""
+        return any(n.endswith(paths.MANIFEST_SUFFIX) for n in self.backend.list_dir(paths.CONTEXTS))
 
     def _has_marker(self) -> bool:
         """Whether the root holds a store marker this version can open; a marker of a later
