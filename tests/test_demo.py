@@ -151,7 +151,8 @@ def _ctrl_c_at(moment, cwd):
 @pytest.mark.subprocess
 def test_ctrl_c_at_any_moment_of_the_start_says_so_and_exits_130(tmp_path):
     """A Ctrl-C while XLA still compiles (the forward's first compile) once ended in a
-    segmentation fault at the interpreter's end, after the message (status 139)."""
+    segmentation fault at the interpreter's end, after the message (status 139); one while it
+    imported JAX, in a traceback (status 1) or jaxlib's abort (SIGABRT)."""
     from concurrent.futures import ThreadPoolExecutor
 
     folders = [tmp_path / f"run{i}" for i in range(len(_CTRL_C_MOMENTS))]

@@ -45,10 +45,17 @@ def interrupts_kept() -> Iterator[None]:
     main thread instead of being lost (a moment later, from another thread: raised in the hook
     itself, it would be lost the same way)."""
     previous = sys.unraisablehook
+    owed: list[int] = []  # interrupts taken by the hook and not raised again yet
+
+    def again() -> None:
+        if owed:
+            owed.pop()
+            _thread.interrupt_main()
 
     def hook(unraisable: Any) -> None:
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            threading.Timer(0.05, _thread.interrupt_main).start()
+            owed.append(signal.SIGINT)
+            threading.Timer(0.05, again).start()
         else:
             previous(unraisable)
 
@@ -57,6 +64,9 @@ def interrupts_kept() -> Iterator[None]:
         yield
     finally:
         sys.unraisablehook = previous
+    if owed:  # the command ended before the timer: raised here, not in its caller
+        owed.clear()
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
