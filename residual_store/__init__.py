@@ -89,14 +89,16 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from residual_store._src.store.preemption import flush_on_sigterm
 
 
-def __getattr__(name: str) -> Any:
-    """The public names, imported (all of them) on the first use of one."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    namespace = globals()
-    for public, module in _EXPORTS.items():
-        namespace[public] = getattr(importlib.import_module(module), public)
-    return namespace[name]
+if not TYPE_CHECKING:  # a type checker sees the names above, and no other: a misspelled one is an error
+
+    def __getattr__(name: str) -> Any:
+        """The public names, imported (all of them) on the first use of one."""
+        if name not in _EXPORTS:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        namespace = globals()
+        for public, module in _EXPORTS.items():
+            namespace[public] = getattr(importlib.import_module(module), public)
+        return namespace[name]
 
 
 def __dir__() -> list[str]:

@@ -27,14 +27,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from residual_store._src.cli_text import Progress as _Progress
 from residual_store._src.cli_text import age as _age
 from residual_store._src.cli_text import count as _count
 from residual_store._src.cli_text import duration as _duration
 from residual_store._src.cli_text import human as _human
 from residual_store._src.cli_text import plural as _plural
 from residual_store._src.cli_text import seconds as _seconds
-from residual_store._src.cli_text import status_line as _status_line
 from residual_store._src.cli_text import table as _table
+from residual_store._src.interrupts import from_interrupt, interrupt_deferred, interrupted, interrupts_kept
 
 if TYPE_CHECKING:
     import numpy as np
@@ -163,35 +164,6 @@ def _info(args: argparse.Namespace, store: Store, key: str) -> ContextInfo:
     """The record of ``key``, or a one-line error for an unknown key."""
     _refuse_missing(args, store, [key])
     return store.info(key)
-
-
-class _Progress:
-    """A line on stderr, redrawn as bytes go by (at most ten times a second) and erased at the
-    end, only where stderr is a terminal: a callable for the ``progress`` argument of
-    :class:`~residual_store.Store` methods."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.shown = sys.stderr.isatty()
-        self.start = time.monotonic()
-        self.last = float("-inf")
-        self.drawn = False
-
-    def __call__(self, done: int, total: int | None = None) -> None:
-        now = time.monotonic()
-        if not self.shown or (now - self.last < 0.1 and done != total):
-            return
-        self.last = now
-        whole = f" of {_human(total)}" if total else ""
-        _status_line(f"{self.label}: {_human(done)}{whole} ({now - self.start:.1f} s)")
-        self.drawn = True
-
-    def __enter__(self) -> _Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.drawn:  # the result follows on stdout, on a clean line
-            _status_line("")
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -495,6 +467,7 @@ def _read(args: argparse.Namespace, store: Store, key: str) -> tuple[ContextInfo
 def _cmd_export(args: argparse.Namespace) -> int:
     import numpy as np
 
+    out = _npz_output(args.output or f"{args.key}.npz")  # before the read, not after it
     with _open(args) as store:
         info, names, arrays = _read(args, store, args.key)
     chosen = list(range(len(arrays)))
@@ -503,12 +476,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
         chosen = [i for i, n in enumerate(names) if n == pick or info.residuals[i].name == pick or str(i) == pick]
         if not chosen:
             raise _UsageError(f"context {info.key!r} has no residual {pick!r} (see `residual-store inspect`)")
-    out = args.output or f"{info.key}.npz"
     named: dict[str, Any] = {names[i]: arrays[i] for i in chosen}
     np.savez(out, **named)
     data = {"key": info.key, "file": out, "residuals": [names[i] for i in chosen]}
     _emit(args, data, f"wrote {_plural(len(chosen), 'residual')} of {info.key} to {out}")
     return 0
+
+
+def _npz_output(path: str) -> str:
+    """The file ``export`` writes for ``-o path``: ``.npz`` added where it lacks it (as NumPy
+    adds it), checked for a folder to write it in."""
+    out = path if path.endswith(".npz") else f"{path}.npz"
+    folder = os.path.dirname(os.path.abspath(os.path.expanduser(out)))
+    if not os.path.isdir(folder):
+        raise _UsageError(f"-o {path}: no folder {folder} to write it in; make it first")
+    if os.path.isdir(out):
+        raise _UsageError(f"-o {path}: {out} is a folder; give a file name")
+    return out
 
 
 def _compare(a: Any, b: Any) -> dict[str, Any]:
@@ -591,7 +575,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_count, default=3, help="training steps (default 3)")
     demo.add_argument("--microbatches", type=_count, default=8, help="microbatches per step (default 8)")
     demo.add_argument("--store", default=None, help="store folder or kvstore URL (default: a temporary folder)")
-    demo.add_argument("--plot", default="residual_store_demo.png", help="where to write the PNG")
+    demo.add_argument("--plot", default="residual_store_demo.png", help="where to write the PNG (default residual_store_demo.png)")
     demo.add_argument("--no-plot", action="store_true", help="do not draw the plot")
     command("ls", "list the contexts of a store; exit 1 if one is damaged", _cmd_ls, json_flag=True).add_argument("path")
     inspect = command("inspect", "one row per residual of a stored context; exit 1 if a file of it is missing "
@@ -614,7 +598,7 @@ def _parser() -> argparse.ArgumentParser:
     export = command("export", "write a context's residuals to a NumPy .npz file", _cmd_export, json_flag=True)
     export.add_argument("path")
     export.add_argument("key")
-    export.add_argument("-o", "--output", default=None, help="the .npz file (default: KEY.npz)")
+    export.add_argument("-o", "--output", default=None, help="the .npz file, .npz added where it lacks it (default: KEY.npz)")
     export.add_argument("--residual", default=None, metavar="NAME", help="only this residual (its name or index)")
     diff = command("diff", "which residuals of two contexts differ, and by how much; exit 1 if any does",
                    _cmd_diff, json_flag=True)
@@ -666,29 +650,44 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    """Runs the command line (``argv``: its arguments, else the program's own); returns the exit
+    status. Run as the program, after a Ctrl-C once JAX is imported, the process ends here with
+    status 130 instead (see :func:`~residual_store._src.interrupts.interrupted`)."""
+    command = ""
+    try:
+        args = _parser().parse_args(argv)
+        command = args.command
+        with interrupts_kept():
+            return _run(args)
+    except BaseException as err:
+        if not from_interrupt(err):
+            raise  # (argparse's SystemExit too)
+        said = f"residual-store{' ' + command if command else ''}: interrupted (Ctrl-C)"
+        return interrupted(said, as_program=argv is None)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Runs the parsed command; the library's errors said in one line (status 2, or 1 for damage)."""
     if args.command != "demo":
         # a store command reads into host memory: it starts no accelerator, nor takes its memory
         # from a job running on it (unless JAX_PLATFORMS says otherwise, or JAX runs already)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import residual_store as rs  # (only now: --help and usage errors never import JAX)
+    with interrupt_deferred():  # (only now: --help and usage errors never import JAX)
+        import residual_store as rs
 
+        damaged = rs.CorruptContextError  # the first name imports the library's modules, and JAX
     try:
         return args.run(args)
     except BrokenPipeError:
         _quiet_stdout()
         return 0
-    except rs.CorruptContextError as err:  # damage met: said as ls and verify say it, status 1
+    except damaged as err:  # damage met: said as ls and verify say it, status 1
         return _report_damage(args, err)
     except (_UsageError, rs.ResidualStoreError, OSError) as err:
         text = _unavailable(args, err) if isinstance(err, rs.StoreUnavailableError) else str(err).strip()
         first = text.splitlines()[0] if text else type(err).__name__
         print(f"residual-store {args.command}: {first}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"residual-store {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -369,21 +369,22 @@ def run_demo(
     path = store_path or os.path.join(scratch.name, "store")
     kept = store_path is not None
 
-    where = path if kept else "a temporary store (removed at the end; --store DIR keeps one)"
-    print_fn(
-        f"residual-store demo: {cfg.n_layers}-layer transformer, {n} microbatches of "
-        f"{cfg.microbatch}x{cfg.seq_len} tokens, {cfg.steps} steps; schedule F1..F{n}, B{n}..B1 "
-        f"with every context offloaded to {where}"
-    )
-    # Size the budgets from one context: the device holds 2, host memory 3, the rest go to disk.
-    probe_tokens = jnp.zeros((cfg.microbatch, cfg.seq_len + 1), jnp.int32)
-    context_bytes = fwd(params, probe_tokens, key)[1].spec.own_nbytes  # what the budgets count
-    budgets = {"device": 2 * context_bytes, "host": 3 * context_bytes}
-    store = rs.Store(path, device_budget=budgets["device"], host_budget=budgets["host"], durable=False, timeout=timeout)
-    phases = 3 if cfg.compare_save else 2
-    progress = _progress_line(print_fn)
-    print_fn(f"[1/{phases}] training: {cfg.steps} steps (the first one compiles the forward and the backward)")
+    store: rs.Store | None = None  # (closed, and the scratch folder removed, however the run ends: a Ctrl-C too)
     try:
+        where = path if kept else "a temporary store (removed at the end; --store DIR keeps one)"
+        print_fn(
+            f"residual-store demo: {cfg.n_layers}-layer transformer, {n} microbatches of "
+            f"{cfg.microbatch}x{cfg.seq_len} tokens, {cfg.steps} steps; schedule F1..F{n}, B{n}..B1 "
+            f"with every context offloaded to {where}"
+        )
+        # Size the budgets from one context: the device holds 2, host memory 3, the rest go to disk.
+        probe_tokens = jnp.zeros((cfg.microbatch, cfg.seq_len + 1), jnp.int32)
+        context_bytes = fwd(params, probe_tokens, key)[1].spec.own_nbytes  # what the budgets count
+        budgets = {"device": 2 * context_bytes, "host": 3 * context_bytes}
+        store = rs.Store(path, device_budget=budgets["device"], host_budget=budgets["host"], durable=False, timeout=timeout)
+        phases = 3 if cfg.compare_save else 2
+        progress = _progress_line(print_fn)
+        print_fn(f"[1/{phases}] training: {cfg.steps} steps (the first one compiles the forward and the backward)")
         for step in range(cfg.steps):
             key, data_key, drop_key = jax.random.split(key, 3)
             tokens = jax.random.randint(data_key, (n, cfg.microbatch, cfg.seq_len + 1), 0, cfg.vocab)
@@ -447,7 +448,8 @@ def run_demo(
             progress("")
             _print_save_comparison(print_fn, save_rows, cfg)
     finally:
-        store.close()
+        if store is not None:
+            store.close()
         scratch.cleanup()
 
     info = fwd.cache_info()

@@ -231,7 +231,7 @@ class ContextsHandler(ocp.AsyncCheckpointHandler):
         path, step = _store_path(directory), _step_folder(directory)
         try:
             store = Store(path, read_only=True)
-        except StoreNotFoundError as err:
+        except (StoreNotFoundError, CorruptContextError) as err:  # no marker, or a damaged one
             raise CorruptContextError(
                 f"the contexts item of step {step!r} is not a whole residual store ({err}): the step "
                 "was partly deleted (a crash while max_to_keep removed it?) or the item damaged; "

@@ -337,7 +337,8 @@ def write_arrays_local(
             _in_parallel(fsync_file, [p for p, is_dir in undo.created if not is_dir and p not in undo.synced])
             _in_parallel(fsync_folder_local, undo.dirty_folders())
     except BaseException as e:
-        undo.fail(e, f"{describe_arrays(list(arrays))} under {root!r}")
+        written = describe_arrays([*arrays, *(files or {})]) or "zarr metadata"  # (a bundle alone: its file)
+        undo.fail(e, f"{written} under {root!r}")
         raise
 
 

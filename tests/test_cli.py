@@ -4,6 +4,7 @@ entry point, one-line errors, terminals, pipes, imports)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -183,6 +184,15 @@ def test_rm_export_diff(tmp_path):
         assert got.files == ["input x"]
     bad = _cli("export", path, "mb1", "--residual", "nope")
     assert bad.returncode == 2 and "no residual 'nope'" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    # -o without .npz: the file NumPy writes is the file named; a folder that is not there is
+    # refused before the context is read (the key need not even exist)
+    said = _cli("export", path, "mb1", "-o", str(tmp_path / "noext"), "--residual", "input x")
+    assert said.returncode == 0 and said.stdout.strip().endswith(f"to {tmp_path / 'noext.npz'}"), said
+    assert (tmp_path / "noext.npz").is_file() and not (tmp_path / "noext").exists()
+    for key in ("mb1", "nope"):
+        lost = _cli("export", path, key, "-o", str(tmp_path / "missing" / "x.npz"))
+        assert lost.returncode == 2 and len(lost.stderr.splitlines()) == 1, lost
+        assert f"no folder {tmp_path / 'missing'} to write it in" in lost.stderr and "Errno" not in lost.stderr
     # diff: the same context, and two of one signature
     same_out = _cli("diff", path, "mb0", "mb0", "--json")
     same = json.loads(same_out.stdout)
@@ -311,7 +321,8 @@ def test_every_command_on_a_kvstore_spec(tmp_path):
 @pytest.mark.parametrize(
     "argv, status, said",
     [(["--help"], 0, "usage: residual-store"), (["ls", "--help"], 0, "--timeout SECONDS"),
-     (["lss", "/data/s"], 2, "invalid choice: 'lss'"), (["gc"], 2, "required: path")],
+     (["lss", "/data/s"], 2, "invalid choice: 'lss'"), (["gc"], 2, "required: path"),
+     (["demo", "--help"], 0, "residual_store_demo.png)")],  # the plot's default shown
 )
 def test_help_and_usage_errors_answer_without_importing_jax(argv, status, said):
     code = f"""
@@ -422,3 +433,47 @@ def test_ls_of_a_folder_holding_a_store_points_to_it(tmp_path, store_path):
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert f"not a residual store; the store in it: {step / 'contexts'}" in out.stderr
     assert _cli("ls", str(step / "contexts")).returncode == 0
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _interrupting(kind: str):
+    """A command that meets a Ctrl-C: raised in it, raised inside a function C code called (its
+    ``SystemError``), or raised in a ``__del__`` (which Python only prints, then runs on)."""
+    import time
+
+    class Dropped:
+        def __del__(self):
+            raise KeyboardInterrupt
+
+    def run(args):
+        sys.stderr.write("\rmeasuring: 1.0 KiB")  # a status line drawn, as du draws it
+        if kind == "raised":
+            raise KeyboardInterrupt
+        if kind == "inside C":
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as err:
+                raise SystemError("returned a result with an exception set") from err
+        Dropped()
+        for _ in range(100 if kind == "in __del__" else 0):  # the main thread takes it back at a next step
+            time.sleep(0.01)
+        return 0  # (at once: raised as the command ends)
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["raised", "inside C", "in __del__", "in __del__ as it ends"])
+def test_ctrl_c_is_said_on_a_line_of_its_own_with_status_130(monkeypatch, kind):
+    from residual_store import cli
+
+    monkeypatch.setattr(cli, "_cmd_du", _interrupting(kind))
+    err, hook = _Terminal(), sys.unraisablehook
+    monkeypatch.setattr(sys, "stderr", err)
+    status = cli.main(["du", "anywhere"])
+    assert status == 130, err.getvalue()
+    assert err.getvalue() == "\rmeasuring: 1.0 KiB\r\x1b[Kresidual-store du: interrupted (Ctrl-C)\n"
+    assert sys.unraisablehook is hook  # put back

@@ -92,3 +92,18 @@ def test_spec_rejects_inconsistent_fields():
     spec = rs.ResidualSpec("s", (aval,), ("a",), (None,), ("intermediate",))
     with pytest.raises(ValueError, match="needs 1 residual arrays, got 2"):
         rs.ResidualContext([jnp.ones(2), jnp.ones(2)], spec)
+
+
+def test_pickling_a_context_points_to_a_store_and_copies_still_run(fwd, rng):
+    import copy
+    import pickle
+
+    w, x, key = _inputs(rng)
+    _, ctx = fwd(w, x, key)
+    with pytest.raises(rs.InvalidArgumentError, match=r"cannot be pickled .*put it in a Store") as err:
+        pickle.dumps(ctx)
+    assert isinstance(err.value, TypeError)  # what pickle raises for what it cannot pickle
+    ref = rs.backward(ctx)
+    for c in (copy.copy(ctx), copy.deepcopy(ctx)):  # copies still carry the backward
+        assert c.spec == ctx.spec
+        np.testing.assert_array_equal(rs.backward(c), ref)

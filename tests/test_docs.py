@@ -102,3 +102,17 @@ def test_internals_format_md_names_the_versions_this_library_writes():
     for kind, version in (("layout", STORE_VERSION), ("manifest", FORMAT_VERSION)):
         named = re.findall(rf"\*\*{kind}\*\*, version (\d+)", text)
         assert named and all(int(v) == version for v in named), (kind, named)
+
+
+def test_the_readme_names_an_extra_for_each_accelerator_that_pyproject_defines():
+    """The docs quote TPU runs: a TPU user finds what to install, as a GPU user does."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    readme = (ROOT / "README.md").read_text()
+    for extra, jax_extra in (("cuda12", "jax[cuda12]"), ("tpu", "jax[tpu]")):
+        assert f"pip install -e '.[{extra}]'" in re.sub(r"\s+", " ", readme), extra
+        pins = extras[extra]
+        assert len(pins) == 1 and pins[0].startswith(jax_extra), pins
+        assert pins[0].split("]")[1] == extras["cuda12"][0].split("]")[1]  # the same JAX pin

@@ -48,6 +48,23 @@ def test_hierarchy():
     assert issubclass(rs.ResidualStoreWarning, UserWarning)
 
 
+def test_errors_are_named_where_users_find_them(tmp_path):
+    import pickle
+    import traceback
+
+    for name in ("ContextNotFoundError", "CorruptContextError", "RecomputeWarning", "ResidualStoreError"):
+        cls = getattr(rs, name)
+        assert f"{cls.__module__}.{cls.__qualname__}" == f"residual_store.{name}"
+    with rs.Store(tmp_path / "s") as store:
+        with pytest.raises(rs.ContextNotFoundError) as err:
+            store.get("k")
+        missing = f"no context 'k' in store {tmp_path / 's'}"  # one form: the store's place, as its own parts say it
+        assert str(err.value) == missing
+        assert traceback.format_exception_only(err.value)[-1] == f"residual_store.ContextNotFoundError: {missing}\n"
+        again = pickle.loads(pickle.dumps(err.value))  # (multiprocessing sends errors pickled)
+        assert type(again) is rs.ContextNotFoundError and str(again) == missing
+
+
 def test_context_from_another_split(fwd, data):
     w, x = data
     _, other = rs.split(scalar)(w, x)

@@ -61,6 +61,7 @@ fwd = rs.split(lambda w: jnp.sum(jnp.sin(w)))
 with rs.Store(None) as store:
     count: int = store.keys()
     store.put("mb0", fwd(jnp.ones(3))[1])
+misspelled = rs.Stor(None), rs.spilt(lambda w: w)
 """
 
 
@@ -100,4 +101,6 @@ def test_mypy_types_a_user_script_after_an_editable_install_as_after_a_regular_o
     assert "Cannot find implementation or library stub" not in editable, editable
     assert 'Incompatible types in assignment (expression has type "list[str]", variable has type "int")' in editable
     assert 'Argument 1 to "put" of "Store" has incompatible type "str"' in editable, editable
+    for name in ("Stor", "spilt"):  # misspelled: the lazy module __getattr__ is no catch-all for mypy
+        assert f'Module has no attribute "{name}"' in editable, editable
     assert editable == regular

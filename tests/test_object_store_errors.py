@@ -222,6 +222,25 @@ def test_the_aws_sdks_log_lines_stay_off_stderr_and_go_to_the_logger(tmp_path):
     assert any(".aws" in line for line in sdk), logged.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_sdks_lines_of_the_retries_after_the_first_request_stay_off_stderr(tmp_path):
+    """A refused connection is retried (a server may be starting): each retry looked for
+    credentials again (the instance metadata, the default chain), and its 2-4 SDK lines, made
+    after the first request's window, reached stderr before the one-line error."""
+    env = {k: v for k, v in python_env().items() if not k.startswith("AWS_") or k == "AWS_CA_BUNDLE"}
+    env.update(HOME=str(tmp_path))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]  # closed again: connections refused
+    spec = json.dumps({"driver": "s3", "bucket": "residuals", "path": "run/", "endpoint": f"http://127.0.0.1:{port}",
+                       "timeout": 3})  # the default credentials: looked for
+    code = _NO_CREDENTIALS.replace("rs.Store(json.loads(sys.argv[1]))",
+                                   "spec = json.loads(sys.argv[1]); rs.Store(spec, timeout=spec.pop('timeout'))")
+    out = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+    assert "did not answer within the timeout of 3 s" in out.stderr, out.stderr
+
+
 def test_internals_the_window_hands_log_lines_to_the_logger_and_writes_the_rest_back(capfd, caplog):
     from residual_store._src.store.disk.sdk_logs import sdk_logs_to_logger, split_sdk_lines
 

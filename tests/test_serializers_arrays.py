@@ -391,6 +391,18 @@ def test_enospc_fast_path_removes_partial_files(
     assert _files(tmp_path) == ["keep"] and sorted(os.listdir(tmp_path)) == ["keep"]
 
 
+def test_disk_full_names_a_bundle_written_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(local_mod.os, "write", full)
+    monkeypatch.setattr(local_mod.os, "writev", full)
+    with pytest.raises(DiskFullError) as info:  # no array of its own: once "writing  under"
+        write_arrays_local(tmp_path, {}, files={"ctx/bundle.zip": b"x" * 100})
+    assert f"disk full while writing 'ctx/bundle.zip' under {str(tmp_path)!r}:" in str(info.value), info.value
+    assert "  " not in str(info.value)
+
+
 def test_tensorstore_disk_full_error_is_classified() -> None:
     e = ValueError(
         "OUT_OF_RANGE: Error writing local file \"x\": File too large [os_error_code='27']"

@@ -109,6 +109,32 @@ def test_verify_reports_damage_and_changes_nothing(tmp_path, damage):
     assert _snapshot(path) == before
 
 
+@pytest.mark.slow  # 0.6 s
+def test_a_damaged_shared_weight_is_said_as_one_and_the_next_put_heals_it(tmp_path):
+    """Content-addressed, a weight is stored once: one flipped byte damaged every context holding
+    it, and a put reused the damaged file, so even a new context was born damaged."""
+    path = str(tmp_path / "store")
+    contexts = _fill(path)
+    weight = next(r["path"] for r in read_manifest(path, "good")["arrays"] if r["shared"])
+    chunk = next(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(path, weight)) for f in fs if f != "zarr.json")
+    intact = open(chunk, "rb").read()
+    _flip(chunk, len(intact) - 1)
+    with rs.Store(path) as store:
+        report = store.verify()
+        assert sorted(report.damaged) == ["bad", "good", "other"]
+        for why in report.damaged.values():
+            assert f"the damage is one shared weight, {weight}, held by 3 contexts here" in why, why
+        fwd, w = _model(), _weights()
+        store.put(fwd(w, jnp.ones((4, 3)))[1], "new")  # the same weights: written again
+        store.flush()
+    assert open(chunk, "rb").read() == intact
+    with rs.Store(path, read_only=True) as store:
+        assert store.verify().ok and store.verify().verified == 4
+        for key, ctx in contexts.items():  # every context holding it whole again
+            for got, want in zip(store.get(key).residuals, ctx.residuals):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_verify_a_damaged_stored_backward(tmp_path):
     path = str(tmp_path / "store")
     contexts = _fill(path, keys=("mb0",))

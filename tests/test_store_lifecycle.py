@@ -234,6 +234,17 @@ def test_a_backward_on_deleted_arrays_names_the_residual(fwd):
             rs.backward(ctx)
 
 
+def test_a_residual_deleted_before_the_put_is_said_so_at_the_put(tmp_path):
+    split = rs.split(lambda w, x: jnp.sum(jnp.sin(x @ w) ** 2))
+    ctx = split(jnp.ones((4, 3)), jnp.ones((2, 4)) + 1.0)[1]
+    victim = next(i for i, k in enumerate(ctx.spec.kinds) if k == "intermediate")
+    ctx.residuals[victim].delete()
+    with rs.Store(tmp_path / "s") as store:
+        with pytest.raises(rs.InvalidArgumentError, match=rf"residual {victim}\b.*deleted .*before it was put"):
+            store.put(ctx, "k")
+        assert "k" not in store and len(store) == 0
+
+
 @pytest.mark.parametrize("change", ["shape", "dtype"])
 def test_internals_a_tampered_context_on_the_first_backward_names_the_residual(change):
     split = rs.split(lambda w, x: jnp.sum(jnp.sin(x @ w) ** 2))  # fresh: nothing compiled yet

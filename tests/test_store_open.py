@@ -123,6 +123,29 @@ def test_a_path_that_is_a_file_or_a_folder_of_other_files_is_refused(tmp_path, r
     assert snapshot(project) == before
 
 
+def test_a_store_that_lost_its_marker_is_told_how_to_restore_it(stored):
+    """Not "give an empty folder" (writable) nor "open it with create=True" (read-only): advice
+    that loops. Restored as said, it opens and verifies, nothing lost."""
+    root = stored[0]
+    marker = root / "residual-store.json"
+    line = marker.read_text().strip()
+    marker.unlink()
+    before = snapshot(root)
+    for kwargs in ({}, {"create": False}, {"read_only": True}):
+        with pytest.raises(rs.CorruptContextError) as err:
+            rs.Store(root, **kwargs)
+        said = str(err.value)
+        assert f"holds a residual store's contexts (contexts/) but not its marker {marker.name}" in said
+        assert f"write the file {marker.name} again with the one line {line}" in said
+        assert "create=True" not in said and "empty or new folder" not in said
+    assert snapshot(root) == before  # nothing written
+    out = run_cli("ls", str(root))
+    assert out.returncode == 1 and "write the file residual-store.json again" in out.stdout + out.stderr, out
+    marker.write_text(line + "\n")
+    with rs.Store(root, read_only=True) as store:
+        assert store.keys() == ["mb0", "mb1"] and store.verify().ok
+
+
 def test_create_false_opens_an_existing_store(stored):
     root, fwd, params, batches = stored
     with rs.Store(root, create=False) as store:

@@ -278,6 +278,25 @@ def test_a_folder_this_process_cannot_write_is_refused_at_open(rng, tmp_path, mo
     assert sorted(os.listdir(tmp_path / "empty")) == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self") or not os.path.isdir("/sys/kernel"), reason="Linux's /proc, /sys")
+@pytest.mark.parametrize("path", ["/proc/x", "/sys/kernel/x"])
+def test_a_kernel_file_system_is_refused_at_open_at_once(path):
+    """The super-user passes ``access(2)`` there, and ``mkdir`` still fails (ENOENT, EPERM):
+    once a raw FileNotFoundError or PermissionError from the first write, and the demo's after
+    its first compile."""
+    import time
+
+    from store_helpers import run_cli
+
+    start = time.monotonic()
+    with pytest.raises(rs.ReadOnlyStoreError, match=rf"^{path}: the folder above it, .* read_only=True"):
+        rs.Store(path)
+    said = run_cli("demo", "--store", path, "--no-plot")
+    assert said.returncode == 2 and said.stdout == "" and len(said.stderr.splitlines()) == 1, said
+    assert said.stderr.startswith(f"residual-store demo: {path}: the folder above it") and "Errno" not in said.stderr
+    assert time.monotonic() - start < 1.0 and not os.path.exists(path)
+
+
 # -- keys and the compilation cache (issue 36, section 6) ------------------------------------
 
 

@@ -1,14 +1,15 @@
 """How the command line reads its numbers (argparse types) and writes them (sizes, ages,
-tables, counts): plain text helpers, no JAX, no store."""
+tables, counts, the progress line on a terminal): plain text helpers, no JAX, no store."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from residual_store._src.durations import parse_duration
 
-__all__ = ["age", "count", "duration", "human", "plural", "seconds", "status_line", "table"]
+__all__ = ["Progress", "age", "count", "duration", "human", "plural", "seconds", "status_line", "table"]
 
 
 def plural(n: int, word: str, plural: str | None = None) -> str:
@@ -71,3 +72,32 @@ def status_line(text: str) -> None:
     for the caller to use where stderr is a terminal."""
     sys.stderr.write(f"\r{text}\x1b[K")
     sys.stderr.flush()
+
+
+class Progress:
+    """A line on stderr, redrawn as bytes go by (at most ten times a second) and erased at the
+    end, only where stderr is a terminal: a callable for the ``progress`` argument of
+    :class:`~residual_store.Store` methods."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.shown = sys.stderr.isatty()
+        self.start = time.monotonic()
+        self.last = float("-inf")
+        self.drawn = False
+
+    def __call__(self, done: int, total: int | None = None) -> None:
+        now = time.monotonic()
+        if not self.shown or (now - self.last < 0.1 and done != total):
+            return
+        self.last = now
+        whole = f" of {human(total)}" if total else ""
+        status_line(f"{self.label}: {human(done)}{whole} ({now - self.start:.1f} s)")
+        self.drawn = True
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.drawn:  # the result follows on stdout, on a clean line
+            status_line("")

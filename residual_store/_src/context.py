@@ -8,6 +8,7 @@ registered pytree (leaves: the residual arrays; auxiliary data: the spec), so it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from residual_store._src.errors import SignatureMismatchError
+from residual_store._src.errors import InvalidArgumentError, SignatureMismatchError
 
 __all__ = [
     "CallSpec",
@@ -328,6 +329,23 @@ class ResidualContext:
 
     def tree_flatten(self) -> tuple[tuple[Any, ...], ResidualSpec]:
         return self._residuals, self._spec
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuses pickling (``multiprocessing`` sends arguments pickled): the residuals live on
+        this process's devices and the backward is this process's compiled code, and stored data
+        goes between processes only through a store, checked as it is read."""
+        raise InvalidArgumentError(
+            f"a ResidualContext cannot be pickled (signature {self._spec.signature}): to hand it to "
+            "another process, put it in a Store there both can reach (store.put(ctx, key)) and get "
+            "it in the other process (rs.Store(path).get(key))"
+        )
+
+    def __copy__(self) -> ResidualContext:
+        return self._made(self._spec, self._residuals, self._backward, self._loader)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ResidualContext:
+        residuals = copy.deepcopy(self._residuals, memo)
+        return self._made(self._spec, residuals, self._backward, self._loader)
 
     @classmethod
     def tree_unflatten(cls, spec: ResidualSpec, residuals: Sequence[Any]) -> ResidualContext:

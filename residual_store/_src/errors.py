@@ -128,3 +128,10 @@ class RecomputeWarning(ResidualStoreWarning):
     without ``defvjp(..., optimize_remat=True)``: its fwd then runs once in the forward and again
     in the backward.
     """
+
+
+# A traceback names each error as ``residual_store.X``, where a user finds it (``rs.X``), not by
+# this private module; pickle finds it there too (the package imports it on first use).
+for _name in __all__:
+    globals()[_name].__module__ = "residual_store"
+del _name

@@ -266,11 +266,11 @@ def stage_shared(
     ``partial``: as in :func:`host_arrays`.
 
     Raises:
-      InvalidArgumentError: a weight was deleted (donated) before the put; it names it.
+      InvalidArgumentError: a residual was deleted (donated) before the put; it names it.
     """
     shared = [i for i, kind in enumerate(ctx.spec.kinds) if kind in SHARED_KINDS]
     arrays = [ctx.residuals[i] for i in shared]
-    for i, x in zip(shared, arrays):
+    for i, x in enumerate(ctx.residuals):  # every one: the writer would say "after it was put"
         if isinstance(x, jax.Array) and x.is_deleted():
             raise _deleted(ctx, i, "before it was put")
     for x in arrays:

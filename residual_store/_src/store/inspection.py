@@ -447,6 +447,28 @@ def _planned_bytes(disk: DiskTier, keys: Sequence[str]) -> int | None:
         return None
 
 
+def _shared_weight_damage(disk: DiskTier, damaged: Mapping[str, str]) -> dict[str, str]:
+    """``damaged``'s reasons, each whose damage is a shared weight's (named by its path in the
+    store) saying so: one file, held by every context it names, which one put heals (a put
+    writes a stored weight that fails its checksum again)."""
+    holders: dict[str, list[str]] = {}
+    for key, why in damaged.items():
+        try:
+            records = disk.stat(key).records
+        except (ContextNotFoundError, CorruptContextError):
+            continue
+        path = next((r.path for r in records if r.shared and r.path in why), None)
+        if path is not None:
+            holders.setdefault(path, []).append(key)
+    said = dict(damaged)
+    for path, keys in holders.items():
+        held = f"{len(keys)} context" if len(keys) == 1 else f"{len(keys)} contexts"
+        for key in keys:
+            said[key] = (f"{damaged[key]}; the damage is one shared weight, {path}, held by {held} "
+                         "here: a put of a context holding it writes it again, which heals them all")
+    return said
+
+
 def verify(
     disk: DiskTier, keys: Sequence[str], *, every_backward: bool, progress: Progress | None = None
 ) -> VerifyReport:
@@ -473,6 +495,7 @@ def verify(
             done += stored.nbytes
         if progress is not None:
             progress(done, total)
+    damaged = _shared_weight_damage(disk, damaged)
     folders: dict[str, str] = {}
     try:
         stored_backwards = set(backwards.stored_signatures(disk))

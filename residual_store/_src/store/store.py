@@ -360,7 +360,7 @@ class Store(StoreMapping):
             version = self._table.delete(key)
             if version is None:  # not in memory: the disk tells
                 if not self._persistence.holds(key):
-                    raise ContextNotFoundError.of(key, repr(self))
+                    raise ContextNotFoundError.of(key, self._description)
                 version = self._table.delete_stored(key)
             self._persistence.delete(key, version)
 
@@ -465,7 +465,7 @@ class Store(StoreMapping):
             self._reads.wait_landed()
         for key, had in zip(checked, had_writes):
             if not had and key not in self:
-                raise ContextNotFoundError.of(key, repr(self))
+                raise ContextNotFoundError.of(key, self._description)
 
     @store_call
     def gc(
@@ -523,7 +523,7 @@ class Store(StoreMapping):
         key = validate_key(key)
         ctx, newer, deleted = self._table.locate(key)
         if deleted:
-            raise ContextNotFoundError.of(key, repr(self), deleted="now")
+            raise ContextNotFoundError.of(key, self._description, deleted="now")
         return ctx, newer
 
     @store_call
@@ -632,7 +632,7 @@ class Store(StoreMapping):
         chosen = self.keys() if given is None else given
         missing = [] if given is None else [k for k in given if k not in self]
         if missing:
-            raise ContextNotFoundError.of(missing, repr(self))
+            raise ContextNotFoundError.of(missing, self._description)
         on_disk = set(self._persistence.keys())
         report = self._persistence.verify([k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress)
         in_memory = sum(k not in on_disk for k in chosen)  # written with write_through=False, not spilled

@@ -426,11 +426,18 @@ def check_writable(root: str, *, create: bool) -> None:
         if not create or parent == folder:
             return  # nothing to make (StoreNotFoundError follows), or nothing above exists
         folder = parent
-    if not os.path.isdir(folder) or _writable(folder):
+    if not os.path.isdir(folder):
         return
-    if folder == os.path.abspath(root) and not create and not os.path.lexists(os.path.join(folder, STORE_MARKER)):
+    store_there = os.path.lexists(os.path.join(folder, STORE_MARKER))
+    if _writable(folder):
+        refused = None if store_there or not create else _refused_folder(folder)
+        if refused is None:
+            return
+        why = f"a folder where none can be made (mkdir: {refused})"  # /proc, /sys: access(2) says yes
+    elif folder == os.path.abspath(root) and not create and not store_there:
         return  # no store to open: StoreNotFoundError says so
-    why = "on a read-only file system" if _read_only_mount(folder) else "not writable by this process"
+    else:
+        why = "on a read-only file system" if _read_only_mount(folder) else "not writable by this process"
     where = root if folder == os.path.abspath(root) else f"{root}: the folder above it, {folder},"
     error = ReadOnlyStoreError(
         f"{where} is {why}, and a store opened to write needs to write there: pass read_only=True "
@@ -438,6 +445,21 @@ def check_writable(root: str, *, create: bool) -> None:
     )
     error.reason = f"{where} is {why}"
     raise error
+
+
+def _refused_folder(folder: str) -> str | None:
+    """Why a folder cannot be made in ``folder`` (one is made and removed at once to find out),
+    or ``None``: a file system of the kernel's (``/proc``, ``/sys``) passes ``access(2)`` for
+    the super-user and still refuses, with ``ENOENT`` or ``EPERM``. A full disk is left for
+    the write to report (as :class:`StoreFullError`)."""
+    probe = os.path.join(folder, f".residual-store-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        os.mkdir(probe)
+    except OSError as err:
+        return None if serializers.is_disk_full(err) or err.errno == errno.EEXIST else err.strerror or str(err)
+    with contextlib.suppress(OSError):
+        os.rmdir(probe)
+    return None
 
 
 def _writable(folder: str) -> bool:

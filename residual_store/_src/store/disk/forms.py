@@ -468,6 +468,17 @@ def read_whole(
         return backend.read_arrays([(record.path, record.shape, record.dtype, expected)], empty=empty)[0]
 
 
+def check_stored(backend: Backend, key: str, i: int, record: serializers.ArrayRecord) -> None:
+    """Reads residual ``i``'s stored array (every chunk of a chunked one) against its checksums;
+    :class:`CorruptContextError` names the damage."""
+    if record.chunked:
+        assert record.chunk_checksums is not None
+        for idx, expected in dict(record.chunk_checksums).items():
+            read_chunk(backend, key, i, record, idx, expected)
+    else:
+        read_whole(backend, key, i, record, record.checksum)
+
+
 def read_wholes(
     backend: Backend, key: str, records: Sequence[serializers.ArrayRecord], tasks: Sequence[Task], *,
     empty: Empty | None = None,

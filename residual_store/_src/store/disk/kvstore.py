@@ -39,7 +39,14 @@ def _requests(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: KvBackend, *args: Any, **kwargs: Any) -> Any:
         try:
-            return method(self, *args, **kwargs)
+            if not self.unanswered:
+                return method(self, *args, **kwargs)
+            # the SDKs look for credentials again at each retry until the store answers: their
+            # lines go where the first request's went (sdk_logs_to_logger)
+            with sdk_logs_to_logger():
+                result = method(self, *args, **kwargs)
+            self.unanswered = False
+            return result
         except StoreUnavailableError:
             raise
         except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
@@ -118,6 +125,7 @@ class KvBackend:
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None and self.remote else timeout
         self.spec = _with_timeout(_with_quiet_credentials(dict(spec)), self.timeout)
         self.context = serializers.default_context()
+        self.unanswered = self.remote  # no request answered yet: the SDKs' lines kept off stderr
         # the SDKs log while the first request looks for credentials: kept off the terminal
         with sdk_logs_to_logger() if self.remote else contextlib.nullcontext():
             if self.remote:
@@ -152,6 +160,7 @@ class KvBackend:
                 "opening the kvstore",
             )
             serializers.wait_request(kv.read(STORE_MARKER), self.timeout, f"reading {STORE_MARKER}")
+            self.unanswered = False
         except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
             silent = isinstance(err, OSError) and err.errno == errno.ETIMEDOUT  # the whole timeout
             if silent or _unknown_host(err) or _no_credentials(err) or is_missing_bucket(err.__cause__ or err):

@@ -30,6 +30,7 @@ from residual_store._src.errors import CorruptContextError
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms
 from residual_store._src.store.disk.paths import (
+    CONTEXTS,
     DATA,
     STORE_FORMAT,
     STORE_MARKER,
@@ -74,10 +75,16 @@ def root_group() -> dict[str, bytes]:
 
 
 # what to do about a damaged marker: the contexts are not in it, and the marker is one fixed line
-_WAY_BACK = (
-    f"the contexts are not in it: where this is a residual store, write the file {STORE_MARKER} again with "
-    f"the one line {STORE_FORMAT.decode().strip()} (nothing else reads it), then verify the store"
+_REWRITE_MARKER = (
+    f"write the file {STORE_MARKER} again with the one line {STORE_FORMAT.decode().strip()} (nothing "
+    "else reads it), then verify the store"
 )
+_WAY_BACK = f"the contexts are not in it: where this is a residual store, {_REWRITE_MARKER}"
+
+
+def lost_marker(where: str) -> str:
+    """What to do about a store whose marker is missing, its contexts still there."""
+    return f"{where} holds a residual store's contexts ({CONTEXTS}/) but not its marker {STORE_MARKER}: {_REWRITE_MARKER}"
 
 
 def marker_version(data: bytes, what: str) -> int:

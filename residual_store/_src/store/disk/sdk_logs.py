@@ -5,8 +5,9 @@ warning and up straight to file descriptor 2: nine lines where no credentials ar
 ``~/.aws`` files it cannot open, the instance metadata it cannot reach), before the request
 fails or goes on anonymously; its ``gcs`` driver writes one where no gcloud credentials file is
 found. tensorstore's Python API has no switch for them (its flags hold no absl log threshold).
-They come once per process, while the first request looks for credentials; so a kvstore's
-first request is made inside :func:`sdk_logs_to_logger`, which points fd 2 at a temporary file
+They come while a request looks for credentials: the first, and each retry until the store
+answers (a refused connection is retried); so a kvstore's requests until the first answered one
+are made inside :func:`sdk_logs_to_logger`, which points fd 2 at a temporary file
 for its duration, then writes every line that is not an absl log line back to stderr, and hands
 the log lines to the library's logger at DEBUG (``logging.getLogger("residual_store")``: an
 application that wants them configures logging, as for the library's own records).

@@ -112,9 +112,12 @@ class DiskTier:
         self._version = STORE_VERSION  # of the store's marker (an older store is upgraded by a write)
         self._groups_checked = False  # whether this store's root zarr groups are known to exist
         self._unsynced: set[str] = set()  # folders commits renamed manifests into, not synced yet
+        self._whole_weights: set[str] = set()  # weights read whole or written by this tier (see _damaged_weights)
         if self._has_marker():
             return
         where = self.backend.description
+        if self._holds_contexts():  # a store that lost its marker: neither a new store nor none
+            raise CorruptContextError(layout.lost_marker(where))
         if self.read_only or not create:
             what = "no such folder" if not self.backend.root_exists() else f"not a residual store (no {STORE_MARKER})"
             raise StoreNotFoundError(
@@ -139,6 +142,10 @@ class DiskTier:
             raise InvalidArgumentError(
                 f"{where}: a part of this path is a file, not a folder ({err}); a store needs a folder"
             ) from err
+
+    def _holds_contexts(self) -> bool:
+        """Whether the root holds contexts' manifests (though no marker)."""
+        return any(n.endswith(paths.MANIFEST_SUFFIX) for n in self.backend.list_dir(paths.CONTEXTS))
 
     def _has_marker(self) -> bool:
         """Whether the root holds a store marker this version can open; a marker of a later
@@ -218,7 +225,11 @@ class DiskTier:
             # references it.
             with self.backend.gc_lock(exclusive=False):
                 created = [p for p in shared if not self.backend.array_exists(p)]
+                for path in self._damaged_weights(plan, skip=created):  # written again: healed
+                    self.backend.delete_tree(path)
+                    created.append(path)
                 self.backend.write_shared_arrays({p: shared[p] for p in created}, fsync=fsync)
+                self._whole_weights.update(created)
                 committing = True
                 if self.atomicity.commit(staged, manifest_path, plan.manifest, fsync=fsync):
                     with self._lock:  # its folder is synced by sync_commits, once for a burst
@@ -244,6 +255,27 @@ class DiskTier:
         event(logging.DEBUG, "commit", key=key, data_dir=plan.data_dir, new_weights=len(created),
               bytes=plan.nbytes)
         return previous
+
+    def _damaged_weights(self, plan: layout.WritePlan, skip: Container[str]) -> list[str]:
+        """The weights of ``plan`` stored already (not in ``skip``) whose bytes fail their
+        checksums. Content-addressed, a weight is written once and every later put reuses it: a
+        damaged one (a flipped byte) made every context holding it damaged, a new put's too, and
+        only a write of it heals them. Each is read once per tier; then it is known whole."""
+        damaged = []
+        for i, record in enumerate(plan.stored.records):
+            path = record.path
+            if not record.shared or path in skip or path in self._whole_weights or path in damaged:
+                continue
+            try:
+                forms.check_stored(self.backend, plan.key, i, record)
+            except StoreUnavailableError:
+                raise
+            except (CorruptContextError, serializers.SerializationError, OSError, ValueError) as err:
+                event(logging.WARNING, "damaged weight written again", key=plan.key, path=path, error=str(err))
+                damaged.append(path)
+                continue
+            self._whole_weights.add(path)
+        return damaged
 
     def _write_own(self, plan: layout.WritePlan, staged: str | None, *, fsync: bool, reuse: bool) -> None:
         """The context's own arrays, its group's ``zarr.json`` and (with ``staged``) its
