@@ -3,8 +3,8 @@
 A store ends while other threads may still call it: ``close()`` from one thread while others
 put, or the interpreter's exit while a thread the main thread did not join keeps putting. So that
 no call is half done when the store's writes are flushed for the last time, and no put returns
-and is then lost, every public call of a store runs as one :class:`Calls` call
-(:func:`store_call`), and the end of a store is two steps:
+and is then lost, every public call of a store is counted (:func:`store_call`), and the end of
+a store is two steps:
 
 1. :meth:`Calls.stop` refuses every call that starts from then on with the library's error
    (:class:`~residual_store.InvalidArgumentError`, saying why), and waits until the calls in
@@ -31,8 +31,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from _thread import get_ident
 import weakref
+from _thread import get_ident
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -59,26 +59,8 @@ class Calls:
         self._ending = StoreLock()  # held by the one who ends the store (close)
         _OPEN.add(self)
 
-    def begin(self) -> None:
-        """Counts a call of the calling thread.
-
-        Raises:
-          InvalidArgumentError: the store takes no new calls (closed, or the interpreter exits).
-        """
-        me = threading.get_ident()
-        depth = self._depth
-        count = depth.get(me, 0) + 1
-        depth[me] = count  # counted before checked (only this thread writes its entry)
-        if self._refusal is not None and count == 1:
-            self._end(me, 1)
-            raise InvalidArgumentError(self._refusal)
-
-    def end(self) -> None:
-        """The call of the calling thread that :meth:`begin` counted has returned."""
-        me = threading.get_ident()
-        self._end(me, self._depth.get(me, 0))
-
     def _end(self, me: int, count: int) -> None:
+        """The call of thread ``me`` counted ``count`` (nested ones included) has returned."""
         if count > 1:
             self._depth[me] = count - 1
             return
@@ -129,8 +111,8 @@ def stop_all(why: str, limit: Callable[[], float | None]) -> None:
 
 def store_call(method: F) -> F:
     """Runs ``method`` (of a store, whose ``_calls`` counts it) as one call of its store:
-    refused once the store is stopped, and waited for by the stop (:meth:`Calls.begin` and
-    :meth:`Calls.end`, inlined: every public call of a store passes here)."""
+    refused once the store is stopped, and waited for by the stop (the counting inlined:
+    every public call of a store passes here)."""
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
