@@ -223,8 +223,10 @@ class Store(StoreMapping):
     def put(self, ctx: ResidualContext, key: str | None = None) -> str:
         """Adds ``ctx`` under ``key`` (a fresh unique key if ``None``) and returns the key.
 
-        Returns at once: with a path, writing continues in the background (``flush`` waits).
-        A later ``put`` of the same key replaces the context.
+        Returns once what it leaves on the device fits the device budget: where the budget
+        pushes a context off the device, once its copy to host memory has landed (a copy that
+        failed is raised by the next call); with a path, writing continues in the background
+        (``flush`` waits). A later ``put`` of the same key replaces the context.
 
         Raises:
           StoreFullError: a memory-only store whose budgets cannot take ``ctx``; the store is
@@ -252,6 +254,8 @@ class Store(StoreMapping):
         self._reads.settle(moves)
         if moves.own is not None:
             self._persistence.schedule([moves.own], staged)
+        if self._table.in_flight:  # what it leaves on the device fits the budget once they land
+            self._reads.wait_landed(raise_failed=False)  # (a failed copy: the next call raises it)
         return key
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
@@ -336,6 +340,7 @@ class Store(StoreMapping):
                 raise
             return default
         self.delete(key)
+        self._reads.lend(ctx)  # no tier counts it now: it counts until its memory can go
         return ctx
 
     def delete(self, key: str) -> None:
@@ -412,6 +417,9 @@ class Store(StoreMapping):
         """
         self._check_open()
         result = self._table.stats()
+        device = result["device"]
+        device["lent"] = self._reads.lent()
+        device["held"] = self._table.device_held() + device["lent"]
         io, deleted = result.pop("io"), result.pop("deleted")
         result["disk"] = {**self._persistence.stats(leaving=deleted), **io}
         return result

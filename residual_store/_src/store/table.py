@@ -492,10 +492,12 @@ class KeyTable:
                 if entry.pending is copy:
                     entry.pending = source
 
-    def leaving(self) -> tuple[list[Future[Any]], list[BaseException]]:
+    def leaving(self, *, take_errors: bool = True) -> tuple[list[Future[Any]], list[BaseException]]:
         """The copies to host memory in flight (rule 7), and the errors of those that failed
-        since the last call."""
+        since the errors were last taken (``take_errors=False``: none, kept for the next)."""
         with self.lock:
+            if not take_errors:
+                return list(self._leaving), []
             errors, self._copy_errors = self._copy_errors, []
             self.in_flight = len(self._leaving)
             return list(self._leaving), errors
@@ -608,6 +610,24 @@ class KeyTable:
             if entry.deleted:
                 return False
             return True if entry.in_memory else None
+
+    def device_held(self) -> int:
+        """Device bytes of the store's contexts that are not handed out: the device tier's, the
+        copies to host memory in flight (rule 7), and the loads ahead that no tier holds, not
+        yet taken by their get (as the table knows their size: not a load from disk)."""
+        with self.lock:
+            loading = 0
+            for entry in self._entries.values():
+                if entry.load is not None and entry.place != DEVICE:
+                    source = entry.ctx if entry.ctx is not None else entry.pending
+                    loading += 0 if source is None else source.spec.own_nbytes
+            return self.device.nbytes + sum(self._leaving.values()) + loading
+
+    def on_device(self, key: str, ctx: ResidualContext) -> bool:
+        """Whether the device tier holds ``ctx`` itself as ``key``'s context."""
+        with self.lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.place == DEVICE and entry.ctx is ctx
 
     def keys(self) -> tuple[set[str], set[str]]:
         """The keys in memory or pending, and the keys being deleted."""
