@@ -43,9 +43,11 @@ kill suites end to end):
 7. **Device bytes count until they have left.** A context copied to host memory (pushed out of
    the device tier, or a pending write's copy) holds its device memory until the copy has
    landed: the table counts those bytes (``leaving``) from :meth:`KeyTable.settle` until
-   :meth:`KeyTable.landed`, and a store waits for them before a put or a read adds more, so the
-   device holds at most the device budget and one context's copy in flight. A copy that fails
-   puts the context it copied back where it was, intact on the device.
+   :meth:`KeyTable.landed`, and a put returns only once they have landed (a read waits for them
+   before it adds more), so the device holds at most the device budget of the tier's contexts
+   when a put returns. A copy that fails puts the context it copied back where it was, intact
+   on the device. (What a get or pop hands out counts too, outside the table: ``lent.py``;
+   :meth:`KeyTable.device_held` is the table's part.)
 
 Together: after ``put`` or ``delete`` of a key returns, no call of this store returns an older
 version of that key, and no read that overlapped them leaves an older version behind.
