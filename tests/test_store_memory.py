@@ -298,6 +298,7 @@ def test_internals_a_context_held_by_its_caller_counts_until_dropped_and_its_bac
         caller = _DispatchedAhead(monkeypatch, store)
         store.put(ctx, "a")
         store.put(same, "b")
+        assert store.stats()["host"]["bytes"] == ctx.spec.own_nbytes + first.nbytes  # b's one array counted once
         got = store.pop("a")
         size = sum(x.nbytes for x, kind in zip(got.residuals, got.spec.kinds) if kind != "weight")
         assert store.stats()["device"]["lent"] == size == store.stats()["device"]["held"]

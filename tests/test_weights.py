@@ -96,7 +96,8 @@ def test_budgets_count_inputs_and_not_weights(tmp_path, rng):
     own = sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in ("input", "intermediate"))
     with rs.Store(None) as store:
         store.put(ctx, "a")
-        assert store.stats()["device"] == {"bytes": own, "contexts": 1, "bytes_in": own, "bytes_out": 0, "leaving": 0}
+        assert store.stats()["device"] == {"bytes": own, "contexts": 1, "bytes_in": own, "bytes_out": 0, "leaving": 0,
+                                           "lent": 0, "held": own}
     with rs.Store(None, device_budget=own - 1) as store:  # the activation alone does not fit
         store.put(ctx, "a")
         assert store.stats()["host"] == {"bytes": own, "contexts": 1, "bytes_in": own, "bytes_out": 0}

@@ -33,6 +33,7 @@ __all__ = [
     "consumed",
     "describe_residual",
     "on_consumed",
+    "own_nbytes",
 ]
 
 ResidualKind = Literal["weight", "input", "constant", "intermediate"]
@@ -259,7 +260,7 @@ class ResidualContext:
       >>> grads = rs.backward(ctx)
     """
 
-    __slots__ = ("_residuals", "_spec", "_backward", "_loader", "_nbytes", "_consumer", "__weakref__")
+    __slots__ = ("_residuals", "_spec", "_backward", "_loader", "_nbytes", "_own_nbytes", "_consumer", "__weakref__")
 
     def __init__(self, residuals: Sequence[Any], spec: ResidualSpec) -> None:
         residuals = tuple(residuals)
@@ -273,6 +274,7 @@ class ResidualContext:
         self._backward: Any = None  # the backward that made it, if a split did (kept alive here)
         self._loader: Any = None  # the stored backward its store read for it, if a store gave it
         self._nbytes: int | None = None  # worked out on first use (the residuals never change)
+        self._own_nbytes: int | None = None  # (likewise)
         self._consumer: Callable[[Any], None] | None = None  # told when a backward took it (on_consumed)
 
     @property
@@ -301,6 +303,18 @@ class ResidualContext:
                     total += n
             self._nbytes = total
         return self._nbytes
+
+    def _own_bytes(self) -> int:
+        """See :func:`own_nbytes`."""
+        if self._own_nbytes is None:
+            seen: set[int] = set()
+            total = 0
+            for x, n, kind in zip(self._residuals, self._spec.leaf_nbytes, self._spec.kinds):
+                if kind in OWN_KINDS and id(x) not in seen:
+                    seen.add(id(x))
+                    total += n
+            self._own_nbytes = total
+        return self._own_nbytes
 
     def _watch(self, callback: Callable[[Any], None]) -> bool:
         """See :func:`on_consumed`."""
@@ -353,6 +367,7 @@ class ResidualContext:
         obj._backward = backward
         obj._loader = loader
         obj._nbytes = None
+        obj._own_nbytes = None
         obj._consumer = None
         return obj
 
@@ -370,6 +385,13 @@ def backward_of(ctx: ResidualContext) -> tuple[Any, Any]:
     loader), each ``None`` where it carries none (see :func:`bound_context`)."""
     return ctx._backward, ctx._loader
 
+
+
+def own_nbytes(ctx: ResidualContext) -> int:
+    """Bytes of ``ctx``'s own residuals (not weights or constants), each distinct array counted
+    once: what a store's budgets count (two residuals that are one array are one buffer, copied
+    once; ``spec.own_nbytes`` counts each). Worked out once per context."""
+    return ctx._own_bytes()
 
 
 def on_consumed(ctx: ResidualContext, callback: Callable[[Any], None]) -> bool:

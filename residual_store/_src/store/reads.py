@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from residual_store._src.context import ResidualContext, bound_context, check_representable, describe_residual
+from residual_store._src.context import ResidualContext, bound_context, check_representable, describe_residual, own_nbytes
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError
 from residual_store._src.store.host import for_writing, holds_device_memory, place, to_device, to_host, wait_copied
 from residual_store._src.store.lent import Lent
@@ -214,7 +214,7 @@ class Reads:
     def _size(self, key: str) -> int:
         """The own bytes of ``key``'s context in memory (0 where only the disk has it)."""
         ctx, _, _ = self._table.locate(key)
-        return 0 if ctx is None else ctx.spec.own_nbytes
+        return 0 if ctx is None else own_nbytes(ctx)
 
     def _submitter(self, key: str) -> Callable[[], Future[ResidualContext]]:
         """What queues a load of ``key`` on the load threads (the table calls it, see
@@ -244,7 +244,7 @@ class Reads:
             demoted = [(key, ctx, to_host(ctx, self._pool)) for key, ctx in owed.demoted if holds_device_memory(ctx)]
             released = [(key, ctx, for_writing(ctx, self._target, self._pool)) for key, ctx in owed.released
                         if holds_device_memory(ctx)]
-            landing = [(self._landings.submit(self._land, key, [ctx, copy]), ctx.spec.own_nbytes)
+            landing = [(self._landings.submit(self._land, key, [ctx, copy]), own_nbytes(ctx))
                        for key, ctx, copy in (*demoted, *released)]
             self._table.settle(demoted, released, landing)
             for future, _ in landing:  # (at once if it has landed already)

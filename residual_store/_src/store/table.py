@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from residual_store._src.context import ResidualContext
+from residual_store._src.context import ResidualContext, own_nbytes
 from residual_store._src.errors import ContextNotFoundError
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.owed import NOTHING, Found, Keeping, Moves, Owed, Write
@@ -182,7 +182,7 @@ class KeyTable:
     def _place(self, key: str, entry: _Entry, ctx: ResidualContext, place: str, *, moved: bool = False) -> None:
         if entry.place is not None:
             (self.device if entry.place == DEVICE else self.host).remove(key, moved=moved)
-        (self.device if place == DEVICE else self.host).add(key, ctx.spec.own_nbytes)
+        (self.device if place == DEVICE else self.host).add(key, own_nbytes(ctx))
         entry.ctx, entry.place = ctx, place
         self._unsettled.discard(key)
         if place == HOST:
@@ -200,7 +200,7 @@ class KeyTable:
           StoreFullError: a store with nothing below host memory whose budgets cannot take
             ``ctx`` (nothing changed).
         """
-        size = ctx.spec.own_nbytes
+        size = own_nbytes(ctx)
         with self.lock:
             if not self.keeping.below_host:
                 check_capacity(self.device, self.host, self.schedule, key, size)
@@ -387,7 +387,7 @@ class KeyTable:
             self.host.touch(key)
         else:
             self.io["pending_reads"] += 1
-        size = source.spec.own_nbytes
+        size = own_nbytes(source)
         # a store with nothing below host memory: a promotion must not push a context out of it
         stays = not self.device.fits(size) or (
             not self.keeping.below_host and entry.place == HOST
@@ -409,7 +409,7 @@ class KeyTable:
             entry.readers -= 1
             install = entry.version == found.version and not found.stays and entry.place != DEVICE
             if found.ahead and self.device.budget is not None:  # only into room the tier has now
-                install = install and self.device.nbytes + ctx.spec.own_nbytes <= self.device.budget
+                install = install and self.device.nbytes + own_nbytes(ctx) <= self.device.budget
             if install and found.ctx is not None:  # copied from memory: the source must still be there
                 install = found.ctx is (entry.ctx if entry.place == HOST else entry.pending)
             elif install:  # read from disk: only where no memory holds a newer copy, nor a removal owes
@@ -536,7 +536,7 @@ class KeyTable:
             entry = self._entries[victim]
             ctx = entry.ctx
             assert ctx is not None
-            if host.fits(ctx.spec.own_nbytes):
+            if host.fits(own_nbytes(ctx)):
                 self._place(victim, entry, ctx, HOST, moved=True)
             else:
                 device.remove(victim, moved=True)
@@ -583,7 +583,7 @@ class KeyTable:
                     continue
                 source = None if entry is None else entry.ctx if entry.ctx is not None else entry.pending
                 held = entry is not None and (entry.place == DEVICE or entry.load is not None)
-                upcoming.append((key, None if source is None else source.spec.own_nbytes, held))
+                upcoming.append((key, None if source is None else own_nbytes(source), held))
             loading = sum(1 for e in self._entries.values() if e.load is not None and not e.load.done())
             return upcoming, loading
 
@@ -622,7 +622,7 @@ class KeyTable:
             for entry in self._entries.values():
                 if entry.load is not None and entry.place != DEVICE:
                     source = entry.ctx if entry.ctx is not None else entry.pending
-                    loading += 0 if source is None else source.spec.own_nbytes
+                    loading += 0 if source is None else own_nbytes(source)
             return self.device.nbytes + sum(self._leaving.values()) + loading
 
     def on_device(self, key: str, ctx: ResidualContext) -> bool:
@@ -653,7 +653,7 @@ class KeyTable:
             result["device"]["leaving"] = sum(self._leaving.values())  # copies to host in flight
             waiting = [e.pending for e in self._entries.values() if e.pending is not None and e.place is None]
             result["pending"] = {
-                "bytes": sum(c.spec.own_nbytes for c in waiting if c is not None), "contexts": len(waiting),
+                "bytes": sum(own_nbytes(c) for c in waiting if c is not None), "contexts": len(waiting),
                 "reads": self.io["pending_reads"],
             }
             result["io"] = {k: v for k, v in self.io.items() if k != "pending_reads"}
