@@ -462,10 +462,11 @@ def _gib(n: int | None) -> str:
 
 
 def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | None,
-           pipe: dict[str, Any] | None) -> list[str]:
-    """The run's tables, as text lines."""
-    about = next((r.device for rows in (pipe or {}).values() for r in (rows if isinstance(rows, list) else [rows])
-                  if r.device), "")  # (the parent never touches the chip: a row's process says what it is)
+           pipe: dict[str, Any] | None, about: str = "") -> list[str]:
+    """The run's tables, as text lines (``about``: the chip, as a child process saw it; the
+    parent never touches it)."""
+    about = about or next((r.device for rows in (pipe or {}).values()
+                           for r in (rows if isinstance(rows, list) else [rows]) if r.device), "")
     lines = [f"# benchmarks/accelerator.py, {datetime.date.today()}, {about}; each pipeline row in its own process"]
     d2h = h2d = None
     if copies is not None:
@@ -550,12 +551,13 @@ def main(argv: list[str] | None = None) -> int:
         print(_RESULT + json.dumps(dataclasses.asdict(run_row(shapes, args.save, args.row, args.repeats, args.grads))))
         return 0
     if args.part == "copies":
-        print(_RESULT + json.dumps(copy_paths(shapes, args.repeats)))
+        print(_RESULT + json.dumps({"about": _about(), "result": copy_paths(shapes, args.repeats)}))
         return 0
     if args.part == "free":
         params = init(shapes)
         x = jax.random.normal(jax.random.key(9), (shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)
-        print(_RESULT + json.dumps(put_until_free(rs.split(make_loss(shapes.heads), save="all"), params, x)))
+        free = put_until_free(rs.split(make_loss(shapes.heads), save="all"), params, x)
+        print(_RESULT + json.dumps({"about": _about(), "result": free}))
         return 0
     parts = set(args.parts.split(","))
     unknown = parts - set(PARTS)
@@ -567,13 +569,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, got in (("copies", copies), ("free", free)):
         if got is not None and "error" in got:
             print(f"{name}: {got['error']}", file=sys.stderr)
-    copies = None if copies is None or "error" in copies else copies
-    free = None if free is None or "error" in free else free
+    about = next((got["about"] for got in (copies, free) if got is not None and "about" in got), "")
+    copies = None if copies is None or "error" in copies else copies["result"]
+    free = None if free is None or "error" in free else free["result"]
     pipe = None
     if parts & {"pipeline", "remat", "pressure"}:
         with tempfile.TemporaryDirectory() as scratch:
             pipe = pipeline(args, parts, [int(k) for k in args.budgets.split(",")], Path(scratch))
-    lines = report(copies, free, pipe)
+    lines = report(copies, free, pipe, about)
     print("\n".join(lines), flush=True)
     if args.json is not None:
         rows = {k: [dataclasses.asdict(r) for r in (v if isinstance(v, list) else [v])] for k, v in (pipe or {}).items()}
