@@ -29,7 +29,7 @@ from typing import Any
 import jax
 
 from residual_store._src import _jax_internals
-from residual_store._src.context import OWN_KINDS, ResidualContext, on_consumed
+from residual_store._src.context import ResidualContext, on_consumed, own_nbytes
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.host import holds_device_memory
 
@@ -47,15 +47,15 @@ def _wait(output: jax.Array) -> None:
 
 
 class _Lease:
-    """One context handed out: a weak reference to it, the bytes of its distinct device arrays,
+    """One context handed out: a weak reference to it, the bytes of its own arrays (each once),
     and one output of the backward that read them (once one ran): all of one program's outputs
     are ready together, and the smallest keeps the least memory alive meanwhile."""
 
     __slots__ = ("nbytes", "_ctx", "output")
 
-    def __init__(self, ctx: ResidualContext, arrays: list[jax.Array]) -> None:
+    def __init__(self, ctx: ResidualContext) -> None:
         self._ctx = weakref.ref(ctx)
-        self.nbytes = sum(int(x.nbytes) for x in arrays)
+        self.nbytes = own_nbytes(ctx)
         self.output: jax.Array | None = None
 
     def used(self, outputs: Any) -> None:
@@ -94,9 +94,7 @@ class Lent:
         a context lent already (by this store or another) is not counted again."""
         if not holds_device_memory(ctx):
             return
-        arrays = list({id(x): x for x, kind in zip(ctx.residuals, ctx.spec.kinds)
-                       if kind in OWN_KINDS and isinstance(x, jax.Array)}.values())
-        lease = _Lease(ctx, arrays)
+        lease = _Lease(ctx)
         if not on_consumed(ctx, lease.used):
             return
         with self._lock:
