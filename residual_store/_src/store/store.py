@@ -337,9 +337,10 @@ class Store(StoreMapping):
 
         Under a device budget the context returned counts against it (as ``lent`` in
         ``stats()["device"]``) until nothing refers to it and the backward that read it
-        (``rs.backward`` or a split's) has run; a ``get`` or ``pop`` that must bring a context to the device
-        while the budget is full first waits for those backwards (JAX dispatches asynchronously:
-        without it a loop of pops would bring every context back before the first backward ran).
+        (``rs.backward`` or a split's) has run; a ``get`` or ``pop`` that must bring a context
+        to the device while the budget is full first waits for those backwards (JAX dispatches
+        asynchronously: without it a loop of pops would bring every context back before the
+        first backward ran).
         """
         self._check_open()
         self._persistence.check_writable("pop")
