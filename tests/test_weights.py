@@ -56,7 +56,8 @@ def test_a_stage_input_is_the_contexts_own_and_is_freed_when_offloaded(tmp_path,
         store.flush()
         stats = store.stats()
         # zero budgets: the context never entered a memory tier, it went straight to disk
-        assert stats["device"] == {"bytes": 0, "contexts": 0, "bytes_in": 0, "bytes_out": 0, "leaving": 0}
+        assert stats["device"] == {"bytes": 0, "contexts": 0, "bytes_in": 0, "bytes_out": 0, "leaving": 0,
+                                   "lent": 0, "held": 0}
         assert stats["host"] == {"bytes": 0, "contexts": 0, "bytes_in": 0, "bytes_out": 0}
         assert stats["disk"]["writes"] == 1 and stats["disk"]["bytes_written"] == own
         del ctx, h
