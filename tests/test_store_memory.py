@@ -313,3 +313,24 @@ def test_internals_a_context_held_by_its_caller_counts_until_dropped_and_its_bac
         assert store.stats()["device"]["lent"] == first.nbytes
         del both
         assert store.stats()["device"]["lent"] == 0
+
+
+def test_internals_a_bw_split_backward_tells_the_store_its_b_half(monkeypatch):
+    """``fwd.backward(ctx, ct, now=...)`` (a zero-bubble pipeline's B) on a popped context: the
+    context counts until its B half has run, as with a whole backward."""
+    fwd = rs.split(lambda x, w: jnp.tanh(x @ w), argnums=(0, 1))
+    x, w = jnp.ones((32, _D)), jnp.ones((_D, _D)) / _D
+    y, ctx = fwd(x, w)
+    with rs.Store(None, device_budget=0) as store:
+        caller = _DispatchedAhead(monkeypatch, store)
+        store.put(ctx, "a")
+        del ctx
+        got = store.pop("a")
+        size = store.stats()["device"]["lent"]
+        assert size > 0
+        dx, later = fwd.backward(got, jnp.ones_like(y), now=0)
+        del got
+        assert store.stats()["device"]["lent"] == size  # its B half still "running"
+        caller.finish()
+        assert store.stats()["device"]["lent"] == 0
+        assert dx.shape == x.shape and later is not None
