@@ -17,10 +17,13 @@ Prints, in one run (docs/store.md records a TPU v5e's output):
    forward and popped for its backward, the next one prefetched (k = 0, 1, 2); JAX's own remat
    offload of the blocks' named intermediates (``save_and_offload_only_these_names``, one fused
    ``value_and_grad`` a microbatch); and the pressure case (contexts 1.5x the device's memory,
-   ``device_budget="25%"``), for ``save="all"`` and ``"auto"``. Each row: ms a microbatch, the
-   ratio to the list, the ratio to the **serial floor**, peak device GiB (sampled every 0.5 ms by
-   a thread) and the GiB in use when the row's timed runs began (what earlier work left: a peak
-   is only as low as that), and whether the gradients equal the list's.
+   ``device_budget="25%"``), for ``save="all"`` and ``"auto"``, and the fused step
+   (``jax.value_and_grad`` a microbatch). **Each row runs in a process of its own** (the chip
+   serves one process at a time; a process's allocator peak is its own). Each row: ms a
+   microbatch, the ratio to the list, the ratio to the **serial floor**, peak device GiB (the chip
+   allocator's ``peak_bytes_in_use`` and ``bytes_in_use`` sampled every 0.5 ms by a thread) beside
+   the row's **bound** (its budget, one context and the fused step's peak: what issue 49 holds a
+   store to), the GiB in use when the row began, and whether the gradients equal the list's.
 
 The serial floor of a row is the list's compute plus the bytes that must leave the device under
 its budget (``(n - k)`` contexts' own bytes) times ``1/D2H + 1/H2D`` at the best paths measured in
@@ -28,20 +31,25 @@ the same run: what a store that copies exactly what the budget forces, at the li
 beside nothing, would take. The store rows use the public ``rs.Store`` API only.
 
 Run: ``python benchmarks/accelerator.py`` on the accelerator (the issue's shapes: 8 blocks,
-d=1024, T=1024, B=4, 3 microbatches); ``--quick`` for small shapes on a CPU (the logic, in
-seconds); ``--parts`` to run some parts only.
+d=1024, T=1024, B=4, 3 microbatches); ``--quick`` for small shapes on a CPU (the logic, its rows
+in this one process); ``--parts`` to run some parts only (the pressure row moves 1.5x the chip's
+memory each step: minutes on a TPU v5e). Each row's result is printed on stderr as it comes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
 import gc
+import io
 import json
 import math
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -263,12 +271,13 @@ def _until_free(ctx: rs.ResidualContext, put: Callable[[rs.ResidualContext], Any
     return {"bytes": size, "returned_s": returned, "freed_s": freed}
 
 
-# -- 3. the pipeline step ---------------------------------------------------------------------------
+# -- 3. the pipeline step, a row a process ----------------------------------------------------------
 
 
 def store_step(store: rs.Store, fwd: rs.Split, calls: list[tuple], ct: Any) -> Any:
     """Every context put into ``store`` after its forward, popped for its backward in reverse
-    with the next one prefetched: a pipeline stage's step with its contexts offloaded."""
+    with the next one prefetched: a pipeline stage's step with its contexts offloaded. The loop
+    dispatches as it likes: the store's budget bounds what the chip holds."""
     keys = [f"mb{i}" for i in range(len(calls))]
     for key, call in zip(keys, calls):
         store.put(fwd(*call)[1], key)
@@ -280,11 +289,26 @@ def store_step(store: rs.Store, fwd: rs.Split, calls: list[tuple], ct: Any) -> A
     return jax.block_until_ready(grads)
 
 
-def remat_step(value_and_grad: Callable[..., Any], calls: list[tuple]) -> Any:
+def fused_step(value_and_grad: Callable[..., Any], calls: list[tuple]) -> Any:
+    """One compiled ``value_and_grad`` a microbatch, the gradients summed."""
     grads = None
     for call in calls:
         grads = add_trees(grads, value_and_grad(*call)[1])
     return jax.block_until_ready(grads)
+
+
+def held_bytes(ctx: rs.ResidualContext) -> int:
+    """Device bytes a context's own residuals hold: each buffer once (two residuals may be one
+    buffer, which ``spec.own_nbytes`` counts twice)."""
+    buffers: dict[Any, int] = {}
+    for x, kind in zip(ctx.residuals, ctx.spec.kinds):
+        if kind != "weight" and isinstance(x, jax.Array):
+            try:
+                where: Any = x.unsafe_buffer_pointer()
+            except Exception:  # noqa: BLE001 - sharded: one array, one entry
+                where = id(x)
+            buffers[where] = int(x.nbytes)
+    return sum(buffers.values())
 
 
 @dataclasses.dataclass
@@ -293,76 +317,144 @@ class Row:
     microbatches: int
     seconds: float | None  # a step
     moved: int  # bytes that must leave the device (and come back) under the row's budget
-    peak: int | None
+    peak: int | None  # the most device bytes in use: the allocator's peak and the sampler's
+    budget: int | None = None  # device bytes the row's store may keep (None: not a store row)
     identical: bool | None = None
     note: str = ""
-    start: int | None = None  # device bytes in use when the timed runs began
+    start: int | None = None  # device bytes in use when the row's first step began
+    context: int | None = None  # device bytes one context holds
+    device: str = ""  # the chip, as the row's process saw it
 
 
-def _run_row(name: str, microbatches: int, fn: Callable[[], Any], moved: int, repeats: int, want: Any = None) -> Row:
-    """A step's median seconds after two untimed runs (the first compiles and fills a store's
-    pool, the second compiles its reusing copies), peak device bytes while timed, and whether its
-    gradients equal ``want``."""
-    device = jax.devices()[0]
-    try:
-        got = fn()
-        jax.block_until_ready(fn())
-        identical = None if want is None else all(
-            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-        del got
-        gc.collect()  # (what earlier rows left unreferenced goes before the sampler starts)
-        with PeakSampler(device) as peak:
-            seconds = interleaved_medians({name: Case(fn)}, repeats, warmup=0)[name]
-        return Row(name, microbatches, seconds, moved, peak.peak, identical, start=peak.start)
-    except Exception as err:  # noqa: BLE001 - a row that cannot run says why (out of memory, say)
-        return Row(name, microbatches, None, moved, None, None, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+def _rows_of(shapes: Shapes, parts: set[str], budgets: list[int]) -> list[str]:
+    """The rows a save runs, in order: the fused step first (its peak is in every bound), then
+    the list (its gradients are what the others must equal), then the stores."""
+    rows = ["fused", "list"] if parts & {"pipeline", "pressure"} else []
+    if "pipeline" in parts:
+        rows += [f"budget:{k}" for k in budgets]
+    if "pressure" in parts:
+        rows.append("pressure")
+    return rows
 
 
-def pipeline(shapes: Shapes, parts: set[str], saves: list[str], budgets: list[int], repeats: int) -> dict[str, Any]:
+def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> Row:
+    """One row, in this process alone: two untimed steps (the first compiles and fills a store's
+    pool, the second compiles its reusing copies), then ``repeats`` timed; the peak is the chip
+    allocator's over the whole process (``peak_bytes_in_use``) and a 0.5 ms sampler's while
+    timed. The list row saves its gradients to ``grads``; the store rows compare theirs."""
     params = init(shapes)
     n = shapes.microbatches
-    keys = jax.random.split(jax.random.key(1), n)
-    xs = [jax.random.normal(k, (shapes.batch, shapes.seq, shapes.d), jnp.bfloat16) for k in keys]
+    xs = [jax.random.normal(k, (shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)
+          for k in jax.random.split(jax.random.key(1), n)]
     calls = [(params, x) for x in xs]
     ct = jnp.float32(1.0 / n)
     loss = make_loss(shapes.heads)
     device = jax.devices()[0]
-    out: dict[str, Any] = {}
-    for save in saves:
-        fwd = rs.split(loss, save=save)
-        size = own_bytes(fwd(*calls[0])[1])
-        rows: list[Row] = []
-        if parts & {"pipeline", "pressure"}:
-            want = in_memory_step(fwd, calls, ct)
-            rows.append(_run_row(f"{n} contexts in a list", n, lambda: in_memory_step(fwd, calls, ct), 0, repeats))
-        if "pipeline" in parts:
-            for k in budgets:
-                with rs.Store(None, device_budget=k * size) as store:
-                    rows.append(_run_row(f"Store(None, device_budget={k} contexts)", n,
-                                         functools.partial(store_step, store, fwd, calls, ct),
-                                         max(n - k, 0) * size, repeats, want))
-        if "pressure" in parts:
-            limit = _limit(device)
-            count = math.ceil(1.5 * limit / size) if limit else 2 * n
-            budget: Any = "25%" if limit else 2 * size
-            kept = (int(0.25 * limit) // size) if limit else 2
-            many = [(params, xs[i % n]) for i in range(count)]
-            with rs.Store(None, device_budget=budget) as store:
-                rows.append(_run_row(f"pressure: {count} contexts, device_budget={budget if limit else '2 contexts'}",
-                                     count, functools.partial(store_step, store, fwd, many, ct),
-                                     (count - kept) * size, repeats))
-        out[save] = {"context_bytes": size, "rows": rows}
-    if "remat" in parts:
+    fwd = rs.split(loss, save=save)
+    size = own_bytes(fwd(*calls[0])[1])  # (dropped at once)
+    store: rs.Store | None = None
+    budget: int | None = None
+    moved, count, name = 0, n, row
+    if row == "fused":
+        vg = jax.jit(jax.value_and_grad(loss))
+        fn: Callable[[], Any] = functools.partial(fused_step, vg, calls)
+        name = "fused jax.value_and_grad a microbatch"
+    elif row == "remat":
         policy = jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[], names_which_can_be_offloaded=list(NAMES),
             offload_src="device", offload_dst="pinned_host")
-        vg = jax.jit(jax.value_and_grad(make_loss(shapes.heads, policy)))
-        out["remat"] = _run_row("JAX remat offload of the named residuals (fused)", n,
-                                functools.partial(remat_step, vg, calls), 0, repeats)
+        fn = functools.partial(fused_step, jax.jit(jax.value_and_grad(make_loss(shapes.heads, policy))), calls)
+        name = "JAX remat offload of the named residuals (fused)"
+    elif row == "list":
+        fn = functools.partial(in_memory_step, fwd, calls, ct)
+        name = f"{n} contexts in a list"
+    elif row.startswith("budget:"):
+        k = int(row.split(":")[1])
+        budget = k * size
+        store = rs.Store(None, device_budget=budget)
+        fn = functools.partial(store_step, store, fwd, calls, ct)
+        moved, name = max(n - k, 0) * size, f"Store(None, device_budget={k} contexts)"
+    elif row == "pressure":
+        limit = _limit(device)
+        count = math.ceil(1.5 * limit / size) if limit else 2 * n
+        budget = int(0.25 * limit) if limit else 2 * size
+        store = rs.Store(None, device_budget="25%" if limit else budget)
+        many = [(params, xs[i % n]) for i in range(count)]
+        fn = functools.partial(store_step, store, fwd, many, ct)
+        moved = (count - budget // size) * size
+        name = f"pressure: {count} contexts, device_budget={'25%' if limit else '2 contexts'}"
+    else:
+        raise ValueError(f"unknown row {row!r}")
+    try:
+        gc.collect()
+        start = _in_use(device)
+        got = [np.asarray(x, np.float32) for x in jax.tree.leaves(fn())]  # (bf16 exactly; npz keeps no bf16)
+        jax.block_until_ready(fn())
+        with PeakSampler(device) as sampled:
+            seconds = interleaved_medians({name: Case(fn)}, repeats, warmup=0)[name]
+        stats = device.memory_stats() or {}
+        peak = max(filter(None, (stats.get("peak_bytes_in_use"), sampled.peak)), default=None)
+        identical = None
+        if row == "list":
+            np.savez(grads, *got)
+        elif row.startswith("budget:") and grads.exists():
+            with np.load(grads) as want:
+                identical = all(np.array_equal(a, want[f"arr_{i}"]) for i, a in enumerate(got))
+        if store is not None:
+            store.close()
+        context = held_bytes(fwd(*calls[0])[1])
+        return Row(name, count, seconds, moved, peak, budget, identical, start=start, context=context, device=_about())
+    except Exception as err:  # noqa: BLE001 - a row that cannot run says why (out of memory, say)
+        return Row(name, count, None, moved, None, budget, None, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+
+
+_RESULT = "ROW-RESULT "
+
+
+def _child(argv: list[str], here: bool = False) -> Any:
+    """Runs ``argv`` (this script's own arguments) in a process of its own and returns what it
+    printed after :data:`_RESULT` (the chip serves one process at a time: the parent never
+    touches it); ``here``: in this process (``--quick``: the logic, in seconds, on a CPU)."""
+    if here:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(argv)
+        return _child_result(out.getvalue(), "")
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], capture_output=True, text=True)
+    return _child_result(done.stdout, done.stderr, done.returncode)
+
+
+def _child_result(stdout: str, stderr: str, returncode: int = 0) -> Any:
+    for line in stdout.splitlines():
+        if line.startswith(_RESULT):
+            return json.loads(line[len(_RESULT):])
+    tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
+    return {"error": f"exit {returncode}: {tail[0][:160]}"}
+
+
+def pipeline(args: argparse.Namespace, parts: set[str], budgets: list[int], scratch: Path) -> dict[str, Any]:
+    """Every row of every save, each in its own process (see :func:`run_row`)."""
+    out: dict[str, Any] = {}
+    common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+    for save in args.saves.split(","):
+        rows = []
+        for row in _rows_of(QUICK if args.quick else FULL, parts, budgets):
+            got = _child(["--row", row, "--save", save, "--grads", str(scratch / f"list-{save}.npz"), *common],
+                         here=args.quick)
+            rows.append(Row(**got) if "error" not in got else Row(row, 0, None, 0, None, note=got["error"]))
+            print(f"  {save} {row}: {rows[-1]}", file=sys.stderr, flush=True)
+        out[save] = rows
+    if "remat" in parts:
+        got = _child(["--row", "remat", "--save", "all", "--grads", str(scratch / "none.npz"), *common], here=args.quick)
+        out["remat"] = Row(**got) if "error" not in got else Row("remat", 0, None, 0, None, note=got["error"])
     return out
 
 
 # -- the report -------------------------------------------------------------------------------------
+
+
+def _about() -> str:
+    return f"{jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}"
 
 
 def _gib(n: int | None) -> str:
@@ -370,10 +462,12 @@ def _gib(n: int | None) -> str:
 
 
 def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | None,
-           pipe: dict[str, Any] | None) -> list[str]:
-    """The run's tables, as text lines."""
-    lines = [f"# benchmarks/accelerator.py, {datetime.date.today()}, {jax.devices()[0].device_kind} "
-             f"({jax.default_backend()}), JAX {jax.__version__}"]
+           pipe: dict[str, Any] | None, about: str = "") -> list[str]:
+    """The run's tables, as text lines (``about``: the chip, as a child process saw it; the
+    parent never touches it)."""
+    about = about or next((r.device for rows in (pipe or {}).values()
+                           for r in (rows if isinstance(rows, list) else [rows]) if r.device), "")
+    lines = [f"# benchmarks/accelerator.py, {datetime.date.today()}, {about}; each pipeline row in its own process"]
     d2h = h2d = None
     if copies is not None:
         lines.append("\n## Copy paths (GB/s, medians)")
@@ -390,11 +484,13 @@ def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | No
             freed = "n/a (no bytes in use reported)" if r["freed_s"] is None else f"{r['freed_s'] * 1e3:9.1f} ms"
             lines.append(f"{path:<6} {r['bytes'] / 2**20:.1f} MiB: returned in {r['returned_s'] * 1e3:8.1f} ms, "
                          f"device bytes free after {freed} {ideal}")
-    for save, part in (pipe or {}).items():
+    for save, rows in (pipe or {}).items():
         if save == "remat":
             continue
-        lines.append(f"\n## Pipeline step, save={save!r} ({part['context_bytes'] / 2**20:.1f} MiB own residuals a context)")
-        lines.extend(_rows(part["rows"], d2h, h2d))
+        context = next((r.context for r in rows if r.context), None)
+        held = "" if context is None else f", {context / 2**20:.1f} MiB held on the device"
+        lines.append(f"\n## Pipeline step, save={save!r} (own residuals a context{held})")
+        lines.extend(_rows(rows, d2h, h2d))
     if pipe and "remat" in pipe:
         lines.append("\n## JAX's own offload")
         lines.extend(_rows([pipe["remat"]], d2h, h2d, base=_list_row(pipe)))
@@ -402,16 +498,25 @@ def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | No
 
 
 def _list_row(pipe: dict[str, Any]) -> Row | None:
-    part = pipe.get("all") or next((p for k, p in pipe.items() if k != "remat"), None)
-    return part["rows"][0] if part and part["rows"] and part["rows"][0].name.endswith("in a list") else None
+    rows = pipe.get("all") or next((p for k, p in pipe.items() if k != "remat"), None)
+    return next((r for r in rows or [] if r.name.endswith("in a list")), None)
+
+
+def bound(row: Row, fused: Row | None) -> int | None:
+    """What a store row may peak at: its budget, one context and the fused step's peak."""
+    if row.budget is None or fused is None or fused.peak is None or row.context is None:
+        return None
+    return row.budget + row.context + fused.peak
 
 
 def _rows(rows: list[Row], d2h: float | None, h2d: float | None, base: Row | None = None) -> list[str]:
-    """One line a row: ms a microbatch, against the list's (``base``, else the first row if it is
-    the list) and against the serial floor (see the module docstring)."""
-    base = base or (rows[0] if rows and rows[0].name.endswith("in a list") else None)
+    """One line a row: ms a microbatch, against the list's (``base``, else the list row) and
+    against the serial floor (see the module docstring); the peak beside the row's bound."""
+    base = base or next((r for r in rows if r.name.endswith("in a list")), None)
+    fused = next((r for r in rows if r.name.startswith("fused")), None)
     per_mb = base.seconds / base.microbatches if base is not None and base.seconds else None
-    out = [f"{'case':<52} {'ms/mb':>9} {'vs list':>8} {'vs floor':>9} {'peak GiB':>9} {'at start':>9} {'same grads':>10}"]
+    out = [f"{'case':<52} {'ms/mb':>9} {'vs list':>8} {'vs floor':>9} {'peak GiB':>9} {'bound':>7} "
+           f"{'at start':>9} {'same grads':>10}"]
     for row in rows:
         count = row.microbatches
         ms = None if row.seconds is None else row.seconds / count * 1e3
@@ -422,8 +527,9 @@ def _rows(rows: list[Row], d2h: float | None, h2d: float | None, base: Row | Non
         vs_floor = "" if row.seconds is None or floor is None else f"{row.seconds / floor:.2f}"
         same = "" if row.identical is None else str(row.identical)
         shown = "failed" if ms is None else f"{ms:.1f}"
-        out.append(f"{row.name:<52} {shown:>9} {vs_list:>8} {vs_floor:>9} {_gib(row.peak):>9} {_gib(row.start):>9} "
-                   f"{same:>10} {row.note}")
+        limit = bound(row, fused)
+        out.append(f"{row.name:<52} {shown:>9} {vs_list:>8} {vs_floor:>9} {_gib(row.peak):>9} "
+                   f"{'-' if limit is None else _gib(limit):>7} {_gib(row.start):>9} {same:>10} {row.note}")
     return out
 
 
@@ -435,25 +541,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", default="all,auto")
     parser.add_argument("--budgets", default="0,1,2", help="device budgets of the store rows, in contexts")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # (a child: one row, see run_row)
+    parser.add_argument("--save", default="all", help=argparse.SUPPRESS)
+    parser.add_argument("--grads", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--part", help=argparse.SUPPRESS)  # (a child: copies or free)
     args = parser.parse_args(argv)
     shapes = QUICK if args.quick else FULL
+    if args.row is not None:
+        print(_RESULT + json.dumps(dataclasses.asdict(run_row(shapes, args.save, args.row, args.repeats, args.grads))))
+        return 0
+    if args.part == "copies":
+        print(_RESULT + json.dumps({"about": _about(), "result": copy_paths(shapes, args.repeats)}))
+        return 0
+    if args.part == "free":
+        params = init(shapes)
+        x = jax.random.normal(jax.random.key(9), (shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)
+        free = put_until_free(rs.split(make_loss(shapes.heads), save="all"), params, x)
+        print(_RESULT + json.dumps({"about": _about(), "result": free}))
+        return 0
     parts = set(args.parts.split(","))
     unknown = parts - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
-    copies = copy_paths(shapes, args.repeats) if "copies" in parts else None
-    free = None
-    if "free" in parts:
-        params = init(shapes)
-        x = jax.random.normal(jax.random.key(9), (shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)
-        free = put_until_free(rs.split(make_loss(shapes.heads), save="all"), params, x)
+    common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+    copies = _child(["--part", "copies", *common], here=args.quick) if "copies" in parts else None
+    free = _child(["--part", "free", *common], here=args.quick) if "free" in parts else None
+    for name, got in (("copies", copies), ("free", free)):
+        if got is not None and "error" in got:
+            print(f"{name}: {got['error']}", file=sys.stderr)
+    about = next((got["about"] for got in (copies, free) if got is not None and "about" in got), "")
+    copies = None if copies is None or "error" in copies else copies["result"]
+    free = None if free is None or "error" in free else free["result"]
     pipe = None
     if parts & {"pipeline", "remat", "pressure"}:
-        pipe = pipeline(shapes, parts, args.saves.split(","), [int(k) for k in args.budgets.split(",")], args.repeats)
-    lines = report(copies, free, pipe)
+        with tempfile.TemporaryDirectory() as scratch:
+            pipe = pipeline(args, parts, [int(k) for k in args.budgets.split(",")], Path(scratch))
+    lines = report(copies, free, pipe, about)
     print("\n".join(lines), flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps({"copies": copies, "free": free, "report": lines}, indent=1))
+        rows = {k: [dataclasses.asdict(r) for r in (v if isinstance(v, list) else [v])] for k, v in (pipe or {}).items()}
+        args.json.write_text(json.dumps({"copies": copies, "free": free, "rows": rows, "report": lines}, indent=1))
     return 0
 
 

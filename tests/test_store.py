@@ -449,7 +449,8 @@ def test_contexts_move_down_the_tiers_and_come_back(tmp_path, mlp_split, rng):
         store.flush()
         stats = store.stats()
         # four puts: each entered the device, three moved on to host, two of those past it
-        assert stats["device"] == {"bytes": size, "contexts": 1, "bytes_in": 4 * size, "bytes_out": 3 * size, "leaving": 0}
+        assert stats["device"] == {"bytes": size, "contexts": 1, "bytes_in": 4 * size, "bytes_out": 3 * size, "leaving": 0,
+                                  "lent": 0, "held": size}
         assert stats["host"] == {"bytes": size, "contexts": 1, "bytes_in": 3 * size, "bytes_out": 2 * size}
         assert stats["disk"]["contexts"] == 4  # write-through: every context is on disk
         for i in (0, 3, 1, 2, 0):  # from disk, from host, from device

@@ -215,3 +215,122 @@ def test_internals_a_pipeline_step_through_a_store_needs_no_more_device_memory_t
     assert listed >= (_STEP - 1) * one  # every context at once after the last forward (their inputs are in base)
     assert stored <= listed, (stored / one, listed / one)
     assert stored <= (budget_contexts + 2) * one, stored / one
+
+
+class _DispatchedAhead:
+    """A caller whose backwards have not run when it calls again, as on an accelerator: the
+    output of a backward on a lent context counts as not ready until the store waits for it
+    (``lent._ready``/``lent._wait``); each copy to the device records the device bytes the
+    store's contexts held when it started (``stats()["device"]["held"]``) and whether a load
+    ahead made it. ``finish()``: every backward has run."""
+
+    def __init__(self, monkeypatch, store: rs.Store) -> None:
+        from residual_store._src.store import lent, reads
+
+        self.waited: set[int] = set()
+        self.done = False
+        self.copies: list[tuple[int, bool]] = []
+        monkeypatch.setattr(lent, "_ready", lambda out: self.done or id(out) in self.waited)
+        monkeypatch.setattr(lent, "_wait", lambda out: self.waited.add(id(out)))
+        to_device = reads.to_device
+
+        def recorded(ctx, *args, **kw):
+            ahead = threading.current_thread().name.startswith("residual-store-load")
+            self.copies.append((store.stats()["device"]["held"], ahead))
+            return to_device(ctx, *args, **kw)
+
+        monkeypatch.setattr(reads, "to_device", recorded)
+
+    def finish(self) -> None:
+        self.done = True
+
+
+@pytest.mark.parametrize("scheduled", [False, True], ids=["pops", "schedule"])
+@pytest.mark.parametrize("budget_contexts", [0, 1, 2])
+def test_internals_a_caller_that_dispatches_ahead_gets_no_more_than_the_budget_and_one_context(
+    monkeypatch, budget_contexts, scheduled
+):
+    """``for k in keys: grads.append(backward(store.pop(k)))`` with every backward still
+    running when the next pop comes: each pop waits for the backwards on what was handed out
+    until the store's contexts fit the budget, so every copy to the device starts with at most
+    the budget held (a load ahead's own bytes beside it), the device holds at most the budget,
+    the context in use and one on its way after each pop, and ``stats()["device"]`` counts what
+    is handed out until it can be freed. Gradients are the list's, bitwise."""
+    w = jax.random.normal(jax.random.key(7), (_D, _D)) / np.sqrt(_D)
+    xs = [jax.random.normal(jax.random.key(200 + i), (32, _D)) for i in range(_STEP)]
+    want = [np.asarray(_FWD.backward(_FWD(w, x)[1])[0]) for x in xs]
+    one = _FWD(w, xs[0])[1].spec.own_nbytes
+    budget = budget_contexts * one
+    keys = [f"mb{i}" for i in range(_STEP)]
+    with rs.Store(None, device_budget=budget) as store:
+        caller = _DispatchedAhead(monkeypatch, store)
+        if scheduled:
+            store.schedule(keys[::-1])
+        for key, x in zip(keys, xs):
+            store.put(_FWD(w, x)[1], key)
+            assert store.stats()["device"]["held"] <= budget  # (the put's copy has landed)
+        grads, after = {}, []
+        for key in reversed(keys):
+            grads[key] = _FWD.backward(store.pop(key))  # (its context dropped, its backward "running")
+            after.append(store.stats()["device"]["held"])
+        assert len(caller.copies) >= _STEP - budget_contexts
+        for held, ahead in caller.copies:
+            assert held <= budget + (one if ahead else 0), (held / one, ahead)
+        assert max(after) <= budget + 2 * one, [h / one for h in after]
+        assert after[0] >= one  # the first pop's context counts until its backward is waited for
+        caller.finish()
+        assert store.stats()["device"]["held"] == store.stats()["device"]["lent"] == 0
+    for key, v in zip(keys, want):
+        assert np.array_equal(np.asarray(grads[key][0]), v) and np.any(v != 0)
+
+
+def test_internals_a_context_held_by_its_caller_counts_until_dropped_and_its_backward_has_run(monkeypatch):
+    """A popped context counts in ``stats()["device"]`` (``lent``, ``held``) while its caller
+    holds it, and after its backward until that has run; a context dropped without a backward
+    of the library's counts no more (the store cannot see what read it). Residuals that are one
+    array come back as one array and count once."""
+    w = jax.random.normal(jax.random.key(8), (_D, _D)) / np.sqrt(_D)
+    _, ctx = _FWD(w, jnp.ones((32, _D)))
+    first = next(x for x, kind in zip(ctx.residuals, ctx.spec.kinds) if kind != "weight")
+    same = rs.ResidualContext.tree_unflatten(  # every own residual one array: what a split can make
+        ctx.spec, [x if kind == "weight" else first for x, kind in zip(ctx.residuals, ctx.spec.kinds)])
+    with rs.Store(None, device_budget=0) as store:
+        caller = _DispatchedAhead(monkeypatch, store)
+        store.put(ctx, "a")
+        store.put(same, "b")
+        assert store.stats()["host"]["bytes"] == ctx.spec.own_nbytes + first.nbytes  # b's one array counted once
+        got = store.pop("a")
+        size = sum(x.nbytes for x, kind in zip(got.residuals, got.spec.kinds) if kind != "weight")
+        assert store.stats()["device"]["lent"] == size == store.stats()["device"]["held"]
+        _FWD.backward(got)  # (its outputs dropped: the store keeps one to wait on)
+        del got
+        assert store.stats()["device"]["lent"] == size  # dropped, its backward still "running"
+        caller.finish()
+        assert store.stats()["device"]["lent"] == 0
+        both = store.pop("b")
+        own = {id(x): x for x, kind in zip(both.residuals, both.spec.kinds) if kind != "weight"}
+        assert len(own) == 1 and not any(x is first for x in own.values())  # one copy, come back as one
+        assert store.stats()["device"]["lent"] == first.nbytes
+        del both
+        assert store.stats()["device"]["lent"] == 0
+
+
+def test_internals_a_bw_split_backward_tells_the_store_its_b_half(monkeypatch):
+    """``fwd.backward(ctx, ct, now=...)`` (a zero-bubble pipeline's B) on a popped context: the
+    context counts until its B half has run, as with a whole backward."""
+    fwd = rs.split(lambda x, w: jnp.tanh(x @ w), argnums=(0, 1))
+    x, w = jnp.ones((32, _D)), jnp.ones((_D, _D)) / _D
+    y, ctx = fwd(x, w)
+    with rs.Store(None, device_budget=0) as store:
+        caller = _DispatchedAhead(monkeypatch, store)
+        store.put(ctx, "a")
+        del ctx
+        got = store.pop("a")
+        size = store.stats()["device"]["lent"]
+        assert size > 0
+        dx, later = fwd.backward(got, jnp.ones_like(y), now=0)
+        del got
+        assert store.stats()["device"]["lent"] == size  # its B half still "running"
+        caller.finish()
+        assert store.stats()["device"]["lent"] == 0
+        assert dx.shape == x.shape and later is not None

@@ -56,7 +56,8 @@ def test_a_stage_input_is_the_contexts_own_and_is_freed_when_offloaded(tmp_path,
         store.flush()
         stats = store.stats()
         # zero budgets: the context never entered a memory tier, it went straight to disk
-        assert stats["device"] == {"bytes": 0, "contexts": 0, "bytes_in": 0, "bytes_out": 0, "leaving": 0}
+        assert stats["device"] == {"bytes": 0, "contexts": 0, "bytes_in": 0, "bytes_out": 0, "leaving": 0,
+                                   "lent": 0, "held": 0}
         assert stats["host"] == {"bytes": 0, "contexts": 0, "bytes_in": 0, "bytes_out": 0}
         assert stats["disk"]["writes"] == 1 and stats["disk"]["bytes_written"] == own
         del ctx, h
@@ -96,7 +97,8 @@ def test_budgets_count_inputs_and_not_weights(tmp_path, rng):
     own = sum(x.nbytes for x, k in zip(ctx.residuals, ctx.spec.kinds) if k in ("input", "intermediate"))
     with rs.Store(None) as store:
         store.put(ctx, "a")
-        assert store.stats()["device"] == {"bytes": own, "contexts": 1, "bytes_in": own, "bytes_out": 0, "leaving": 0}
+        assert store.stats()["device"] == {"bytes": own, "contexts": 1, "bytes_in": own, "bytes_out": 0, "leaving": 0,
+                                           "lent": 0, "held": own}
     with rs.Store(None, device_budget=own - 1) as store:  # the activation alone does not fit
         store.put(ctx, "a")
         assert store.stats()["host"] == {"bytes": own, "contexts": 1, "bytes_in": own, "bytes_out": 0}

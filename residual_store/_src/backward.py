@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from residual_store._src import _jax_internals
-from residual_store._src.context import ResidualContext, backward_of, check_representable, describe_residual
+from residual_store._src.context import ResidualContext, backward_of, check_representable, consumed, describe_residual
 from residual_store._src.errors import (
     BackwardUnavailableError,
     InvalidArgumentError,
@@ -240,6 +240,7 @@ class Backward:
         self.check_representable(ctx)
         cts = self.cotangent_leaves(cotangent)
         grads = self._executables.run(list(ctx.residuals), cts, lambda: self.check_residuals(ctx))
+        consumed(ctx, grads)  # a store that handed ``ctx`` out waits on these for room
         return self.grad_structure.unflatten(grads, like=like)
 
     def check_representable(self, ctx: ResidualContext) -> None:

@@ -31,7 +31,10 @@ __all__ = [
     "bound_context",
     "check_representable",
     "check_save_record",
+    "consumed",
     "describe_residual",
+    "on_consumed",
+    "own_nbytes",
 ]
 
 ResidualKind = Literal["weight", "input", "constant", "intermediate"]
@@ -258,7 +261,7 @@ class ResidualContext:
       >>> grads = rs.backward(ctx)
     """
 
-    __slots__ = ("_residuals", "_spec", "_backward", "_loader", "_nbytes")
+    __slots__ = ("_residuals", "_spec", "_backward", "_loader", "_nbytes", "_own_nbytes", "_consumer", "__weakref__")
 
     def __init__(self, residuals: Sequence[Any], spec: ResidualSpec) -> None:
         residuals = tuple(residuals)
@@ -272,6 +275,8 @@ class ResidualContext:
         self._backward: Any = None  # the backward that made it, if a split did (kept alive here)
         self._loader: Any = None  # the stored backward its store read for it, if a store gave it
         self._nbytes: int | None = None  # worked out on first use (the residuals never change)
+        self._own_nbytes: int | None = None  # (likewise)
+        self._consumer: Callable[[Any], None] | None = None  # told when a backward took it (on_consumed)
 
     @property
     def residuals(self) -> tuple[Any, ...]:
@@ -299,6 +304,25 @@ class ResidualContext:
                     total += n
             self._nbytes = total
         return self._nbytes
+
+    def _own_bytes(self) -> int:
+        """See :func:`own_nbytes`."""
+        if self._own_nbytes is None:
+            seen: set[int] = set()
+            total = 0
+            for x, n, kind in zip(self._residuals, self._spec.leaf_nbytes, self._spec.kinds):
+                if kind in OWN_KINDS and id(x) not in seen:
+                    seen.add(id(x))
+                    total += n
+            self._own_nbytes = total
+        return self._own_nbytes
+
+    def _watch(self, callback: Callable[[Any], None]) -> bool:
+        """See :func:`on_consumed`."""
+        if self._consumer is not None:
+            return False
+        self._consumer = callback
+        return True
 
     def describe(self) -> str:
         """A readable table: one row per residual with name, shape, dtype, bytes and kind."""
@@ -361,6 +385,8 @@ class ResidualContext:
         obj._backward = backward
         obj._loader = loader
         obj._nbytes = None
+        obj._own_nbytes = None
+        obj._consumer = None
         return obj
 
 
@@ -376,3 +402,27 @@ def backward_of(ctx: ResidualContext) -> tuple[Any, Any]:
     """What ``ctx`` carries to run its backward: (the split's backward, the stored backward's
     loader), each ``None`` where it carries none (see :func:`bound_context`)."""
     return ctx._backward, ctx._loader
+
+
+
+def own_nbytes(ctx: ResidualContext) -> int:
+    """Bytes of ``ctx``'s own residuals (not weights or constants), each distinct array counted
+    once: what a store's budgets count (two residuals that are one array are one buffer, copied
+    once; ``spec.own_nbytes`` counts each). Worked out once per context."""
+    return ctx._own_bytes()
+
+
+def on_consumed(ctx: ResidualContext, callback: Callable[[Any], None]) -> bool:
+    """Asks to be told when a backward has been dispatched on ``ctx``: ``callback`` gets its
+    outputs (once those are ready, the computation that read ``ctx``'s arrays is done, so their
+    device memory can be freed). A store hands out contexts so, to know when it has room again.
+    Returns ``False``, changing nothing, where someone asked already."""
+    return ctx._watch(callback)
+
+
+def consumed(ctx: ResidualContext, outputs: Any) -> None:
+    """A backward was dispatched on ``ctx`` and returned ``outputs``: whoever asked
+    (:func:`on_consumed`) is told."""
+    callback = ctx._consumer
+    if callback is not None:
+        callback(outputs)

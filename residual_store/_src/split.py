@@ -41,6 +41,7 @@ from residual_store._src.context import (
     ResidualSpec,
     bound_context,
     check_representable,
+    consumed,
     describe_residual,
 )
 from residual_store._src.errors import InvalidArgumentError, RecomputeWarning, SignatureMismatchError
@@ -309,7 +310,9 @@ class Split:
         if now is not None:
             if like is not None:
                 raise InvalidArgumentError("like= rebuilds a backward's gradients without a split: not with now=")
-            return self._halves_of(ctx.spec, now)(ctx, cotangent)
+            halves = self._halves_of(ctx.spec, now)(ctx, cotangent)
+            consumed(ctx, halves[0])  # (a store that handed ``ctx`` out waits on the B half for room)
+            return halves
         bwd = self._by_signature.get(ctx.spec.signature)
         if bwd is None:
             bwd = self._rebuild(ctx.spec)

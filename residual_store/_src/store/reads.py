@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from residual_store._src.context import ResidualContext, bound_context, check_representable, describe_residual
+from residual_store._src.context import ResidualContext, bound_context, check_representable, describe_residual, own_nbytes
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError
 from residual_store._src.store.host import for_writing, holds_device_memory, place, to_device, to_host, wait_copied
+from residual_store._src.store.lent import Lent
 from residual_store._src.store.owed import Found, Moves, Owed, Write
 from residual_store._src.store.pinned import HostPool
 from residual_store._src.store.schedule import loads_ahead
@@ -78,16 +79,47 @@ class Reads:
         self._loads = loads
         self._pool = pool
         self._landings = landings
+        self._lent = Lent()  # what gets and pops handed out that no tier counts (lent.py)
 
     def get(self, key: str) -> ResidualContext:
         """For a ``get``: the load of ``key`` in flight if it loads the current version, the
-        device tier's context, or a read now."""
+        device tier's context, or a read now. What no tier keeps is lent (see :meth:`lend`)."""
         if self._table.in_flight:  # (read whole; wait_landed asks again under the lock)
             self.wait_landed()
         found = self._table.begin_get(key)
-        if found.load is not None:
-            return found.load.result()  # kept for this get even when the budgets could not hold it
-        return found.ctx if found.on_device else self._read(key, found)  # type: ignore[return-value]
+        if found.on_device:
+            return found.ctx  # type: ignore[return-value]
+        # a load's result is kept for this get even when the budgets could not hold it
+        ctx = found.load.result() if found.load is not None else self._read(key, found)
+        if self._table.device.budget is not None and not self._table.on_device(key, ctx):
+            self.lend(ctx)
+        return ctx
+
+    def lend(self, ctx: ResidualContext) -> None:
+        """Under a device budget: ``ctx``, handed out and in no tier, counts against the budget
+        until its device memory can be freed (``lent.py``)."""
+        if self._table.device.budget is not None:
+            self._lent.lend(ctx)
+
+    def lent(self) -> int:
+        """Device bytes of the contexts lent and not yet free."""
+        return self._lent.nbytes() if self._lent else 0
+
+    def room(self) -> int | None:
+        """Device bytes the budget has left beside everything the store's contexts hold on the
+        device, lent ones included (negative: over; ``None``: no budget)."""
+        budget = self._table.device.budget
+        return None if budget is None else budget - self._table.device_held() - self.lent()
+
+    def make_room(self) -> None:
+        """Before a read brings a context to the device: waits for the backwards running on
+        lent contexts until the store's contexts fit the budget again (or none is left to wait
+        for: what is lent then is in use), so the device holds at most the budget and the one
+        context this read brings, whatever the caller dispatched ahead."""
+        if not self._lent:  # (read whole: nothing lent, nothing to wait for)
+            return
+        while (room := self.room()) is not None and room < 0 and self._lent.wait_one():
+            pass
 
     def load(self, key: str) -> ResidualContext:
         """``key`` from memory or disk, on the device (a load ahead's job)."""
@@ -100,6 +132,8 @@ class Reads:
         """Copies ``found.ctx`` to the device, or reads the disk, without the lock; then installs
         it where the table lets it (rule 3) and makes the copies that owes."""
         nbytes = None
+        if not found.ahead:  # (a load ahead started only where there was room: see ahead)
+            self.make_room()
         try:
             if found.ctx is not None:
                 # a context the device budget cannot hold is served as a device copy and left
@@ -134,12 +168,21 @@ class Reads:
     # -- loads ahead -----------------------------------------------------------------------------
 
     def prefetch(self, key: str, holds: Callable[[str], bool]) -> None:
-        """Starts loading ``key`` in the background unless it is on the device or loading;
-        ``holds`` asks the disk whether it has a key this store does not hold in memory.
+        """Starts loading ``key`` in the background unless it is on the device or loading, or the
+        device budget has no room for it beside what the store's contexts hold, lent ones
+        included (the get reads it then: a prefetch is often made before the get of another
+        key, which then comes on top of it); ``holds`` asks the disk whether it has a key this
+        store does not hold in memory.
 
         Raises:
           ContextNotFoundError: the store does not hold ``key``.
         """
+        room = self.room()
+        if room is not None and room < self._size(key):  # full: the get reads it, once there is room
+            held = self._table.held(key)
+            if held is False or (held is None and not holds(key)):
+                raise ContextNotFoundError.of(key, self._table.where)
+            return
         submit = self._submitter(key)
         if self._table.start_load(key, submit) is None:
             if not holds(key):
@@ -148,22 +191,30 @@ class Reads:
 
     def ahead(self) -> None:
         """Starts loading the contexts the schedule names next: the very next one, then as many
-        as fit the device budget together with it, at most ``_AHEAD`` loads in flight, stopping
-        at the first not yet put (its room is the put's)."""
+        as fit the room the device budget has left together with it, at most ``_AHEAD`` loads in
+        flight, stopping at the first not yet put (its room is the put's); none while the
+        store's contexts, lent ones included, fill the budget (the get reads it then)."""
         if not self._table.scheduled:  # (read whole; the table answers again under its lock)
+            return
+        room = self.room()
+        if room is not None and room < 0:  # the store's contexts fill the budget: none ahead
             return
         upcoming, in_flight = self._table.ahead(_LOOKAHEAD)
         if not upcoming:
             return
         sizes = {k: (None if s == -1 else s if s is not None else self._stored_size(k)) for k, s, _ in upcoming}
         held = {k: h for k, _, h in upcoming}
-        start = loads_ahead(list(sizes), sizes.__getitem__, held.__getitem__, self._table.device.budget,
-                            _AHEAD - in_flight)
+        start = loads_ahead(list(sizes), sizes.__getitem__, held.__getitem__, room, _AHEAD - in_flight)
         for key in start:
             try:
                 self._table.start_load(key, self._submitter(key), on_disk=True)
             except ContextNotFoundError:
                 continue  # deleted meanwhile
+
+    def _size(self, key: str) -> int:
+        """The own bytes of ``key``'s context in memory (0 where only the disk has it)."""
+        ctx, _, _ = self._table.locate(key)
+        return 0 if ctx is None else own_nbytes(ctx)
 
     def _submitter(self, key: str) -> Callable[[], Future[ResidualContext]]:
         """What queues a load of ``key`` on the load threads (the table calls it, see
@@ -200,7 +251,7 @@ class Reads:
         demoted = [(key, ctx, to_host(ctx, self._pool)) for key, ctx in owed.demoted if holds_device_memory(ctx)]
         released = [(key, ctx, for_writing(ctx, self._target, self._pool)) for key, ctx in owed.released
                     if holds_device_memory(ctx)]
-        landing = [(self._landings.submit(self._land, key, [ctx, copy]), ctx.spec.own_nbytes)
+        landing = [(self._landings.submit(self._land, key, [ctx, copy]), own_nbytes(ctx))
                    for key, ctx, copy in (*demoted, *released)]
         self._table.settle(demoted, released, landing)
         for future, _ in landing:  # (at once if it has landed already)
@@ -219,19 +270,20 @@ class Reads:
             self._table.copy_failed(key, source, copy)
             raise
 
-    def wait_landed(self) -> None:
+    def wait_landed(self, *, raise_failed: bool = True) -> None:
         """Waits until the copies to host memory in flight have landed, so that what comes to
         the device next is not on top of them (rule 7); their device bytes are then free.
 
         Raises:
-          What a failed copy raised (the context it copied is back, intact on the device).
+          What a failed copy raised (the context it copied is back, intact on the device); with
+          ``raise_failed=False`` nothing: the next call that waits raises it.
         """
         if not self._table.in_flight:  # (read whole; the table answers again under its lock)
             return
-        flying, failed = self._table.leaving()
+        flying, failed = self._table.leaving(take_errors=raise_failed)
         for future in flying:
             future.exception()  # waits until it is done (what failed, the table keeps)
             self._table.landed(future)  # (its error kept once, whether its callback or this came first)
-        failed += self._table.leaving()[1]
+        failed += self._table.leaving(take_errors=raise_failed)[1]
         if failed:
             raise failed[0]

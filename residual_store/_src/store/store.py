@@ -229,8 +229,10 @@ class Store(StoreMapping):
     def put(self, ctx: ResidualContext, key: str | None = None) -> str:
         """Adds ``ctx`` under ``key`` (a fresh unique key if ``None``) and returns the key.
 
-        Returns at once: with a path, writing continues in the background (``flush`` waits).
-        A later ``put`` of the same key replaces the context.
+        Returns once what it leaves on the device fits the device budget: where the budget
+        pushes a context off the device, once its copy to host memory has landed (a copy that
+        failed is raised by the next call); with a path, writing continues in the background
+        (``flush`` waits). A later ``put`` of the same key replaces the context.
 
         Raises:
           StoreFullError: a memory-only store whose budgets cannot take ``ctx``; the store is
@@ -262,6 +264,8 @@ class Store(StoreMapping):
             finally:
                 if moves.own is not None:
                     self._persistence.schedule([moves.own], staged)
+        if self._table.in_flight:  # what it leaves on the device fits the budget once they land
+            self._reads.wait_landed(raise_failed=False)  # (a failed copy: the next call raises it)
         return key
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
@@ -293,7 +297,9 @@ class Store(StoreMapping):
     def prefetch(self, key: str) -> None:
         """Starts bringing ``key`` to the device in the background; the next ``get`` takes it.
 
-        The prefetched context is held for that ``get`` even if the budgets cannot keep it.
+        The prefetched context is held for that ``get`` even if the budgets cannot keep it. Under
+        a device budget it starts only where the budget has room for it beside what the store's
+        contexts hold on the device (``stats()["device"]["held"]``); else the ``get`` reads it.
         """
         self._reads.prefetch(validate_key(key), self._persistence.holds)
 
@@ -303,8 +309,9 @@ class Store(StoreMapping):
         included (a pipeline knows its whole order before its first forward); an empty list
         forgets it.
 
-        The store then loads ahead of need (as many of the next contexts as the device budget
-        holds, at most two loads at a time, and always the very next one) and, when a tier is
+        The store then loads ahead of need (as many of the next contexts as the room the device
+        budget has left holds, at most two loads at a time, and the very next one while what
+        the store's contexts hold on the device is within the budget) and, when a tier is
         over budget, moves down the context needed last (Belady's rule) instead of the least
         recently used; contexts the schedule does not name (or no longer does: each ``get``
         consumes its key's next place) go first, least recently used first. The schedule is
@@ -337,7 +344,15 @@ class Store(StoreMapping):
     def pop(self, key: str, default: T) -> ResidualContext | T: ...
     @store_call
     def pop(self, key: str, default: Any = _NO_DEFAULT) -> Any:
-        """``get`` then ``delete``; with a ``default``, a missing key returns it."""
+        """``get`` then ``delete``; with a ``default``, a missing key returns it.
+
+        Under a device budget the context returned counts against it (as ``lent`` in
+        ``stats()["device"]``) until nothing refers to it and the backward that read it
+        (``rs.backward`` or a split's) has run; a ``get`` or ``pop`` that must bring a context
+        to the device while the budget is full first waits for those backwards (JAX dispatches
+        asynchronously: without it a loop of pops would bring every context back before the
+        first backward ran).
+        """
         self._persistence.check_writable("pop")
         try:
             ctx = self.get(key)
@@ -346,6 +361,7 @@ class Store(StoreMapping):
                 raise
             return default
         self.delete(key)
+        self._reads.lend(ctx)  # no tier counts it now: it counts until its memory can go
         return ctx
 
     @store_call
@@ -411,7 +427,11 @@ class Store(StoreMapping):
         store moved since it was opened: per memory tier ``bytes_in`` (put, promoted or spilled
         into it) and ``bytes_out`` (moved to another tier); on the device ``leaving``, the bytes
         of contexts whose copy to host memory is still in flight (their device memory is not
-        free yet: the store waits for them before it adds more); on disk ``reads`` and ``bytes_read``
+        free yet: the store waits for them before it adds more), ``lent``, the bytes of contexts a
+        ``get`` or ``pop`` handed out that no tier counts, until nothing refers to them and the
+        backward that read them has run (counted under a device budget only), and ``held``, all
+        the device bytes of the store's contexts (``bytes``, ``leaving``, ``lent`` and loads
+        ahead not yet got): what the chip holds for them; on disk ``reads`` and ``bytes_read``
         (contexts read back, and the bytes of their arrays; weights already on the device are
         not read), ``writes`` and ``bytes_written`` (contexts committed, and their own bytes).
         ``pending``: the contexts waiting for their disk write that no memory tier holds, kept
@@ -424,6 +444,9 @@ class Store(StoreMapping):
         ``keys()``, before the writer has removed its files.
         """
         result = self._table.stats()
+        device = result["device"]
+        device["lent"] = self._reads.lent()
+        device["held"] = self._table.device_held() + device["lent"]
         io, deleted = result.pop("io"), result.pop("deleted")
         result["disk"] = {**self._persistence.stats(leaving=deleted), **io}
         return result

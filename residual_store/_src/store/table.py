@@ -45,9 +45,11 @@ kill suites end to end):
 7. **Device bytes count until they have left.** A context copied to host memory (pushed out of
    the device tier, or a pending write's copy) holds its device memory until the copy has
    landed: the table counts those bytes (``leaving``) from :meth:`KeyTable.settle` until
-   :meth:`KeyTable.landed`, and a store waits for them before a put or a read adds more, so the
-   device holds at most the device budget and one context's copy in flight. A copy that fails
-   puts the context it copied back where it was, intact on the device.
+   :meth:`KeyTable.landed`, and a put returns only once they have landed (a read waits for them
+   before it adds more), so the device holds at most the device budget of the tier's contexts
+   when a put returns. A copy that fails puts the context it copied back where it was, intact
+   on the device. (What a get or pop hands out counts too, outside the table: ``lent.py``;
+   :meth:`KeyTable.device_held` is the table's part.)
 
 Together: after ``put`` or ``delete`` of a key returns, no call of this store returns an older
 version of that key, and no read that overlapped them leaves an older version behind.
@@ -61,7 +63,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from residual_store._src.context import ResidualContext
+from residual_store._src.context import ResidualContext, own_nbytes
 from residual_store._src.errors import ContextNotFoundError
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.owed import NOTHING, Found, Keeping, Moves, Owed, Write
@@ -182,7 +184,7 @@ class KeyTable:
     def _place(self, key: str, entry: _Entry, ctx: ResidualContext, place: str, *, moved: bool = False) -> None:
         if entry.place is not None:
             (self.device if entry.place == DEVICE else self.host).remove(key, moved=moved)
-        (self.device if place == DEVICE else self.host).add(key, ctx.spec.own_nbytes)
+        (self.device if place == DEVICE else self.host).add(key, own_nbytes(ctx))
         entry.ctx, entry.place = ctx, place
         self._unsettled.discard(key)
         if place == HOST:
@@ -200,7 +202,7 @@ class KeyTable:
           StoreFullError: a store with nothing below host memory whose budgets cannot take
             ``ctx`` (nothing changed).
         """
-        size = ctx.spec.own_nbytes
+        size = own_nbytes(ctx)
         with self.lock:
             if not self.keeping.below_host:
                 check_capacity(self.device, self.host, self.schedule, key, size)
@@ -387,7 +389,7 @@ class KeyTable:
             self.host.touch(key)
         else:
             self.io["pending_reads"] += 1
-        size = source.spec.own_nbytes
+        size = own_nbytes(source)
         # a store with nothing below host memory: a promotion must not push a context out of it
         stays = not self.device.fits(size) or (
             not self.keeping.below_host and entry.place == HOST
@@ -409,7 +411,7 @@ class KeyTable:
             entry.readers -= 1
             install = entry.version == found.version and not found.stays and entry.place != DEVICE
             if found.ahead and self.device.budget is not None:  # only into room the tier has now
-                install = install and self.device.nbytes + ctx.spec.own_nbytes <= self.device.budget
+                install = install and self.device.nbytes + own_nbytes(ctx) <= self.device.budget
             if install and found.ctx is not None:  # copied from memory: the source must still be there
                 install = found.ctx is (entry.ctx if entry.place == HOST else entry.pending)
             elif install:  # read from disk: only where no memory holds a newer copy, nor a removal owes
@@ -494,10 +496,12 @@ class KeyTable:
                 if entry.pending is copy:
                     entry.pending = source
 
-    def leaving(self) -> tuple[list[Future[Any]], list[BaseException]]:
+    def leaving(self, *, take_errors: bool = True) -> tuple[list[Future[Any]], list[BaseException]]:
         """The copies to host memory in flight (rule 7), and the errors of those that failed
-        since the last call."""
+        since the errors were last taken (``take_errors=False``: none, kept for the next)."""
         with self.lock:
+            if not take_errors:
+                return list(self._leaving), []
             errors, self._copy_errors = self._copy_errors, []
             self.in_flight = len(self._leaving)
             return list(self._leaving), errors
@@ -534,7 +538,7 @@ class KeyTable:
             entry = self._entries[victim]
             ctx = entry.ctx
             assert ctx is not None
-            if host.fits(ctx.spec.own_nbytes):
+            if host.fits(own_nbytes(ctx)):
                 self._place(victim, entry, ctx, HOST, moved=True)
             else:
                 device.remove(victim, moved=True)
@@ -581,7 +585,7 @@ class KeyTable:
                     continue
                 source = None if entry is None else entry.ctx if entry.ctx is not None else entry.pending
                 held = entry is not None and (entry.place == DEVICE or entry.load is not None)
-                upcoming.append((key, None if source is None else source.spec.own_nbytes, held))
+                upcoming.append((key, None if source is None else own_nbytes(source), held))
             loading = sum(1 for e in self._entries.values() if e.load is not None and not e.load.done())
             return upcoming, loading
 
@@ -611,6 +615,24 @@ class KeyTable:
                 return False
             return True if entry.in_memory else None
 
+    def device_held(self) -> int:
+        """Device bytes of the store's contexts that are not handed out: the device tier's, the
+        copies to host memory in flight (rule 7), and the loads ahead that no tier holds, not
+        yet taken by their get (as the table knows their size: not a load from disk)."""
+        with self.lock:
+            loading = 0
+            for entry in self._entries.values():
+                if entry.load is not None and entry.place != DEVICE:
+                    source = entry.ctx if entry.ctx is not None else entry.pending
+                    loading += 0 if source is None else own_nbytes(source)
+            return self.device.nbytes + sum(self._leaving.values()) + loading
+
+    def on_device(self, key: str, ctx: ResidualContext) -> bool:
+        """Whether the device tier holds ``ctx`` itself as ``key``'s context."""
+        with self.lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.place == DEVICE and entry.ctx is ctx
+
     def keys(self) -> tuple[set[str], set[str]]:
         """The keys in memory or pending, and the keys being deleted."""
         with self.lock:
@@ -633,7 +655,7 @@ class KeyTable:
             result["device"]["leaving"] = sum(self._leaving.values())  # copies to host in flight
             waiting = [e.pending for e in self._entries.values() if e.pending is not None and e.place is None]
             result["pending"] = {
-                "bytes": sum(c.spec.own_nbytes for c in waiting if c is not None), "contexts": len(waiting),
+                "bytes": sum(own_nbytes(c) for c in waiting if c is not None), "contexts": len(waiting),
                 "reads": self.io["pending_reads"],
             }
             result["io"] = {k: v for k, v in self.io.items() if k != "pending_reads"}

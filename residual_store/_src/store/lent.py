@@ -1,0 +1,119 @@
+"""The contexts a store has handed out on the device, counted until their device memory can go.
+
+Why: JAX dispatches asynchronously. A ``get`` or ``pop`` returns device arrays whose copy to
+the device is only enqueued (their memory is allocated at once), and a backward called on them
+returns before it has run; so a loop ``for k in keys: g = add(g, rs.backward(store.pop(k)))``
+would bring every context back before the first backward ran, whatever the budget. A context
+the store hands out that no tier counts (a pop's, or a get's that the device tier could not
+keep) is therefore *lent*: its device bytes count against the device budget until they can be
+freed, and a read under a full budget first waits for room (``reads.py``).
+
+A lease is over when nothing refers to the context any more (a weak reference tells: the
+caller dropped it; arrays of it the caller holds otherwise, its inputs, are the caller's) and the
+backward that read them, where the library's own
+ran on it (:func:`~residual_store._src.context.on_consumed` tells a lease its outputs), has
+finished: its outputs are ready, so the computation that held the arrays' memory is done. A
+lease whose context the caller still holds is the *context in use*: nothing to wait for. One
+dropped without a backward of the library's is over at once (the store cannot see the
+computation that read it).
+
+Threads: any thread may lend, count and wait; the leases are changed under a lock of their own
+(bookkeeping only), a wait runs outside it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import jax
+
+from residual_store._src import _jax_internals
+from residual_store._src.context import ResidualContext, on_consumed, own_nbytes
+from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.host import holds_device_memory
+
+__all__ = ["Lent"]
+
+
+def _ready(output: jax.Array) -> bool:
+    """Whether the program that made ``output`` has run (without waiting)."""
+    return bool(output.is_ready())  # type: ignore[attr-defined]  # (jax.Array's stubs lack it)
+
+
+def _wait(output: jax.Array) -> None:
+    """Waits until the program that made ``output`` has run."""
+    jax.block_until_ready(output)
+
+
+class _Lease:
+    """One context handed out: a weak reference to it, the bytes of its own arrays (each once),
+    and one output of the backward that read them (once one ran): all of one program's outputs
+    are ready together, and the smallest keeps the least memory alive meanwhile."""
+
+    __slots__ = ("nbytes", "_ctx", "output")
+
+    def __init__(self, ctx: ResidualContext) -> None:
+        self._ctx = weakref.ref(ctx)
+        self.nbytes = own_nbytes(ctx)
+        self.output: jax.Array | None = None
+
+    def used(self, outputs: Any) -> None:
+        """The backward's outputs (concrete arrays; ignored inside a trace)."""
+        leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+        if leaves and not _jax_internals.any_tracer(leaves):
+            self.output = min(leaves, key=lambda x: int(x.nbytes))
+
+    def dropped(self) -> bool:
+        """Whether nothing refers to the context any more."""
+        return self._ctx() is None
+
+    def over(self) -> bool:
+        """Whether its device memory can be freed now (see the module docstring)."""
+        output = self.output
+        return self.dropped() and (output is None or _ready(output))
+
+    def pending(self) -> jax.Array | None:
+        """The output to wait on for this lease to be over, if a backward of it is running."""
+        output = self.output
+        return output if output is not None and not _ready(output) else None
+
+
+class Lent:
+    """The leases of one store (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = StoreLock()
+        self._leases: list[_Lease] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._leases)  # (read whole: a hint, :meth:`nbytes` answers)
+
+    def lend(self, ctx: ResidualContext) -> None:
+        """Counts ``ctx``'s own device arrays (each distinct one once) until they can be freed;
+        a context lent already (by this store or another) is not counted again."""
+        if not holds_device_memory(ctx):
+            return
+        lease = _Lease(ctx)
+        if not on_consumed(ctx, lease.used):
+            return
+        with self._lock:
+            self._leases = [x for x in self._leases if not x.over()]
+            self._leases.append(lease)
+
+    def nbytes(self) -> int:
+        """Device bytes of the leases not over yet (those over are forgotten)."""
+        with self._lock:
+            self._leases = [x for x in self._leases if not x.over()]
+            return sum(x.nbytes for x in self._leases)
+
+    def wait_one(self) -> bool:
+        """Waits for the oldest backward still running on a lent context; ``False`` if none runs
+        (what is lent then is in use, or over)."""
+        with self._lock:
+            output = next((o for o in map(_Lease.pending, self._leases) if o is not None), None)
+        if output is None:
+            return False
+        _wait(output)
+        return True
+
