@@ -9,10 +9,10 @@ keep) is therefore *lent*: its device bytes count against the device budget unti
 freed, and a read under a full budget first waits for room (``reads.py``).
 
 A lease is over when nothing refers to the context any more (a weak reference tells: the
-caller dropped it; arrays of it the caller holds otherwise, its inputs, are the caller's) and the
-backward that read them, where the library's own
-ran on it (:func:`~residual_store._src.context.on_consumed` tells a lease its outputs), has
-finished: its outputs are ready, so the computation that held the arrays' memory is done. A
+caller dropped it; arrays of it the caller holds otherwise, its inputs, are the caller's) and,
+where a backward of the library's read it (:func:`~residual_store._src.context.on_consumed`
+tells the lease its outputs), that backward has finished: its outputs are ready, so the
+computation that held the arrays' memory is done. A
 lease whose context the caller still holds is the *context in use*: nothing to wait for. One
 dropped without a backward of the library's is over at once (the store cannot see the
 computation that read it).
