@@ -213,6 +213,7 @@ def test_a_mapping_key_is_a_str_and_update_refuses_with_the_librarys_errors():
 
 SIGNAL_SCRIPT = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job starts with it ignored)
 sys.path.insert(0, sys.argv[2])
 import residual_store as rs
 from residual_store._src.store.table import KeyTable

@@ -48,7 +48,9 @@ def interrupts_kept() -> Iterator[None]:
     owed: list[int] = []  # interrupts taken by the hook and not raised again yet
 
     def again() -> None:
-        if owed:
+        # (where SIGINT has no Python handler, ignored as a background job's is, interrupt_main
+        # does nothing: the interrupt stays owed, raised as the block ends)
+        if owed and callable(signal.getsignal(signal.SIGINT)):
             owed.pop()
             _thread.interrupt_main()
 
