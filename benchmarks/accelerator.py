@@ -8,10 +8,11 @@ Prints, in one run (docs/store.md records a TPU v5e's output):
    (``store/pinned.py``: reused, donated pinned buffers) for one large array, two, and 300 small
    ones; host -> device by ``jax.device_put`` and by the pool. The best of each direction is what
    the serial floor uses.
-2. **A put's time until its device bytes are free**: one context (about 2 GiB of own residuals at
-   the default shapes) put into ``rs.Store(None, device_budget=0)``, the source dropped, device
+2. **A put's time until its device bytes are free**: one context (about 2.8 GiB of own residuals
+   at the default shapes) put into ``rs.Store(None, device_budget=0)``, the source dropped, device
    bytes in use polled every 0.5 ms until they fell by the context's size; and the pool's copy of
-   the same arrays; each against bytes / best D2H.
+   the same arrays; each against bytes / best D2H. Then a warm ``pop`` of it until its arrays are
+   on the device, against the best H2D.
 3. **The pipeline step** (F1..Fn, then Bn..B1) of a ``lax.scan`` of transformer blocks (bf16):
    the contexts in a list; each put into ``rs.Store(None, device_budget=k contexts)`` after its
    forward and popped for its backward, the next one prefetched (k = 0, 1, 2); JAX's own remat
@@ -251,7 +252,22 @@ def put_until_free(fwd: rs.Split, params: Any, x: jax.Array) -> dict[str, Any]:
             for _ in range(2):  # (the first into new buffers, the second compiles the reusing copy)
                 _until_free(fwd(params, x)[1], put)
             out[path] = _until_free(fwd(params, x)[1], put)
+        out["pop"] = _pop_until_ready(store, "k")
     return out
+
+
+def _pop_until_ready(store: rs.Store, key: str) -> dict[str, Any]:
+    """A warm ``pop`` of ``key`` (in host memory under ``device_budget=0``) until its arrays are
+    on the device: the third of three, put back after the first two (the first compiles)."""
+    for _ in range(2):
+        ctx = jax.block_until_ready(store.pop(key))
+        store.put(ctx, key)
+        del ctx
+    start = time.perf_counter()
+    ctx = store.pop(key)
+    returned = time.perf_counter() - start
+    jax.block_until_ready(ctx)
+    return {"bytes": held_bytes(ctx), "returned_s": returned, "ready_s": time.perf_counter() - start}
 
 
 def _own(ctx: rs.ResidualContext) -> list[jax.Array]:
@@ -480,10 +496,18 @@ def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | No
     if free is not None:
         lines.append("\n## A put until its device bytes are free (device_budget=0)")
         for path, r in free.items():
+            if path == "pop":
+                continue
             ideal = f"{r['freed_s'] / (r['bytes'] / (d2h * 1e9)):.2f}x bytes/best D2H" if d2h and r["freed_s"] else ""
             freed = "n/a (no bytes in use reported)" if r["freed_s"] is None else f"{r['freed_s'] * 1e3:9.1f} ms"
             lines.append(f"{path:<6} {r['bytes'] / 2**20:.1f} MiB: returned in {r['returned_s'] * 1e3:8.1f} ms, "
                          f"device bytes free after {freed} {ideal}")
+        if "pop" in free:
+            r = free["pop"]
+            rate = r["bytes"] / r["ready_s"] / 1e9
+            link = f", {rate / h2d:.2f}x best H2D" if h2d else ""
+            lines.append(f"pop    {r['bytes'] / 2**20:.1f} MiB: returned in {r['returned_s'] * 1e3:8.1f} ms, "
+                         f"on the device after {r['ready_s'] * 1e3:9.1f} ms ({rate:.2f} GB/s{link})")
     for save, rows in (pipe or {}).items():
         if save == "remat":
             continue

@@ -71,3 +71,65 @@ def test_a_budget_bounds_the_chips_memory_on_the_benchmarks_model(model, budget_
     assert peak <= bound, f"{peak / 2**30:.2f} GiB over a bound of {bound / 2**30:.2f} GiB"
     for g, w in zip(jax.tree.leaves(got), want):
         assert np.array_equal(np.asarray(g, np.float32), w)
+
+
+def _in_use() -> int:
+    """The chip allocator's bytes in use, once this process's garbage is gone."""
+    gc.collect()
+    return int(jax.devices()[0].memory_stats()["bytes_in_use"])
+
+
+def _one_array_per_aval(ctx: rs.ResidualContext) -> rs.ResidualContext:
+    """``ctx`` with its own residuals of one shape and dtype made one array each (the first):
+    residuals that are one array, as a split can make them (its spec, avals and all, unchanged)."""
+    first: dict[tuple, jax.Array] = {}
+    leaves = [x if k == "weight" else first.setdefault((x.shape, x.dtype), x)
+              for x, k in zip(ctx.residuals, ctx.spec.kinds)]
+    return rs.ResidualContext.tree_unflatten(ctx.spec, leaves)
+
+
+def test_stats_device_held_is_what_the_chip_holds_for_the_stores_contexts(model):
+    """``stats()["device"]["held"]`` against the chip allocator's ``bytes_in_use`` (beyond what
+    was in use before): a context in the device tier and others pushed to host memory by their
+    puts, one popped and held by its caller, then dropped, one got from the device tier, and a
+    context several of whose residuals are one array (counted, copied and brought back once)."""
+    fwd, calls, _, _ = model
+    one = accelerator.held_bytes(fwd(*calls[0])[1])
+    slack = one // 100 + (16 << 20)  # (the allocator's rounding and the programs' small buffers)
+
+    def agrees(store: rs.Store, base: int) -> int:
+        held = store.stats()["device"]["held"]
+        used = _in_use() - base
+        assert abs(used - held) <= slack, f"allocator {used / 2**20:.1f} MiB, held {held / 2**20:.1f} MiB"
+        return held
+
+    jax.block_until_ready(calls)
+    base = _in_use()
+    with rs.Store(None, device_budget=one) as store:
+        for i, call in enumerate(calls):
+            store.put(fwd(*call)[1], f"mb{i}")  # (the put waits for what leaves the device)
+        assert agrees(store, base) == one  # the last context on the device, the others on host
+        got = jax.block_until_ready(store.pop("mb0"))  # lent: held by its caller
+        assert agrees(store, base) == 2 * one
+        del got
+        assert agrees(store, base) == one  # dropped, no backward read it: free at once
+        ctx = jax.block_until_ready(store.get(f"mb{len(calls) - 1}"))  # the device tier's own
+        assert agrees(store, base) == one
+        del ctx
+        store.clear()
+        assert agrees(store, base) == 0
+        same = _one_array_per_aval(fwd(*calls[0])[1])
+        distinct = {id(x): x for x, k in zip(same.residuals, same.spec.kinds) if k != "weight"}
+        shared = sum(x.nbytes for x in distinct.values())
+        assert shared < one
+        store.put(same, "same")
+        del same, distinct
+        assert agrees(store, base) == shared
+        store.put(fwd(*calls[1])[1], "other")  # pushes "same" to host: its arrays copied once each
+        assert agrees(store, base) == one
+        back = jax.block_until_ready(store.pop("same"))
+        own = [x for x, k in zip(back.residuals, back.spec.kinds) if k != "weight"]
+        assert len({id(x) for x in own}) == len({(x.shape, x.dtype) for x in own}) < len(own)
+        assert agrees(store, base) == one + shared  # come back as one array each
+        del back
+    assert abs(_in_use() - base) <= slack

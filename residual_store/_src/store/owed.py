@@ -79,7 +79,7 @@ class Found:
       on_device: ``ctx`` is the device tier's: nothing to copy, no read to finish.
       load: a load in flight of the current version, taken for this get: its result.
       stays: a copy of ``ctx`` is returned without entering the device tier (its budget, or a
-        memory-only store's, could not keep it).
+        memory-only store's, could not keep it; or a ``pop`` takes it out of the store).
       ahead: a load ahead of need: what it brings enters the device tier only where the tier
         has room for it as it is (never pushing out a context it holds, which may be needed
         sooner); else it is held for its get alone.

@@ -81,12 +81,13 @@ class Reads:
         self._landings = landings
         self._lent = Lent()  # what gets and pops handed out that no tier counts (lent.py)
 
-    def get(self, key: str) -> ResidualContext:
+    def get(self, key: str, *, taking: bool = False) -> ResidualContext:
         """For a ``get``: the load of ``key`` in flight if it loads the current version, the
-        device tier's context, or a read now. What no tier keeps is lent (see :meth:`lend`)."""
+        device tier's context, or a read now. What no tier keeps is lent (see :meth:`lend`).
+        ``taking``: a ``pop``'s, whose read never enters the device tier."""
         if self._table.in_flight:  # (read whole; wait_landed asks again under the lock)
             self.wait_landed()
-        found = self._table.begin_get(key)
+        found = self._table.begin_get(key, taking=taking)
         if found.on_device:
             return found.ctx  # type: ignore[return-value]
         # a load's result is kept for this get even when the budgets could not hold it
@@ -111,14 +112,13 @@ class Reads:
         budget = self._table.device.budget
         return None if budget is None else budget - self._table.device_held() - self.lent()
 
-    def make_room(self) -> None:
-        """Before a read brings a context to the device: waits for the backwards running on
-        lent contexts until the store's contexts fit the budget again (or none is left to wait
-        for: what is lent then is in use), so the device holds at most the budget and the one
-        context this read brings, whatever the caller dispatched ahead."""
-        if not self._lent:  # (read whole: nothing lent, nothing to wait for)
-            return
-        while (room := self.room()) is not None and room < 0 and self._lent.wait_one():
+    def make_room(self, nbytes: int) -> None:
+        """Before a read brings ``nbytes`` of a context to the device: waits for the backwards
+        running on lent contexts until that context fits the budget beside the store's others
+        (or none is left to wait for: what is lent then is in use), so the device holds at most
+        the budget and the one context in use, whatever the caller dispatched ahead: never the
+        next context beside a previous one still being read by its backward."""
+        while (room := self.room()) is not None and room < nbytes and self._lent.wait_one():
             pass
 
     def load(self, key: str) -> ResidualContext:
@@ -132,8 +132,8 @@ class Reads:
         """Copies ``found.ctx`` to the device, or reads the disk, without the lock; then installs
         it where the table lets it (rule 3) and makes the copies that owes."""
         nbytes = None
-        if not found.ahead:  # (a load ahead started only where there was room: see ahead)
-            self.make_room()
+        if not found.ahead and self._lent:  # (a load ahead started only where there was room)
+            self.make_room(own_nbytes(found.ctx) if found.ctx is not None else self._stored_size(key) or 0)
         try:
             if found.ctx is not None:
                 # a context the device budget cannot hold is served as a device copy and left

@@ -354,14 +354,15 @@ class Store(StoreMapping):
         first backward ran).
         """
         self._persistence.check_writable("pop")
-        try:
-            ctx = self.get(key)
+        try:  # (a read for a pop never enters the device tier: it would push out a context kept)
+            ctx = self._reads.get(validate_key(key), taking=True)
         except ContextNotFoundError:
             if default is _NO_DEFAULT:
                 raise
             return default
         self.delete(key)
         self._reads.lend(ctx)  # no tier counts it now: it counts until its memory can go
+        self._reads.ahead()  # (with room for what is lent: see get)
         return ctx
 
     @store_call

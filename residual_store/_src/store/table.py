@@ -338,10 +338,11 @@ class KeyTable:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def begin_get(self, key: str) -> Found:
+    def begin_get(self, key: str, *, taking: bool = False) -> Found:
         """A get of ``key`` starts: the load in flight (if it loads the current version), the
         device tier's context, or a read noted (rule 3) with what it copies; the schedule's next
-        use of ``key`` consumed.
+        use of ``key`` consumed. ``taking``: a pop's, whose read never enters the device tier
+        (it would push out a context the store keeps, for one that leaves it).
 
         Raises:
           ContextNotFoundError: the key is being deleted (rule 5).
@@ -358,7 +359,7 @@ class KeyTable:
                 if entry.place == DEVICE:
                     self.device.touch(key)
                     return Found(entry.version, entry.ctx, on_device=True)
-            return self._begin_read(key, entry)
+            return self._begin_read(key, entry, taking=taking)
 
     def begin_read(self, key: str) -> Found:
         """A load ahead of ``key`` starts (see :meth:`begin_get`; nothing consumed, no load taken;
@@ -373,7 +374,7 @@ class KeyTable:
                 return Found(entry.version, entry.ctx, on_device=True)
             return self._begin_read(key, entry, ahead=True)
 
-    def _begin_read(self, key: str, entry: _Entry | None, *, ahead: bool = False) -> Found:
+    def _begin_read(self, key: str, entry: _Entry | None, *, ahead: bool = False, taking: bool = False) -> Found:
         if entry is None:
             if not self.keeping.below_host:
                 raise ContextNotFoundError.of(key, self.where)
@@ -384,14 +385,14 @@ class KeyTable:
             raise ContextNotFoundError.of(key, self.where)
         entry.readers += 1
         if source is None:
-            return Found(entry.version, ahead=ahead)
+            return Found(entry.version, stays=taking, ahead=ahead)
         if entry.place == HOST:
             self.host.touch(key)
         else:
             self.io["pending_reads"] += 1
         size = own_nbytes(source)
         # a store with nothing below host memory: a promotion must not push a context out of it
-        stays = not self.device.fits(size) or (
+        stays = taking or not self.device.fits(size) or (
             not self.keeping.below_host and entry.place == HOST
             and would_overflow(self.device, self.host, self.schedule, key, size)
         )
