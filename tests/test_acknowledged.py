@@ -157,20 +157,16 @@ def test_a_store_dropped_without_close_never_reports_a_committed_replacement_as_
 
 
 class _RacingStore(rs.Store):
-    """Deletes ``"a"`` right after it is got the first time: another thread's delete landing
-    between popitem's read and its removal."""
+    """Deletes ``"a"`` just before popitem's pop removes it the first time (its read done):
+    another thread's delete landing between popitem's read and its removal."""
 
     raced = False
 
-    def get(self, key, *default):  # noqa: ANN001, ANN002, ANN204
-        ctx = super().get(key, *default)
+    def delete(self, key):  # noqa: ANN001, ANN204
         if key == "a" and not self.raced:
             self.raced = True
-            super().delete("a")
-        return ctx
-
-    def __getitem__(self, key):  # noqa: ANN001, ANN204
-        return self.get(key)
+            super().delete("a")  # (the other thread's)
+        return super().delete(key)
 
 
 def test_popitem_passes_over_a_key_another_thread_removes_meanwhile():

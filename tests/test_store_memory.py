@@ -364,3 +364,24 @@ def test_internals_a_pop_never_pushes_out_a_context_the_device_tier_keeps(tmp_pa
         assert store.stats()["device"]["bytes_in"] == after["device"]["bytes_in"]  # mb2 was still there
         assert np.array_equal(np.asarray(_FWD.backward(got)[0]), want[0]) and np.any(want[0] != 0)
         assert np.array_equal(np.asarray(_FWD.backward(kept)[0]), want[2])
+
+
+@pytest.mark.parametrize("budget_contexts", [None, 1])
+def test_internals_a_closed_store_holds_no_memory_while_it_is_still_referenced(tmp_path, budget_contexts):
+    """``close()`` lets go of every context the store held in memory (it answers no call
+    afterwards): a ``with rs.Store(...) as store:`` block leaves no device memory behind while
+    ``store`` stays in scope, and what a path store was given is on disk."""
+    w = jax.random.normal(jax.random.key(12), (_D, _D)) / np.sqrt(_D)
+    xs = [jax.random.normal(jax.random.key(400 + i), (64, _D)) for i in range(3)]
+    one = _FWD(w, xs[0])[1].spec.own_nbytes
+    base = _device_bytes()
+    budget = None if budget_contexts is None else budget_contexts * one
+    with rs.Store(tmp_path / "s", device_budget=budget) as store:
+        for i, x in enumerate(xs):
+            store.put(_FWD(w, x)[1], f"mb{i}")
+        assert _device_bytes() - base >= one // 2  # (its input is the caller's, in base)
+    assert _device_bytes() == base
+    with pytest.raises(rs.InvalidArgumentError, match="closed"):
+        store.get("mb0")
+    with rs.Store(tmp_path / "s") as again:
+        assert sorted(again.keys()) == ["mb0", "mb1", "mb2"]

@@ -537,6 +537,7 @@ class Store(StoreMapping):
                     self._loads.shutdown(wait=True)
                     self._landings.shutdown(wait=True)
                     self._pool.release()
+                    self._table.forget()  # (a closed store holds no device or host memory)
 
     # -- inspection ---------------------------------------------------------------------------
 

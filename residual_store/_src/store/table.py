@@ -616,6 +616,16 @@ class KeyTable:
                 return False
             return True if entry.in_memory else None
 
+    def forget(self) -> None:
+        """The store is closed, its writes done: every context it held in memory is let go (its
+        memory freed once nothing else refers to it); the table answers nothing more."""
+        with self.lock:
+            self._entries.clear()
+            self._owed.clear()
+            self._unsettled.clear()
+            self.device = MemoryTier("device", self.device.budget)
+            self.host = MemoryTier("host", self.host.budget)
+
     def device_held(self) -> int:
         """Device bytes of the store's contexts that are not handed out: the device tier's, the
         copies to host memory in flight (rule 7), and the loads ahead that no tier holds, not
