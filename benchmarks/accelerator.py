@@ -589,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
     copies = _child(["--part", "copies", *common], here=args.quick) if "copies" in parts else None
+    print(f"  copies: {copies}", file=sys.stderr, flush=True)
     free = _child(["--part", "free", *common], here=args.quick) if "free" in parts else None
+    print(f"  free: {free}", file=sys.stderr, flush=True)
     for name, got in (("copies", copies), ("free", free)):
         if got is not None and "error" in got:
             print(f"{name}: {got['error']}", file=sys.stderr)
