@@ -344,14 +344,20 @@ class Store(StoreMapping):
     def pop(self, key: str, default: T) -> ResidualContext | T: ...
     @store_call
     def pop(self, key: str, default: Any = _NO_DEFAULT) -> Any:
-        """``get`` then ``delete``; with a ``default``, a missing key returns it.
+        """``get`` then ``delete``; with a ``default``, a missing key returns it. What it reads
+        is its caller's alone: it never enters the device tier (nor pushes a context out of it).
 
         Under a device budget the context returned counts against it (as ``lent`` in
         ``stats()["device"]``) until nothing refers to it and the backward that read it
         (``rs.backward`` or a split's) has run; a ``get`` or ``pop`` that must bring a context
-        to the device while the budget is full first waits for those backwards (JAX dispatches
-        asynchronously: without it a loop of pops would bring every context back before the
-        first backward ran).
+        to the device where the budget has no room for it first waits for those backwards (JAX
+        dispatches asynchronously: without it a loop of pops would bring every context back
+        before the first backward ran).
+
+        Example::
+
+            for key in reversed(keys):  # the backwards of a pipeline stage, in reverse
+                grads = fwd.backward(store.pop(key), ct)
         """
         self._persistence.check_writable("pop")
         try:  # (a read for a pop never enters the device tier: it would push out a context kept)
