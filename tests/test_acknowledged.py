@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store._src.store import reads
+from residual_store._src.store import copies
 from store_helpers import TESTS_DIR, own_bytes, popen_python, tiny_context, wait_for, write_script
 
 TIMEOUT = 30
@@ -114,7 +114,7 @@ def test_internals_a_put_whose_copy_to_host_fails_to_start_is_whole_flushed_and_
 
     store = rs.Store(tmp_path, device_budget=own_bytes(a))
     store.put(a, "a")
-    monkeypatch.setattr(reads, "to_host", broken)  # pushing "a" out of the device tier fails
+    monkeypatch.setattr(copies, "to_host", broken)  # pushing "a" out of the device tier fails
     with pytest.raises(RuntimeError, match="exhausted"):
         store.put(b, "b")
     monkeypatch.undo()

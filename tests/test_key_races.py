@@ -251,8 +251,7 @@ def test_threads_racing_on_one_key_never_see_an_older_version(tmp_path, versions
 def test_internals_no_copy_runs_under_the_store_lock(tmp_path, monkeypatch):
     """While a put copies a context to host memory (device budget 0) and a get copies it back,
     the store's lock is free: another thread takes it at once."""
-    from residual_store._src.store import host as host_module
-    from residual_store._src.store import reads
+    from residual_store._src.store import copies, reads
 
     ctx, _ = _context(0)
     entered, release = threading.Event(), threading.Event()
@@ -264,8 +263,8 @@ def test_internals_no_copy_runs_under_the_store_lock(tmp_path, monkeypatch):
             return copy(*args, **kwargs)
         return wrapped
 
-    for module, name in ((reads, "to_host"), (reads, "to_device")):
-        monkeypatch.setattr(module, name, slow(getattr(host_module, name)))
+    for module, name in ((copies, "to_host"), (reads, "to_device")):
+        monkeypatch.setattr(module, name, slow(getattr(copies, name)))
     with rs.Store(None, device_budget=0) as st:
         for call in (lambda: st.put(ctx, "k"), lambda: st.get("k")):
             entered.clear()

@@ -1,5 +1,5 @@
 """The pool of pinned host memory (``store/pinned.py``) and the host copies routed through it
-(``store/host.py``'s ``pool=``): copies exact and in ``pinned_host`` memory, buffers reused only
+(``store/copies.py``'s ``pool=``): copies exact and in ``pinned_host`` memory, buffers reused only
 when nothing but the pool holds them (threads racing copies, reads and drops over hundreds of
 rounds never see a live array change), a capacity smaller than a context, a copy that fails
 midway leaving its sources intact and the pool's count of bytes true. On a CPU the pool's memory
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store._src.store import host, pinned
+from residual_store._src.store import copies, pinned
 from residual_store._src.store.pinned import HostPool
 
 
@@ -47,12 +47,12 @@ _SPLIT = rs.split(_model)
 def test_internals_a_copy_is_exact_in_pinned_host_memory_and_comes_back_exact():
     pool = HostPool()
     xs = _arrays(0)
-    copies = pool.to_host(xs)
-    pinned.wait_copies(copies)
-    assert [c.sharding.memory_kind for c in copies] == ["pinned_host"] * 3
-    for c, x in zip(copies, xs):
+    host_copies = pool.to_host(xs)
+    pinned.wait_copies(host_copies)
+    assert [c.sharding.memory_kind for c in host_copies] == ["pinned_host"] * 3
+    for c, x in zip(host_copies, xs):
         np.testing.assert_array_equal(np.asarray(c), np.asarray(x))
-    back = pool.to_device(copies)
+    back = pool.to_device(host_copies)
     assert [b.sharding.memory_kind for b in back] == [jax.devices()[0].default_memory().kind] * 3
     for b, x in zip(back, xs):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(x))
@@ -87,10 +87,10 @@ def test_internals_a_numpy_view_of_a_copy_keeps_its_bytes_after_the_copy_is_drop
     """On a CPU ``np.asarray`` of a host copy is a view of the pool's buffer: XLA does not donate
     a buffer a view holds, so the next copy goes elsewhere and the view keeps its values."""
     pool = HostPool()
-    copies = pool.to_host(_arrays(0))
-    views = [np.asarray(c) for c in copies]
+    host_copies = pool.to_host(_arrays(0))
+    views = [np.asarray(c) for c in host_copies]
     values = [v.copy() for v in views]
-    del copies
+    del host_copies
     again = pool.to_host(_arrays(1))
     pinned.wait_copies(again)
     for v, want in zip(views, values):
@@ -110,8 +110,8 @@ def test_internals_the_reuse_rule_counts_every_reference_but_the_pools_own():
 
 
 def _race(pool: HostPool, rounds: int, threads: int) -> list[str]:
-    """Threads that copy contexts to the host (``host.to_host`` through ``pool``), keep some in
-    a shared table, and take others out (read back through ``host.to_device`` and compared with
+    """Threads that copy contexts to the host (``copies.to_host`` through ``pool``), keep some in
+    a shared table, and take others out (read back through ``copies.to_device`` and compared with
     the values they were made from, or dropped); returns what went wrong."""
     table: dict[int, tuple[rs.ResidualContext, list[np.ndarray]]] = {}
     lock = threading.Lock()
@@ -121,7 +121,7 @@ def _race(pool: HostPool, rounds: int, threads: int) -> list[str]:
     def check(entry: tuple[rs.ResidualContext, list[np.ndarray]], how: str) -> None:
         ctx, want = entry
         try:
-            got = host.to_device(ctx, pool=pool) if how == "read" else ctx
+            got = copies.to_device(ctx, pool=pool) if how == "read" else ctx
             for i, (a, b) in enumerate(zip(got.residuals, want)):
                 if not np.array_equal(np.asarray(a), b):
                     errors.append(f"{how}: residual {i} of a live context changed")
@@ -134,7 +134,7 @@ def _race(pool: HostPool, rounds: int, threads: int) -> list[str]:
             x = jax.random.normal(jax.random.key(seed * 100_000 + n), (4, 16))
             ctx = _SPLIT(w, x)[1]
             want = [np.array(r) for r in ctx.residuals]
-            moved = host.to_host(ctx, pool=pool)
+            moved = copies.to_host(ctx, pool=pool)
             with lock:
                 table[seed * 100_000 + n] = (moved, want)
                 victims = [table.pop(k) for k in rnd.sample(sorted(table), min(len(table), rnd.randint(0, 2)))]
@@ -211,14 +211,14 @@ def test_internals_a_copy_that_fails_midway_leaves_its_sources_and_the_pool_inta
     pool.to_host([r for r, k in zip(ctx.residuals, ctx.spec.kinds) if k != "weight"])
     want = [np.array(r) for r in ctx.residuals]
     with pytest.raises(RuntimeError, match="the link went down"):
-        host.to_host(ctx, pool=pool)
+        copies.to_host(ctx, pool=pool)
     assert not any(r.is_deleted() for r in ctx.residuals)
     for r, v in zip(ctx.residuals, want):
         np.testing.assert_array_equal(np.asarray(r), v)
     assert pool.stats().held_bytes == _held_in_lists(pool)
     monkeypatch.setattr(pinned, "_copy_program", real)
-    moved = host.to_host(ctx, pool=pool)
-    for r, v in zip(host.to_device(moved, pool=pool).residuals, want):
+    moved = copies.to_host(ctx, pool=pool)
+    for r, v in zip(copies.to_device(moved, pool=pool).residuals, want):
         np.testing.assert_array_equal(np.asarray(r), v)
 
 
@@ -245,19 +245,19 @@ def test_internals_host_copies_through_a_pool_are_those_without_one():
 
     ctx = rs.split(f)(w, jnp.ones((4, 8)), jax.random.key(0))[1]
     pool = HostPool()
-    plain, pooled = host.to_host(ctx), host.to_host(ctx, pool=pool)
-    host.wait_copied(pooled)
-    assert host.copy_done(pooled)
+    plain, pooled = copies.to_host(ctx), copies.to_host(ctx, pool=pool)
+    copies.wait_copied(pooled)
+    assert copies.copy_done(pooled)
     for a, b in zip(plain.residuals, pooled.residuals):
         assert (a.sharding.memory_kind, a.dtype) == (b.sharding.memory_kind, b.dtype)
-    for a, b in zip(host.to_device(plain).residuals, host.to_device(pooled, pool=pool).residuals):
+    for a, b in zip(copies.to_device(plain).residuals, copies.to_device(pooled, pool=pool).residuals):
         assert a.sharding.memory_kind == b.sharding.memory_kind
         if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert pool.stats().hits + pool.stats().misses == sum(pinned.poolable(r) for r, k in zip(
         ctx.residuals, ctx.spec.kinds) if k != "weight")
-    np.testing.assert_allclose(rs.backward(host.to_device(pooled, pool=pool)), rs.backward(ctx), rtol=0)
+    np.testing.assert_allclose(rs.backward(copies.to_device(pooled, pool=pool)), rs.backward(ctx), rtol=0)
 
 
 def test_internals_for_writing_on_a_cpu_takes_views_and_nothing_from_the_pool():
@@ -265,11 +265,11 @@ def test_internals_for_writing_on_a_cpu_takes_views_and_nothing_from_the_pool():
         pytest.skip("device memory is host memory on a CPU only")
     ctx = _SPLIT(jax.random.normal(jax.random.key(1), (8, 8)), jnp.ones((2, 8)))[1]
     pool = HostPool()
-    written = host.for_writing(ctx, pool=pool)
+    written = copies.for_writing(ctx, pool=pool)
     own = [(a, b) for a, b, k in zip(ctx.residuals, written.residuals, ctx.spec.kinds) if k != "weight"]
     assert own and all(isinstance(b, np.ndarray) and np.shares_memory(b, np.asarray(a)) for a, b in own)
     assert pool.stats().copied_bytes == 0
-    assert host.copy_done(written)
+    assert copies.copy_done(written)
 
 
 def test_internals_what_the_pool_takes():

@@ -1,4 +1,4 @@
-"""Moving contexts between device and host memory (``residual_store/_src/store/reads.py``): the
+"""Moving contexts between device and host memory (``residual_store/_src/store/copies.py``): the
 copies the budgets owe go through the store's pool of pinned host memory, a context's device
 bytes count until its copy has landed and the next put waits for them (the key table's rule 7),
 a copy that fails leaves the context intact on the device, and threads racing put, pop and
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store._src.store import reads
+from residual_store._src.store import copies
 
 
 def _loss(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -48,14 +48,14 @@ def _grad_of(ctx: rs.ResidualContext) -> np.ndarray:
 def slow_copies(monkeypatch) -> threading.Event:  # noqa: ANN001
     """Each copy to host memory takes 0.2 s to land; the event is set once one has."""
     landed = threading.Event()
-    real = reads.wait_copied
+    real = copies.wait_copied
 
     def slow(ctx):  # noqa: ANN001
         time.sleep(0.2)
         real(ctx)
         landed.set()
 
-    monkeypatch.setattr(reads, "wait_copied", slow)
+    monkeypatch.setattr(copies, "wait_copied", slow)
     return landed
 
 
@@ -94,7 +94,7 @@ def test_internals_flush_waits_until_the_copies_to_host_memory_have_landed_and_r
         store.put(versions[0][0], "a")
         store.flush()
         assert landed.is_set() and store.stats()["device"]["leaving"] == 0
-        monkeypatch.setattr(reads, "wait_copied", _failed_copy)
+        monkeypatch.setattr(copies, "wait_copied", _failed_copy)
         store.put(versions[1][0], "b")  # (its copy failed: kept for the next call to raise)
         with pytest.raises(RuntimeError, match="copy to host memory failed"):
             store.flush()
@@ -108,7 +108,7 @@ def test_internals_a_copy_that_fails_to_start_leaves_the_context_intact_on_the_d
     def broken(ctx, pool=None):  # noqa: ANN001
         raise RuntimeError("pinned host memory exhausted")
 
-    monkeypatch.setattr(reads, "to_host", broken)
+    monkeypatch.setattr(copies, "to_host", broken)
     with rs.Store(None, device_budget=0) as store:
         with pytest.raises(RuntimeError, match="exhausted"):
             store.put(versions[0][0], "a")
@@ -118,7 +118,7 @@ def test_internals_a_copy_that_fails_to_start_leaves_the_context_intact_on_the_d
 
 
 def test_internals_a_copy_that_fails_in_flight_puts_the_context_back_intact_and_says_so(versions, monkeypatch):
-    monkeypatch.setattr(reads, "wait_copied", _failed_copy)
+    monkeypatch.setattr(copies, "wait_copied", _failed_copy)
     with rs.Store(None, device_budget=0) as store:
         store.put(versions[0][0], "a")  # returns at once; the copy fails in flight
         with pytest.raises(RuntimeError, match="copy to host memory failed"):

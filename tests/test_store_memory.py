@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from residual_store._src.store import host
+from residual_store._src.store import copies, host
 from residual_store._src.store.disk import tier as disk
 
 _D = 64
@@ -115,7 +115,8 @@ def test_internals_device_memory_stays_within_the_budget_while_writes_are_pendin
 ):
     if pinned:  # what a GPU does: pending contexts become pinned_host copies, and a write's
         # host arrays are copies (on a CPU np.asarray is a view that keeps the device buffer)
-        monkeypatch.setattr(host, "_is_host_memory", lambda device: False)
+        for module in (host, copies):
+            monkeypatch.setattr(module, "is_host_memory", lambda device: False)
         to_host = host._to_host
 
         def copied(x):

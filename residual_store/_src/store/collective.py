@@ -37,9 +37,10 @@ from residual_store._src.logs import event
 from residual_store._src.store.committer import Committer, SingleProcessCommitter
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms, layout, paths
+from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
 from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
-from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
+from residual_store._src.store.host import host_arrays, stage_shared
 from residual_store._src.store.key_rules import validate_key
 
 if TYPE_CHECKING:

@@ -20,9 +20,10 @@ import numpy as np
 
 from residual_store._src.context import ResidualContext, ResidualSpec
 from residual_store._src.store.disk import layout, paths
+from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
 from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
-from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
+from residual_store._src.store.host import host_arrays, stage_shared
 from residual_store._src.store.key_rules import put_key
 
 if TYPE_CHECKING:

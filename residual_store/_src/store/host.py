@@ -2,58 +2,48 @@
 
 What the disk tier writes is host memory: each residual as a NumPy array (a typed PRNG key as
 its key data), or, sharded over several devices with a ``NamedSharding``, as the blocks of its
-distinct shards (:class:`ShardedHost`), never gathered. What it reads comes back the same way and
-is placed on the devices here, each device given its own block. The memory tiers move contexts
-between device memory and JAX's host memory space (``pinned_host``) here too.
+distinct shards (:class:`~residual_store._src.store.disk.host_arrays.ShardedHost`), never
+gathered. What it reads comes back the same way and is placed on the devices here, each device
+given its own block. (The memory tiers' copies between device memory and ``pinned_host`` are
+``copies.py``'s.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
 import residual_store_serializers as serializers
 from residual_store._src import _jax_internals
-from residual_store._src.context import OWN_KINDS, SHARED_KINDS, ResidualContext, ResidualSpec, describe_residual
+from residual_store._src.context import SHARED_KINDS, ResidualContext, ResidualSpec, describe_residual
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.placement import sharding_record
-from residual_store._src.store.pinned import HostPool, copies_done, poolable, returnable, wait_copies
+from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost, chunk_index
 
 __all__ = [
-    "HostArrays",
-    "ShardedHost",
     "check_live",
     "check_dtypes_writable",
-    "chunk_index",
-    "copy_done",
-    "detached",
+    "default_memory_kind",
+    "device_put_all",
     "host_arrays",
-    "host_memory_kind",
+    "is_host_memory",
+    "is_key_dtype",
     "is_whole_on",
     "place",
     "read_device",
     "stage_shared",
-    "to_device",
     "to_device_sharded",
-    "to_host",
     "to_numpy",
-    "wait_copied",
+    "uncommitted_if_sub_byte",
 ]
 
 
-HostArrays = list["np.ndarray | ShardedHost"]
-"""A context's residuals on the host: whole arrays, or shards of a sharded one (a read given
-``skip`` leaves ``None`` for each residual it skipped: the caller holds those)."""
-
-
-
-def _is_key_dtype(dtype: Any) -> bool:
+def is_key_dtype(dtype: Any) -> bool:
     try:
         return _is_key_dtype_cached(dtype)
     except TypeError:  # an unhashable dtype-like
@@ -69,7 +59,7 @@ def _is_key_dtype_cached(dtype: Any) -> bool:
 def _is_sub_byte(dtype: np.dtype) -> bool:
     """Whether ``dtype`` holds fewer than 8 bits an element (``int4``, ``uint2``,
     ``float4_e2m1fn``...): one element a byte on the host, and placed uncommitted (see
-    :func:`_uncommitted_if_sub_byte`)."""
+    :func:`uncommitted_if_sub_byte`)."""
     return np.dtype(dtype).itemsize == 1 and jax.dtypes.itemsize_bits(dtype) < 8  # (float0: 0 bytes)
 
 
@@ -106,7 +96,7 @@ def _placed(x: jax.Array, dtype: np.dtype) -> jax.Array:
     ``int1`` again (the same bytes), a sub-byte one uncommitted."""
     if dtype == _INT1 and x.dtype != dtype:
         x = _convert_to(dtype)(x)
-    return _uncommitted_if_sub_byte(x)
+    return uncommitted_if_sub_byte(x)
 
 
 @functools.lru_cache(maxsize=8)
@@ -116,7 +106,7 @@ def _convert_to(dtype: np.dtype) -> Callable[[jax.Array], jax.Array]:
     return jax.jit(functools.partial(jax.lax.convert_element_type, new_dtype=dtype))
 
 
-def _uncommitted_if_sub_byte(x: jax.Array) -> jax.Array:
+def uncommitted_if_sub_byte(x: jax.Array) -> jax.Array:
     """``x``, uncommitted where it is a sub-byte array on one device.
 
     Compiled code (a backward is compiled ahead of time) compares a committed argument's layout
@@ -128,43 +118,6 @@ def _uncommitted_if_sub_byte(x: jax.Array) -> jax.Array:
     if x.committed and _is_sub_byte(x.dtype) and isinstance(x.sharding, SingleDeviceSharding):
         return _jax_internals.with_commitment(x, False)
     return x
-
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ShardedHost:
-    """A residual sharded over a mesh, on the host.
-
-    Written and read as chunks of a regular grid whose chunk shape is the shard shape (``chunks``:
-    chunk index -> block; a writer holds one per distinct shard, a reader those its devices
-    need), or, for a sharding whose shards are no such grid (fully replicated, uneven, empty),
-    as the ``whole`` array (``chunk_shape`` is then ``None``).
-
-    Attributes:
-      sharding: the manifest's record of the ``NamedSharding`` (see :func:`sharding_record`).
-      placement: on a read that could rebuild the sharding here, the ``NamedSharding`` to place
-        the array with (:func:`to_device_sharded`).
-    """
-
-    sharding: dict[str, Any]
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    chunk_shape: tuple[int, ...] | None
-    chunks: Mapping[Any, np.ndarray]  # chunk index (tuple of ints) -> block
-    whole: np.ndarray | None = None
-    placement: NamedSharding | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-
-
-def chunk_index(region: Sequence[slice] | None, chunk_shape: Sequence[int]) -> tuple[int, ...]:
-    """The index of the chunk that starts where ``region`` (a shard's slices) starts."""
-    assert region is not None
-    return tuple((s.start or 0) // c for s, c in zip(region, chunk_shape))
-
 
 
 def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
@@ -192,7 +145,6 @@ def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
     return ShardedHost(record, shape, dtype, shard_shape, chunks)
 
 
-
 def to_device_sharded(host: ShardedHost) -> jax.Array:
     """Places a :class:`ShardedHost` read with a ``placement``: each device gets its chunk
     (``device_put`` per device, no whole array on any one device), assembled with
@@ -207,7 +159,6 @@ def to_device_sharded(host: ShardedHost) -> jax.Array:
     blocks = [_placeable(host.chunks[chunk_index(index_map[d], host.chunk_shape)]) for d in devices]
     singles = jax.device_put(blocks, devices)
     return _placed(jax.make_array_from_single_device_arrays(host.shape, sharding, singles), host.dtype)
-
 
 
 def _deleted(ctx: ResidualContext, i: int, when: str) -> InvalidArgumentError:
@@ -225,7 +176,7 @@ def _deleted(ctx: ResidualContext, i: int, when: str) -> InvalidArgumentError:
 def _to_host(x: Any) -> tuple[np.ndarray | ShardedHost, str | None]:
     """One residual on the host (a typed key as its key data), and its key's impl."""
     impl = None
-    if _is_key_dtype(x.dtype):
+    if is_key_dtype(x.dtype):
         impl = str(jax.random.key_impl(x))
         x = jax.random.key_data(x)
     if isinstance(x, jax.Array) and isinstance(x.sharding, SingleDeviceSharding):
@@ -242,12 +193,12 @@ def _check_addressable(x: Any, partial: bool) -> None:
 
 
 def _on_cpu(x: jax.Array) -> bool:
-    return all(_is_host_memory(d) for d in x.sharding.device_set)
+    return all(is_host_memory(d) for d in x.sharding.device_set)
 
 
 def to_numpy(x: Any) -> np.ndarray:
     """One residual as a whole NumPy array in host memory (a typed key as its key data)."""
-    return _numpy(jax.random.key_data(x) if _is_key_dtype(x.dtype) else x)
+    return _numpy(jax.random.key_data(x) if is_key_dtype(x.dtype) else x)
 
 
 def stage_shared(
@@ -275,7 +226,7 @@ def stage_shared(
             raise _deleted(ctx, i, "before it was put")
     for x in arrays:
         # (on a CPU the host copy is a view of the buffer: nothing to start)
-        if isinstance(x, jax.Array) and not _on_cpu(x) and not _is_key_dtype(x.dtype):
+        if isinstance(x, jax.Array) and not _on_cpu(x) and not is_key_dtype(x.dtype):
             try:
                 x.copy_to_host_async()
             except Exception:  # noqa: BLE001 - a hint: the copy below is what counts
@@ -330,73 +281,6 @@ def host_arrays(
     return arrays, impls
 
 
-
-def host_memory_kind(device: Any) -> str | None:
-    """``"pinned_host"`` if ``device`` has that memory space, else ``None``."""
-    try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001 - backends without memory spaces.
-        return None
-    return "pinned_host" if "pinned_host" in kinds else None
-
-
-
-
-def to_host(ctx: ResidualContext, pool: HostPool | None = None) -> ResidualContext:
-    """A copy of ``ctx`` with its own residuals in host memory; weights stay where they are.
-
-    ``pool``: the residuals it takes are copied into its reused pinned buffers, at the link's
-    speed and asynchronously (:func:`copy_done` tells when the copy has finished); the others,
-    and all of them without a pool, as before (``jax.device_put`` to ``pinned_host``)."""
-    return _with_own(ctx, lambda arrays: _host_copies(arrays, pool))
-
-
-def _with_own(ctx: ResidualContext, copy: Callable[[list[Any]], list[Any]]) -> ResidualContext:
-    """``ctx`` with its own residuals replaced by ``copy`` of them, given each distinct array
-    once however many residuals it is (its copies stay one array)."""
-    own: dict[int, Any] = {}
-    for x, kind in zip(ctx.residuals, ctx.spec.kinds):
-        if kind in OWN_KINDS:
-            own.setdefault(id(x), x)
-    copies = dict(zip(own, copy(list(own.values()))))
-    return ResidualContext.tree_unflatten(
-        ctx.spec, [copies[id(x)] if k in OWN_KINDS else x for x, k in zip(ctx.residuals, ctx.spec.kinds)]
-    )
-
-
-def _host_copies(arrays: list[Any], pool: HostPool | None) -> list[Any]:
-    """:func:`_host_copy` of each array, those ``pool`` takes copied by it in one program."""
-    pooled = [i for i, x in enumerate(arrays) if pool is not None and poolable(x)]
-    done = dict(zip(pooled, pool.to_host([arrays[i] for i in pooled]))) if pool is not None and pooled else {}
-    return [done[i] if i in done else _host_copy(x) for i, x in enumerate(arrays)]
-
-
-def copy_done(ctx: ResidualContext) -> bool:
-    """Whether the copies that put ``ctx``'s own residuals in host memory (:func:`to_host`,
-    :func:`for_writing`) have finished (or failed), without waiting. The device memory they
-    were copied from is free from then on, once nothing else holds it: until then a store
-    counts it as the device's. A residual held as a NumPy array counts as copied."""
-    return copies_done([x for x, kind in zip(ctx.residuals, ctx.spec.kinds) if kind in OWN_KINDS])
-
-
-def wait_copied(ctx: ResidualContext) -> None:
-    """Waits until :func:`copy_done` is true of ``ctx``; raises what a failed copy raised."""
-    wait_copies([x for x, kind in zip(ctx.residuals, ctx.spec.kinds) if kind in OWN_KINDS])
-
-
-def _host_copy(x: Any) -> Any:
-    """One residual in host memory, with its sharding (``pinned_host`` where the devices have
-    it); a typed key stays where it is (a few bytes), a NumPy array is host memory."""
-    if isinstance(x, jax.Array) and not _is_key_dtype(x.dtype):
-        sharding = x.sharding
-        kind = host_memory_kind(next(iter(sharding.device_set)))
-        if kind is not None and sharding.memory_kind != kind:
-            return jax.device_put(x, sharding.with_memory_kind(kind))
-        if kind is None:
-            return _numpy(x)
-    return x
-
-
 def check_dtypes_writable(ctx: ResidualContext) -> None:
     """Raises unless a store can write every residual of ``ctx`` to disk: what ``put`` checks
     on a store with a path, before the store changes, instead of a write that fails later.
@@ -426,7 +310,7 @@ def _dtype_name(dtype: Any) -> str:
 def _unwritable(spec: ResidualSpec) -> tuple[int, str] | None:
     """The first residual of ``spec`` whose dtype no store writes, and why; once per spec."""
     for i, aval in enumerate(spec.avals):
-        if _is_key_dtype(aval.dtype):
+        if is_key_dtype(aval.dtype):
             continue  # written as its key data
         try:
             serializers.zarr_dtype_name(aval.dtype)
@@ -445,95 +329,12 @@ def check_live(ctx: ResidualContext, when: str) -> None:
             raise _deleted(ctx, i, when)
 
 
-def detached(
-    contexts: Mapping[str, ResidualContext], weights: dict[int, tuple[jax.Array, jax.Array]] | None = None
-) -> dict[str, ResidualContext]:
-    """Copies of ``contexts`` that share no buffer with them, for a checkpoint that writes after
-    its ``save`` returned: deleting or donating the originals' arrays then cannot touch them.
-
-    Every array, weights included, is copied once however many contexts hold it (a weight they
-    all hold stays one array, which a store writes once), all in one ``jax.device_put``: to
-    ``pinned_host`` memory with its sharding where the devices have it (asynchronously: JAX
-    completes a copy before it frees its source), else on its devices; a typed key is copied
-    where it is. NumPy residuals are kept as they are.
-
-    ``weights``: the weights copied by earlier calls (id -> (array, copy)), reused and added to,
-    so that contexts copied a few at a time (to bound the memory of the originals) still share
-    one copy of each weight.
-
-    Raises:
-      InvalidArgumentError: an array was deleted (donated) already; it names it.
-    """
-    weights = {} if weights is None else weights
-    copies: dict[int, jax.Array] = {}
-    arrays: dict[int, jax.Array] = {}
-    for ctx in contexts.values():
-        check_live(ctx, "before it was saved")
-        for x, kind in zip(ctx.residuals, ctx.spec.kinds):
-            if not isinstance(x, jax.Array) or id(x) in copies or id(x) in arrays:
-                continue
-            known = weights.get(id(x)) if kind in SHARED_KINDS else None
-            if known is not None and known[0] is x:
-                copies[id(x)] = known[1]
-            else:
-                arrays[id(x)] = x
-    sources = list(arrays.values())
-    copies.update(zip(arrays, jax.device_put(sources, [_host_sharding(x) for x in sources], may_alias=False)))
-    for ctx in contexts.values():
-        for x, kind in zip(ctx.residuals, ctx.spec.kinds):
-            if kind in SHARED_KINDS and id(x) in arrays:
-                weights[id(x)] = (x, copies[id(x)])  # (the array kept: its id stays its own)
-    return {
-        key: ResidualContext.tree_unflatten(ctx.spec, [copies.get(id(x), x) for x in ctx.residuals])
-        for key, ctx in contexts.items()
-    }
-
-
-def _host_sharding(x: jax.Array) -> Any:
-    """Where :func:`detached` copies ``x``: its sharding in host memory, where it has one."""
-    kind = None if _is_key_dtype(x.dtype) else host_memory_kind(next(iter(x.sharding.device_set)))
-    return x.sharding.with_memory_kind(kind) if kind is not None else x.sharding
-
-
-def holds_device_memory(ctx: ResidualContext) -> bool:
-    """Whether ``ctx``'s own residuals are in device memory (the first one's place tells: a
-    context is moved whole), so that keeping it keeps device memory."""
-    for x, kind in zip(ctx.residuals, ctx.spec.kinds):
-        if kind not in OWN_KINDS or (isinstance(x, jax.Array) and _is_key_dtype(x.dtype)):
-            continue  # (a typed key stays on the device: a few bytes)
-        if not isinstance(x, jax.Array):
-            return False  # a host copy already
-        sharding = x.sharding
-        return sharding.memory_kind in (None, _default_memory_kind(sharding))
-    return False
-
-
-def _is_host_memory(device: jax.Device) -> bool:
+def is_host_memory(device: jax.Device) -> bool:
     """Whether ``device``'s memory is the host's (a CPU)."""
     return device.platform == "cpu"
 
 
-def for_writing(
-    ctx: ResidualContext, device: jax.Device | None = None, pool: HostPool | None = None
-) -> ResidualContext:
-    """A copy of ``ctx`` whose own residuals are in host memory, for a write that has not run
-    yet, so that the device arrays can go now: an array on a CPU, where device memory is host
-    memory, whole on the device a read would place it on (``device``, see :func:`read_device`)
-    as a NumPy view of its buffer (no copy, and :func:`to_device` puts it back there); any other
-    as :func:`to_host` copies it, through ``pool`` where given (asynchronously to
-    ``pinned_host``, with its sharding; JAX completes the copy before it frees the source)."""
-    target = read_device(device)
-
-    def copy(arrays: list[Any]) -> list[Any]:
-        views = [isinstance(x, jax.Array) and _is_host_memory(target) and is_whole_on(x, target)
-                 and not _is_key_dtype(x.dtype) for x in arrays]
-        copies = iter(_host_copies([x for x, view in zip(arrays, views) if not view], pool))
-        return [_numpy(x) if view else next(copies) for x, view in zip(arrays, views)]
-
-    return _with_own(ctx, copy)
-
-
-def _default_memory_kind(sharding: Any) -> str:
+def default_memory_kind(sharding: Any) -> str:
     """The memory kind arrays on ``sharding``'s devices get by default (``"device"`` on a GPU)."""
     device: Any = next(iter(sharding.device_set))  # (jax.Device's stubs leave out default_memory)
     return device.default_memory().kind
@@ -561,31 +362,6 @@ def is_whole_on(x: Any, device: jax.Device) -> bool:
         and sharding.device_set == {device}
         and sharding.memory_kind in (None, device.default_memory().kind)
     )
-
-
-def to_device(
-    ctx: ResidualContext, device: jax.Device | None = None, pool: HostPool | None = None
-) -> ResidualContext:
-    """A copy of ``ctx`` in device memory (the default memory space of its arrays' devices; a
-    NumPy host copy goes to ``device``, else the default device); shared arrays stay shared.
-    ``pool``: the host arrays it takes go back in one program, at the link's speed (the pool's
-    buffers are reused only once nothing holds them: the context, until it is dropped)."""
-    distinct = list({id(x): x for x in ctx.residuals}.values())
-    back = [i for i, x in enumerate(distinct) if pool is not None and returnable(x)]
-    placed = dict(zip(back, pool.to_device([distinct[i] for i in back]))) if pool is not None and back else {}
-    moved = {id(x): placed[i] if i in placed else _moved(x, device) for i, x in enumerate(distinct)}
-    return ResidualContext.tree_unflatten(ctx.spec, [moved[id(x)] for x in ctx.residuals])
-
-
-def _moved(x: Any, device: jax.Device | None) -> Any:
-    """One residual in device memory (see :func:`to_device`)."""
-    if not isinstance(x, jax.Array):
-        return device_put_all([x], device)[0]
-    sharding = x.sharding
-    default = _default_memory_kind(sharding)
-    if sharding.memory_kind in (None, default):
-        return x
-    return _uncommitted_if_sub_byte(jax.device_put(x, sharding.with_memory_kind(default)))
 
 
 def device_put_all(arrays: Sequence[np.ndarray], device: jax.Device | None = None) -> list[jax.Array]:

@@ -30,8 +30,8 @@ import jax
 
 from residual_store._src import _jax_internals
 from residual_store._src.context import ResidualContext, on_consumed, own_nbytes
+from residual_store._src.store.copies import holds_device_memory
 from residual_store._src.store.critical import StoreLock
-from residual_store._src.store.host import holds_device_memory
 
 __all__ = ["Lent"]
 

@@ -1,7 +1,6 @@
 """How a store brings a context back to the device (from a memory tier, from a pending write's
 host copy, or from disk, read and verified), the loads ahead of need that a schedule asks for
-(on the store's loader threads), and the copies between device and host memory that the
-budgets owe.
+(on the store's loader threads), and what it hands out that no tier counts (``lent.py``).
 
 Every read follows the key table's rules (``table.py``): it notes the key's version and takes
 what it copies in one step, copies or reads without the lock, and installs what it got only if
@@ -11,15 +10,16 @@ that version is still current.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from residual_store._src.context import ResidualContext, bound_context, check_representable, describe_residual, own_nbytes
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError
-from residual_store._src.store.host import for_writing, holds_device_memory, place, to_device, to_host, wait_copied
+from residual_store._src.store.copies import BudgetCopies, to_device
+from residual_store._src.store.host import place
 from residual_store._src.store.lent import Lent
-from residual_store._src.store.owed import Found, Moves, Owed, Write
+from residual_store._src.store.owed import Found
 from residual_store._src.store.pinned import HostPool
 from residual_store._src.store.schedule import loads_ahead
 from residual_store._src.store.table import KeyTable
@@ -42,19 +42,17 @@ def _check_representable(key: str, spec: Any) -> None:
 
 
 class Reads:
-    """The read side of a store: memory first, then disk; loads ahead by schedule; the copies
-    the budgets owe.
+    """The read side of a store: memory first, then disk; loads ahead by schedule.
 
     Args:
       table: the store's key table.
       disk: the store's files (``None``: memory only; the table then never sends a read there).
       backward_for: the stored backward of a signature, for a context read from disk.
-      queue: queues the writes of contexts a promotion pushed out of host memory.
+      copies: the copies the budgets owe (a read's install may push contexts out).
       weights: the weights on the device already (not read again).
       target: the device contexts are placed on (``None``: JAX's default).
       loads: the threads loads ahead run on.
-      pool: the pinned host memory copies to and from host memory go through.
-      landings: the thread that waits for each copy to host memory to land.
+      pool: the pinned host memory copies to the device go through.
     """
 
     def __init__(
@@ -63,22 +61,20 @@ class Reads:
         table: KeyTable,
         disk: DiskTier | None,
         backward_for: Callable[[str], Any],
-        queue: Callable[[Sequence[Write]], None],
+        copies: BudgetCopies,
         weights: LiveWeights,
         target: Any,
         loads: ThreadPoolExecutor,
         pool: HostPool,
-        landings: ThreadPoolExecutor,
     ) -> None:
         self._table = table
         self._disk = disk
         self._backward_for = backward_for
-        self._queue = queue
+        self._copies = copies
         self._weights = weights
         self._target = target
         self._loads = loads
         self._pool = pool
-        self._landings = landings
         self._lent = Lent()  # what gets and pops handed out that no tier counts (lent.py)
 
     def get(self, key: str, *, taking: bool = False) -> ResidualContext:
@@ -86,7 +82,7 @@ class Reads:
         device tier's context, or a read now. What no tier keeps is lent (see :meth:`lend`).
         ``taking``: a ``pop``'s, whose read never enters the device tier."""
         if self._table.in_flight:  # (read whole; wait_landed asks again under the lock)
-            self.wait_landed()
+            self._copies.wait_landed()
         found = self._table.begin_get(key, taking=taking)
         if found.on_device:
             return found.ctx  # type: ignore[return-value]
@@ -124,7 +120,7 @@ class Reads:
     def load(self, key: str) -> ResidualContext:
         """``key`` from memory or disk, on the device (a load ahead's job)."""
         if self._table.in_flight:
-            self.wait_landed()
+            self._copies.wait_landed()
         found = self._table.begin_read(key)
         return found.ctx if found.on_device else self._read(key, found)  # type: ignore[return-value]
 
@@ -146,7 +142,7 @@ class Reads:
             raise
         moves = self._table.finish_read(key, found, ctx, nbytes_read=nbytes)
         if moves.spills or moves.owed.demoted or moves.owed.released:
-            self.settle(moves)
+            self._copies.settle(moves)
         return ctx
 
     def _from_disk(self, key: str) -> tuple[ResidualContext, int]:
@@ -231,59 +227,3 @@ class Reads:
             return None
         return sum(r.nbytes for r in stored.records if not r.shared)
 
-    # -- the copies the budgets owe ---------------------------------------------------------------
-
-    def settle(self, moves: Moves) -> None:
-        """Without the lock: makes the copies ``moves`` owes, installs each where its context still
-        is, then queues the writes of what left host memory. A pending write then holds host
-        copies only, so the device budget bounds the device memory of the store's contexts,
-        pending writes included."""
-        try:
-            if moves.owed.due:
-                self._copy(moves.owed)
-        finally:  # a copy that failed to start leaves what left host memory to write all the same
-            if moves.spills:
-                self._queue(moves.spills)
-
-    def _copy(self, owed: Owed) -> None:
-        """Makes the copies ``owed`` and tells the table; a copy that fails to start raises here,
-        and the context it copies stays as it was."""
-        demoted = [(key, ctx, to_host(ctx, self._pool)) for key, ctx in owed.demoted if holds_device_memory(ctx)]
-        released = [(key, ctx, for_writing(ctx, self._target, self._pool)) for key, ctx in owed.released
-                    if holds_device_memory(ctx)]
-        landing = [(self._landings.submit(self._land, key, [ctx, copy]), own_nbytes(ctx))
-                   for key, ctx, copy in (*demoted, *released)]
-        self._table.settle(demoted, released, landing)
-        for future, _ in landing:  # (at once if it has landed already)
-            future.add_done_callback(self._table.landed)
-
-    def _land(self, key: str, held: list[ResidualContext]) -> None:
-        """On the landings thread: waits until the copy of a context (``held``: the context and
-        its copy, taken out of the list at once, so that only this call holds them) has landed
-        in host memory; the device memory it held is free once this returns, if nothing else
-        holds the context. A failed copy puts the context back, intact on the device (rule 7)."""
-        source, copy = held
-        held.clear()  # (the pool's job keeps its arguments a while after it is done)
-        try:
-            wait_copied(copy)
-        except BaseException:
-            self._table.copy_failed(key, source, copy)
-            raise
-
-    def wait_landed(self, *, raise_failed: bool = True) -> None:
-        """Waits until the copies to host memory in flight have landed, so that what comes to
-        the device next is not on top of them (rule 7); their device bytes are then free.
-
-        Raises:
-          What a failed copy raised (the context it copied is back, intact on the device); with
-          ``raise_failed=False`` nothing: the next call that waits raises it.
-        """
-        if not self._table.in_flight:  # (read whole; the table answers again under its lock)
-            return
-        flying, failed = self._table.leaving(take_errors=raise_failed)
-        for future in flying:
-            future.exception()  # waits until it is done (what failed, the table keeps)
-            self._table.landed(future)  # (its error kept once, whether its callback or this came first)
-        failed += self._table.leaving(take_errors=raise_failed)[1]
-        if failed:
-            raise failed[0]

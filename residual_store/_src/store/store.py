@@ -27,6 +27,7 @@ from residual_store._src.store.budgets import (
 )
 from residual_store._src.store.calls import Calls, store_call
 from residual_store._src.store.collective import TIMEOUT_S, committer_for
+from residual_store._src.store.copies import BudgetCopies
 from residual_store._src.store.critical import critical_section, defer_keyboard_interrupt
 from residual_store._src.store.disk.backends import resolve_path
 from residual_store._src.store.disk.buffers import DEFAULT_READ_BUFFER_BYTES
@@ -192,10 +193,13 @@ class Store(StoreMapping):
         # the pinned host memory the host tier and pending writes' copies draw on (pinned.py)
         self._pool = HostPool(capacity_for(host_budget, max_pending_bytes))
         self._landings = ThreadPoolExecutor(max_workers=1, thread_name_prefix="residual-store-landing")
+        self._copies = BudgetCopies(
+            table=self._table, queue=self._persistence.schedule, target=self._target, pool=self._pool,
+            landings=self._landings,
+        )
         self._reads = Reads(
             table=self._table, disk=self._persistence.disk, backward_for=self._persistence.backward_for,
-            queue=self._persistence.schedule, weights=self._weights, target=self._target, loads=self._loads,
-            pool=self._pool, landings=self._landings,
+            copies=self._copies, weights=self._weights, target=self._target, loads=self._loads, pool=self._pool,
         )
         self._closed = False
         defer_keyboard_interrupt()  # Ctrl-C waits until a put is whole (critical.py, rule 6)
@@ -254,18 +258,18 @@ class Store(StoreMapping):
             )
         key, staged = self._persistence.prepare_put(ctx, key)  # checked; the weights' host copies
         if self._table.in_flight:  # the device holds its budget and at most one context leaving
-            self._reads.wait_landed()
+            self._copies.wait_landed()
         # From the transition until its write is queued, a put is one change: a signal waits for
         # it (critical.py), and a copy that fails on the way still leaves the put whole.
         with critical_section():
             moves = self._table.put(key, ctx)  # bookkeeping only: the copies it owes are made after
             try:
-                self._reads.settle(moves)
+                self._copies.settle(moves)
             finally:
                 if moves.own is not None:
                     self._persistence.schedule([moves.own], staged)
         if self._table.in_flight:  # what it leaves on the device fits the budget once they land
-            self._reads.wait_landed(raise_failed=False)  # (a failed copy: the next call raises it)
+            self._copies.wait_landed(raise_failed=False)  # (a failed copy: the next call raises it)
         return key
 
     # -- get, prefetch, pop, delete -----------------------------------------------------------
@@ -492,7 +496,7 @@ class Store(StoreMapping):
     def _flush(self, checked: Sequence[str] = ()) -> None:
         had_writes = self._persistence.flush(checked)
         if not checked:
-            self._reads.wait_landed()
+            self._copies.wait_landed()
         for key, had in zip(checked, had_writes):
             if not had and key not in self:
                 raise ContextNotFoundError.of(key, self._description)

@@ -20,8 +20,9 @@ import jax
 import residual_store_serializers as serializers
 from residual_store._src.context import SHARED_KINDS, ResidualContext
 from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
 from residual_store._src.store.disk.paths import weight_path
-from residual_store._src.store.host import HostArrays, ShardedHost, is_whole_on, read_device, to_device_sharded
+from residual_store._src.store.host import is_whole_on, read_device, to_device_sharded
 
 __all__ = ["LiveWeights"]
 

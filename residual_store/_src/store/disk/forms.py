@@ -45,10 +45,10 @@ from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import CorruptContextError, ResidualStoreError, StoreUnavailableError
 from residual_store._src.placement import rebuild_sharding
 from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost, chunk_index
 from residual_store._src.store.disk.paths import bundle_path
 from residual_store._src.store.disk.protocol import Backend, Empty
 from residual_store._src.store.disk.records import BundleRef, StoredContext
-from residual_store._src.store.host import HostArrays, ShardedHost, chunk_index
 from residual_store_serializers import bundle as bundles
 from residual_store_serializers.checksums import checksum_parts
 

@@ -29,6 +29,7 @@ from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import CorruptContextError
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms
+from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
 from residual_store._src.store.disk.paths import (
     CONTEXTS,
     DATA,
@@ -46,7 +47,6 @@ from residual_store._src.store.disk.paths import (
 )
 from residual_store._src.store.disk.protocol import ContextWrite, StaleData
 from residual_store._src.store.disk.records import StoredContext, note_residual_count, spec_to_map
-from residual_store._src.store.host import HostArrays, ShardedHost
 from residual_store_serializers import bundle as bundles
 
 __all__ = [

@@ -61,10 +61,10 @@ from residual_store._src.store.disk import forms, layout, paths
 from residual_store._src.store.disk.backends import open_backend
 from residual_store._src.store.disk.buffers import ReadBuffers
 from residual_store._src.store.disk.damage import damaged_context, manifest_damage, size_damage, without_key
+from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
 from residual_store._src.store.disk.paths import STORE_FORMAT, STORE_MARKER, STORE_VERSION
 from residual_store._src.store.disk.protocol import DamagedFileError, StaleData
 from residual_store._src.store.disk.records import StoredContext, parse_context_manifest
-from residual_store._src.store.host import HostArrays, ShardedHost
 from residual_store._src.store.workers import request_pool
 
 __all__ = ["DiskTier", "STORE_MARKER"]
