@@ -128,7 +128,8 @@ class Reads:
         """Copies ``found.ctx`` to the device, or reads the disk, without the lock; then installs
         it where the table lets it (rule 3) and makes the copies that owes."""
         nbytes = None
-        if not found.ahead and self._lent:  # (a load ahead started only where there was room)
+        # (nothing is lent without a device budget; a load ahead started only where there was room)
+        if not found.ahead and self._table.device.budget is not None and self._lent:
             self.make_room(own_nbytes(found.ctx) if found.ctx is not None else self._stored_size(key) or 0)
         try:
             if found.ctx is not None:
