@@ -58,6 +58,7 @@ version of that key, and no read that overlapped them leaves an older version be
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -72,7 +73,14 @@ from residual_store._src.store.tiers import MemoryTier, check_capacity, spill_or
 
 __all__ = ["KeyTable"]
 
-DEVICE, HOST = "device", "host"
+class Place(enum.Enum):
+    """The memory tier an entry's context is in."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+DEVICE, HOST = Place.DEVICE, Place.HOST
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,7 +89,7 @@ class _Entry:
 
     version: int = 0  # 0: nothing happened to the key here (the disk is the truth)
     ctx: ResidualContext | None = None  # in memory: in the tier ``place`` names
-    place: str | None = None  # DEVICE, HOST or None
+    place: Place | None = None  # None: in no memory tier
     pending: ResidualContext | None = None  # this version, waiting for its disk write
     claimed: bool = False  # the pending write is (being) queued
     write: Future[Any] | None = None  # the newest write scheduled: what flush(key) waits for
@@ -181,7 +189,7 @@ class KeyTable:
         entry.load = None
         self._unsettled.discard(key)
 
-    def _place(self, key: str, entry: _Entry, ctx: ResidualContext, place: str, *, moved: bool = False) -> None:
+    def _place(self, key: str, entry: _Entry, ctx: ResidualContext, place: Place, *, moved: bool = False) -> None:
         if entry.place is not None:
             (self.device if entry.place == DEVICE else self.host).remove(key, moved=moved)
         (self.device if place == DEVICE else self.host).add(key, own_nbytes(ctx))
