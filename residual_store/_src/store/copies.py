@@ -266,7 +266,7 @@ class BudgetCopies:
                    for key, ctx, copy in (*demoted, *released)]
         self._table.settle(demoted, released, landing)
         for future, _ in landing:  # (at once if it has landed already)
-            future.add_done_callback(self._table.landed)
+            future.add_done_callback(self._table.leaving.landed)
 
     def _land(self, key: str, held: list[ResidualContext]) -> None:
         """On the landings thread: waits until the copy of a context (``held``: the context and
@@ -289,12 +289,12 @@ class BudgetCopies:
           What a failed copy raised (the context it copied is back, intact on the device); with
           ``raise_failed=False`` nothing: the next call that waits raises it.
         """
-        if not self._table.in_flight:  # (read whole; the table answers again under its lock)
+        if not self._table.leaving.count:  # (read whole; the table answers again under its lock)
             return
-        flying, failed = self._table.leaving(take_errors=raise_failed)
+        flying, failed = self._table.leaving.take(take_errors=raise_failed)
         for future in flying:
             future.exception()  # waits until it is done (what failed, the table keeps)
-            self._table.landed(future)  # (its error kept once, whether its callback or this came first)
-        failed += self._table.leaving(take_errors=raise_failed)[1]
+            self._table.leaving.landed(future)  # (its error kept once, whether its callback or this came first)
+        failed += self._table.leaving.take(take_errors=raise_failed)[1]
         if failed:
             raise failed[0]

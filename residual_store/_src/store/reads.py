@@ -81,7 +81,7 @@ class Reads:
         """For a ``get``: the load of ``key`` in flight if it loads the current version, the
         device tier's context, or a read now. What no tier keeps is lent (see :meth:`lend`).
         ``taking``: a ``pop``'s, whose read never enters the device tier."""
-        if self._table.in_flight:  # (read whole; wait_landed asks again under the lock)
+        if self._table.leaving.count:  # (read whole; wait_landed asks again under the lock)
             self._copies.wait_landed()
         found = self._table.begin_get(key, taking=taking)
         if found.on_device:
@@ -119,7 +119,7 @@ class Reads:
 
     def load(self, key: str) -> ResidualContext:
         """``key`` from memory or disk, on the device (a load ahead's job)."""
-        if self._table.in_flight:
+        if self._table.leaving.count:
             self._copies.wait_landed()
         found = self._table.begin_read(key)
         return found.ctx if found.on_device else self._read(key, found)  # type: ignore[return-value]

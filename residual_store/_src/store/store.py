@@ -257,7 +257,7 @@ class Store(StoreMapping):
                 "are tracers, not arrays): return the context from the jitted function and put it there"
             )
         key, staged = self._persistence.prepare_put(ctx, key)  # checked; the weights' host copies
-        if self._table.in_flight:  # the device holds its budget and at most one context leaving
+        if self._table.leaving.count:  # the device holds its budget and at most one context leaving
             self._copies.wait_landed()
         # From the transition until its write is queued, a put is one change: a signal waits for
         # it (critical.py), and a copy that fails on the way still leaves the put whole.
@@ -268,7 +268,7 @@ class Store(StoreMapping):
             finally:
                 if moves.own is not None:
                     self._persistence.schedule([moves.own], staged)
-        if self._table.in_flight:  # what it leaves on the device fits the budget once they land
+        if self._table.leaving.count:  # what it leaves on the device fits the budget once they land
             self._copies.wait_landed(raise_failed=False)  # (a failed copy: the next call raises it)
         return key
 

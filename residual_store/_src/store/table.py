@@ -44,8 +44,8 @@ kill suites end to end):
 
 7. **Device bytes count until they have left.** A context copied to host memory (pushed out of
    the device tier, or a pending write's copy) holds its device memory until the copy has
-   landed: the table counts those bytes (``leaving``) from :meth:`KeyTable.settle` until
-   :meth:`KeyTable.landed`, and a put returns only once they have landed (a read waits for them
+   landed: the table counts those bytes (:class:`~residual_store._src.store.leaving.Leaving`) from :meth:`KeyTable.settle` until
+   :meth:`~residual_store._src.store.leaving.Leaving.landed`, and a put returns only once they have landed (a read waits for them
    before it adds more), so the device holds at most the device budget of the tier's contexts
    when a put returns. A copy that fails puts the context it copied back where it was, intact
    on the device. (What a get or pop hands out counts too, outside the table: ``lent.py``;
@@ -67,11 +67,12 @@ from typing import Any
 from residual_store._src.context import ResidualContext, own_nbytes
 from residual_store._src.errors import ContextNotFoundError
 from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.leaving import Leaving
 from residual_store._src.store.owed import NOTHING, Found, Keeping, Moves, Owed, Write
 from residual_store._src.store.schedule import Schedule
 from residual_store._src.store.tiers import MemoryTier, check_capacity, spill_order, would_overflow
 
-__all__ = ["KeyTable"]
+__all__ = ["KeyTable", "Place"]
 
 class Place(enum.Enum):
     """The memory tier an entry's context is in."""
@@ -147,9 +148,7 @@ class KeyTable:
         self._entries: dict[str, _Entry] = {}
         self._owed: list[tuple[str, ResidualContext]] = []  # demoted since the last Moves
         self._unsettled: set[str] = set()  # pending contexts in no tier, not yet copied for writing
-        self._leaving: dict[Future[Any], int] = {}  # copies to host in flight -> the device bytes they hold
-        self._copy_errors: list[BaseException] = []  # of copies that failed, not yet raised
-        self.in_flight = 0  # copies in flight and failures to raise, read without the lock by who waits
+        self.leaving = Leaving(self.lock)  # the copies to host memory in flight (rule 7)
         self.io = dict.fromkeys(("reads", "bytes_read", "writes", "bytes_written", "pending_reads"), 0)
 
     # -- entries -------------------------------------------------------------------------------
@@ -470,9 +469,7 @@ class KeyTable:
         future that ends when each has landed) and the device bytes each holds until then
         (rule 7)."""
         with self.lock:
-            for future, nbytes in landing:
-                self._leaving[future] = nbytes
-            self.in_flight = len(self._leaving) + len(self._copy_errors)
+            self.leaving.add(landing)
             for key, ctx, copy in demoted:
                 entry = self._entries.get(key)
                 if entry is None:
@@ -486,14 +483,6 @@ class KeyTable:
                 if entry is not None and entry.pending is ctx:
                     entry.pending = copy
 
-    def landed(self, future: Future[Any]) -> None:
-        """The copy ``future`` waited for has landed (or failed, kept to raise): its device bytes
-        are free."""
-        with self.lock:
-            if self._leaving.pop(future, None) is not None and future.exception() is not None:
-                self._copy_errors.append(future.exception())  # type: ignore[arg-type]
-            self.in_flight = len(self._leaving) + len(self._copy_errors)
-
     def copy_failed(self, key: str, source: ResidualContext, copy: ResidualContext) -> None:
         """The copy of ``source`` to host memory failed: where ``copy`` took its place,
         ``source`` takes it back (intact, on the device)."""
@@ -504,16 +493,6 @@ class KeyTable:
                     entry.ctx = source
                 if entry.pending is copy:
                     entry.pending = source
-
-    def leaving(self, *, take_errors: bool = True) -> tuple[list[Future[Any]], list[BaseException]]:
-        """The copies to host memory in flight (rule 7), and the errors of those that failed
-        since the errors were last taken (``take_errors=False``: none, kept for the next)."""
-        with self.lock:
-            if not take_errors:
-                return list(self._leaving), []
-            errors, self._copy_errors = self._copy_errors, []
-            self.in_flight = len(self._leaving)
-            return list(self._leaving), errors
 
     def _take_owed(self) -> Owed:
         """The copies owed since the last call. A pending context that the host tier holds a copy
@@ -644,7 +623,7 @@ class KeyTable:
                 if entry.load is not None and entry.place != DEVICE:
                     source = entry.ctx if entry.ctx is not None else entry.pending
                     loading += 0 if source is None else own_nbytes(source)
-            return self.device.nbytes + sum(self._leaving.values()) + loading
+            return self.device.nbytes + self.leaving.nbytes() + loading
 
     def on_device(self, key: str, ctx: ResidualContext) -> bool:
         """Whether the device tier holds ``ctx`` itself as ``key``'s context."""
@@ -671,7 +650,7 @@ class KeyTable:
                 tier.name: {"bytes": tier.nbytes, "contexts": len(tier), "bytes_in": tier.bytes_in, "bytes_out": tier.bytes_out}
                 for tier in (self.device, self.host)
             }
-            result["device"]["leaving"] = sum(self._leaving.values())  # copies to host in flight
+            result["device"]["leaving"] = self.leaving.nbytes()  # copies to host in flight
             waiting = [e.pending for e in self._entries.values() if e.pending is not None and e.place is None]
             result["pending"] = {
                 "bytes": sum(own_nbytes(c) for c in waiting if c is not None), "contexts": len(waiting),
