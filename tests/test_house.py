@@ -625,3 +625,6 @@ def test_house_md_names_every_module_and_none_that_is_gone():
     modules = {m.name for m in PACKAGE.rglob("*.py")} | {m.name for m in (PACKAGE.parent / "residual_store_serializers").glob("*.py")}
     gone = sorted(n for n in named if n.rsplit("/", 1)[-1] not in modules)
     assert not gone, f"docs/house.md names modules that are gone: {gone}"
+    files = re.findall(r"`((?:tests|benchmarks)/[a-z_0-9]+\.py)`", text)
+    gone_files = sorted(f for f in files if not (PACKAGE.parent / f).is_file())
+    assert files and not gone_files, f"docs/house.md names test files that are gone: {gone_files}"
