@@ -37,6 +37,7 @@ from residual_store._src.logs import event
 from residual_store._src.store.committer import Committer, SingleProcessCommitter
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms, layout, paths
+from residual_store._src.store.disk.layout import HostWrite
 from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
@@ -284,44 +285,27 @@ class CollectiveCommitter:
             channel = self._channel
         return channel.begin(what, value)
 
-    def write(
-        self,
-        key: str,
-        spec: ResidualSpec,
-        arrays: HostArrays,
-        impls: Sequence[str | None],
-        *,
-        fsync: bool,
-        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
-    ) -> StaleData | None:
-        """Writes and commits ``key``'s context with every process; returns the replaced data
-        (process 0 only)."""
-        self.disk.check_writable(f"put {key!r}")
+    def write(self, write: HostWrite) -> StaleData | None:
+        """Writes and commits ``write`` with every process; returns the replaced data (process 0
+        only)."""
+        self.disk.check_writable(f"put {write.key!r}")
         with self.backend.gc_lock(exclusive=False):
-            return self._write(key, spec, arrays, impls, fsync=fsync, digests=known[1])
+            return self._write(write)
 
-    def _write(
-        self,
-        key: str,
-        spec: ResidualSpec,
-        arrays: HostArrays,
-        impls: Sequence[str | None],
-        *,
-        fsync: bool,
-        digests: Mapping[int, str],
-    ) -> StaleData | None:
-        local_sums = _process_local_sums(arrays)
+    def _write(self, write: HostWrite) -> StaleData | None:
+        key, spec, fsync = write.key, write.spec, write.fsync
+        local_sums = _process_local_sums(write.arrays)
         own_sums = {str(i): [[list(idx), chk, d] for idx, (chk, d) in t.items()]
-                    for i, t in forms.chunk_sums(spec, arrays).items()}
+                    for i, t in forms.chunk_sums(spec, write.arrays).items()}
         coll, infos = self._begin(
             f"put {key!r}", {"chunks": own_sums, "local": local_sums, "write_id": paths.new_write_id()}
         )
         lead = coll.index == 0
         _check_same_everywhere(key, spec, [info["local"] for info in infos])
-        plan = layout.plan_write(
-            key, spec, arrays, impls, write_id=infos[0]["write_id"], sums=_gathered_sums(infos),
-            whole_sums={int(i): c for i, c in local_sums.items()}, digests=digests,
-        )
+        # the whole arrays' checksums: those of the arrays on this process (what every process
+        # compared), for the weights' as well
+        here = dataclasses.replace(write, whole_sums={int(i): c for i, c in local_sums.items()})
+        plan = layout.plan_write(here, write_id=infos[0]["write_id"], sums=_gathered_sums(infos))
         if lead:
             self.disk.ensure_groups()
         share = self._share(plan, lead, infos[0]["write_id"])

@@ -31,6 +31,7 @@ from residual_store._src.context import OWN_KINDS, ResidualContext
 from residual_store._src.errors import ContextNotFoundError, ReadOnlyStoreError
 from residual_store._src.store import backwards, gc, inspection, item_record
 from residual_store._src.store.committer import Committer
+from residual_store._src.store.disk.layout import HostWrite
 from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import check_dtypes_writable
@@ -319,18 +320,19 @@ class WritablePersistence(ReadOnlyPersistence):
             return  # superseded: a stale version never lands
         try:
             arrays, impls = committer.host_arrays(ctx, staged)
-            known = self._weights.checksums(ctx, arrays)
-            spec, nbytes, residuals = ctx.spec, ctx.spec.own_nbytes, ctx.residuals
+            sums, digests = self._weights.checksums(ctx, arrays)
+            write = HostWrite(key, ctx.spec, arrays, tuple(impls), self._durable, sums, digests)
+            nbytes = ctx.spec.own_nbytes
             # Only the host arrays from here on: the context's device arrays can go while the
             # commit runs (a slow, durable one most of all) once nothing else holds them.
-            residuals = tuple(x if k not in OWN_KINDS else None for x, k in zip(residuals, spec.kinds))
+            residuals = tuple(x if k not in OWN_KINDS else None for x, k in zip(ctx.residuals, ctx.spec.kinds))
             del ctx, pending
-            stale = committer.write(key, spec, arrays, impls, fsync=self._durable, known=known)
+            stale = committer.write(write)
         except BaseException:
             self._table.write_failed(key, version)  # a put that failed is not in the store (flush raises why)
             raise
         self.drop_later(stale)
-        self._weights.hold(residuals, impls, known[1])
+        self._weights.hold(residuals, write.impls, write.digests)
         self._table.write_done(key, version, nbytes)
 
     def _delete_on_disk(self, key: str, version: int) -> None:

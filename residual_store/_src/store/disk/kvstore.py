@@ -206,24 +206,11 @@ class KvBackend:
     def write_context(self, write: ContextWrite) -> None:
         """The arrays, then each file as one object (the manifest among them, if staged); in a
         folder named for this write alone (``fresh``), no listing to clear the paths first."""
-        self._write(write.arrays, fsync=write.fsync, attributes=write.attributes,
-                    files={**write.files, **write.temporaries}, fresh=write.fresh)
-
-    def write_arrays(
-        self,
-        arrays: Mapping[str, Any],
-        *,
-        fsync: bool,
-        write_metadata: bool = True,
-        attributes: Mapping[str, Mapping[str, Any]] | None = None,
-        files: Files | None = None,
-    ) -> None:
-        """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
-        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""
-        self._write(arrays, fsync=fsync, write_metadata=write_metadata, attributes=attributes, files=files)
+        self.write_arrays(write.arrays, fsync=write.fsync, attributes=write.attributes,
+                          files={**write.files, **write.temporaries}, fresh=write.fresh)
 
     @_requests
-    def _write(
+    def write_arrays(
         self,
         arrays: Mapping[str, Any],
         *,
@@ -233,6 +220,9 @@ class KvBackend:
         files: Files | None = None,
         fresh: bool = False,
     ) -> None:
+        """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
+        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer;
+        ``fresh``: nothing is at these paths yet (see :meth:`write_context`)."""
         serializers.write_arrays_kv(
             self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes,
             fresh=fresh, timeout=self.timeout,
