@@ -102,13 +102,13 @@ WORKER = textwrap.dedent(
             if pid == 1:  # dies right after writing its shards, before the commit
                 import os
                 backend = store._persistence.disk.backend
-                write = backend.write_arrays
+                write = backend.write_context
 
                 def write_then_die(*args, **kwargs):
                     write(*args, **kwargs)
                     os._exit(3)
 
-                backend.write_arrays = write_then_die
+                backend.write_context = write_then_die
             store.put(ctx, "crashed")
             try:
                 store.flush()

@@ -38,7 +38,7 @@ from residual_store._src.store.committer import Committer, SingleProcessCommitte
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms, layout, paths
 from residual_store._src.store.disk.layout import HostWrite
-from residual_store._src.store.disk.protocol import StaleData
+from residual_store._src.store.disk.protocol import ContextWrite, StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import HostArrays, ShardedHost, host_arrays, stage_shared
 from residual_store._src.store.key_rules import validate_key
@@ -312,10 +312,10 @@ class CollectiveCommitter:
         error: str | None = None
         full = False
         try:
-            self.backend.write_arrays(
-                share.own, fsync=fsync, write_metadata=False, attributes=_of(plan.attributes, share.own),
-                # process 0 writes the bundle of the whole own arrays; the group's zarr.json at the commit
-                files={plan.bundle.ref.path: plan.bundle.parts} if lead and plan.bundle is not None else None,
+            # process 0 writes the bundle of the whole own arrays; the group's zarr.json at the commit
+            files = {plan.bundle.ref.path: plan.bundle.parts} if lead and plan.bundle is not None else {}
+            self.backend.write_context(
+                ContextWrite(share.own, _of(plan.attributes, share.own), files, fsync=fsync, write_metadata=False)
             )
             self.backend.write_shared_arrays(share.shared_chunks, fsync=fsync, write_metadata=False)
         except Exception as err:  # noqa: BLE001 - every process must learn of it
@@ -375,7 +375,7 @@ class CollectiveCommitter:
         array (an array is complete once it is there), sharded weights put in place, whole
         weights, the group metadata, then the manifest. Returns the manifest it replaced."""
         meta = {p: serializers.ChunkedArray(a.shape, a.dtype, a.chunk_shape, {}) for p, a in share.chunked.items()}
-        self.backend.write_arrays(meta, fsync=fsync, attributes=_of(plan.attributes, meta))
+        self.backend.write_context(ContextWrite(meta, _of(plan.attributes, meta), {}, fsync=fsync))
         atomicity = self.disk.atomicity
         for path, (target, data) in share.staged.items():
             if self.backend.array_exists(path):
