@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +263,22 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(["residual-store", *args], code, out.getvalue(), err.getvalue())
 
 
+def run_cli_process(
+    *args: Any, env: Mapping[str, str] | None = None, timeout: float = SUBPROCESS_TIMEOUT
+) -> subprocess.CompletedProcess[str]:
+    """``python -m residual_store *args`` in a new process (this checkout's package, a clean
+    environment plus ``env``): what it printed and its exit status, which the caller checks. For
+    tests of the process itself or of a store another process opens; :func:`run_cli` otherwise."""
+    return subprocess.run(
+        [sys.executable, "-m", "residual_store", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**python_env(), **(env or {})},
+        check=False,
+    )
+
+
 def python_env() -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
@@ -314,6 +330,20 @@ def popen_python(script: str, *args: str, cwd: str | None = None) -> subprocess.
     )
 
 
+@contextlib.contextmanager
+def ended_at_exit(procs: list[subprocess.Popen[Any]]) -> Iterator[list[subprocess.Popen[Any]]]:
+    """Yields ``procs``, to which the caller adds the processes it starts; on leaving, whether
+    the test passed or failed, kills those of them still running and waits for them: a test
+    leaves no process behind, and ends only the processes it started."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def last_json_line(stdout: str) -> Any:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     assert lines, f"no JSON result in:\n{stdout}"
@@ -327,6 +357,32 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) ->
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+def tanh_loss(w: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+@functools.cache
+def tanh_split() -> tuple[Any, Callable[..., jax.Array]]:
+    import residual_store as rs
+
+    return rs.split(tanh_loss), jax.jit(jax.grad(tanh_loss))
+
+
+def graded_version(i: int, *, rows: int = 64, width: int = 8, seed: int = 7) -> tuple[Any, np.ndarray]:
+    """Version ``i`` of a key: a context of :func:`tanh_loss` (``x`` drawn from ``seed`` and
+    ``i``, ``w`` fixed) and the gradient its backward must give, which tells the versions apart
+    (:func:`which_version`). One split for every test that uses it; one compile per shape."""
+    w = jnp.linspace(-1.0, 1.0, width * width).reshape(width, width)
+    x = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), (rows, width))
+    fwd, grad = tanh_split()
+    return fwd(w, x)[1], np.asarray(grad(w, x))
+
+
+def graded_versions(n: int, **shape: int) -> list[tuple[Any, np.ndarray]]:
+    """Versions ``0 .. n-1`` (:func:`graded_version`, with its ``rows``, ``width`` and ``seed``)."""
+    return [graded_version(i, **shape) for i in range(n)]
 
 
 def which_version(ctx: Any, versions: Sequence[tuple[Any, np.ndarray]]) -> int:

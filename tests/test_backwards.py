@@ -21,7 +21,7 @@ import pytest
 import residual_store as rs
 from models import init_mlp, mlp_loss
 from residual_store._src.store import backwards
-from store_helpers import unbundled
+from store_helpers import run_cli_process, unbundled
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -58,10 +58,6 @@ def _read(root, mode, out="") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _cli(*args) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "residual_store", *map(str, args)], capture_output=True, text=True, timeout=120)
-
-
 @pytest.fixture
 def stored(tmp_path, rng):
     kp, kx, ky = jax.random.split(rng, 3)
@@ -94,7 +90,7 @@ def test_a_damaged_stored_backward(stored, tmp_path, damage):
         export.unlink()
     want = jax.tree.leaves(jax.grad(mlp_loss)(params, x, y))
 
-    verify = _cli("verify", root)
+    verify = run_cli_process("verify", root)
     assert verify.returncode == 1, verify.stdout
     assert "DAMAGED backward rs2-" in verify.stdout and "1 of 1 context verified" in verify.stdout
 
@@ -121,7 +117,7 @@ def test_a_damaged_stored_backward(stored, tmp_path, damage):
     with rs.Store(root) as store:
         assert store.gc(older_than=0)["backwards"] == 1
         store.put(fwd(params, x + 1, y)[1], "mb1")
-    assert _cli("verify", root).returncode == 0
+    assert run_cli_process("verify", root).returncode == 0
     assert _read(root, "without_model")["backward"] == "ok"
 
 

@@ -16,23 +16,12 @@ import jax.numpy as jnp
 import pytest
 
 import residual_store as rs
-from store_helpers import run_cli
+from store_helpers import run_cli, run_cli_process
 
 pytestmark = pytest.mark.subprocess
 
 
 _cli = run_cli  # the command line in this process; _cli_process: in a new one
-
-
-def _cli_process(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m residual_store *args`` in a new process."""
-    return subprocess.run(
-        [sys.executable, "-m", "residual_store", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +37,7 @@ def store_path(tmp_path_factory):
 
 
 def test_ls_and_inspect(store_path):
-    out = _cli_process("ls", store_path)
+    out = run_cli_process("ls", store_path)
     assert out.returncode == 0, out.stderr
     assert "mb0" in out.stdout and "rs2-" in out.stdout and "3 contexts" in out.stdout
     listed = json.loads(_cli("ls", store_path, "--json").stdout)
@@ -121,7 +110,7 @@ def test_verify_finds_damage(tmp_path):
 )
 def test_bad_paths_and_keys_give_one_line(store_path, tmp_path, args, message):
     args = [a.format(tmp=str(tmp_path), store=store_path) for a in args]
-    out = _cli_process(*args)
+    out = run_cli_process(*args)
     assert out.returncode == 2
     assert message in out.stderr
     assert not re.search(r"\b[a-z_]+=", out.stderr), out.stderr  # command-line advice, not Python arguments
@@ -132,7 +121,7 @@ def test_bad_paths_and_keys_give_one_line(store_path, tmp_path, args, message):
 
 
 def test_version():
-    out = _cli_process("--version")
+    out = run_cli_process("--version")
     assert out.returncode == 0 and out.stdout.startswith("residual-store ") and f"jax {jax.__version__}" in out.stdout
 
 

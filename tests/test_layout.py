@@ -44,7 +44,7 @@ def plan_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 def _plan(key: str, ctx: ResidualContext, write_id: str = _WRITE_ID) -> layout.WritePlan:
     arrays, impls = host.host_arrays(ctx)
-    return layout.plan_write(key, ctx.spec, arrays, impls, write_id=write_id)
+    return layout.plan_write(layout.HostWrite(key, ctx.spec, arrays, tuple(impls), fsync=False), write_id=write_id)
 
 
 def _bundle_bytes(plan: layout.WritePlan) -> bytes:

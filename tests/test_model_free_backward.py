@@ -25,6 +25,7 @@ from residual_store._src.backward import Backward
 from residual_store._src.export import export_backward, load_backward
 from residual_store._src.keypaths import PathStructure
 from residual_store_serializers.manifest import seal_manifest
+from store_helpers import run_cli_process
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -87,10 +88,6 @@ def _read(root, key, tmp_path, seed="0") -> tuple[dict, dict]:
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     arrays = dict(np.load(out)) if out.exists() else {}
     return report, {p: arrays[str(i)] for i, p in enumerate(report.get("paths", []))}
-
-
-def _cli(*args) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "residual_store", *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture
@@ -320,15 +317,15 @@ def test_ls_and_inspect_say_whether_a_backward_is_stored_and_why_not(stored, tmp
     fwd = rs.split(with_callback)
     with rs.Store(root) as store, pytest.warns(rs.ResidualStoreWarning, match="calls back into Python"):
         store.put(fwd(jnp.ones((4, 2)), jnp.ones((3, 4)))[1], "cb")
-    ls = _cli("ls", root, "--json")
+    ls = run_cli_process("ls", root, "--json")
     assert ls.returncode == 0, ls.stderr
     by_key = {e["key"]: e["backward"] for e in json.loads(ls.stdout)}
     assert by_key["mb0"]["stored"] and by_key["mb0"]["platforms"][0] == "cpu" and "cuda" in by_key["mb0"]["platforms"]
     assert by_key["mb0"]["jax_version"] == jax.__version__
     assert not by_key["cb"]["stored"] and "calls back into Python" in by_key["cb"]["reason"]
-    text = _cli("inspect", root, "cb").stdout
+    text = run_cli_process("inspect", root, "cb").stdout
     assert "backward: not stored: the backward of signature rs2-" in text and "pure_callback" in text
-    assert "backward: stored for cpu, cuda" in _cli("inspect", root, "mb0").stdout
+    assert "backward: stored for cpu, cuda" in run_cli_process("inspect", root, "mb0").stdout
     report, _ = _read(root, "cb", tmp_path)
     assert report["error"].startswith("BackwardUnavailableError: the stored backward of signature rs2-"), report
     assert "calls back into Python (pure_callback)" in report["error"]
@@ -337,9 +334,9 @@ def test_ls_and_inspect_say_whether_a_backward_is_stored_and_why_not(stored, tmp
 @pytest.mark.subprocess
 def test_verify_reports_a_damaged_structure_record(stored):
     root, manifest, _, _ = stored
-    assert _cli("verify", root).returncode == 0
+    assert run_cli_process("verify", root).returncode == 0
     _rewrite(manifest, lambda m: m["gradients"].update(tree=["weird"]))
-    verify = _cli("verify", root)
+    verify = run_cli_process("verify", root)
     assert verify.returncode == 1 and "DAMAGED backward rs2-" in verify.stdout and "(gradients)" in verify.stdout
 
 

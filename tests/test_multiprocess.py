@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
-from store_helpers import children
+from store_helpers import children, ended_at_exit, run_cli_process
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.multiprocess]
 
@@ -102,13 +102,13 @@ WORKER = textwrap.dedent(
             if pid == 1:  # dies right after writing its shards, before the commit
                 import os
                 backend = store._persistence.disk.backend
-                write = backend.write_arrays
+                write = backend.write_context
 
                 def write_then_die(*args, **kwargs):
                     write(*args, **kwargs)
                     os._exit(3)
 
-                backend.write_arrays = write_then_die
+                backend.write_context = write_then_die
             store.put(ctx, "crashed")
             try:
                 store.flush()
@@ -293,7 +293,7 @@ def _run_pair(
     env = _worker_env()
     logs = [tmp_path / f"{phase}{i}.log" for i in range(2)]
     procs = []
-    try:
+    with ended_at_exit(procs):
         for i in range(2):
             with open(
                 logs[i], "w"
@@ -305,11 +305,6 @@ def _run_pair(
                 codes.append(p.wait(timeout=TIMEOUT_S))
             except subprocess.TimeoutExpired:  # hung: its log holds its threads' stacks
                 codes.append("hung")
-    finally:
-        for p in procs:  # only the processes this test started
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     text = "\n".join(
         f"--- process {i} ---\n{log.read_text()[-6000:]}" for i, log in enumerate(logs)
     )
@@ -333,17 +328,6 @@ def kvstore_store(tmp_path_factory) -> tuple[str, dict]:
     folder = str(tmp_path / "store")
     spec = json.dumps({"driver": "file", "path": folder, "file_io_sync": True})
     return folder, spec, _run_pair(tmp_path, "forward", spec)
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "residual_store", *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-        env=_worker_env(),
-    )
 
 
 def test_internals_a_fresh_split_in_a_new_pair_resumes_sharded_contexts(tmp_path, forward_store):
@@ -446,7 +430,7 @@ def test_internals_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_
     log0 = tmp_path / "killed0.log"
     procs: list[subprocess.Popen] = []
     seen: list[str] = []
-    try:
+    with ended_at_exit(procs):
         with open(log0, "w") as log:
             procs.append(_spawn(tmp_path, "killed", 0, port, root, out, log, env))
         procs.append(_spawn(tmp_path, "killed", 1, port, root, out, subprocess.PIPE, env))
@@ -464,11 +448,6 @@ def test_internals_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_
         assert victim.wait(timeout=TIMEOUT_S) == -signal.SIGKILL
         code0 = procs[0].wait(timeout=TIMEOUT_S)
         survivor_s = time.monotonic() - killed_at
-    finally:
-        for p in procs:  # only the processes this test started
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     assert code0 == 0, log0.read_text()[-3000:]
     result = json.loads(out.read_text())
     assert result["error"] is not None, result
@@ -484,7 +463,7 @@ def test_internals_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_
             ctx = store.get(key)
             assert all(r.is_fully_addressable for r in ctx.residuals)
             jax.block_until_ready(rs.backward(ctx))
-    verify = _cli("verify", root)
+    verify = run_cli_process("verify", root)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert f"{len(keys)} of {len(keys)} context{'' if len(keys) == 1 else 's'} verified" in verify.stdout
     # what the failed write left is gone: only committed contexts' data folders remain
@@ -500,13 +479,13 @@ def test_internals_a_process_killed_between_puts_leaves_only_whole_contexts(tmp_
 
 def test_internals_command_line_on_a_multiprocess_store(tmp_path, forward_store):
     src, _ = forward_store
-    ls = _cli("ls", src, "--json")
+    ls = run_cli_process("ls", src, "--json")
     assert ls.returncode == 0, ls.stderr
     entries = json.loads(ls.stdout)
     assert sorted(e["key"] for e in entries) == ["mb0", "mb1"]
     assert all("error" not in e and e["residuals"] > 0 and e["bytes"] > 0 for e in entries)
 
-    inspect = _cli("inspect", src, "mb0", "--json")
+    inspect = run_cli_process("inspect", src, "mb0", "--json")
     assert inspect.returncode == 0, inspect.stderr
     rows = json.loads(inspect.stdout)["residuals"]
     with open(os.path.join(src, "contexts", "mb0.manifest"), "rb") as f:
@@ -523,7 +502,7 @@ def test_internals_command_line_on_a_multiprocess_store(tmp_path, forward_store)
         else:
             assert row["chunks"] == 1
 
-    verify = _cli("verify", src)
+    verify = run_cli_process("verify", src)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
     root = str(tmp_path / "copy")  # damage a copy: the fixture's folder is shared
@@ -537,10 +516,10 @@ def test_internals_command_line_on_a_multiprocess_store(tmp_path, forward_store)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
-    verify = _cli("verify", root)
+    verify = run_cli_process("verify", root)
     assert verify.returncode == 1, verify.stdout + verify.stderr
     assert "DAMAGED mb0" in verify.stdout and "mb1" not in verify.stdout.split("DAMAGED mb0")[0]
-    assert _cli("verify", root, "mb1").returncode == 0
+    assert run_cli_process("verify", root, "mb1").returncode == 0
 
 
 def test_internals_two_processes_on_a_tensorstore_kvstore(tmp_path, kvstore_store, forward_store):
@@ -566,7 +545,7 @@ def test_internals_two_processes_on_a_tensorstore_kvstore(tmp_path, kvstore_stor
     assert any(r["shared"] and r.get("chunk_shape") for r in records)
     assert any(not r["shared"] and r.get("chunk_shape") for r in records)
     assert not [n for n in os.listdir(os.path.join(folder, "weights")) if ".tmp" in n]
-    verify = _cli("verify", folder)
+    verify = run_cli_process("verify", folder)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
     params = init_params()

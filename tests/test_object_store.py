@@ -12,8 +12,6 @@ SDK prints about missing ``~/.aws`` files reaches the user's terminal.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 
 import jax
@@ -24,7 +22,7 @@ import tensorstore as ts
 
 import residual_store as rs
 import s3_server
-from store_helpers import python_env, run_python, write_script
+from store_helpers import run_cli_process, run_python, write_script
 
 pytestmark = [
     pytest.mark.subprocess,
@@ -145,7 +143,7 @@ def test_a_damaged_object_is_found_and_the_rest_still_reads(spec):
             store.get("mb0")
         g = rs.backward(store.get("mb1"))  # the other context is intact
     np.testing.assert_allclose(np.asarray(g["w1"]), np.asarray(jax.grad(loss)(params, xs[1])["w1"]), rtol=1e-5, atol=1e-6)
-    verify = _cli("verify", json.dumps(spec), "--json")
+    verify = run_cli_process("verify", json.dumps(spec), "--json")
     assert verify.returncode == 1, verify.stdout + verify.stderr
     assert [d["key"] for d in json.loads(verify.stdout)["damaged"]] == ["mb0"]
     # a truncated manifest: a clear error naming it, never a wrong context
@@ -197,21 +195,14 @@ def test_gc_on_an_object_store_removes_only_with_older_than_zero(spec):
         np.testing.assert_allclose(np.asarray(g["w2"]), np.asarray(jax.grad(loss)(params, x)["w2"]), rtol=1e-5, atol=1e-6)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "residual_store", *args],
-        capture_output=True, text=True, timeout=120, env=python_env(),
-    )
-
-
 def test_the_command_line_on_an_s3_spec(spec):
     _put_two(spec)
     path = json.dumps(spec)
-    ls = _cli("ls", path, "--json")
+    ls = run_cli_process("ls", path, "--json")
     assert ls.returncode == 0 and [e["key"] for e in json.loads(ls.stdout)] == ["mb0", "mb1"], ls.stderr
-    verify = _cli("verify", path)
+    verify = run_cli_process("verify", path)
     assert verify.returncode == 0 and "2 of 2 contexts verified" in verify.stdout, verify.stdout + verify.stderr
-    inspect = _cli("inspect", path, "mb1")
+    inspect = run_cli_process("inspect", path, "mb1")
     assert inspect.returncode == 0 and "intermediate" in inspect.stdout and "weight" in inspect.stdout
     for out in (ls, verify, inspect):
         assert not any(n in out.stderr for n in SDK_NOISE), out.stderr
@@ -313,7 +304,7 @@ def test_a_store_that_goes_away_at_the_commit_leaves_no_half_written_context(spe
         store.close()
     added = [o for o in _objects(spec) if o not in before]
     assert added and all(o.startswith("data/mb1.") for o in added), added  # its arrays, no manifest
-    verify = _cli("verify", json.dumps(spec))
+    verify = run_cli_process("verify", json.dumps(spec))
     assert verify.returncode == 0 and "1 of 1 context verified" in verify.stdout, verify.stdout + verify.stderr
     with rs.Store(spec) as direct:
         assert direct.keys() == ["mb0"]
@@ -331,7 +322,7 @@ def test_the_command_line_on_a_store_that_does_not_answer(spec, server):
     with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts nor answers
         path = json.dumps({**spec, "endpoint": f"http://127.0.0.1:{silent.getsockname()[1]}"})
         t0 = time.monotonic()
-        out = _cli("ls", path, "--timeout", "1")
+        out = run_cli_process("ls", path, "--timeout", "1")
         assert time.monotonic() - t0 < 60
     assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
     lines = out.stderr.strip().splitlines()

@@ -19,7 +19,7 @@ import pytest
 import residual_store as rs
 from libraries import BATCH, IN, OUT, flat, make_nnx, make_plain
 from residual_store import orbax as rso
-from store_helpers import mixed_inputs, mixed_loss, read_manifest, run_python, write_script
+from store_helpers import ended_at_exit, mixed_inputs, mixed_loss, read_manifest, run_python, write_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -433,17 +433,12 @@ def test_two_processes_save_sharded_contexts_in_one_step(tmp_path):
     script, port = write_script(tmp_path, "worker.py", JOB_WORKER), _free_port()
     logs = [tmp_path / f"worker{i}.log" for i in range(2)]
     procs = []
-    try:
+    with ended_at_exit(procs):
         for i, log in enumerate(logs):
             with open(log, "w") as out:  # the child keeps its own copy of the descriptor
                 args = [sys.executable, script, str(i), str(port), str(tmp_path / "ckpt"), os.path.dirname(__file__)]
                 procs.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=_worker_env(PYTHONPATH=_pythonpath())))
         codes = [p.wait(timeout=2 * TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:  # only the processes this test started
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     assert codes == [0, 0], "\n".join(f"--- process {i} ---\n{log.read_text()[-6000:]}" for i, log in enumerate(logs))
 
     chunked = [r for r in read_manifest(tmp_path / "ckpt" / "5" / "contexts", "mb0")["arrays"] if r.get("chunk_shape")]

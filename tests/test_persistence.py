@@ -5,11 +5,8 @@ its disk (a fresh read-only store on the same folder)."""
 
 from __future__ import annotations
 
-import functools
 import threading
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,21 +20,7 @@ from residual_store._src.store.persistence import (
     WritablePersistence,
     keeping_for,
 )
-
-
-def _loss(w: jax.Array, x: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.sin(x @ w) ** 2)
-
-
-@functools.cache
-def _fwd() -> rs.Split:
-    return rs.split(_loss)
-
-
-def _ctx(seed: int) -> tuple[rs.ResidualContext, np.ndarray]:
-    w = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
-    x = jax.random.normal(jax.random.key(seed), (5, 4))
-    return _fwd()(w, x)[1], np.asarray(jax.grad(_loss)(w, x))
+from store_helpers import graded_version
 
 
 def test_internals_each_mode_tells_the_table_what_leaves_memory(tmp_path):
@@ -54,14 +37,14 @@ def test_internals_a_store_has_the_persistence_of_its_mode(tmp_path):
         assert type(memory._persistence) is MemoryOnlyPersistence
     with rs.Store(tmp_path / "s") as writable:
         assert type(writable._persistence) is WritablePersistence
-        writable.put(_ctx(0)[0], "k")
+        writable.put(graded_version(0)[0], "k")
     with rs.Store(tmp_path / "s", read_only=True) as reader:
         assert type(reader._persistence) is ReadOnlyPersistence
         assert reader.keys() == ["k"]
 
 
 def test_internals_a_memory_only_store_answers_that_nothing_is_on_disk():
-    ctx, grad = _ctx(1)
+    ctx, grad = graded_version(1)
     with rs.Store(None) as store:
         store.put(ctx, "k")
         assert store.stats()["disk"] == {
@@ -76,7 +59,7 @@ def test_internals_a_memory_only_store_answers_that_nothing_is_on_disk():
 
 
 def test_internals_a_read_only_store_changes_nothing(tmp_path):
-    ctx, grad = _ctx(2)
+    ctx, grad = graded_version(2)
     with rs.Store(tmp_path / "s") as writer:
         writer.put(ctx, "k")
     with rs.Store(tmp_path / "s", read_only=True) as reader:
@@ -89,7 +72,7 @@ def test_internals_a_read_only_store_changes_nothing(tmp_path):
 
 
 def test_internals_a_writable_store_writes_and_removes_in_call_order(tmp_path):
-    (a, _), (b, grad_b) = _ctx(3), _ctx(4)
+    (a, _), (b, grad_b) = graded_version(3), graded_version(4)
     with rs.Store(tmp_path / "s") as store:
         store.put(a, "k")
         store.delete("k")
@@ -109,7 +92,7 @@ def test_internals_gc_counts_after_the_janitor_disposed_of_what_a_delete_left(tm
     else a folder being recycled is counted twice (as data, then as recycled) or not at all."""
     gate = threading.Event()
     with rs.Store(tmp_path / "s") as store:
-        store.put(_ctx(1)[0], "a")
+        store.put(graded_version(1)[0], "a")
         store.flush()
         janitor = store._persistence.janitor
         janitor.submit(gate.wait)  # the janitor busy: the delete's disposal waits behind this

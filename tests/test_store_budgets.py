@@ -8,14 +8,13 @@ import sys
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import residual_store as rs
 from residual_store._src.store import budgets
 from residual_store._src.store.disk import tier as disk
-from store_helpers import assert_contexts_identical, python_env
+from store_helpers import assert_contexts_identical, graded_version, python_env
 
 
 @pytest.mark.parametrize(
@@ -74,12 +73,6 @@ def test_store_budgets_take_strings_and_refuse_a_share_of_cpu_memory(tmp_path):
         rs.Store(None, host_budget="50%")  # a share is of a device's memory
 
 
-def _context(rng, scale):
-    fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))
-    kw, kx = jax.random.split(rng)
-    return fwd(jax.random.normal(kw, (8, 8)) * scale, jax.random.normal(kx, (4, 8)))[1]
-
-
 _KEYS_OF = """
 import sys, residual_store as rs
 with rs.Store(sys.argv[1], read_only=True) as store:
@@ -94,7 +87,7 @@ def _keys_seen_by_another_process(path) -> list[str]:
 
 
 @pytest.mark.subprocess
-def test_internals_flush_of_one_key_waits_for_its_put_only(tmp_path, rng, monkeypatch):
+def test_internals_flush_of_one_key_waits_for_its_put_only(tmp_path, monkeypatch):
     """k2's write is held at a gate: ``flush("k1")`` returns with k1 visible to another
     process and k2 not yet; ``flush("k2")`` waits for the gate; both read back bitwise."""
     gate, waiting = threading.Event(), threading.Event()
@@ -107,8 +100,7 @@ def test_internals_flush_of_one_key_waits_for_its_put_only(tmp_path, rng, monkey
         return commit(self, plan, **kw)
 
     monkeypatch.setattr(disk.DiskTier, "commit", gated)
-    keys = jax.random.split(rng, 3)
-    ctxs = {k: _context(r, s) for k, r, s in zip(("k1", "k2", "k3"), keys, (1.0, 2.0, 3.0))}
+    ctxs = {k: graded_version(i, rows=4)[0] for i, k in enumerate(("k1", "k2", "k3"))}
     path = tmp_path / "store"
     with rs.Store(path, device_budget=0, host_budget=0) as store:
         store.put(ctxs["k1"], "k1")
@@ -135,7 +127,7 @@ def test_internals_flush_of_one_key_waits_for_its_put_only(tmp_path, rng, monkey
             store.flush("../k1")
 
 
-def test_internals_flush_of_a_key_raises_its_writes_error(tmp_path, rng, monkeypatch):
+def test_internals_flush_of_a_key_raises_its_writes_error(tmp_path, monkeypatch):
     commit = disk.DiskTier.commit
 
     def failing(self, plan, **kw):
@@ -145,8 +137,8 @@ def test_internals_flush_of_a_key_raises_its_writes_error(tmp_path, rng, monkeyp
 
     monkeypatch.setattr(disk.DiskTier, "commit", failing)
     with rs.Store(tmp_path / "s") as store:
-        store.put(_context(rng, 1.0), "good")
-        store.put(_context(rng, 2.0), "bad")
+        store.put(graded_version(1, rows=4)[0], "good")
+        store.put(graded_version(2, rows=4)[0], "bad")
         store.flush("good")
         with pytest.raises(rs.StoreFullError, match="bad"):
             store.flush("bad")
@@ -156,14 +148,14 @@ def test_internals_flush_of_a_key_raises_its_writes_error(tmp_path, rng, monkeyp
 
 
 @pytest.mark.slow
-def test_internals_device_headroom_spills_when_the_devices_free_memory_runs_low(tmp_path, rng, monkeypatch):
+def test_internals_device_headroom_spills_when_the_devices_free_memory_runs_low(tmp_path, monkeypatch):
     """A device whose memory statistics the test controls: while its free memory is above the
     headroom, contexts stay on the device (no budget); when the model's own memory grows into
     the headroom, the next put moves the store's contexts off until the shortfall is given back."""
     limit = 64 << 20
     in_use = {"bytes": 1 << 20}
     monkeypatch.setattr(budgets, "memory_stats", lambda device: {"bytes_limit": limit, "bytes_in_use": in_use["bytes"]})
-    ctxs = [_context(k, 1.0 + i) for i, k in enumerate(jax.random.split(rng, 6))]
+    ctxs = [graded_version(i, rows=4)[0] for i in range(6)]
     one = ctxs[0].spec.own_nbytes
     with rs.Store(tmp_path / "s", device_headroom="8MiB", host_budget=0) as store:
         for i in range(3):

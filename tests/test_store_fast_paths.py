@@ -42,7 +42,7 @@ def _plan(ctx, key, write_id, monkeypatch, *, template: bool):
         m.setattr(layout.time, "time", lambda: 1234.5)
         if not template:
             m.setattr(layout, "_template_for", lambda *a: None)
-        return layout.plan_write(key, ctx.spec, arrays, impls, write_id=write_id)
+        return layout.plan_write(layout.HostWrite(key, ctx.spec, arrays, tuple(impls), fsync=False), write_id=write_id)
 
 
 def _parts(plan):
@@ -76,7 +76,7 @@ def test_internals_a_write_planned_from_its_template_is_the_write_planned_in_ful
 def test_internals_a_template_holds_only_for_arrays_of_its_shapes_and_dtypes(context, monkeypatch):
     layout._templates.clear()
     arrays, impls = host.host_arrays(context)
-    layout.plan_write("k", context.spec, arrays, impls, write_id="0" * 12)
+    layout.plan_write(layout.HostWrite("k", context.spec, arrays, tuple(impls), fsync=False), write_id="0" * 12)
     assert layout._template_for(context.spec, arrays, impls) is not None
     own = next(i for i, k in enumerate(context.spec.kinds) if k == "intermediate" and arrays[i].ndim)
     for changed in (arrays[own].astype(np.float64), arrays[own][None], list(arrays[own])):
@@ -184,7 +184,7 @@ def test_internals_a_name_holding_the_templates_placeholder_is_planned_in_full(c
     spec = dataclasses.replace(spec, names=(spec.names[0] + layout._TEMPLATE_PATH, *spec.names[1:]))
     arrays, impls = host.host_arrays(context)
     assert layout._make_template(spec, arrays, impls) is None
-    plan = layout.plan_write("a", spec, arrays, impls, write_id="0" * 12)
+    plan = layout.plan_write(layout.HostWrite("a", spec, arrays, tuple(impls), fsync=False), write_id="0" * 12)
     entries = json.loads(plan.group)["attributes"]["residual_store"]["arrays"]
     assert [e["name"] for e in entries] == list(spec.names)
     assert [e["path"] for e in entries] == [r.path for r in plan.records]

@@ -22,6 +22,7 @@ from store_helpers import (
     assert_trees_close,
     children,
     committed_keys,
+    ended_at_exit,
     init_params,
     last_json_line,
     mlp_batch,
@@ -192,15 +193,10 @@ def test_two_writer_processes_with_distinct_keys(tmp_path, split, model):
         )
         for w in (1, 2)
     ]
-    try:
+    with ended_at_exit(procs):
         time.sleep(0.5)
         go.touch()
         outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
         assert last_json_line(out) == {"done": n}
@@ -527,7 +523,7 @@ def test_two_writers_of_one_key_reader_sees_one_whole_context(tmp_path, split, m
     ]
     seen = {1: 0, 2: 0}
     errors = []
-    try:
+    with ended_at_exit(procs):
         time.sleep(0.5)
         go.touch()
         deadline = time.monotonic() + 120
@@ -545,11 +541,6 @@ def test_two_writers_of_one_key_reader_sees_one_whole_context(tmp_path, split, m
                 assert_contexts_identical(got, candidates[w])  # never a mix
                 seen[w] += 1
         outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
     assert errors == [], errors[:3]

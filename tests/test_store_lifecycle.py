@@ -96,8 +96,8 @@ def test_internals_a_store_dropped_after_a_failed_write_leaves_no_threads(tmp_pa
     _warm_up(fwd, tmp_path / "warm")
     before = _threads_settle(0, timeout=0)
 
-    def failing_write(self, key, *args, **kwargs):
-        raise OSError(5, f"injected failure writing {key}")
+    def failing_write(self, write):
+        raise OSError(5, f"injected failure writing {write.key}")
 
     monkeypatch.setattr(committer_module.SingleProcessCommitter, "write", failing_write)
     for i in range(5):
@@ -111,7 +111,7 @@ def test_internals_a_store_dropped_after_a_failed_write_leaves_no_threads(tmp_pa
 
 
 def test_internals_a_failed_write_still_raises_from_flush_with_its_traceback_text(tmp_path, fwd, monkeypatch):
-    def failing_write(self, key, *args, **kwargs):
+    def failing_write(self, write):
         raise OSError(5, "injected")
 
     monkeypatch.setattr(committer_module.SingleProcessCommitter, "write", failing_write)

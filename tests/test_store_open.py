@@ -15,7 +15,7 @@ import pytest
 
 import residual_store as rs
 from models import init_mlp, mlp_loss
-from store_helpers import run_cli
+from store_helpers import run_cli, run_cli_process
 
 
 def snapshot(root) -> dict[str, tuple[int, int, str]]:
@@ -207,11 +207,8 @@ BAD_SPECS = [
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    from store_helpers import python_env
-
-    env = {**python_env(), "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-    return subprocess.run([sys.executable, "-m", "residual_store", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    """The command line in a new process, with credentials for the S3 server (its own checks)."""
+    return run_cli_process(*args, env={"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"})
 
 
 def _one_line(out: subprocess.CompletedProcess, *words: str) -> str:

@@ -21,33 +21,17 @@ import textwrap
 import threading
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import residual_store as rs
-from store_helpers import which_version
-
-W = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
-
-
-def _loss(w: jax.Array, x: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.tanh(x @ w) ** 2)
-
-
-_FWD = rs.split(_loss)
-_GRAD = jax.jit(jax.grad(_loss))
-
-
-def _context(i: int) -> tuple[rs.ResidualContext, np.ndarray]:
-    x = jax.random.normal(jax.random.fold_in(jax.random.key(11), i), (16, 8))
-    return _FWD(W, x)[1], np.asarray(_GRAD(W, x))
+from store_helpers import graded_version, graded_versions, tanh_split, which_version
 
 
 @pytest.fixture(scope="module")
 def versions() -> list[tuple[rs.ResidualContext, np.ndarray]]:
-    return [_context(i) for i in range(3)]
+    return graded_versions(3, rows=16, seed=11)
 
 
 _which = which_version
@@ -80,7 +64,7 @@ def test_internals_a_delete_is_never_undone_by_a_failed_put_of_its_key(tmp_path,
         store.put(versions[0][0], "k")
         store.flush()
         gate = _Gate(store)
-        doomed, _ = _context(100 + cycles)
+        doomed, _ = graded_version(100 + cycles, rows=16, seed=11)
         for _ in range(cycles):
             store.delete("k")
             store.put(doomed, "k")
@@ -148,7 +132,7 @@ def test_internals_a_signal_between_a_puts_bookkeeping_and_its_queueing_loses_no
     else:
         assert proc.returncode == 143, proc.stdout + proc.stderr
     w = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
-    newer = _FWD(w, jnp.full((16, 8), 1.0))[1]  # the script's second version
+    newer = tanh_split()[0](w, jnp.full((16, 8), 1.0))[1]  # the script's second version
     with rs.Store(root, read_only=True) as other:
         assert other.keys() == ["k"]
         for got, want in zip(other.arrays("k"), newer.residuals, strict=True):

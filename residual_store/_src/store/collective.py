@@ -38,7 +38,8 @@ from residual_store._src.store.committer import Committer, SingleProcessCommitte
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms, layout, paths
 from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
-from residual_store._src.store.disk.protocol import StaleData
+from residual_store._src.store.disk.layout import HostWrite
+from residual_store._src.store.disk.protocol import ContextWrite, StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import host_arrays, stage_shared
 from residual_store._src.store.key_rules import validate_key
@@ -285,54 +286,37 @@ class CollectiveCommitter:
             channel = self._channel
         return channel.begin(what, value)
 
-    def write(
-        self,
-        key: str,
-        spec: ResidualSpec,
-        arrays: HostArrays,
-        impls: Sequence[str | None],
-        *,
-        fsync: bool,
-        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
-    ) -> StaleData | None:
-        """Writes and commits ``key``'s context with every process; returns the replaced data
-        (process 0 only)."""
-        self.disk.check_writable(f"put {key!r}")
+    def write(self, write: HostWrite) -> StaleData | None:
+        """Writes and commits ``write`` with every process; returns the replaced data (process 0
+        only)."""
+        self.disk.check_writable(f"put {write.key!r}")
         with self.backend.gc_lock(exclusive=False):
-            return self._write(key, spec, arrays, impls, fsync=fsync, digests=known[1])
+            return self._write(write)
 
-    def _write(
-        self,
-        key: str,
-        spec: ResidualSpec,
-        arrays: HostArrays,
-        impls: Sequence[str | None],
-        *,
-        fsync: bool,
-        digests: Mapping[int, str],
-    ) -> StaleData | None:
-        local_sums = _process_local_sums(arrays)
+    def _write(self, write: HostWrite) -> StaleData | None:
+        key, spec, fsync = write.key, write.spec, write.fsync
+        local_sums = _process_local_sums(write.arrays)
         own_sums = {str(i): [[list(idx), chk, d] for idx, (chk, d) in t.items()]
-                    for i, t in forms.chunk_sums(spec, arrays).items()}
+                    for i, t in forms.chunk_sums(spec, write.arrays).items()}
         coll, infos = self._begin(
             f"put {key!r}", {"chunks": own_sums, "local": local_sums, "write_id": paths.new_write_id()}
         )
         lead = coll.index == 0
         _check_same_everywhere(key, spec, [info["local"] for info in infos])
-        plan = layout.plan_write(
-            key, spec, arrays, impls, write_id=infos[0]["write_id"], sums=_gathered_sums(infos),
-            whole_sums={int(i): c for i, c in local_sums.items()}, digests=digests,
-        )
+        # the whole arrays' checksums: those of the arrays on this process (what every process
+        # compared), for the weights' as well
+        here = dataclasses.replace(write, whole_sums={int(i): c for i, c in local_sums.items()})
+        plan = layout.plan_write(here, write_id=infos[0]["write_id"], sums=_gathered_sums(infos))
         if lead:
             self.disk.ensure_groups()
         share = self._share(plan, lead, infos[0]["write_id"])
         error: str | None = None
         full = False
         try:
-            self.backend.write_arrays(
-                share.own, fsync=fsync, write_metadata=False, attributes=_of(plan.attributes, share.own),
-                # process 0 writes the bundle of the whole own arrays; the group's zarr.json at the commit
-                files={plan.bundle.ref.path: plan.bundle.parts} if lead and plan.bundle is not None else None,
+            # process 0 writes the bundle of the whole own arrays; the group's zarr.json at the commit
+            files = {plan.bundle.ref.path: plan.bundle.parts} if lead and plan.bundle is not None else {}
+            self.backend.write_context(
+                ContextWrite(share.own, _of(plan.attributes, share.own), files, fsync=fsync, write_metadata=False)
             )
             self.backend.write_shared_arrays(share.shared_chunks, fsync=fsync, write_metadata=False)
         except Exception as err:  # noqa: BLE001 - every process must learn of it
@@ -392,7 +376,7 @@ class CollectiveCommitter:
         array (an array is complete once it is there), sharded weights put in place, whole
         weights, the group metadata, then the manifest. Returns the manifest it replaced."""
         meta = {p: serializers.ChunkedArray(a.shape, a.dtype, a.chunk_shape, {}) for p, a in share.chunked.items()}
-        self.backend.write_arrays(meta, fsync=fsync, attributes=_of(plan.attributes, meta))
+        self.backend.write_context(ContextWrite(meta, _of(plan.attributes, meta), {}, fsync=fsync))
         atomicity = self.disk.atomicity
         for path, (target, data) in share.staged.items():
             if self.backend.array_exists(path):

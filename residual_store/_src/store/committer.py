@@ -13,14 +13,15 @@ it; it never asks which committer it has, nor reads a flag to decide for it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from residual_store._src.context import ResidualContext, ResidualSpec
+from residual_store._src.context import ResidualContext
 from residual_store._src.store.disk import layout, paths
 from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
+from residual_store._src.store.disk.layout import HostWrite
 from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import host_arrays, stage_shared
@@ -68,18 +69,9 @@ class Committer(Protocol):
         """Hands ``ctx``'s backward to the store's ``saver`` where this process saves it."""
         ...
 
-    def write(
-        self,
-        key: str,
-        spec: ResidualSpec,
-        arrays: HostArrays,
-        impls: Sequence[str | None],
-        *,
-        fsync: bool,
-        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
-    ) -> StaleData | None:
-        """Commits ``key``'s context (its residuals ``arrays`` on the host); returns the data it
-        replaced, unreferenced now, for the store to :meth:`dispose` of off the write path."""
+    def write(self, write: HostWrite) -> StaleData | None:
+        """Commits ``write`` (a context's residuals on the host); returns the data it replaced,
+        unreferenced now, for the store to :meth:`dispose` of off the write path."""
         ...
 
     def delete(self, key: str) -> tuple[bool, StaleData | None]:
@@ -114,22 +106,9 @@ class SingleProcessCommitter:
     def save_backward(self, saver: BackwardSaver, ctx: ResidualContext) -> None:
         saver.save(ctx)
 
-    def write(
-        self,
-        key: str,
-        spec: ResidualSpec,
-        arrays: HostArrays,
-        impls: Sequence[str | None],
-        *,
-        fsync: bool,
-        known: tuple[Mapping[int, str], Mapping[int, str]] = ({}, {}),
-    ) -> StaleData | None:
-        """Plans the write (``known``: checksums and content digests of whole arrays already
-        computed, by residual index) and commits it (:meth:`DiskTier.commit`)."""
-        plan = layout.plan_write(
-            key, spec, arrays, impls, write_id=paths.new_write_id(), whole_sums=known[0], digests=known[1]
-        )
-        return self.disk.commit(plan, fsync=fsync)
+    def write(self, write: HostWrite) -> StaleData | None:
+        """Plans ``write`` and commits it (:meth:`DiskTier.commit`)."""
+        return self.disk.commit(layout.plan_write(write, write_id=paths.new_write_id()), fsync=write.fsync)
 
     def delete(self, key: str) -> tuple[bool, StaleData | None]:
         return self.disk.delete(key)

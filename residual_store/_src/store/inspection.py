@@ -4,15 +4,20 @@ part of the store takes on disk, and verification reports.
 
 The frozen records here are what :meth:`Store.info <residual_store.Store.info>`,
 :meth:`~residual_store.Store.backward_info`, :meth:`~residual_store.Store.usage` and
-:meth:`~residual_store.Store.verify` return; the functions build them from a
-:class:`~residual_store._src.store.disk.tier.DiskTier` or a context in memory and change nothing.
+:meth:`~residual_store.Store.verify` return; the functions build them (and the disk's part of
+``stats``, and a context's arrays read as they are stored) from a
+:class:`~residual_store._src.store.disk.tier.DiskTier` or a context in memory, and change nothing.
+The store asks them itself, whatever its mode: ``None`` for the disk is a memory-only store's,
+which holds nothing on disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
+
+import numpy as np
 
 from residual_store._src.context import SHARED_KINDS, ResidualSpec
 from residual_store._src.errors import ContextNotFoundError, CorruptContextError, InvalidArgumentError
@@ -36,9 +41,14 @@ __all__ = [
     "disk_bytes",
     "measure",
     "memory_info",
+    "stored_arrays",
     "stored_info",
     "verify",
+    "with_damage",
 ]
+
+MEMORY_ONLY = "memory only"
+"""The description of a store without a disk, as its errors name it."""
 
 Progress = Callable[[int, int | None], None]
 """Called as work goes on with ``(bytes done, bytes in all)``; ``None`` where the whole is not
@@ -273,10 +283,21 @@ def context_info(stored: StoredContext) -> ContextInfo:
     return dataclasses.replace(base, residuals=residuals, created=stored.created, jax_version=stored.jax_version)
 
 
-def stored_info(disk: DiskTier, key: str) -> ContextInfo:
+def stored_info(disk: DiskTier | None, key: str) -> ContextInfo:
     """The record of the committed context ``key``, with the damage its files' sizes show."""
+    if disk is None:
+        raise ContextNotFoundError.of(key, MEMORY_ONLY)
     stored, damage = _sized_stat(disk, key)
     return dataclasses.replace(context_info(stored), damage=damage)
+
+
+def stored_arrays(disk: DiskTier | None, key: str) -> tuple[np.ndarray, ...]:
+    """The residuals of the committed context ``key`` as whole NumPy arrays, read and verified,
+    not placed on a device."""
+    if disk is None:
+        raise ContextNotFoundError.of(key, MEMORY_ONLY)
+    _, arrays = disk.read(key, place=False)
+    return tuple(cast(list[np.ndarray], arrays))
 
 
 _LOOKS = 4
@@ -380,9 +401,11 @@ def _signature_usage(manifests: Iterable[StoredContext], progress: Progress | No
     return {sig: SignatureUsage(**entry) for sig, entry in sorted(totals.items())}
 
 
-def measure(disk: DiskTier, progress: Progress | None = None) -> StoreUsage:
+def measure(disk: DiskTier | None, progress: Progress | None = None) -> StoreUsage:
     """The bytes of each part of the store on disk (measured on a folder; ``None`` on kvstores,
     whose listings give no sizes) and what its manifests record per signature."""
+    if disk is None:
+        return StoreUsage(0, dict.fromkeys(USAGE_PARTS, 0), 0, {})
     unreadable: dict[str, str] = {}
     manifests = []
     for key, stored in disk.iter_manifests():
@@ -470,7 +493,7 @@ def _shared_weight_damage(disk: DiskTier, damaged: Mapping[str, str]) -> dict[st
 
 
 def verify(
-    disk: DiskTier, keys: Sequence[str], *, every_backward: bool, progress: Progress | None = None
+    disk: DiskTier | None, keys: Sequence[str], *, every_backward: bool, progress: Progress | None = None
 ) -> VerifyReport:
     """Checks the committed ``keys`` and the stored backwards of their signatures (with
     ``every_backward``, every stored backward), changing nothing.
@@ -478,6 +501,8 @@ def verify(
     A folder of the tree that cannot be listed (``backwards`` a symbolic link) is reported in
     :attr:`VerifyReport.damaged_folders`, not raised: damage is reported.
     """
+    if disk is None:
+        return VerifyReport(verified=0)
     total = _planned_bytes(disk, keys) if progress is not None else None
     damaged: dict[str, str] = {}
     signatures: set[str] = set()
@@ -509,3 +534,18 @@ def verify(
         except CorruptContextError as err:
             broken[signature] = str(err)
     return VerifyReport(verified, damaged, len(checked) - len(broken), broken, folders)
+
+
+def with_damage(report: VerifyReport, found: Mapping[str, str], keys: Collection[str]) -> VerifyReport:
+    """``report`` (of a verify of ``keys``) with the damage ``found`` otherwise (key -> why; a
+    sealed store's record, see :func:`~residual_store._src.store.item_record.findings`): a key
+    of ``keys`` it counted verified is not, and each reason comes first."""
+    if not found:
+        return report
+    damaged = dict(report.damaged)
+    verified = report.verified
+    for key, why in found.items():
+        if key in keys and key not in damaged:
+            verified -= 1  # verified by its checksums, but not what was recorded
+        damaged[key] = why if key not in damaged else f"{why}; {damaged[key]}"
+    return dataclasses.replace(report, verified=verified, damaged=damaged)

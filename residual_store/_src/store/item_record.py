@@ -47,12 +47,11 @@ from residual_store._src.store.disk.folder import LocalBackend
 from residual_store._src.store.disk.paths import ITEM_RECORD, STORE_MARKER
 from residual_store._src.store.disk.records import check_signature
 from residual_store._src.store.disk.tier import DiskTier
-from residual_store._src.store.inspection import VerifyReport
 from residual_store._src.store.key_rules import validate_key
 from residual_store._src.store.workers import request_pool
 from residual_store_serializers.checksums import parse_checksum
 
-__all__ = ["Record", "check_item", "checked_report", "read", "seal"]
+__all__ = ["Record", "check_item", "findings", "read", "seal"]
 
 FORMAT = "residual-store item record"
 VERSION = 1
@@ -300,29 +299,23 @@ def check_item(disk: DiskTier, step: str) -> None:
         )
 
 
-def checked_report(disk: DiskTier, report: VerifyReport, keys: Collection[str], *, whole: bool) -> VerifyReport:
-    """``report`` (of a verify of ``keys``) with what a sealed store's record finds: ``keys``
-    that are foreign or hold another manifest are damaged, and with ``whole`` (every key was
-    verified) so are the keys the record lists that the store lost. Unchanged for a store that
-    is not sealed.
+def findings(disk: DiskTier | None, keys: Collection[str], *, whole: bool) -> dict[str, str]:
+    """What a sealed store's record finds damaged (key -> why) of a verify of ``keys`` (see
+    :func:`~residual_store._src.store.inspection.with_damage`): ``keys`` that are foreign or
+    hold another manifest than the step saved, and with ``whole`` (every key was verified) the
+    keys the record lists that the store lost. Nothing for a store that is not sealed (``None``:
+    a memory-only store).
 
     Raises:
       CorruptContextError: the record is missing or damaged, or is another step's (for a store
         in a local Orbax step folder); no key can be judged.
     """
+    if disk is None:
+        return {}  # memory only: nothing sealed
     record = read(disk)
     if record is None:
-        return report
+        return {}
     step = _step_here(disk)
     if step is not None:
         _check_step(disk, record, step)
-    found = _findings(disk, record, disk.keys() if whole else record.manifests, keys)
-    if not found:
-        return report
-    damaged = dict(report.damaged)
-    verified = report.verified
-    for key, why in found.items():
-        if key in keys and key not in damaged:
-            verified -= 1  # verified by its checksums, but not what the step saved
-        damaged[key] = why if key not in damaged else f"{why}; {damaged[key]}"
-    return dataclasses.replace(report, verified=verified, damaged=damaged)
+    return _findings(disk, record, disk.keys() if whole else record.manifests, keys)

@@ -1,13 +1,15 @@
 """A store's persistence, chosen once when it opens: memory only, a disk read only, or a disk
 written in the background.
 
-``Store`` hands its persistence work (writes, deletes, flushes) and asks it what the disk holds;
-it never asks which one it has. One class per mode, as Orbax's ``path/deleter.py`` has a
-protocol and one implementation per mode:
+``Store`` hands its persistence what differs by mode (writes, deletes, flushes, gc, which keys
+the disk holds, the stored backwards) and never asks which one it has; what it reports of its
+disk is the same in every mode, and it asks :mod:`~residual_store._src.store.inspection` for
+that itself. One class per mode, as Orbax's ``path/deleter.py`` has a protocol and one
+implementation per mode:
 
 - :class:`MemoryOnlyPersistence`: no disk; a put that cannot fit the budgets is refused (its
   :class:`~residual_store._src.store.table.Keeping` says so to the key table).
-- :class:`ReadOnlyPersistence`: reads and inspects a store on disk; changes nothing.
+- :class:`ReadOnlyPersistence`: a store on disk, read; changes nothing.
 - :class:`WritablePersistence`: also writes puts and deletes in the background, on its writer
   thread, in call order, through its committer (see ``committer.py``); what a write leaves
   behind goes to its janitor, off the write path.
@@ -21,20 +23,19 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol, cast
-
-import numpy as np
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from residual_store._src.backward import register_loader, unregister_loader
 from residual_store._src.context import OWN_KINDS, ResidualContext
-from residual_store._src.errors import ContextNotFoundError, ReadOnlyStoreError
-from residual_store._src.store import backwards, gc, inspection, item_record
+from residual_store._src.errors import ReadOnlyStoreError
+from residual_store._src.store import backwards, gc
 from residual_store._src.store.committer import Committer
+from residual_store._src.store.disk.layout import HostWrite
 from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import check_dtypes_writable
-from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
+from residual_store._src.store.inspection import MEMORY_ONLY, Progress
 from residual_store._src.store.key_rules import put_key
 from residual_store._src.store.owed import Keeping, Write
 from residual_store._src.store.table import KeyTable
@@ -48,78 +49,61 @@ __all__ = [
 
 
 class Persistence(Protocol):
-    """What a store asks of the place its contexts persist (see the module docstring)."""
+    """What differs between a store's modes (see the module docstring): how a put is prepared
+    and its write queued, what a delete, a flush, gc and closing do, which keys the disk holds,
+    and its stored backwards. What a store reports of its disk (``stats``, ``info``,
+    ``arrays``, ``usage``, ``verify``, ``backward_info``) does not differ: the store asks
+    :mod:`~residual_store._src.store.inspection` itself, of its disk (``None``: memory only)."""
 
     description: str
     keeping: Keeping  # what leaves memory: written, dropped, or refused
-
-    @property
-    def disk(self) -> DiskTier | None: ...  # the store's files, read by gets (None: memory only)
+    backward_for: Callable[[str], Any]  # the stored backward of a signature, or None
 
     def prepare_put(self, ctx: ResidualContext, key: str | None) -> tuple[str, Any]: ...
-    def schedule(self, writes: Sequence[Write], staged: Any = None) -> None: ...
+    def schedule(self, writes: Sequence[Write] | None = None, staged: Any = None) -> None: ...
     def delete(self, key: str, version: int) -> None: ...
     def holds(self, key: str) -> bool: ...
     def keys(self) -> list[str]: ...
-    def arrays(self, key: str) -> tuple[np.ndarray, ...]: ...
-    @property
-    def backward_for(self) -> Callable[[str], Any]: ...  # the stored backward of a signature, or None
     def flush(self, keys: Sequence[str] = ()) -> list[bool]: ...
-    def stats(self, leaving: Collection[str]) -> dict[str, int]: ...
-    def info(self, key: str) -> ContextInfo: ...
-    def backward_info(self, signature: str) -> BackwardInfo: ...
-    def usage(self, progress: Progress | None) -> StoreUsage: ...
-    def verify(self, keys: Sequence[str], *, every_backward: bool, progress: Progress | None) -> VerifyReport: ...
     def gc(self, older_than: float, *, dry_run: bool, progress: Progress | None) -> dict[str, int]: ...
     def check_writable(self, what: str) -> None: ...
     def close(self) -> None: ...
     def close_later(self) -> None: ...
 
 
-class MemoryOnlyPersistence:
+class _WritesNothing:
+    """What the two modes that write nothing share: no write is ever queued, a delete has
+    nothing below memory to remove (a read-only store refused it before: ``check_writable``),
+    a flush waits for nothing, and a collected store leaves no thread behind."""
+
+    def schedule(self, writes: Sequence[Write] | None = None, staged: Any = None) -> None:
+        assert not writes, "a store that writes nothing queues no write"
+
+    def delete(self, key: str, version: int) -> None:
+        return None
+
+    def flush(self, keys: Sequence[str] = ()) -> list[bool]:
+        return [False] * len(keys)
+
+    def close_later(self) -> None:
+        return None
+
+
+class MemoryOnlyPersistence(_WritesNothing):
     """No disk: contexts live in the memory tiers only, and a put they cannot hold is refused."""
 
-    description = "memory only"
+    description = MEMORY_ONLY
     keeping = Keeping(below_host=False)
-    disk = None
+    backward_for: Callable[[str], Any] = staticmethod(lambda signature: None)  # nothing stored
 
     def prepare_put(self, ctx: ResidualContext, key: str | None) -> tuple[str, Any]:
         return put_key(key), None
-
-    def schedule(self, writes: Sequence[Write], staged: Any = None) -> None:
-        assert not writes, "a memory-only store writes nothing"
-
-    def delete(self, key: str, version: int) -> None:
-        return None  # nothing below memory (the table removed it)
 
     def holds(self, key: str) -> bool:
         return False
 
     def keys(self) -> list[str]:
         return []
-
-    def arrays(self, key: str) -> tuple[np.ndarray, ...]:
-        raise ContextNotFoundError.of(key, self.description)
-
-    backward_for: Callable[[str], Any] = staticmethod(lambda signature: None)  # nothing stored
-
-    def flush(self, keys: Sequence[str] = ()) -> list[bool]:
-        return [False] * len(keys)
-
-    def stats(self, leaving: Collection[str]) -> dict[str, int]:
-        return inspection.disk_bytes(None)
-
-    def info(self, key: str) -> ContextInfo:
-        raise ContextNotFoundError.of(key, self.description)
-
-    def backward_info(self, signature: str) -> BackwardInfo:
-        return inspection.backward_info(None, signature)
-
-    def usage(self, progress: Progress | None) -> StoreUsage:
-        return StoreUsage(0, dict.fromkeys(inspection.USAGE_PARTS, 0), 0, {})
-
-    def verify(self, keys: Sequence[str], *, every_backward: bool, progress: Progress | None) -> VerifyReport:
-        return VerifyReport(verified=0)
 
     def gc(self, older_than: float, *, dry_run: bool, progress: Progress | None) -> dict[str, int]:
         return gc.nothing_removed()
@@ -130,12 +114,9 @@ class MemoryOnlyPersistence:
     def close(self) -> None:
         return None
 
-    def close_later(self) -> None:
-        return None
 
-
-class ReadOnlyPersistence:
-    """A store on disk, read: contexts, their stored backwards, inspection; nothing changes."""
+class ReadOnlyPersistence(_WritesNothing):
+    """A store on disk, read: its keys and the stored backwards; nothing changes."""
 
     keeping = Keeping(below_host=True)
 
@@ -158,44 +139,11 @@ class ReadOnlyPersistence:
         self.check_writable("put")
         raise AssertionError("unreachable: check_writable raises")
 
-    def schedule(self, writes: Sequence[Write], staged: Any = None) -> None:
-        assert not writes, "a read-only store writes nothing"
-
-    def delete(self, key: str, version: int) -> None:
-        raise AssertionError("a read-only store deletes nothing")  # check_writable refused it
-
     def holds(self, key: str) -> bool:
         return key in self.disk
 
     def keys(self) -> list[str]:
         return self.disk.keys()
-
-    def arrays(self, key: str) -> tuple[np.ndarray, ...]:
-        """The residuals of ``key`` read from disk as whole NumPy arrays, verified, not placed."""
-        _, arrays = self.disk.read(key, place=False)
-        return tuple(cast(list[np.ndarray], arrays))
-
-    def flush(self, keys: Sequence[str] = ()) -> list[bool]:
-        return [False] * len(keys)
-
-    def stats(self, leaving: Collection[str]) -> dict[str, int]:
-        """The committed contexts' bytes, ``leaving`` out (deleted or popped: gone for every caller)."""
-        return inspection.disk_bytes(self.disk, leaving=leaving)
-
-    def info(self, key: str) -> ContextInfo:
-        return inspection.stored_info(self.disk, key)
-
-    def backward_info(self, signature: str) -> BackwardInfo:
-        return inspection.backward_info(self.disk, signature)
-
-    def usage(self, progress: Progress | None) -> StoreUsage:
-        return inspection.measure(self.disk, progress)
-
-    def verify(self, keys: Sequence[str], *, every_backward: bool, progress: Progress | None) -> VerifyReport:
-        report = inspection.verify(self.disk, keys, every_backward=every_backward, progress=progress)
-        # a sealed store (an Orbax step's item) holds what its record lists (every_backward: a
-        # verify of every key, which also finds the keys it lost)
-        return item_record.checked_report(self.disk, report, keys, whole=every_backward)
 
     def gc(self, older_than: float, *, dry_run: bool, progress: Progress | None) -> dict[str, int]:
         return gc.collect(self.disk, older_than, dry_run=dry_run, progress=progress)
@@ -204,9 +152,6 @@ class ReadOnlyPersistence:
         unregister_loader(self._stored_backwards)
         if self.disk.buffers is not None:
             self.disk.buffers.clear()
-
-    def close_later(self) -> None:
-        return None
 
 
 class WritablePersistence(ReadOnlyPersistence):
@@ -245,7 +190,7 @@ class WritablePersistence(ReadOnlyPersistence):
         # A burst of durable puts shares one sync of the manifests' folder, before flush returns.
         self.writer = Writer(max_pending_bytes, on_idle=disk.sync_commits)
         # a drain (SIGTERM, exit) first queues the writes a put made but had not queued yet
-        self.writer.before_drain = weakref.WeakMethod(self._queue_unclaimed)
+        self.writer.before_drain = weakref.WeakMethod(self.schedule)
         self.janitor = janitor()  # removes replaced or deleted data off the write path
         # saves each signature's backward once, on the writer thread
         self._saver = backwards.BackwardSaver(disk, self.writer, durable=self._durable)
@@ -267,20 +212,18 @@ class WritablePersistence(ReadOnlyPersistence):
 
     # -- scheduling (no lock held) ---------------------------------------------------------------
 
-    def schedule(self, writes: Sequence[Write], staged: Any = None) -> None:
+    def schedule(self, writes: Sequence[Write] | None = None, staged: Any = None) -> None:
         """Queues each of ``writes`` that nobody queued yet (``staged``: the first one's weights,
-        see :meth:`prepare_put`)."""
+        see :meth:`prepare_put`); with ``None``, every write the table holds pending that nobody
+        queued (a signal landed between a put's transition and its queueing), so that a drain
+        writes what the table holds pending (rule 6)."""
+        writes = self._table.unqueued() if writes is None else writes
         for write, future in self._table.claim_writes(writes, self.writer.future):
             held = write.ctx if self._jobs_hold else None
             first = staged if write is writes[0] else None
             job = functools.partial(self._write, write.key, held, write.version, first)
             self.writer.submit(job, write.ctx.nbytes, future)
             future.add_done_callback(functools.partial(self._table.write_settled, write.key))
-
-    def _queue_unclaimed(self) -> None:
-        """Queues the writes no put has queued yet (a signal landed between a put's transition and
-        its queueing), so a drain writes what the table holds pending (rule 6)."""
-        self.schedule(self._table.unqueued())
 
     def delete(self, key: str, version: int) -> None:
         """Queues the removal of ``key`` from disk (the delete of ``version``), after any
@@ -292,7 +235,7 @@ class WritablePersistence(ReadOnlyPersistence):
         had one) and raises the first error since the last flush (of those keys' writes). A
         write the table holds pending and nobody queued (a put whose copy failed on the way) is
         queued first, as the exit drain would (rule 6): flush, close and the exit agree."""
-        self._queue_unclaimed()
+        self.schedule()  # what no put queued
         try:
             if not keys:
                 self.writer.flush()
@@ -319,18 +262,19 @@ class WritablePersistence(ReadOnlyPersistence):
             return  # superseded: a stale version never lands
         try:
             arrays, impls = committer.host_arrays(ctx, staged)
-            known = self._weights.checksums(ctx, arrays)
-            spec, nbytes, residuals = ctx.spec, ctx.spec.own_nbytes, ctx.residuals
+            sums, digests = self._weights.checksums(ctx, arrays)
+            write = HostWrite(key, ctx.spec, arrays, tuple(impls), self._durable, sums, digests)
+            nbytes = ctx.spec.own_nbytes
             # Only the host arrays from here on: the context's device arrays can go while the
             # commit runs (a slow, durable one most of all) once nothing else holds them.
-            residuals = tuple(x if k not in OWN_KINDS else None for x, k in zip(residuals, spec.kinds))
+            residuals = tuple(x if k not in OWN_KINDS else None for x, k in zip(ctx.residuals, ctx.spec.kinds))
             del ctx, pending
-            stale = committer.write(key, spec, arrays, impls, fsync=self._durable, known=known)
+            stale = committer.write(write)
         except BaseException:
             self._table.write_failed(key, version)  # a put that failed is not in the store (flush raises why)
             raise
         self.drop_later(stale)
-        self._weights.hold(residuals, impls, known[1])
+        self._weights.hold(residuals, write.impls, write.digests)
         self._table.write_done(key, version, nbytes)
 
     def _delete_on_disk(self, key: str, version: int) -> None:

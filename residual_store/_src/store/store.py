@@ -15,7 +15,7 @@ import numpy as np
 from residual_store._src import _jax_internals
 from residual_store._src.context import ResidualContext
 from residual_store._src.errors import ContextNotFoundError, InvalidArgumentError
-from residual_store._src.store import inspection
+from residual_store._src.store import inspection, item_record
 from residual_store._src.store.budgets import (
     Headroom,
     check_flags,
@@ -184,6 +184,7 @@ class Store(StoreMapping):
             device_limit=headroom.device_limit if headroom is not None else None,
             where=disk.description if disk is not None else "memory only",
         )
+        self._disk = disk  # read by gets, and by the reports (inspection.py) whatever the mode
         self._persistence = persistence_for(
             disk, committer, table=self._table, weights=self._weights, durable=durable,
             max_pending_bytes=max_pending_bytes,
@@ -198,7 +199,7 @@ class Store(StoreMapping):
             landings=self._landings,
         )
         self._reads = Reads(
-            table=self._table, disk=self._persistence.disk, backward_for=self._persistence.backward_for,
+            table=self._table, disk=self._disk, backward_for=self._persistence.backward_for,
             copies=self._copies, weights=self._weights, target=self._target, loads=self._loads, pool=self._pool,
         )
         self._closed = False
@@ -459,7 +460,7 @@ class Store(StoreMapping):
         device["lent"] = self._reads.lent()
         device["held"] = self._table.device_held() + device["lent"]
         io, deleted = result.pop("io"), result.pop("deleted")
-        result["disk"] = {**self._persistence.stats(leaving=deleted), **io}
+        result["disk"] = {**inspection.disk_bytes(self._disk, leaving=deleted), **io}
         return result
 
     # -- flush, close -------------------------------------------------------------------------
@@ -581,7 +582,7 @@ class Store(StoreMapping):
         ctx, newer = self._find(key)
         if ctx is not None and (newer or not self._table.keeping.below_host):
             return inspection.memory_info(key, ctx.spec)
-        return self._persistence.info(key)
+        return inspection.stored_info(self._disk, key)
 
     @store_call
     def arrays(self, key: str) -> tuple[np.ndarray, ...]:
@@ -603,7 +604,7 @@ class Store(StoreMapping):
         ctx, _ = self._find(key)
         if ctx is not None:
             return tuple(to_numpy(x) for x in ctx.residuals)
-        return self._persistence.arrays(key)
+        return inspection.stored_arrays(self._disk, key)
 
     @store_call
     def backward_info(self, signature: str) -> BackwardInfo:
@@ -613,7 +614,7 @@ class Store(StoreMapping):
         Raises:
           InvalidArgumentError: ``signature`` is not a signature (``info(key).signature`` is one).
         """
-        return self._persistence.backward_info(signature)
+        return inspection.backward_info(self._disk, signature)
 
     @store_call
     def usage(self, *, progress: Progress | None = None) -> StoreUsage:
@@ -630,7 +631,7 @@ class Store(StoreMapping):
           (True, [1])
         """
         self.flush()  # what was put is on disk
-        return self._persistence.usage(progress)
+        return inspection.measure(self._disk, progress)
 
     @store_call
     def verify(self, keys: Sequence[str] | None = None, *, progress: Progress | None = None) -> VerifyReport:
@@ -669,7 +670,11 @@ class Store(StoreMapping):
         if missing:
             raise ContextNotFoundError.of(missing, self._description)
         on_disk = set(self._persistence.keys())
-        report = self._persistence.verify([k for k in chosen if k in on_disk], every_backward=keys is None, progress=progress)
+        checked, disk = [k for k in chosen if k in on_disk], self._disk
+        report = inspection.verify(disk, checked, every_backward=keys is None, progress=progress)
+        # a sealed store (an Orbax step's item) holds what its record lists (a verify of every
+        # key also finds the keys it lost)
+        report = inspection.with_damage(report, item_record.findings(disk, checked, whole=keys is None), checked)
         in_memory = sum(k not in on_disk for k in chosen)  # written with write_through=False, not spilled
         return dataclasses.replace(report, verified=report.verified + in_memory) if in_memory else report
 

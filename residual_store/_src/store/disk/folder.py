@@ -21,7 +21,7 @@ import residual_store_serializers as serializers
 from residual_store._src.errors import ReadOnlyStoreError
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk.paths import STORE_MARKER, new_write_id, recycled_path, staging_path, trash_path
-from residual_store._src.store.disk.protocol import ContextWrite, DamagedFileError, Empty, Files, StaleData, damaged
+from residual_store._src.store.disk.protocol import ContextWrite, DamagedFileError, Empty, StaleData, damaged
 from residual_store_serializers.local import (
     check_array_metadata_local,
     check_folders_local,
@@ -118,23 +118,13 @@ class LocalBackend:
         with _refused_as_damaged():
             serializers.write_arrays_local(
                 self.root, write.arrays, fsync=write.fsync, reuse=write.reuse, keep_metadata=write.reuse,
-                attributes=write.attributes, files=write.files, sync_folders=write.sync_folders,
-                temporaries=write.temporaries,
+                write_metadata=write.write_metadata, attributes=write.attributes, files=write.files,
+                sync_folders=write.sync_folders, temporaries=write.temporaries,
             )
 
-    def write_arrays(
-        self,
-        arrays: Mapping[str, Any],
-        *,
-        fsync: bool,
-        write_metadata: bool = True,
-        attributes: Mapping[str, Mapping[str, Any]] | None = None,
-        files: Files | None = None,
-    ) -> None:
+    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True) -> None:
         with _refused_as_damaged():
-            serializers.write_arrays_local(
-                self.root, arrays, fsync=fsync, write_metadata=write_metadata, attributes=attributes, files=files
-            )
+            serializers.write_arrays_local(self.root, arrays, fsync=fsync, write_metadata=write_metadata)
 
     def rename(self, src: str, dst: str) -> bool:
         """Renames the entry ``src`` (a link there is renamed itself, never followed) to ``dst``;

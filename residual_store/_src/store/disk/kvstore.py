@@ -20,7 +20,7 @@ import tensorstore as ts
 import residual_store_serializers as serializers
 from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
 from residual_store._src.store.disk.paths import STORE_MARKER
-from residual_store._src.store.disk.protocol import Backend, ContextWrite, Empty, Files, StaleData, damaged
+from residual_store._src.store.disk.protocol import Backend, ContextWrite, Empty, StaleData, damaged
 from residual_store._src.store.disk.sdk_logs import sdk_logs_to_logger
 from residual_store_serializers.kv_errors import is_missing_bucket, ts_message
 
@@ -203,42 +203,25 @@ class KvBackend:
 
     latency_bound = True
 
+    @_requests
     def write_context(self, write: ContextWrite) -> None:
-        """The arrays, then each file as one object (the manifest among them, if staged); in a
-        folder named for this write alone (``fresh``), no listing to clear the paths first."""
-        self._write(write.arrays, fsync=write.fsync, attributes=write.attributes,
-                    files={**write.files, **write.temporaries}, fresh=write.fresh)
-
-    def write_arrays(
-        self,
-        arrays: Mapping[str, Any],
-        *,
-        fsync: bool,
-        write_metadata: bool = True,
-        attributes: Mapping[str, Mapping[str, Any]] | None = None,
-        files: Files | None = None,
-    ) -> None:
-        """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
-        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""
-        self._write(arrays, fsync=fsync, write_metadata=write_metadata, attributes=attributes, files=files)
+        """The arrays (as :meth:`write_arrays`), then each file as one object (the manifest among
+        them, if staged); in a folder named for this write alone (``fresh``), no listing to
+        clear the paths first."""
+        serializers.write_arrays_kv(
+            self.spec, write.arrays, context=self.context, write_metadata=write.write_metadata,
+            attributes=write.attributes, fresh=write.fresh, timeout=self.timeout,
+        )
+        for key, data in {**write.files, **write.temporaries}.items():  # a bundle's parts as one object
+            self.put_bytes(key, data if isinstance(data, bytes) else b"".join(data), fsync=write.fsync)
 
     @_requests
-    def _write(
-        self,
-        arrays: Mapping[str, Any],
-        *,
-        fsync: bool,
-        write_metadata: bool = True,
-        attributes: Mapping[str, Mapping[str, Any]] | None = None,
-        files: Files | None = None,
-        fresh: bool = False,
-    ) -> None:
+    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True) -> None:
+        """Chunks first and ``zarr.json`` last, so :meth:`array_exists` means complete; with
+        ``write_metadata=False`` the ``zarr.json`` of chunked arrays is left to another writer."""
         serializers.write_arrays_kv(
-            self.spec, arrays, context=self.context, write_metadata=write_metadata, attributes=attributes,
-            fresh=fresh, timeout=self.timeout,
+            self.spec, arrays, context=self.context, write_metadata=write_metadata, timeout=self.timeout
         )
-        for key, data in (files or {}).items():  # a bundle's parts go out as one object
-            self.put_bytes(key, data if isinstance(data, bytes) else b"".join(data), fsync=fsync)
 
     @_requests
     def write_shared_arrays(

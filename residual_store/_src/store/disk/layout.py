@@ -3,7 +3,8 @@
 The paths come from :mod:`residual_store._src.store.disk.paths`, which spells every one; they are
 re-exported here.
 
-:func:`plan_write` turns a context's host arrays into a :class:`WritePlan`: every array's path
+:func:`plan_write` turns a :class:`HostWrite` (a context's host arrays, the one record of a write
+from the writer thread to the bytes) into a :class:`WritePlan`: every array's path
 and bytes (each residual planned in its form, bundled, chunked or whole, by
 :mod:`residual_store._src.store.disk.forms`), its manifest record, the manifest itself and
 the write's group metadata. The plan is
@@ -51,6 +52,7 @@ from residual_store_serializers import bundle as bundles
 
 __all__ = [
     "ArrayWrite",
+    "HostWrite",
     "WritePlan",
     "data_of",
     "folder_shape",
@@ -151,6 +153,25 @@ def data_of(stored: StoredContext) -> StaleData:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostWrite:
+    """One write of a context, its residuals on the host: made once on the writer thread, when
+    its host arrays are taken, and carried from there to the bytes (the committer, the plan)
+    and to the live weights it stored.
+
+    ``whole_sums`` and ``digests`` are the checksums and content digests of whole arrays already
+    computed (the weights', remembered across writes), by residual index; the plan computes the
+    others."""
+
+    key: str
+    spec: ResidualSpec
+    arrays: HostArrays  # one per residual, in leaf order
+    impls: tuple[str | None, ...]  # each typed key's impl (None: not a key)
+    fsync: bool  # durable: synced before the commit
+    whole_sums: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    digests: Mapping[int, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class ArrayWrite:
     """One residual's array in a :class:`WritePlan`.
 
@@ -222,30 +243,20 @@ class WritePlan:
         return arrays + (self.bundle.ref.nbytes if self.bundle is not None else 0)
 
 
-def plan_write(
-    key: str,
-    spec: ResidualSpec,
-    arrays: HostArrays,
-    impls: Sequence[str | None],
-    *,
-    write_id: str,
-    sums: forms.ChunkSums | None = None,
-    whole_sums: Mapping[int, str] | None = None,
-    digests: Mapping[int, str] | None = None,
-) -> WritePlan:
-    """The :class:`WritePlan` of ``key``'s context (its residuals ``arrays`` on the host).
+def plan_write(write: HostWrite, *, write_id: str, sums: forms.ChunkSums | None = None) -> WritePlan:
+    """The :class:`WritePlan` of ``write`` in the data folder of ``write_id``.
 
     ``sums`` gives the chunks' checksums and digests (every process's, in a collective write;
-    computed here from ``arrays`` when ``None``); ``whole_sums`` and ``digests`` any checksums
-    and content digests of whole arrays already computed (by residual index).
+    computed here from the write's arrays when ``None``).
     """
+    key, spec, arrays, impls = write.key, write.spec, write.arrays, write.impls
     folder = data_dir(key, write_id)
     note_residual_count(spec.signature, len(arrays))  # (what a reader of this signature may expect)
     if sums is None:
         template = _template_for(spec, arrays, impls)
         if template is not None:
             # a template exists only for contexts of whole NumPy arrays (_template_for)
-            return _plan_from_template(template, key, spec, cast(list[np.ndarray], arrays), impls, folder, whole_sums, digests)
+            return _plan_from_template(template, write, cast(list[np.ndarray], arrays), folder)
     sums = forms.chunk_sums(spec, arrays) if sums is None else sums
     writes: list[ArrayWrite] = []
     weights: set[str] = set()  # the paths of the weights in writes (a weight held twice is written once)
@@ -266,7 +277,7 @@ def plan_write(
         if forms.is_chunked(x):
             planned = forms.plan_chunked(key, spec, i, x, sums.get(i, {}), shared=shared)
         else:
-            planned = forms.plan_whole(i, x, shared=shared, whole_sums=whole_sums, digests=digests)
+            planned = forms.plan_whole(i, x, shared=shared, whole_sums=write.whole_sums, digests=write.digests)
         digest = planned.digest
         path = weight_path(digest) if digest is not None else own_array_path(folder, i)  # (a digest: shared)
         if not (shared and path in weights):
@@ -279,19 +290,6 @@ def plan_write(
             nbytes=int(x.nbytes), checksum=planned.checksum, input_path=spec.input_paths[i], shared=shared,
             **planned.chunk_fields,
         ))
-    created = time.time()
-    fields: dict[str, Any] = {
-        "key": key,
-        "signature": spec.signature,
-        "created": created,
-        "jax_version": jax.__version__,
-        "spec": spec_to_map(spec, impls, shardings),
-        "data_dir": folder,
-        "arrays": records,
-    }
-    if bundle is not None:
-        fields["bundle"] = bundle.ref.to_map()
-    manifest = serializers.encode_manifest(fields)
     group = serializers.encode_group_metadata({"residual_store": {
         "key": key,
         "signature": spec.signature,
@@ -309,11 +307,48 @@ def plan_write(
           for a in writes if not a.shared),
         *((i, in_bundle_name(i), records[i].shape, records[i].dtype, None) for i in in_bundle),
     ])
+    return _sealed(
+        write, folder, shape, tuple(writes), tuple(records), group, bundle,
+        spec_map=spec_to_map(spec, impls, shardings), shardings=tuple(shardings),
+    )
+
+
+def _sealed(
+    write: HostWrite,
+    folder: str,
+    shape: str,
+    writes: tuple[ArrayWrite, ...],
+    records: tuple[serializers.ArrayRecord, ...],
+    group: bytes,
+    bundle: forms.BundleWrite | None,
+    *,
+    spec_map: Mapping[str, Any],
+    shardings: tuple[dict[str, Any] | None, ...],
+    record_maps: Sequence[Mapping[str, Any]] | None = None,
+) -> WritePlan:
+    """The plan of ``write`` with its manifest, built here for both ways of planning (each
+    residual on its own, or from its signature's template): the manifest's fields in one
+    order, sealed, and the :class:`StoredContext` parsing it gives. ``record_maps``: the
+    records' manifest maps, each of a record already checked (the template's), else the
+    records themselves are checked as they are encoded."""
+    created = time.time()
+    fields: dict[str, Any] = {
+        "key": write.key,
+        "signature": write.spec.signature,
+        "created": created,
+        "jax_version": jax.__version__,
+        "spec": spec_map,
+        "data_dir": folder,
+        "arrays": records if record_maps is None else record_maps,
+    }
+    if bundle is not None:
+        fields["bundle"] = bundle.ref.to_map()
+    manifest = serializers.encode_manifest(fields, records_checked=record_maps is not None)
     stored = StoredContext(
-        key, spec, tuple(records), tuple(impls), created, jax.__version__, folder, tuple(shardings),
+        write.key, write.spec, records, tuple(write.impls), created, jax.__version__, folder, shardings,
         bundle.ref if bundle is not None else None, shape,
     )
-    return WritePlan(key, folder, shape, tuple(writes), tuple(records), manifest, group, stored, bundle)
+    return WritePlan(write.key, folder, shape, writes, records, manifest, group, stored, bundle)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -409,24 +444,14 @@ def _make_template(spec: ResidualSpec, arrays: Sequence[np.ndarray], impls: Sequ
     )
 
 
-def _plan_from_template(
-    template: _Template,
-    key: str,
-    spec: ResidualSpec,
-    arrays: Sequence[np.ndarray],
-    impls: Sequence[str | None],
-    folder: str,
-    whole_sums: Mapping[int, str] | None,
-    digests: Mapping[int, str] | None,
-) -> WritePlan:
-    """:func:`plan_write` of a context that has a :class:`_Template`: the same plan, records
-    and bytes, made from the template."""
+def _plan_from_template(template: _Template, write: HostWrite, arrays: Sequence[np.ndarray], folder: str) -> WritePlan:
+    """:func:`plan_write` of a context that has a :class:`_Template` (``arrays``: its host
+    arrays, all NumPy): the same plan, records and bytes, made from the template."""
     if not serializers.is_safe_relpath(folder):
         raise ValueError(f"refusing to write to {folder!r}: not a safe relative path")
-    whole_sums, digests = whole_sums or {}, digests or {}
+    whole_sums, digests = write.whole_sums, write.digests
     data = [arrays[i] for i in template.bundled]
     bundle, crcs = forms.bundle_write(template.bundle, data, folder)
-    ref = bundle.ref
     where: list[str] = [""] * len(arrays)  # each residual's path
     checksums: list[str] = [""] * len(arrays)
     for i, crc in zip(template.bundled, crcs):
@@ -447,12 +472,6 @@ def _plan_from_template(
         m = dict(m)
         m["path"], m["checksum"] = p, c
         maps.append(m)
-    created = time.time()
-    fields: dict[str, Any] = {
-        "key": key, "signature": spec.signature, "created": created, "jax_version": jax.__version__,
-        "spec": template.spec_map, "data_dir": folder, "arrays": maps, "bundle": ref.to_map(),
-    }
-    manifest = serializers.encode_manifest(fields, records_checked=True)
     # the group's values where the template's JSON has them (keys sorted: each array's bundle
     # folder, if bundled, and path; then the key and the manifest's path); the paths are safe
     # relative paths, which JSON writes as they are
@@ -462,14 +481,13 @@ def _plan_from_template(
         if i in bundled:
             values.append(folder)
         values.append(p)
-    values += [json.dumps(key)[1:-1], json.dumps(manifest_path(key))[1:-1]]
+    values += [json.dumps(write.key)[1:-1], json.dumps(manifest_path(write.key))[1:-1]]
     pieces = template.group_parts
     text = [pieces[0]]
     for v, piece in zip(values, pieces[1:]):
         text += [v, piece]
     group = "".join(text).encode()
-    stored = StoredContext(
-        key, spec, records, tuple(impls), created, jax.__version__, folder, tuple(None for _ in records), ref,
-        template.folder_shape,
+    return _sealed(
+        write, folder, template.folder_shape, tuple(writes), records, group, bundle,
+        spec_map=template.spec_map, shardings=tuple(None for _ in records), record_maps=maps,
     )
-    return WritePlan(key, folder, template.folder_shape, tuple(writes), records, manifest, group, stored, bundle)

@@ -56,7 +56,9 @@ class ContextWrite:
     under a temporary name (``manifest``), which the caller renames into place afterwards.
 
     Built from the write's plan by
-    :meth:`~residual_store._src.store.disk.layout.WritePlan.own_write`."""
+    :meth:`~residual_store._src.store.disk.layout.WritePlan.own_write`; in a job of several
+    processes, each process's part of it (``write_metadata=False``), then the ``zarr.json`` of
+    its chunked arrays, by :mod:`~residual_store._src.store.collective`."""
 
     # by path: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard)
     arrays: Mapping[str, Any]
@@ -68,6 +70,8 @@ class ContextWrite:
     # new name is synced with the rest; otherwise a folder named for this write alone
     reuse: bool = False
     manifest: tuple[str, bytes] | None = None  # (temporary key, bytes): the caller publishes it
+    # False: the chunks only of chunked arrays, their zarr.json left to another writer
+    write_metadata: bool = True
 
     @property
     def fresh(self) -> bool:
@@ -176,17 +180,10 @@ class Backend(Protocol):
     latency_bound: bool
 
     def write_context(self, write: ContextWrite) -> None: ...
-    # values: NumPy arrays or serializers.ChunkedArray (a sharded residual, one chunk per shard);
-    # write_metadata=False: chunks only, a chunked array's zarr.json left to another writer
-    def write_arrays(
-        self,
-        arrays: Mapping[str, Any],
-        *,
-        fsync: bool,
-        write_metadata: bool = True,
-        attributes: Mapping[str, Mapping[str, Any]] | None = None,
-        files: Files | None = None,  # small files written with the arrays
-    ) -> None: ...
+    # bare arrays (no attributes, no files beside them): NumPy arrays or serializers.ChunkedArray
+    # (a sharded residual, one chunk per shard); write_metadata=False: chunks only, a chunked
+    # array's zarr.json left to another writer
+    def write_arrays(self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True) -> None: ...
     def write_shared_arrays(
         self, arrays: Mapping[str, Any], *, fsync: bool, write_metadata: bool = True
     ) -> None: ...

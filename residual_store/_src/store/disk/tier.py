@@ -370,15 +370,13 @@ class DiskTier:
         for another file (a reused inode, a coarse clock): :meth:`read` never trusts the cache
         to judge a failed read.
         """
-        return self._stat(key, self.backend.version(paths.manifest_path(key)))
-
-    def _stat(self, key: str, version: Any) -> StoredContext:
-        """:meth:`stat`, the manifest file's ``version`` already looked up."""
+        manifest = paths.manifest_path(key)
+        version = self.backend.version(manifest)
         with self._lock:
             cached = self._stat_cache.pop(key, None) if version is None else self._stat_cache.get(key)
             if cached is not None and cached[0] == version:
                 return cached[1]  # (marked recently used)
-        data = self.backend.get_bytes(paths.manifest_path(key))
+        data = self.backend.get_bytes(manifest)
         if data is None:
             raise ContextNotFoundError.of(key, self.description)
         try:

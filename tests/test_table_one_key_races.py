@@ -1,4 +1,5 @@
-"""One key, one state: the rules of ``residual_store/_src/store/ledger.py``, each raced.
+"""One key, one state: the key table's rules for one key (``residual_store/_src/store/table.py``),
+each raced end to end through ``rs.Store``.
 
 - A get that overlaps ``delete`` + ``flush`` never brings the deleted context back.
 - A get that overlaps a replacement (``put`` of a new version, ``flush``, the new version pushed
@@ -10,8 +11,8 @@
   puts or gets a large context waits for bookkeeping only.
 
 The deterministic tests hold a disk read at a gate (``DiskTier.read`` wrapped), so the overlap
-happens every time; against the code before the ledger they fail (the resurrected key, v1's
-gradients).
+happens every time; against the code before one state per key (the store's first form) they
+fail (the resurrected key, v1's gradients).
 """
 
 from __future__ import annotations
@@ -22,34 +23,16 @@ import threading
 import time
 from collections.abc import Iterator
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import residual_store as rs
-from store_helpers import which_version
-
-W = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
-
-
-def _loss(w: jax.Array, x: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.tanh(x @ w) ** 2)
-
-
-_FWD = rs.split(_loss)
-_GRAD = jax.jit(jax.grad(_loss))
-
-
-def _context(i: int, rows: int = 64) -> tuple[rs.ResidualContext, np.ndarray]:
-    """Version ``i``: a context and the gradient it must give."""
-    x = jax.random.normal(jax.random.fold_in(jax.random.key(7), i), (rows, 8))
-    return _FWD(W, x)[1], np.asarray(_GRAD(W, x))
+from store_helpers import graded_version, graded_versions, which_version
 
 
 @pytest.fixture(scope="module")
 def versions() -> list[tuple[rs.ResidualContext, np.ndarray]]:
-    return [_context(i) for i in range(8)]
+    return graded_versions(8)
 
 
 _which = which_version
@@ -195,7 +178,7 @@ def test_threads_racing_on_one_key_never_see_an_older_version(tmp_path, versions
                 seen["got" if result is not None else "missing"] += 1
                 check(before, result)
 
-    filler = _context(99)[0]
+    filler = graded_version(99)[0]
     with rs.Store(tmp_path / "s", **opts) as st:
         st.put(versions[0][0], "k")
         ops.append(("put", 0))
@@ -253,7 +236,7 @@ def test_internals_no_copy_runs_under_the_store_lock(tmp_path, monkeypatch):
     the store's lock is free: another thread takes it at once."""
     from residual_store._src.store import copies, reads
 
-    ctx, _ = _context(0)
+    ctx, _ = graded_version(0)
     entered, release = threading.Event(), threading.Event()
 
     def slow(copy):  # noqa: ANN001
@@ -276,4 +259,4 @@ def test_internals_no_copy_runs_under_the_store_lock(tmp_path, monkeypatch):
             st._table.lock.release()
             release.set()
             worker.join(30)
-        assert _which(st.get("k"), [(ctx, _context(0)[1])]) == 0
+        assert _which(st.get("k"), [(ctx, graded_version(0)[1])]) == 0

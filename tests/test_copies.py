@@ -1,9 +1,9 @@
-"""Moving contexts between device and host memory (``residual_store/_src/store/copies.py``): the
-copies the budgets owe go through the store's pool of pinned host memory, a context's device
-bytes count until its copy has landed and the next put waits for them (the key table's rule 7),
-a copy that fails leaves the context intact on the device, and threads racing put, pop and
-delete through the pool never see a context change. On a CPU the pool's memory is ordinary host
-memory and the same code runs; the TPU numbers are ``benchmarks/accelerator.py``'s.
+"""The copies between device and host memory that the budgets owe (made by
+``residual_store/_src/store/copies.py`` through the store's pool of pinned host memory): a
+context's device bytes count until its copy has landed and the next put waits for them (the key
+table's rule 7), a copy that fails leaves the context intact on the device, and threads racing
+put, pop and delete through the pool never see a context change. On a CPU the pool's memory is
+ordinary host memory and the same code runs; the TPU numbers are ``benchmarks/accelerator.py``'s.
 """
 
 from __future__ import annotations
@@ -13,31 +13,17 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import residual_store as rs
 from residual_store._src.store import copies
-
-
-def _loss(w: jax.Array, x: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.tanh(x @ w) ** 2)
-
-
-_FWD = rs.split(_loss)
-_GRAD = jax.jit(jax.grad(_loss))
-W = jnp.linspace(-1.0, 1.0, 256).reshape(16, 16)
-
-
-def _version(i: int) -> tuple[rs.ResidualContext, np.ndarray]:
-    x = jax.random.normal(jax.random.fold_in(jax.random.key(3), i), (64, 16))
-    return _FWD(W, x)[1], np.asarray(_GRAD(W, x))
+from store_helpers import graded_versions
 
 
 @pytest.fixture(scope="module")
 def versions() -> list[tuple[rs.ResidualContext, np.ndarray]]:
-    return [_version(i) for i in range(6)]
+    return graded_versions(6, width=16, seed=3)
 
 
 def _grad_of(ctx: rs.ResidualContext) -> np.ndarray:
