@@ -40,7 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -51,7 +51,10 @@ from residual_store._src.canonical import qualified_name
 from residual_store._src.context import POLICY_PREFIX, SAVE_WORDS
 from residual_store._src.errors import InvalidArgumentError
 
-__all__ = ["CHEAP", "RematPlan", "Stacked", "abstract", "cheap", "is_lazy", "plan", "policy_recomputable", "run_backward"]
+__all__ = [
+    "CHEAP", "Chosen", "RematPlan", "Stacked", "abstract", "cheap", "is_lazy", "plan", "policy_recomputable", "protected",
+    "recomputed", "run_backward",
+]
 
 CHEAP: frozenset[str] = frozenset(
     {
@@ -84,14 +87,14 @@ _NEVER: frozenset[str] = frozenset(
 """Primitives never run again, whatever a policy says: RNG, kernels, collectives, callbacks."""
 
 
-def _protected(eqn: Any) -> bool:
+def protected(eqn: Any) -> bool:
     """Never recomputed: effects, higher-order primitives (their bodies stay whole), :data:`_NEVER`."""
     return bool(eqn.effects) or _jax_internals.has_inner_jaxprs(eqn) or eqn.primitive.name in _NEVER
 
 
 def cheap(eqn: Any) -> bool:
     """Whether ``save="auto"`` lets the backward run ``eqn`` again: in :data:`CHEAP`, and pure."""
-    return eqn.primitive.name in CHEAP and not _protected(eqn)
+    return eqn.primitive.name in CHEAP and not protected(eqn)
 
 
 def policy_recomputable(policy: Callable[..., Any]) -> Callable[[Any], bool]:
@@ -103,7 +106,7 @@ def policy_recomputable(policy: Callable[..., Any]) -> Callable[[Any], bool]:
     """
 
     def recomputable(eqn: Any) -> bool:
-        if _protected(eqn):
+        if protected(eqn):
             return False
         try:
             saveable = policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
@@ -126,17 +129,24 @@ class SaveChoice:
     residual ``jax.vjp`` keeps).
     """
 
-    record: str  # "all", "auto" or "policy:<qualified name>": part of the signature
+    record: str  # "all", "auto", "policy:<qualified name>" or "plan:<options>": part of the signature
     recomputable: Callable[[Any], bool] | None = dataclasses.field(default=None, compare=False)
+    # a planner (rs.plan): (jaxpr, residuals, input_cost, inputs held) -> Chosen, for the fewest bytes
+    choose: Callable[[Any, Sequence[Any], Sequence[bool], Sequence[Any]], Chosen] | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
-    def parse(cls, save: str | Callable[..., Any]) -> SaveChoice:
+    def parse(cls, save: Any) -> SaveChoice:
         """``save`` as :func:`residual_store.split` takes it.
 
         Raises:
-          InvalidArgumentError: ``save`` is neither callable nor one of
+          InvalidArgumentError: ``save`` is neither callable, a plan (``rs.plan``), nor one of
             :data:`~residual_store._src.context.SAVE_WORDS`.
         """
+        as_choice = getattr(type(save), "save_choice", None)  # rs.plan(...): it makes its own
+        if as_choice is not None:
+            choice = as_choice(save)
+            assert isinstance(choice, SaveChoice)
+            return choice
         if callable(save):
             return cls(f"{POLICY_PREFIX}{qualified_name(save)}", policy_recomputable(save))
         if save == "all":
@@ -144,9 +154,30 @@ class SaveChoice:
         if save == "auto":
             return cls("auto", cheap)
         raise InvalidArgumentError(
-            f"save must be one of {', '.join(map(repr, SAVE_WORDS))} or a JAX checkpoint policy "
-            f"(a callable such as jax.checkpoint_policies.dots_saveable), got {save!r}"
+            f"save must be one of {', '.join(map(repr, SAVE_WORDS))}, a JAX checkpoint policy "
+            f"(a callable such as jax.checkpoint_policies.dots_saveable) or a plan (rs.plan(...)), got {save!r}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    """A planner's choice (``rs.plan``): the plan the backward's rebuild carries out, the
+    positions in its ``kept`` of the values the forward moves to host memory (and the backward
+    back), and the planner's report (what ``rs.explain`` shows)."""
+
+    remat: RematPlan
+    offloaded: frozenset[int] = frozenset()
+    report: Any = None
+
+
+def to_host(x: Any) -> Any:
+    """``x`` moved to the host memory its device pins, inside a traced program."""
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def to_device(x: Any) -> Any:
+    """``x`` in its device's own memory, inside a traced program (nothing where it is there)."""
+    return jax.device_put(x, jax.memory.Space.Device)
 
 
 def keep_fewest_bytes(
@@ -155,18 +186,28 @@ def keep_fewest_bytes(
     n_consts: int,
     input_cost: Sequence[bool],
     flat_bwd: Callable[[Sequence[Any], Sequence[Any]], list[Any]],
-    recomputable: Callable[[Any], bool],
-) -> tuple[Any, tuple[slots.Slot, ...], Callable[[Sequence[Any], Sequence[Any]], list[Any]]]:
+    save: SaveChoice,
+) -> tuple[Any, tuple[slots.Slot, ...], Callable[[Sequence[Any], Sequence[Any]], list[Any]], Any]:
     """Rewrites a traced split forward (``jax.stages.Traced``) to keep the values of :func:`plan`
-    in place of its computed residuals: the new forward (jitted), its slots, and a backward that
-    recomputes the residuals from them before running ``flat_bwd``."""
+    (or of ``save``'s planner) in place of its computed residuals: the new forward (jitted),
+    its slots, a backward that recomputes the residuals from them before running ``flat_bwd``,
+    and the planner's report (``None`` without one). Values the planner offloads leave the
+    device inside the forward and come back inside the backward."""
+    assert save.recomputable is not None
     closed = jaxpr_walks.inline_calls(traced.jaxpr, [placement.abstract(a) for a in traced.jaxpr.in_avals])
     jaxpr = closed.jaxpr
     computed = [k for k, (src, _) in enumerate(old_slots) if src == slots.FROM_OUTPUT]
     n_kept_out = len(jaxpr.outvars) - len(computed)  # outputs and aux come first
-    p = plan(jaxpr, [jaxpr.outvars[old_slots[k][1]] for k in computed], input_cost, recomputable)
-    kept_out = [v for v in p.kept if p.is_input(v) is None]
+    residuals = [jaxpr.outvars[old_slots[k][1]] for k in computed]
     given = [slot for slot in old_slots if slot[0] != slots.FROM_OUTPUT]
+    if save.choose is None:
+        chosen = Chosen(plan(jaxpr, residuals, input_cost, save.recomputable))
+    else:  # the planner also counts the inputs the context holds whatever it chooses
+        held = [jaxpr.invars[n_consts + i] for src, i in given if src == slots.FROM_INPUT]
+        chosen = save.choose(jaxpr, residuals, input_cost, held)
+    p = chosen.remat
+    kept_out = [v for v in p.kept if p.is_input(v) is None]
+    away = {id(p.kept[i]) for i in chosen.offloaded}  # invariant: offloaded values are computed
     extra = [slots.of_input(j, n_consts) for v in p.kept if (j := p.is_input(v)) is not None]
     new_slots = tuple(dict.fromkeys(given + extra)) + tuple(
         (slots.FROM_OUTPUT, n_kept_out + k) for k in range(len(kept_out))
@@ -175,7 +216,8 @@ def keep_fewest_bytes(
     returned = list(jaxpr.outvars[:n_kept_out]) + kept_out
 
     def forward(consts: list[Any], flat: list[Any]) -> list[Any]:
-        return p.evaluate(closed.consts, [*consts, *flat], returned)
+        values = p.evaluate(closed.consts, [*consts, *flat], returned)
+        return values[:n_kept_out] + [to_host(x) if id(v) in away else x for v, x in zip(kept_out, values[n_kept_out:])]
 
     def backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
         kept_values = [
@@ -183,6 +225,7 @@ def keep_fewest_bytes(
             else residuals[at[slots.of_input(j, n_consts)]]
             for v in p.kept
         ]
+        kept_values = [to_device(x) if id(v) in away else x for v, x in zip(p.kept, kept_values)]
         again = iter(p.rebuild(kept_values, closed.consts, lazy=True))
         original = [next(again) if src == slots.FROM_OUTPUT else residuals[at[(src, i)]] for src, i in old_slots]
         if not any(map(is_lazy, original)):
@@ -191,7 +234,19 @@ def keep_fewest_bytes(
         plain = jax.make_jaxpr(flat_bwd)([abstract(r) for r in original], [abstract(c) for c in cts])
         return run_backward(plain, [*original, *cts])
 
-    return jax.jit(forward), new_slots, backward
+    return jax.jit(forward), new_slots, backward, chosen.report
+
+
+def recomputed(p: RematPlan) -> Iterator[tuple[Any, int]]:
+    """Every equation the backward of ``p`` runs again, with how many times a backward runs it
+    (a planned scan's body equations: once per iteration)."""
+    for i in p.recompute:
+        scan = p.scans.get(i)
+        if scan is None:
+            yield p.jaxpr.eqns[i], 1
+            continue
+        for eqn, times in recomputed(scan.body):
+            yield eqn, times * max(scan.parts.length, 1)
 
 
 def _nbytes(aval: Any) -> int:

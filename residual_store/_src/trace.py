@@ -244,6 +244,7 @@ class Traced:
     backward_jit: Any  # jax.jit of flat_backward
     backward_jaxpr: Any  # flat_backward's jaxpr on parts' avals
     grad_tree: Any  # the gradients' template
+    plan: Any = None  # with save=rs.plan(...): its choice for this signature (a plan.choose.Plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,10 +335,11 @@ def trace(
     (vjp,) = found
     res_slots = vjp.slots
     flat_bwd, grad_tree, templates = _flat_backward(opts, vjp.vjp_tree, out_avals, treedef, positions, differentiated)
-    if opts.save.recomputable is not None:  # keep the fewest bytes; the backward recomputes the rest
+    planned = None  # the planner's report, with save=rs.plan(...)
+    if opts.save.recomputable is not None:  # keep the fewest bytes (or plan); the backward recomputes the rest
         weights = [False] * n_consts + [pos not in opts.weight_argnums for pos in leaf_args]
-        forward_jit, res_slots, flat_bwd = remat.keep_fewest_bytes(
-            traced, res_slots, n_consts, weights, flat_bwd, opts.save.recomputable
+        forward_jit, res_slots, flat_bwd, planned = remat.keep_fewest_bytes(
+            traced, res_slots, n_consts, weights, flat_bwd, opts.save
         )
         traced = forward_jit.trace(consts, list(leaves))
     jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
@@ -383,6 +385,7 @@ def trace(
         backward_jit=bwd_jit,
         backward_jaxpr=bwd_traced.jaxpr,
         grad_tree=grad_tree,
+        plan=planned,
     )
 
 

@@ -1,0 +1,154 @@
+"""A forward's residuals planned: per value the backward needs, keep, offload or recompute.
+
+:func:`choose` runs in two passes over the forward's jaxpr, both carried out by the min-cut of
+``save="auto"`` (:func:`residual_store._src.remat.plan`):
+
+1. The values ``save="auto"`` keeps (the fewest bytes from which cheap, pure operations make
+   every residual again) are the candidates; each may be kept, offloaded (where the device has
+   a link) or, where a matrix product or convolution makes it, recomputed
+   (:mod:`~residual_store._src.plan.cost`). :func:`~residual_store._src.plan.solve.solve` picks the
+   fastest choices within the budget.
+2. The products chosen for recomputing are let into the cut, which finds the fewest bytes to
+   keep for them (it may keep a product after all where its inputs cost more); the values it
+   keeps are then chosen between keep and offload, exactly, under the same budget.
+
+The budget is the device bytes a pipeline's contexts may hold together: ``microbatches``
+contexts of a signature share it. The inputs a context holds (a stage's input activation, the
+batch; never weights) count against it and are kept. The report, :class:`Plan`, is what
+``rs.explain`` prints: every choice with its bytes and seconds, and the predicted totals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from residual_store._src import remat
+from residual_store._src.plan import cost, solve
+from residual_store._src.plan.profile import DeviceProfile
+
+__all__ = ["Decision", "Plan", "choose"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What a plan does with one value its backward needs.
+
+    Attributes:
+      name: where the value comes from (an operation and its line; an input's position).
+      shape: its shape (a scan's stacked value: iterations first).
+      dtype: its dtype's name.
+      nbytes: its bytes in one context.
+      choice: ``"keep"`` (on the device), ``"offload"`` (to host memory inside the forward,
+        back inside the backward) or ``"recompute"`` (in the backward).
+      seconds: the time the choice adds to a step, predicted (0 for ``"keep"``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    choice: cost.Choice
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A split's plan for one signature (``rs.explain`` prints it).
+
+    Attributes:
+      decisions: one per value the planner weighed, kept inputs first.
+      device_bytes: the bytes one context holds on the device (its kept values and inputs).
+      host_bytes: the bytes one context holds in host memory (its offloaded values).
+      seconds: the time the plan adds to a microbatch's step, predicted: recomputing (cheap
+        operations included) and the copies' unhidden part.
+      budget: the device bytes one context may hold (the plan's ``device_budget`` shared by its
+        ``microbatches``), or ``None`` (unbounded).
+      fits: whether ``device_bytes`` is within ``budget``; when nothing fits, the plan holds
+        the fewest device bytes it can.
+      exact: whether the solver proved its choice the fastest that fits (else greedy's).
+      profile: the device profile it was planned for.
+    """
+
+    decisions: tuple[Decision, ...]
+    device_bytes: int
+    host_bytes: int
+    seconds: float
+    budget: int | None
+    fits: bool
+    exact: bool
+    profile: DeviceProfile
+
+    def count(self, choice: cost.Choice) -> int:
+        """How many decisions are ``choice``."""
+        return sum(d.choice == choice for d in self.decisions)
+
+
+def _key(v: Any) -> Any:
+    """One kept value's identity across two plans of one jaxpr (a scan's stacked values are
+    new objects in each plan; the body value and the scan they stack are not)."""
+    return ("stacked", v.eqn, _key(v.value)) if isinstance(v, remat.Stacked) else v
+
+
+def _shape_dtype(v: Any) -> tuple[tuple[int, ...], str]:
+    aval = v.aval
+    shape = tuple(int(n) for n in aval.shape)
+    if isinstance(v, remat.Stacked):
+        shape = (v.length, *shape)
+    return shape, str(aval.dtype)
+
+
+def choose(
+    jaxpr: Any,
+    residuals: Sequence[Any],
+    input_cost: Sequence[bool],
+    held: Sequence[Any] = (),
+    *,
+    budget: int | None,
+    profile: DeviceProfile,
+    offload: bool = True,
+) -> remat.Chosen:
+    """The plan of the open ``jaxpr`` (a forward) for ``residuals`` (some of its variables)
+    under ``budget`` device bytes per context; ``input_cost[i]``: whether input ``i`` is the
+    context's own (else a weight or a constant, held by reference); ``held``: inputs (variables)
+    the context holds whatever the plan chooses. See the module docstring."""
+    base = remat.plan(jaxpr, residuals, input_cost, remat.cheap)
+    position = {v: j for j, v in enumerate(jaxpr.invars)}
+    inputs = [v for v in dict.fromkeys([*held, *(v for v in base.kept if base.is_input(v) is not None)])
+              if input_cost[position[v]]]
+    fixed = sum(cost.nbytes(v.aval) for v in inputs)
+    room = None if budget is None else max(budget - fixed, 0)
+    first = list(cost.candidates(base, profile, offload))
+    picked = solve.solve([[(o.nbytes, o.seconds) for o in c.options] for c in first], room)
+    again = {id(c.producer) for c, i in zip(first, picked.choices) if c.options[i].choice == "recompute"}
+    planned = base
+    if again:
+        planned = remat.plan(jaxpr, residuals, input_cost, lambda eqn: remat.cheap(eqn) or id(eqn) in again)
+    second = [
+        dataclasses.replace(c, options=tuple(o for o in c.options if o.choice != "recompute"))
+        for c in cost.candidates(planned, profile, offload)
+    ]
+    placed = solve.solve([[(o.nbytes, o.seconds) for o in c.options] for c in second], room)
+    choice = {_key(c.value): c.options[i] for c, i in zip(second, placed.choices)}
+    decisions = [Decision(f"input {position[v]}", *_shape_dtype(v), cost.nbytes(v.aval), "keep", 0.0) for v in inputs]
+    recomputed = {_key(c.value): c for c in first if _key(c.value) not in choice}
+    for c in [*second, *recomputed.values()]:
+        option = choice.get(_key(c.value))
+        if option is None:  # made again: its share of the recompute time is its producer's
+            option = next((o for o in c.options if o.choice == "recompute"), cost.Option("recompute", 0, 0.0))
+        decisions.append(Decision(c.name, *_shape_dtype(c.value), c.nbytes, option.choice, option.seconds))
+    offloaded = frozenset(i for i, v in enumerate(planned.kept) if (o := choice.get(_key(v))) and o.choice == "offload")
+    moved = sum(o.seconds for o in choice.values() if o.choice == "offload")
+    device = fixed + sum(o.nbytes for o in choice.values())
+    report = Plan(
+        decisions=tuple(decisions),
+        device_bytes=device,
+        host_bytes=sum(cost.value_bytes(planned.kept[i]) for i in offloaded),
+        seconds=cost.recomputed_seconds(planned, profile) + moved,
+        budget=budget,
+        fits=budget is None or device <= budget,
+        exact=picked.exact and placed.exact,
+        profile=profile,
+    )
+    return remat.Chosen(planned, offloaded, report)
