@@ -27,6 +27,7 @@ _EXPORTS = {
     "plan": "residual_store._src.plan.request",
     "PlanOptions": "residual_store._src.plan.request",
     "explain": "residual_store._src.plan.request",
+    "plan_of": "residual_store._src.plan.request",
     "Plan": "residual_store._src.plan.choose",
     "Decision": "residual_store._src.plan.choose",
     "DeviceProfile": "residual_store._src.plan.profile",
@@ -85,7 +86,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from residual_store._src.filters import is_inexact
     from residual_store._src.plan.choose import Decision, Plan
     from residual_store._src.plan.profile import DeviceProfile, device_profile
-    from residual_store._src.plan.request import PlanOptions, explain, plan
+    from residual_store._src.plan.request import PlanOptions, explain, plan, plan_of
     from residual_store._src.split import Split, split
     from residual_store._src.store import Store
     from residual_store._src.store.inspection import (

@@ -27,7 +27,7 @@ from residual_store._src.plan.choose import Plan
 from residual_store._src.plan.profile import DeviceProfile, device_profile
 from residual_store._src.store.budgets import parse_budget
 
-__all__ = ["PlanOptions", "explain", "plan", "remember"]
+__all__ = ["PlanOptions", "explain", "plan", "plan_of", "remember"]
 
 _PLANS: LRUCache[str, Plan] = LRUCache(1024)  # signature -> its plan, made in this process
 _PLANS_LOCK = threading.Lock()
@@ -147,28 +147,38 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def explain(what: ResidualContext | Plan) -> str:
-    """The plan of a planned context (or a :class:`Plan`) as a table: per value its choice,
-    bytes and predicted seconds; then the totals against the budget.
-
-    A context's plan is found by its signature among the plans this process made (a forward,
-    or a backward resumed from a store by a split made with the same ``rs.plan``).
+def plan_of(ctx: ResidualContext) -> Plan:
+    """The :class:`Plan` of a planned context, found by its signature among the plans this
+    process made (a forward, or a backward resumed from a store by a split made with the same
+    ``rs.plan``).
 
     Raises:
-      InvalidArgumentError: ``what`` is neither, or a context whose signature this process
-        has no plan for (it was not planned, or its split has not traced it here).
+      InvalidArgumentError: ``ctx`` is not a context, or this process has no plan for its
+        signature (it was not planned, or its split has not traced it here).
+    """
+    if not isinstance(ctx, ResidualContext):
+        raise InvalidArgumentError(f"plan_of takes a rs.ResidualContext, got {type(ctx).__name__}")
+    with _PLANS_LOCK:
+        found = _PLANS.get(ctx.spec.signature)
+    if found is None:
+        save = ctx.spec.call.save if ctx.spec.call is not None else "all"
+        raise InvalidArgumentError(
+            f"no plan for signature {ctx.spec.signature} in this process (its save is {save!r}): "
+            "ask about a context of a split made with save=rs.plan(...), after its forward ran here "
+            "or its backward was resumed by such a split"
+        )
+    return found
+
+
+def explain(what: ResidualContext | Plan) -> str:
+    """The plan of a planned context (:func:`plan_of`) or a :class:`Plan`, as a table: per value
+    its choice, bytes and predicted seconds, after a line of totals against the budget.
+
+    Raises:
+      InvalidArgumentError: ``what`` is neither, or a context this process has no plan for.
     """
     if isinstance(what, ResidualContext):
-        with _PLANS_LOCK:
-            found = _PLANS.get(what.spec.signature)
-        if found is None:
-            save = what.spec.call.save if what.spec.call is not None else "all"
-            raise InvalidArgumentError(
-                f"no plan for signature {what.spec.signature} in this process (its save is {save!r}): "
-                "explain a context of a split made with save=rs.plan(...), after its forward ran here "
-                "or its backward was resumed by such a split"
-            )
-        what = found
+        what = plan_of(what)
     if not isinstance(what, Plan):
         raise InvalidArgumentError(f"explain takes a rs.ResidualContext or a rs.Plan, got {type(what).__name__}")
     return _table(what)
