@@ -4,7 +4,7 @@ A split traces ``fun`` once per signature to a jaxpr; the forward evaluates that
 ``jax.vjp`` and returns the output, aux and the residuals it *computes* (inputs and closed-over
 constants are taken live by the context: see :mod:`residual_store._src.slots`). The backward is traced
 too, not compiled, so that the signature covers what both compute. ``save`` other than ``"all"``
-rewrites the forward to keep fewer bytes (:func:`residual_store._src.remat.keep_fewest_bytes`).
+rewrites the forward to keep fewer bytes (:func:`residual_store._src.keep.keep_fewest_bytes`).
 
 Nothing here compiles, runs, or keeps state: the split owns the compiled executables and the
 registry of backwards.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from residual_store._src import _jax_internals, filters, names, placement, remat, slots, structure
+from residual_store._src import _jax_internals, filters, keep, names, placement, remat, slots, structure
 from residual_store._src.context import CallSpec, InputAval, ResidualKind, ResidualSpec
 from residual_store._src.errors import InvalidArgumentError, SignatureMismatchError
 from residual_store._src.halves import GradParts
@@ -338,7 +338,7 @@ def trace(
     planned = None  # the planner's report, with save=rs.plan(...)
     if opts.save.recomputable is not None:  # keep the fewest bytes (or plan); the backward recomputes the rest
         weights = [False] * n_consts + [pos not in opts.weight_argnums for pos in leaf_args]
-        forward_jit, res_slots, flat_bwd, planned = remat.keep_fewest_bytes(
+        forward_jit, res_slots, flat_bwd, planned = keep.keep_fewest_bytes(
             traced, res_slots, n_consts, weights, flat_bwd, opts.save
         )
         traced = forward_jit.trace(consts, list(leaves))

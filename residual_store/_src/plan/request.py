@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from typing import Any
 
 from cachetools import LRUCache
 
