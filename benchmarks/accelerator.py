@@ -16,7 +16,11 @@ Prints, in one run (docs/store.md records a TPU v5e's output):
    the contexts in a list; each put into ``rs.Store(None, device_budget=k contexts)`` after its
    forward and popped for its backward, the next one prefetched (k = 0, 1, 2); JAX's own remat
    offload of the blocks' named intermediates (``save_and_offload_only_these_names``, one fused
-   ``value_and_grad`` a microbatch); and the pressure case (contexts 1.5x the device's memory,
+   ``value_and_grad`` a microbatch); the planned step (``--parts plan``: ``save=rs.plan(...)`` at
+   budgets of 0, 1 and 2 contexts of ``save="all"`` and at 12 microbatches, the store at the same
+   budget, beside ``jax.checkpoint(block, nothing_saveable)`` and
+   ``dots_with_no_batch_dims_saveable`` written by hand, each put into ``Store(None,
+   device_budget=0)``); and the pressure case (contexts 1.5x the device's memory,
    ``device_budget="25%"``), for ``save="all"`` and ``"auto"``, and the fused step
    (``jax.value_and_grad`` a microbatch). **Each row runs in a process of its own** (the chip
    serves one process at a time; a process's allocator peak is its own). Each row: ms a
@@ -70,7 +74,7 @@ from timing import Case, interleaved_medians  # noqa: E402
 import residual_store as rs  # noqa: E402
 from residual_store._src.store.pinned import HostPool  # noqa: E402
 
-PARTS = ("copies", "free", "pipeline", "remat", "pressure")
+PARTS = ("copies", "free", "pipeline", "remat", "pressure", "plan")
 NAMES = ("attn_out", "mlp_hidden", "mlp_out")  # the intermediates remat offload moves
 
 
@@ -337,6 +341,39 @@ def _rows_of(shapes: Shapes, parts: set[str], budgets: list[int]) -> list[str]:
     return rows
 
 
+HAND = {"hand-nothing": jax.checkpoint_policies.nothing_saveable,
+        "hand-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+PLAN_ROWS = ("fused", "list", "hand-nothing:0", "hand-dots:0", "plan:0", "plan:1", "plan:2", "plan12:0")
+"""The plan part's rows: ``kind:k``, a store at a device budget of ``k`` contexts of ``save="all"``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """A plan part's row set up: its split, its calls, its store's budget, its name."""
+
+    fwd: rs.Split
+    calls: list[tuple]
+    budget: int
+    name: str
+
+
+def planned_row(shapes: Shapes, row: str, params: Any, xs: list[jax.Array]) -> Planned:
+    """A hand-written policy's row (``hand-nothing:k``, ``hand-dots:k``) or a planned one
+    (``plan:k``; ``plan12:k`` at 12 microbatches), its budget ``k`` contexts of ``save="all"``."""
+    kind, _, k = row.partition(":")
+    size = own_bytes(rs.split(make_loss(shapes.heads))(params, xs[0])[1])  # (dropped at once)
+    budget = int(k) * size
+    count = 12 if kind == "plan12" else shapes.microbatches
+    calls = [(params, xs[i % len(xs)]) for i in range(count)]
+    if kind in HAND:
+        fwd = rs.split(make_loss(shapes.heads, HAND[kind]))
+        name = f"jax.checkpoint({kind.split('-')[1]}), store at {k} contexts"
+    else:
+        fwd = rs.split(make_loss(shapes.heads), save=rs.plan(device_budget=budget, microbatches=count))
+        name = f"rs.plan, {count} mb, store at {k} contexts"
+    return Planned(fwd, calls, budget, name)
+
+
 def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> Row:
     """One row, in this process alone: two untimed steps (the first compiles and fills a store's
     pool, the second compiles its reusing copies), then ``repeats`` timed; the peak is the chip
@@ -350,14 +387,24 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
     ct = jnp.float32(1.0 / n)
     loss = make_loss(shapes.heads)
     device = jax.devices()[0]
-    fwd = rs.split(loss, save=save)
+    planned = planned_row(shapes, row, params, xs) if row.startswith(("plan", "hand-")) else None
+    fwd = rs.split(loss, save=save) if planned is None else planned.fwd
     size = own_bytes(fwd(*calls[0])[1])  # (dropped at once)
     store: rs.Store | None = None
     budget: int | None = None
-    moved, count, name = 0, n, row
-    if row == "fused":
+    moved, count, name, note = 0, n, row, ""
+    if planned is not None:
+        budget, count, name = planned.budget, len(planned.calls), planned.name
+        store = rs.Store(None, device_budget=budget)
+        fn: Callable[[], Any] = functools.partial(store_step, store, fwd, planned.calls, ct)
+        moved = max(count * size - budget, 0)
+        if row.startswith("plan"):
+            report = rs.plan_of(fwd(*calls[0])[1])
+            note = (f"{report.count('keep')} kept, {report.count('offload')} offloaded, "
+                    f"{report.count('recompute')} recomputed, +{report.seconds * 1e3:.1f} ms predicted")
+    elif row == "fused":
         vg = jax.jit(jax.value_and_grad(loss))
-        fn: Callable[[], Any] = functools.partial(fused_step, vg, calls)
+        fn = functools.partial(fused_step, vg, calls)
         name = "fused jax.value_and_grad a microbatch"
     elif row == "remat":
         policy = jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -397,13 +444,14 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
         identical = None
         if row == "list":
             np.savez(grads, *got)
-        elif row.startswith("budget:") and grads.exists():
+        elif row.startswith(("budget:", "plan", "hand-")) and grads.exists() and count == n:
             with np.load(grads) as want:
                 identical = all(np.array_equal(a, want[f"arr_{i}"]) for i, a in enumerate(got))
         if store is not None:
             store.close()
         context = held_bytes(fwd(*calls[0])[1])
-        return Row(name, count, seconds, moved, peak, budget, identical, start=start, context=context, device=_about())
+        return Row(name, count, seconds, moved, peak, budget, identical, note, start=start, context=context,
+                   device=_about())
     except Exception as err:  # noqa: BLE001 - a row that cannot run says why (out of memory, say)
         return Row(name, count, None, moved, None, budget, None, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
 
@@ -444,7 +492,15 @@ def pipeline(args: argparse.Namespace, parts: set[str], budgets: list[int], scra
             rows.append(Row(**got) if "error" not in got else Row(row, 0, None, 0, None, note=got["error"]))
             print(f"  {save} {row}: {rows[-1]}", file=sys.stderr, flush=True)
         out[save] = rows
-    if "remat" in parts:
+    if "plan" in parts:
+        rows = []
+        for row in PLAN_ROWS:
+            got = _child(["--row", row, "--save", "all", "--grads", str(scratch / "list-plan.npz"), *common],
+                         here=args.quick)
+            rows.append(Row(**got) if "error" not in got else Row(row, 0, None, 0, None, note=got["error"]))
+            print(f"  plan {row}: {rows[-1]}", file=sys.stderr, flush=True)
+        out["plan"] = rows
+    if parts & {"remat", "plan"}:
         got = _child(["--row", "remat", "--save", "all", "--grads", str(scratch / "none.npz"), *common], here=args.quick)
         out["remat"] = Row(**got) if "error" not in got else Row("remat", 0, None, 0, None, note=got["error"])
     return out
@@ -485,7 +541,11 @@ def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | No
             lines.append(f"{path:<6} {r['bytes'] / 2**20:.1f} MiB: returned in {r['returned_s'] * 1e3:8.1f} ms, "
                          f"device bytes free after {freed} {ideal}")
     for save, rows in (pipe or {}).items():
-        if save == "remat":
+        if save == "remat" or not rows:
+            continue
+        if save == "plan":
+            lines.append("\n## Planned: rs.plan beside hand-written policies, each put into a store at the same budget")
+            lines.extend(_rows(rows, d2h, h2d))
             continue
         context = next((r.context for r in rows if r.context), None)
         held = "" if context is None else f", {context / 2**20:.1f} MiB held on the device"
@@ -573,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     copies = None if copies is None or "error" in copies else copies["result"]
     free = None if free is None or "error" in free else free["result"]
     pipe = None
-    if parts & {"pipeline", "remat", "pressure"}:
+    if parts & {"pipeline", "remat", "pressure", "plan"}:
         with tempfile.TemporaryDirectory() as scratch:
             pipe = pipeline(args, parts, [int(k) for k in args.budgets.split(",")], Path(scratch))
     lines = report(copies, free, pipe, about)
