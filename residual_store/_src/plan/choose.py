@@ -113,7 +113,7 @@ def choose(
     under ``budget`` device bytes per context; ``input_cost[i]``: whether input ``i`` is the
     context's own (else a weight or a constant, held by reference); ``held``: inputs (variables)
     the context holds whatever the plan chooses. See the module docstring."""
-    base = remat.plan(jaxpr, residuals, input_cost, remat.cheap)
+    base = remat.plan(jaxpr, residuals, input_cost, cost.relabels)
     position = {v: j for j, v in enumerate(jaxpr.invars)}
     inputs = [v for v in dict.fromkeys([*held, *(v for v in base.kept if base.is_input(v) is not None)])
               if input_cost[position[v]]]
@@ -121,10 +121,10 @@ def choose(
     room = None if budget is None else max(budget - fixed, 0)
     first = list(cost.candidates(base, profile, offload))
     picked = solve.solve([[(o.nbytes, o.seconds) for o in c.options] for c in first], room)
-    again = {id(c.producer) for c, i in zip(first, picked.choices) if c.options[i].choice == "recompute"}
+    again = {id(eqn) for c, i in zip(first, picked.choices) if c.options[i].choice == "recompute" for eqn in c.products}
     planned = base
     if again:
-        planned = remat.plan(jaxpr, residuals, input_cost, lambda eqn: remat.cheap(eqn) or id(eqn) in again)
+        planned = remat.plan(jaxpr, residuals, input_cost, lambda eqn: cost.relabels(eqn) or id(eqn) in again)
     second = [
         dataclasses.replace(c, options=tuple(o for o in c.options if o.choice != "recompute"))
         for c in cost.candidates(planned, profile, offload)

@@ -3,11 +3,13 @@
 A residual the backward reads can be **kept** on the device (its bytes count against the
 budget, no time), **offloaded** to host memory inside the forward and brought back inside the
 backward (no device bytes between them; the copies' time less what hides behind compute), or
-**recomputed** in the backward from what is kept (no bytes; the time of the operation that
-made it). Only a pure operation is recomputed: never RNG, custom_vjp / custom_jvp calls, custom
-calls or kernels, callbacks, collectives or ``checkpoint_name``'d values (the protections of
-``save="auto"``, :func:`residual_store._src.remat.cheap`), nor a value made inside a nested
-scan. An operation's time is its FLOPs at the matmul rate or the bytes it reads and writes at
+**recomputed** in the backward from what is kept (no bytes; the time of the matrix products
+that make it, through cheap operations). Only pure operations are recomputed: never RNG,
+custom_vjp / custom_jvp calls, custom calls or kernels, callbacks or collectives (the
+protections of ``save="auto"``, :func:`residual_store._src.remat.cheap`), nor a value made inside
+a nested scan or the function's own ``jax.checkpoint``. Unlike ``save="auto"``, a plan looks
+through ``checkpoint_name`` labels: a name is there for a policy to read, and a plan is the
+policy. An operation's time is its FLOPs at the matmul rate or the bytes it reads and writes at
 the memory's rate, whichever is longer (a roofline): a matrix product of contraction ``K``
 costs ``2 K`` FLOP per output element, an elementwise operation about one.
 """
@@ -23,8 +25,10 @@ import numpy as np
 from residual_store._src import _jax_internals, remat
 from residual_store._src.plan.profile import DeviceProfile
 
-__all__ = ["Candidate", "Choice", "Option", "candidates", "flops", "move_seconds", "nbytes", "recomputed_seconds", "seconds",
-           "value_bytes"]
+__all__ = [
+    "Candidate", "Choice", "Option", "candidates", "flops", "move_seconds", "nbytes", "recomputable", "recomputed_seconds",
+    "relabels", "seconds", "value_bytes",
+]
 
 Choice = Literal["keep", "offload", "recompute"]
 
@@ -52,15 +56,15 @@ class Candidate:
       name: where it comes from, for people (``"dot_general model.py:12 (x8)"``).
       nbytes: its bytes in one context.
       options: ``keep`` first, then ``offload`` where the device has a link, then
-        ``recompute`` where the operation that makes it may run again.
-      producer: that operation (a jaxpr equation), or ``None``.
+        ``recompute`` where products make it (through cheap operations and labels only).
+      products: those products (jaxpr equations), which recomputing it runs again.
     """
 
     value: Any
     name: str
     nbytes: int
     options: tuple[Option, ...]
-    producer: Any = dataclasses.field(default=None, compare=False)
+    products: tuple[Any, ...] = dataclasses.field(default=(), compare=False)
 
 
 def nbytes(aval: Any) -> int:
@@ -112,11 +116,17 @@ def move_seconds(size: int, profile: DeviceProfile) -> float | None:
     return out + back
 
 
+def relabels(eqn: Any) -> bool:
+    """Whether ``eqn`` makes a value again at the cost of one pass over memory: a cheap
+    operation (as ``save="auto"``), or a ``checkpoint_name`` label (an identity: the name is
+    for a policy to read, and a plan is the policy)."""
+    return remat.cheap(eqn) or eqn.primitive.name == _jax_internals.NAME_PRIMITIVE
+
+
 def recomputable(eqn: Any) -> bool:
-    """Whether the planner may run ``eqn`` again in the backward: cheap (as ``save="auto"``), or
-    a matrix product or convolution, and pure (:func:`residual_store._src.remat.cheap`'s
-    protections)."""
-    return remat.cheap(eqn) or (eqn.primitive.name in _PRODUCTS and not remat.protected(eqn))
+    """Whether the planner may run ``eqn`` again in the backward: :func:`relabels`, or a pure
+    matrix product or convolution (:func:`residual_store._src.remat.cheap`'s protections)."""
+    return relabels(eqn) or (eqn.primitive.name in _PRODUCTS and not remat.protected(eqn))
 
 
 def recomputed_seconds(plan: remat.RematPlan, profile: DeviceProfile) -> float:
@@ -124,28 +134,46 @@ def recomputed_seconds(plan: remat.RematPlan, profile: DeviceProfile) -> float:
     return sum(times * seconds(eqn, profile) for eqn, times in remat.recomputed(plan))
 
 
-def _made_by(jaxpr: Any, value: Any) -> tuple[Any, int]:
-    """The equation that makes a kept ``value`` and how many times a forward runs it (a scan's
-    iterations); ``(None, 0)`` for a value of a nested scan or a scan's carry."""
+def _products_behind(jaxpr: Any, value: Any) -> list[Any]:
+    """The products a value of ``jaxpr`` is made from through operations that only relabel or
+    pass over memory (:func:`relabels`): what recomputing it runs again, in the jaxpr's order.
+    Empty where something else makes it (RNG, a kernel, an input)."""
+    producer = {id(o): eqn for eqn in jaxpr.eqns for o in eqn.outvars}
+    found: dict[int, Any] = {}
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop()
+        eqn = producer.get(id(v))
+        if eqn is None or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if eqn.primitive.name in _PRODUCTS and not remat.protected(eqn):
+            found[id(eqn)] = eqn
+        elif relabels(eqn):
+            todo.extend(a for a in eqn.invars if not _jax_internals.is_literal(a))
+    order = {id(eqn): i for i, eqn in enumerate(jaxpr.eqns)}
+    return sorted(found.values(), key=lambda eqn: order[id(eqn)])
+
+
+def _made_by(jaxpr: Any, value: Any) -> tuple[list[Any], int]:
+    """The products recomputing a kept ``value`` runs again and how many times a backward runs
+    each (a scan's iterations); none for a value of a nested scan or a scan's carry."""
     if isinstance(value, remat.Stacked):
         parts = _jax_internals.scan_parts(jaxpr.eqns[value.eqn])
         if parts is None or isinstance(value.value, remat.Stacked):
-            return None, 0
-        eqn, _ = _made_by(parts.body, value.value)
-        return eqn, value.length
-    for eqn in jaxpr.eqns:
-        if any(o is value for o in eqn.outvars):
-            return eqn, 1
-    return None, 0
+            return [], 0
+        return _products_behind(parts.body, value.value), value.length
+    return _products_behind(jaxpr, value), 1
 
 
-def _name(eqn: Any, value: Any, times: int) -> str:
-    if eqn is None:
+def _name(products: list[Any], value: Any, times: int) -> str:
+    if not products:
         what = "carry" if isinstance(value, remat.Stacked) else "value"
         return f"{what} {getattr(value, 'aval', '')}".strip()
-    file, line = _jax_internals.equation_line(eqn)
+    file, line = _jax_internals.equation_line(products[-1])
     where = f" {file.rsplit('/', 1)[-1]}:{line}" if file is not None else ""
-    return f"{eqn.primitive.name}{where}" + (f" (x{times})" if times > 1 else "")
+    more = f"+{len(products) - 1}" if len(products) > 1 else ""
+    return f"{products[-1].primitive.name}{more}{where}" + (f" (x{times})" if times > 1 else "")
 
 
 def candidates(plan: remat.RematPlan, profile: DeviceProfile, offload: bool = True) -> Iterator[Candidate]:
@@ -154,11 +182,11 @@ def candidates(plan: remat.RematPlan, profile: DeviceProfile, offload: bool = Tr
         if plan.is_input(value) is not None:
             continue
         size = value_bytes(value)
-        eqn, times = _made_by(plan.jaxpr, value)
+        products, times = _made_by(plan.jaxpr, value)
         options = [Option("keep", size, 0.0)]
         moved = move_seconds(size, profile) if offload else None
         if moved is not None:
             options.append(Option("offload", 0, moved))
-        if eqn is not None and recomputable(eqn):
-            options.append(Option("recompute", 0, times * seconds(eqn, profile)))
-        yield Candidate(value, _name(eqn, value, times), size, tuple(options), eqn)
+        if products:
+            options.append(Option("recompute", 0, times * sum(seconds(eqn, profile) for eqn in products)))
+        yield Candidate(value, _name(products, value, times), size, tuple(options), tuple(products))
