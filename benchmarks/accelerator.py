@@ -343,8 +343,10 @@ def _rows_of(shapes: Shapes, parts: set[str], budgets: list[int]) -> list[str]:
 
 HAND = {"hand-nothing": jax.checkpoint_policies.nothing_saveable,
         "hand-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-PLAN_ROWS = ("fused", "list", "hand-nothing:0", "hand-dots:0", "plan:0", "plan:1", "plan:2", "plan12:0")
-"""The plan part's rows: ``kind:k``, a store at a device budget of ``k`` contexts of ``save="all"``."""
+PLAN_ROWS = ("fused", "list", "hand-nothing:0", "hand-dots:0", "plankeep:0", "plankeep:1", "plan12keep:0", "plan:0",
+             "plan:1", "plan:2", "plan12:0")
+"""The plan part's rows: ``kind:k``, a store at a device budget of ``k`` contexts of ``save="all"``
+(``keep``: a plan that keeps or recomputes, never offloads; ``12``: 12 microbatches)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,18 +361,20 @@ class Planned:
 
 def planned_row(shapes: Shapes, row: str, params: Any, xs: list[jax.Array]) -> Planned:
     """A hand-written policy's row (``hand-nothing:k``, ``hand-dots:k``) or a planned one
-    (``plan:k``; ``plan12:k`` at 12 microbatches), its budget ``k`` contexts of ``save="all"``."""
+    (``plan:k``, ``plankeep:k``; ``plan12:k``, ``plan12keep:k`` at 12 microbatches), its budget
+    ``k`` contexts of ``save="all"``."""
     kind, _, k = row.partition(":")
     size = own_bytes(rs.split(make_loss(shapes.heads))(params, xs[0])[1])  # (dropped at once)
     budget = int(k) * size
-    count = 12 if kind == "plan12" else shapes.microbatches
+    count = 12 if kind.startswith("plan12") else shapes.microbatches
     calls = [(params, xs[i % len(xs)]) for i in range(count)]
     if kind in HAND:
         fwd = rs.split(make_loss(shapes.heads, HAND[kind]))
         name = f"jax.checkpoint({kind.split('-')[1]}), store at {k} contexts"
     else:
-        fwd = rs.split(make_loss(shapes.heads), save=rs.plan(device_budget=budget, microbatches=count))
-        name = f"rs.plan, {count} mb, store at {k} contexts"
+        offload = not kind.endswith("keep")
+        fwd = rs.split(make_loss(shapes.heads), save=rs.plan(device_budget=budget, microbatches=count, offload=offload))
+        name = f"rs.plan{'' if offload else '(offload=False)'}, {count} mb, store at {k} contexts"
     return Planned(fwd, calls, budget, name)
 
 
