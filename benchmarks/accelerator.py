@@ -343,8 +343,8 @@ def _rows_of(shapes: Shapes, parts: set[str], budgets: list[int]) -> list[str]:
 
 HAND = {"hand-nothing": jax.checkpoint_policies.nothing_saveable,
         "hand-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-PLAN_ROWS = ("fused", "list", "hand-nothing:0", "hand-dots:0", "plankeep:0", "plankeep:1", "plan12keep:0", "plan:0",
-             "plan:1", "plan:2", "plan12:0")
+PLAN_ROWS = ("fused", "list", "hand-nothing:0", "hand-dots:0", "plankeep:0", "plan:0", "plan:1", "plan:2", "plan12:0",
+             "plankeep:1", "plan12keep:0")
 """The plan part's rows: ``kind:k``, a store at a device budget of ``k`` contexts of ``save="all"``
 (``keep``: a plan that keeps or recomputes, never offloads; ``12``: 12 microbatches)."""
 
