@@ -37,7 +37,8 @@ beside nothing, would take. The store rows use the public ``rs.Store`` API only.
 Run: ``python benchmarks/accelerator.py`` on the accelerator (the issue's shapes: 8 blocks,
 d=1024, T=1024, B=4, 3 microbatches); ``--quick`` for small shapes on a CPU (the logic, its rows
 in this one process); ``--parts`` to run some parts only (the pressure row moves 1.5x the chip's
-memory each step: minutes on a TPU v5e). Each row's result is printed on stderr as it comes.
+memory each step: minutes on a TPU v5e; ``curve``, the plan's predicted time and memory over
+budgets on a TPU v5e's profile, is traced only and runs on a CPU too). Each row's result is printed on stderr as it comes.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from timing import Case, interleaved_medians  # noqa: E402
 import residual_store as rs  # noqa: E402
 from residual_store._src.store.pinned import HostPool  # noqa: E402
 
-PARTS = ("copies", "free", "pipeline", "remat", "pressure", "plan")
+PARTS = ("copies", "free", "pipeline", "remat", "pressure", "plan", "curve")
 NAMES = ("attn_out", "mlp_hidden", "mlp_out")  # the intermediates remat offload moves
 
 
@@ -359,12 +360,21 @@ class Planned:
     name: str
 
 
+def all_bytes(shapes: Shapes, params: Any, x: Any) -> int:
+    """A ``save="all"`` context's own bytes, traced, not run (a run would leave its peak in the
+    row's allocator statistics)."""
+    fwd = rs.split(make_loss(shapes.heads))
+    ctx = jax.eval_shape(lambda p, x: fwd(p, x)[1], params, x)
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+               for a, kind in zip(ctx.residuals, ctx.spec.kinds) if kind != "weight")
+
+
 def planned_row(shapes: Shapes, row: str, params: Any, xs: list[jax.Array]) -> Planned:
     """A hand-written policy's row (``hand-nothing:k``, ``hand-dots:k``) or a planned one
     (``plan:k``, ``plankeep:k``; ``plan12:k``, ``plan12keep:k`` at 12 microbatches), its budget
     ``k`` contexts of ``save="all"``."""
     kind, _, k = row.partition(":")
-    size = own_bytes(rs.split(make_loss(shapes.heads))(params, xs[0])[1])  # (dropped at once)
+    size = all_bytes(shapes, params, xs[0])
     budget = int(k) * size
     count = 12 if kind.startswith("plan12") else shapes.microbatches
     calls = [(params, xs[i % len(xs)]) for i in range(count)]
@@ -376,6 +386,28 @@ def planned_row(shapes: Shapes, row: str, params: Any, xs: list[jax.Array]) -> P
         fwd = rs.split(make_loss(shapes.heads), save=rs.plan(device_budget=budget, microbatches=count, offload=offload))
         name = f"rs.plan{'' if offload else '(offload=False)'}, {count} mb, store at {k} contexts"
     return Planned(fwd, calls, budget, name)
+
+
+CURVE = (0, 0.25, 0.5, 0.75, 1, 1.5, 2, 3)  # budgets, in contexts of save="all"
+
+
+def curve(shapes: Shapes) -> list[str]:
+    """The plan's predicted time and memory over budgets on a TPU v5e (its built-in profile),
+    traced only (``--parts curve`` runs anywhere, a CPU too): per budget, what one context keeps
+    on the device and spills, and the time the plan adds to a microbatch."""
+    from residual_store._src.plan.profile import TPU_V5E
+
+    params = jax.eval_shape(lambda: init(shapes))
+    x = jax.ShapeDtypeStruct((shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)
+    size, n = all_bytes(shapes, params, x), shapes.microbatches
+    lines = [f"{'budget (contexts)':>17} {'device MiB/ctx':>14} {'spilled MiB/ctx':>15} {'+ms/mb':>7}  choices",]
+    for k in CURVE:
+        fwd = rs.split(make_loss(shapes.heads), save=rs.plan(device_budget=int(k * size), microbatches=n, profile=TPU_V5E))
+        p = rs.plan_of(jax.eval_shape(lambda p, x: fwd(p, x)[1], params, x))  # noqa: B023 - called at once
+        lines.append(f"{k:>17} {p.device_bytes / 2**20:>14.0f} {p.spill_bytes / 2**20:>15.0f} {p.seconds * 1e3:>7.1f}  "
+                     f"{p.count('keep')} kept, {p.count('spill')} spilled, {p.count('offload')} offloaded, "
+                     f"{p.count('recompute')} recomputed")
+    return lines
 
 
 def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> Row:
@@ -393,7 +425,7 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
     device = jax.devices()[0]
     planned = planned_row(shapes, row, params, xs) if row.startswith(("plan", "hand-")) else None
     fwd = rs.split(loss, save=save) if planned is None else planned.fwd
-    size = own_bytes(fwd(*calls[0])[1])  # (dropped at once)
+    size = own_bytes(fwd(*calls[0])[1])  # (dropped at once; a planned context is small)
     store: rs.Store | None = None
     budget: int | None = None
     moved, count, name, note = 0, n, row, ""
@@ -404,7 +436,7 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
         moved = max(count * size - budget, 0)
         if row.startswith("plan"):
             report = rs.plan_of(fwd(*calls[0])[1])
-            note = (f"{report.count('keep')} kept, {report.count('offload')} offloaded, "
+            note = (f"{report.count('keep')} kept, {report.count('spill')} spilled, {report.count('offload')} offloaded, "
                     f"{report.count('recompute')} recomputed, +{report.seconds * 1e3:.1f} ms predicted")
     elif row == "fused":
         vg = jax.jit(jax.value_and_grad(loss))
@@ -627,6 +659,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = parts - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    if "curve" in parts:
+        print(f"## The plan's predicted time and memory over budgets (TPU v5e profile, {shapes.microbatches} microbatches)")
+        print("\n".join(curve(shapes)), flush=True)
+        if parts == {"curve"}:
+            return 0
     common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
     copies = _child(["--part", "copies", *common], here=args.quick) if "copies" in parts else None
     free = _child(["--part", "free", *common], here=args.quick) if "free" in parts else None

@@ -20,8 +20,10 @@ from store_helpers import TESTS_DIR, run_python, write_script
 
 LAYERS, D, F, B = 3, 16, 32, 8
 TOL = {"rtol": 1e-6, "atol": 1e-7}
-LINKED = rs.DeviceProfile(kind="cpu-linked", matmul_flops=1e9, memory_bytes=1e10, d2h_bytes=1e9, h2d_bytes=1e9)
-"""A profile with a link: on a CPU, JAX's pinned host memory kind stands in for the host side."""
+LINKED = rs.DeviceProfile(kind="cpu-linked", matmul_flops=1e9, memory_bytes=1e10, d2h_bytes=1e9, h2d_bytes=1e9,
+                          hidden_forward=0.5)
+"""A profile with a link, where moving inside the programs (half hidden) beats a store's copies and
+recomputing: on a CPU, JAX's pinned host memory kind stands in for the host side."""
 
 
 def stage(p, x):
@@ -96,7 +98,7 @@ def test_a_tighter_budget_recomputes_more_on_a_cpu(planned):
     assert all(r.count("offload") == 0 for r in reports)  # a CPU has no link
     for budget, r in zip(BUDGETS, reports):
         ctx = planned[False, budget][1]
-        assert r.device_bytes == _device_bytes(ctx) and r.host_bytes == 0  # the report is the context
+        assert r.device_bytes == _device_bytes(ctx) and r.host_bytes == r.spill_bytes == 0  # the report is the context
         assert r.fits == (budget is None or r.device_bytes <= budget)
     assert reports[1].fits and reports[2].fits and not reports[3].fits  # 0: the carry stack stays
     assert reports[0].seconds < reports[1].seconds < reports[2].seconds < reports[3].seconds
@@ -106,10 +108,27 @@ def test_with_a_link_the_plan_offloads_into_pinned_host_memory(planned):
     for budget in BUDGETS:
         ctx = planned[True, budget][1]
         r = rs.plan_of(ctx)
-        assert (r.device_bytes, r.host_bytes) == (_device_bytes(ctx), _host_bytes(ctx))
+        assert (r.device_bytes + r.spill_bytes, r.host_bytes) == (_device_bytes(ctx), _host_bytes(ctx))
         assert r.count("recompute") == 0  # moving costs less than these products on this profile
+        assert r.fits and r.count("spill") == 0  # the in-program copies, half hidden, cost less
     assert rs.plan_of(planned[True, None][1]).host_bytes == 0
     assert rs.plan_of(planned[True, 0][1]).device_bytes == 0 < rs.plan_of(planned[True, 0][1]).host_bytes
+
+
+def test_where_a_stores_copies_cost_less_the_plan_spills_what_it_keeps():
+    """A TPU v5e today: fresh pinned program outputs are slow, the store's pool is not. A spilled
+    value stays in the context, on the device, for a store at the budget to move."""
+    slow_program = rs.DeviceProfile(kind="cpu-pool", matmul_flops=1e8, memory_bytes=1e10, d2h_bytes=1e10,
+                                    h2d_bytes=1e10, program_d2h_bytes=1e8)
+    fwd = rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=0, profile=slow_program))
+    p, x = inputs(3)
+    _, ctx = fwd(p, x)
+    r = rs.plan_of(ctx)
+    assert r.fits and r.device_bytes == r.host_bytes == 0 and r.count("offload") == 0
+    assert r.spill_bytes == _device_bytes(ctx) > 0 and r.count("spill") > 0, rs.explain(ctx)
+    with rs.Store(None, device_budget=0) as store:
+        store.put(ctx, "k")
+        _assert_grads(fwd.backward(store.pop("k")), jax.grad(loss, argnums=(0, 1))(p, x))
 
 
 def test_every_plan_is_a_signature_of_its_own(planned):

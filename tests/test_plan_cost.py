@@ -26,6 +26,8 @@ def test_a_matrix_products_flops_are_2mnk_and_its_time_the_roofline():
     slow_memory = rs.DeviceProfile(kind="x", matmul_flops=1e15, memory_bytes=1e6)
     traffic = 4 * (2 * 12 * 40 + 2 * 40 * 24 + 2 * 12 * 24)
     assert cost.seconds(eqn, slow_memory) == pytest.approx(traffic / 1e6)
+    tanh = _eqn(jnp.tanh, a, name="tanh")  # a cheap operation: what it writes (fused chains read once)
+    assert cost.seconds(tanh, slow_memory) == pytest.approx(4 * 2 * 12 * 40 / 1e6)
 
 
 def test_a_convolutions_flops_count_its_window_and_input_features():
@@ -44,8 +46,13 @@ def test_products_and_cheap_operations_may_be_recomputed_rng_never():
 
 def test_moving_costs_the_unhidden_share_of_each_copy():
     assert cost.move_seconds(10**9, profile.CPU) is None  # no link: nothing to offload to
-    v5e = profile.TPU_V5E
-    assert cost.move_seconds(int(13.4e9), v5e) == pytest.approx(1 / 3 + 13.4 / 14 * 2 / 3)
+    v5e = profile.TPU_V5E  # in-program: fresh pinned memory out, 2/3 hidden; 1/3 of the way back hidden
+    assert cost.move_seconds(int(13.4e9), v5e) == pytest.approx(13.4 / 0.8 / 3 + 13.4 / 14 * 2 / 3)
+    assert cost.spill_seconds(int(13.4e9), v5e) == pytest.approx(1 + 13.4 / 14)  # the pool's, unhidden
+    assert cost.spill_seconds(10**9, profile.CPU) is None
+    assert [o.choice for o in cost.placements(100, v5e, offload=True)] == ["keep", "spill", "offload"]
+    assert [o.choice for o in cost.placements(100, v5e, offload=False)] == ["keep", "spill"]
+    assert [o.choice for o in cost.placements(100, profile.CPU, offload=True)] == ["keep"]
 
 
 def test_built_in_profiles_and_the_default_devices():

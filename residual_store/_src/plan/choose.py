@@ -14,7 +14,8 @@
 
 The budget is the device bytes a pipeline's contexts may hold together: ``microbatches``
 contexts of a signature share it. The inputs a context holds (a stage's input activation, the
-batch; never weights) count against it and are kept. The report, :class:`Plan`, is what
+batch; never weights) count against it: kept, or spilled. A spilled value stays in the context
+as a kept one does: the store the pipeline puts contexts in, at the same budget, moves it. The report, :class:`Plan`, is what
 ``rs.explain`` prints: every choice with its bytes and seconds, and the predicted totals.
 """
 
@@ -40,7 +41,8 @@ class Decision:
       shape: its shape (a scan's stacked value: iterations first).
       dtype: its dtype's name.
       nbytes: its bytes in one context.
-      choice: ``"keep"`` (on the device), ``"offload"`` (to host memory inside the forward,
+      choice: ``"keep"`` (on the device), ``"spill"`` (in the context, which a store at the
+        budget moves to host memory and back), ``"offload"`` (to host memory inside the forward,
         back inside the backward) or ``"recompute"`` (in the backward).
       seconds: the time the choice adds to a step, predicted (0 for ``"keep"``).
     """
@@ -59,10 +61,13 @@ class Plan:
 
     Attributes:
       decisions: one per value the planner weighed, kept inputs first.
-      device_bytes: the bytes one context holds on the device (its kept values and inputs).
+      device_bytes: the bytes one context keeps on the device (its kept values and inputs).
+      spill_bytes: the bytes one context holds on the device after its forward that a store at
+        the budget moves to host memory and back (its spilled values and inputs).
       host_bytes: the bytes one context holds in host memory (its offloaded values).
       seconds: the time the plan adds to a microbatch's step, predicted: recomputing (cheap
-        operations included) and the copies' unhidden part.
+        operations included), the store's copies of what is spilled and the in-program copies'
+        unhidden part.
       budget: the device bytes one context may hold (the plan's ``device_budget`` shared by its
         ``microbatches``), or ``None`` (unbounded).
       fits: whether ``device_bytes`` is within ``budget``; when nothing fits, the plan holds
@@ -73,6 +78,7 @@ class Plan:
 
     decisions: tuple[Decision, ...]
     device_bytes: int
+    spill_bytes: int
     host_bytes: int
     seconds: float
     budget: int | None
@@ -117,11 +123,12 @@ def choose(
     position = {v: j for j, v in enumerate(jaxpr.invars)}
     inputs = [v for v in dict.fromkeys([*held, *(v for v in base.kept if base.is_input(v) is not None)])
               if input_cost[position[v]]]
-    fixed = sum(cost.nbytes(v.aval) for v in inputs)
-    room = None if budget is None else max(budget - fixed, 0)
+    held_items = [cost.placements(cost.nbytes(v.aval), profile, offload=False) for v in inputs]
     first = list(cost.candidates(base, profile, offload))
-    picked = solve.solve([[(o.nbytes, o.seconds) for o in c.options] for c in first], room)
-    again = {id(eqn) for c, i in zip(first, picked.choices) if c.options[i].choice == "recompute" for eqn in c.products}
+    picked = solve.solve([[(o.nbytes, o.seconds) for o in opts] for opts in
+                          [*held_items, *(c.options for c in first)]], budget)
+    chosen_first = picked.choices[len(inputs):]
+    again = {id(eqn) for c, i in zip(first, chosen_first) if c.options[i].choice == "recompute" for eqn in c.products}
     planned = base
     if again:
         planned = remat.plan(jaxpr, residuals, input_cost, lambda eqn: cost.relabels(eqn) or id(eqn) in again)
@@ -129,23 +136,28 @@ def choose(
         dataclasses.replace(c, options=tuple(o for o in c.options if o.choice != "recompute"))
         for c in cost.candidates(planned, profile, offload)
     ]
-    placed = solve.solve([[(o.nbytes, o.seconds) for o in c.options] for c in second], room)
-    choice = {_key(c.value): c.options[i] for c, i in zip(second, placed.choices)}
-    decisions = [Decision(f"input {position[v]}", *_shape_dtype(v), cost.nbytes(v.aval), "keep", 0.0) for v in inputs]
+    placed = solve.solve([[(o.nbytes, o.seconds) for o in opts] for opts in
+                          [*held_items, *(c.options for c in second)]], budget)
+    held_choice = [opts[i] for opts, i in zip(held_items, placed.choices)]
+    choice = {_key(c.value): c.options[i] for c, i in zip(second, placed.choices[len(inputs):])}
+    decisions = [Decision(f"input {position[v]}", *_shape_dtype(v), cost.nbytes(v.aval), o.choice, o.seconds)
+                 for v, o in zip(inputs, held_choice)]
     recomputed = {_key(c.value): c for c in first if _key(c.value) not in choice}
     for c in [*second, *recomputed.values()]:
         option = choice.get(_key(c.value))
-        if option is None:  # made again: its share of the recompute time is its producer's
+        if option is None:  # made again: its share of the recompute time is its products'
             option = next((o for o in c.options if o.choice == "recompute"), cost.Option("recompute", 0, 0.0))
         decisions.append(Decision(c.name, *_shape_dtype(c.value), c.nbytes, option.choice, option.seconds))
     offloaded = frozenset(i for i, v in enumerate(planned.kept) if (o := choice.get(_key(v))) and o.choice == "offload")
-    moved = sum(o.seconds for o in choice.values() if o.choice == "offload")
-    device = fixed + sum(o.nbytes for o in choice.values())
+    placements = [*held_choice, *choice.values()]  # (choice: in second's order)
+    sizes = [cost.nbytes(v.aval) for v in inputs] + [c.nbytes for c in second]
+    device = sum(o.nbytes for o in placements)
     report = Plan(
         decisions=tuple(decisions),
         device_bytes=device,
-        host_bytes=sum(cost.value_bytes(planned.kept[i]) for i in offloaded),
-        seconds=cost.recomputed_seconds(planned, profile) + moved,
+        spill_bytes=sum(n for n, o in zip(sizes, placements) if o.choice == "spill"),
+        host_bytes=sum(n for n, o in zip(sizes, placements) if o.choice == "offload"),
+        seconds=cost.recomputed_seconds(planned, profile) + sum(o.seconds for o in placements),
         budget=budget,
         fits=budget is None or device <= budget,
         exact=picked.exact and placed.exact,

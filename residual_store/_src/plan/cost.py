@@ -1,8 +1,11 @@
 """What each choice for one residual costs on a :class:`~.profile.DeviceProfile`.
 
 A residual the backward reads can be **kept** on the device (its bytes count against the
-budget, no time), **offloaded** to host memory inside the forward and brought back inside the
-backward (no device bytes between them; the copies' time less what hides behind compute), or
+budget, no time), **spilled** (kept in the context, which a store at the budget moves to host
+memory and back through its pool: no device bytes between forward and backward, both copies'
+time, unhidden: a TPU runs copies and compute one after the other), **offloaded** to host memory
+inside the forward and brought back inside the backward (no device bytes; the copies' time at
+the in-program rate, less what hides behind compute), or
 **recomputed** in the backward from what is kept (no bytes; the time of the matrix products
 that make it, through cheap operations). Only pure operations are recomputed: never RNG,
 custom_vjp / custom_jvp calls, custom calls or kernels, callbacks or collectives (the
@@ -26,11 +29,11 @@ from residual_store._src import _jax_internals, remat
 from residual_store._src.plan.profile import DeviceProfile
 
 __all__ = [
-    "Candidate", "Choice", "Option", "candidates", "flops", "move_seconds", "nbytes", "recomputable", "recomputed_seconds",
-    "relabels", "seconds", "value_bytes",
+    "Candidate", "Choice", "Option", "candidates", "flops", "move_seconds", "nbytes", "placements", "recomputable",
+    "recomputed_seconds", "relabels", "seconds", "spill_seconds", "value_bytes",
 ]
 
-Choice = Literal["keep", "offload", "recompute"]
+Choice = Literal["keep", "spill", "offload", "recompute"]
 
 # pure operations worth recomputing beyond the cheap ones (whose cost is one pass over memory)
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
@@ -55,7 +58,7 @@ class Candidate:
         :class:`~residual_store._src.remat.Stacked` value).
       name: where it comes from, for people (``"dot_general model.py:12 (x8)"``).
       nbytes: its bytes in one context.
-      options: ``keep`` first, then ``offload`` where the device has a link, then
+      options: ``keep`` first, then ``spill`` and ``offload`` where the device has a link, then
         ``recompute`` where products make it (through cheap operations and labels only).
       products: those products (jaxpr equations), which recomputing it runs again.
     """
@@ -100,20 +103,45 @@ def flops(eqn: Any) -> float:
 
 
 def seconds(eqn: Any, profile: DeviceProfile) -> float:
-    """One equation's time on ``profile``: its FLOPs or its memory traffic, the longer."""
-    traffic = sum(nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "shape"))
-    rate = profile.matmul_flops if eqn.primitive.name in _PRODUCTS else profile.memory_bytes
-    return max(flops(eqn) / rate, traffic / profile.memory_bytes)
+    """One equation's time on ``profile``: its FLOPs or its memory traffic, the longer. A
+    product reads its operands and writes its output; a cheap operation is counted by what it
+    writes (XLA fuses chains of them, which read their inputs once)."""
+    if eqn.primitive.name in _PRODUCTS:
+        traffic = sum(nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "shape"))
+        return max(flops(eqn) / profile.matmul_flops, traffic / profile.memory_bytes)
+    return sum(nbytes(v.aval) for v in eqn.outvars) / profile.memory_bytes
+
+
+def spill_seconds(size: int, profile: DeviceProfile) -> float | None:
+    """The time a store takes to move ``size`` bytes to host memory and back through its pool,
+    unhidden; ``None`` where the device has no link."""
+    if profile.d2h_bytes is None or profile.h2d_bytes is None:
+        return None
+    return size / profile.d2h_bytes + size / profile.h2d_bytes
 
 
 def move_seconds(size: int, profile: DeviceProfile) -> float | None:
-    """The unhidden time to move ``size`` bytes to host memory in a forward and back in a
-    backward, or ``None`` where the device has no link."""
-    if profile.d2h_bytes is None or profile.h2d_bytes is None:
+    """The unhidden time to move ``size`` bytes to host memory inside a forward and back inside
+    a backward, or ``None`` where the device has no link."""
+    d2h = profile.program_d2h
+    if d2h is None or profile.h2d_bytes is None:
         return None
-    out = size / profile.d2h_bytes * (1.0 - profile.hidden_forward)
+    out = size / d2h * (1.0 - profile.hidden_forward)
     back = size / profile.h2d_bytes * (1.0 - profile.hidden_backward)
     return out + back
+
+
+def placements(size: int, profile: DeviceProfile, offload: bool) -> list[Option]:
+    """Where a value of ``size`` bytes may live between forward and backward: kept, spilled by
+    a store (where there is a link), offloaded inside the programs (there too, if ``offload``)."""
+    options = [Option("keep", size, 0.0)]
+    spilled = spill_seconds(size, profile)
+    if spilled is not None:
+        options.append(Option("spill", 0, spilled))
+    moved = move_seconds(size, profile) if offload else None
+    if moved is not None:
+        options.append(Option("offload", 0, moved))
+    return options
 
 
 def relabels(eqn: Any) -> bool:
@@ -183,10 +211,7 @@ def candidates(plan: remat.RematPlan, profile: DeviceProfile, offload: bool = Tr
             continue
         size = value_bytes(value)
         products, times = _made_by(plan.jaxpr, value)
-        options = [Option("keep", size, 0.0)]
-        moved = move_seconds(size, profile) if offload else None
-        if moved is not None:
-            options.append(Option("offload", 0, moved))
+        options = placements(size, profile, offload)
         if products:
             options.append(Option("recompute", 0, times * sum(seconds(eqn, profile) for eqn in products)))
         yield Candidate(value, _name(products, value, times), size, tuple(options), tuple(products))

@@ -33,12 +33,15 @@ class DeviceProfile:
       kind: the device kind it describes (``jax.Device.device_kind``), e.g. ``"cpu"``.
       matmul_flops: matrix-product FLOP/s at the model's precision.
       memory_bytes: device memory bytes/s (what an elementwise pass costs).
-      d2h_bytes: device-to-host bytes/s of a copy inside a compiled program, or ``None`` where
-        there is no link (a CPU: host memory is the device's, so offloading frees nothing).
+      d2h_bytes: device-to-host bytes/s of a store's copies (through its pool of reused pinned
+        buffers), or ``None`` where there is no link (a CPU: host memory is the device's, so
+        moving a residual there frees nothing).
       h2d_bytes: host-to-device bytes/s, or ``None`` likewise.
       duplex: whether the link moves both ways at once.
       hidden_forward: the share (0..1) of a forward's copy to host that hides behind compute.
       hidden_backward: the share (0..1) of a backward's copy back that hides behind compute.
+      program_d2h_bytes: device-to-host bytes/s of a copy a compiled forward makes into fresh
+        pinned host memory (a plan's in-program offload); ``None``: ``d2h_bytes``.
 
     Invariant: ``d2h_bytes`` and ``h2d_bytes`` are both ``None`` or both positive.
     """
@@ -51,6 +54,7 @@ class DeviceProfile:
     duplex: bool = False
     hidden_forward: float = 0.0
     hidden_backward: float = 0.0
+    program_d2h_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("matmul_flops", "memory_bytes"):
@@ -60,6 +64,8 @@ class DeviceProfile:
         if self.d2h_bytes is not None:
             _positive("d2h_bytes", self.d2h_bytes)
             _positive("h2d_bytes", self.h2d_bytes)
+        if self.program_d2h_bytes is not None:
+            _positive("program_d2h_bytes", self.program_d2h_bytes)
         for name in ("hidden_forward", "hidden_backward"):
             share = getattr(self, name)
             if not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
@@ -69,6 +75,11 @@ class DeviceProfile:
     def has_link(self) -> bool:
         """Whether offloading to host memory frees device memory here."""
         return self.d2h_bytes is not None
+
+    @property
+    def program_d2h(self) -> float | None:
+        """Device-to-host bytes/s of an in-program offload, or ``None`` without a link."""
+        return None if self.d2h_bytes is None else self.program_d2h_bytes or self.d2h_bytes
 
     @property
     def digest(self) -> str:
@@ -89,13 +100,17 @@ TPU_V5E = DeviceProfile(
     kind="TPU v5 lite",
     matmul_flops=165e12,  # bf16
     memory_bytes=819e9,
-    d2h_bytes=13.4e9,  # into reused, donated pinned buffers (fresh pinned memory: ~0.8 GB/s)
+    d2h_bytes=13.4e9,  # into the pool's reused, donated pinned buffers
     h2d_bytes=14e9,
     duplex=True,  # 1 GiB each way in one program: 83 ms, against 74 and 77 one way
-    hidden_forward=2 / 3,  # a forward's per-layer copies hid about 2/3 behind equal compute
+    hidden_forward=2 / 3,  # a forward's per-layer copies into donated buffers hid about 2/3 behind equal compute
     hidden_backward=1 / 3,  # a backward's about 1/3
+    program_d2h_bytes=0.8e9,  # a program's output in fresh pinned memory: ~1.3 s per GiB
 )
-"""A TPU v5e chip, from the measurements of issue 51 (main 838ccdd)."""
+"""A TPU v5e chip, from the measurements of issue 51 (main 838ccdd). A plan's in-program offload
+writes fresh pinned memory (``program_d2h_bytes``) until the forward writes into the pool's
+donated buffers; on 2026-12-06 it measured 144 ms a microbatch where spilling through the store
+measured 42.5 (``docs/performance.md``)."""
 
 _BUILTIN = {"cpu": CPU, "tpu v5 lite": TPU_V5E, "tpu v5e": TPU_V5E}
 _MEASURED: dict[str, DeviceProfile] = {}  # device kind -> profile measured in this process

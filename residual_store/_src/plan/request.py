@@ -186,9 +186,10 @@ def explain(what: ResidualContext | Plan) -> str:
 def _table(p: Plan) -> str:
     budget = "unbounded" if p.budget is None else _size(p.budget)
     lines = [
-        f"plan for {p.profile.kind}: {p.count('keep')} kept, {p.count('offload')} offloaded, "
-        f"{p.count('recompute')} recomputed; device {_size(p.device_bytes)} of {budget} a context"
-        f"{'' if p.fits else ' (nothing fits: the fewest bytes)'}, host {_size(p.host_bytes)}; "
+        f"plan for {p.profile.kind}: {p.count('keep')} kept, {p.count('spill')} spilled, {p.count('offload')} "
+        f"offloaded, {p.count('recompute')} recomputed; device {_size(p.device_bytes)} of {budget} a context"
+        f"{'' if p.fits else ' (nothing fits: the fewest bytes)'}, spilled {_size(p.spill_bytes)}, "
+        f"host {_size(p.host_bytes)}; "
         f"+{p.seconds * 1e3:.3f} ms a step predicted ({'exact' if p.exact else 'greedy'})",
     ]
     width = max([len(d.name) for d in p.decisions] + [4])
