@@ -17,7 +17,7 @@ def _eqn(fn, *args, name):
     return next(e for e in jaxpr.eqns if e.primitive.name == name)
 
 
-def test_a_matrix_products_flops_are_2mnk_and_its_time_the_roofline():
+def test_internals_a_matrix_products_flops_are_2mnk_and_its_time_the_roofline():
     a, b = jnp.ones((2, 12, 40)), jnp.ones((2, 40, 24))
     eqn = _eqn(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b), a, b, name="dot_general")
     assert cost.flops(eqn) == 2 * 2 * 12 * 24 * 40
@@ -30,13 +30,13 @@ def test_a_matrix_products_flops_are_2mnk_and_its_time_the_roofline():
     assert cost.seconds(tanh, slow_memory) == pytest.approx(4 * 2 * 12 * 40 / 1e6)
 
 
-def test_a_convolutions_flops_count_its_window_and_input_features():
+def test_internals_a_convolutions_flops_count_its_window_and_input_features():
     x, k = jnp.ones((1, 3, 10, 10)), jnp.ones((8, 3, 5, 5))
     eqn = _eqn(lambda x, k: jax.lax.conv(x, k, (1, 1), "VALID"), x, k, name="conv_general_dilated")
     assert cost.flops(eqn) == 2 * (1 * 8 * 6 * 6) * (3 * 5 * 5)
 
 
-def test_products_and_cheap_operations_may_be_recomputed_rng_never():
+def test_internals_products_and_cheap_operations_may_be_recomputed_rng_never():
     x = jnp.ones((4, 4))
     assert cost.recomputable(_eqn(lambda x: x @ x, x, name="dot_general"))
     assert cost.recomputable(_eqn(jnp.tanh, x, name="tanh"))
@@ -44,7 +44,7 @@ def test_products_and_cheap_operations_may_be_recomputed_rng_never():
     assert not cost.recomputable(_eqn(lambda x: jax.lax.sort(x), x, name="sort"))  # not a product: kept
 
 
-def test_moving_costs_the_unhidden_share_of_each_copy():
+def test_internals_moving_costs_the_unhidden_share_of_each_copy():
     assert cost.move_seconds(10**9, profile.CPU) is None  # no link: nothing to offload to
     v5e = profile.TPU_V5E  # in-program: fresh pinned memory out, 2/3 hidden; 1/3 of the way back hidden
     assert cost.move_seconds(int(13.4e9), v5e) == pytest.approx(13.4 / 0.8 / 3 + 13.4 / 14 * 2 / 3)
@@ -55,7 +55,7 @@ def test_moving_costs_the_unhidden_share_of_each_copy():
     assert [o.choice for o in cost.placements(100, profile.CPU, offload=True)] == ["keep"]
 
 
-def test_built_in_profiles_and_the_default_devices():
+def test_internals_built_in_profiles_and_the_default_devices():
     assert rs.device_profile() is profile.CPU  # tests never measure
     assert profile.builtin_profile("TPU v5 lite") is profile.builtin_profile("tpu v5e") is profile.TPU_V5E
     assert profile.builtin_profile("TPU v4") is None
@@ -63,7 +63,7 @@ def test_built_in_profiles_and_the_default_devices():
     assert profile.TPU_V5E.digest != profile.CPU.digest
 
 
-def test_a_measured_profile_is_cached_in_the_folder_named(tmp_path, monkeypatch):
+def test_internals_a_measured_profile_is_cached_in_the_folder_named(tmp_path, monkeypatch):
     measured = []
 
     def fake_measure(device):
@@ -78,7 +78,7 @@ def test_a_measured_profile_is_cached_in_the_folder_named(tmp_path, monkeypatch)
     assert profile._read(tmp_path / "profile-cpu.json") == first
 
 
-def test_measuring_this_cpu_gives_a_profile_without_a_link():
+def test_internals_measuring_this_cpu_gives_a_profile_without_a_link():
     got = profile.measure(jax.devices()[0], size=64, repeats=1)
     assert got.kind == "cpu" and got.matmul_flops > 0 and got.memory_bytes > 0 and not got.has_link
 

@@ -36,7 +36,7 @@ def _consistent(items, sol):
 
 @settings(max_examples=300, deadline=None)
 @given(items=items, budget=st.integers(0, 150))
-def test_the_exact_solver_finds_brute_forces_optimum(items, budget):
+def test_internals_the_exact_solver_finds_brute_forces_optimum(items, budget):
     sol = solve.solve(items, budget)
     _consistent(items, sol)
     best = _brute(items, budget)
@@ -49,7 +49,7 @@ def test_the_exact_solver_finds_brute_forces_optimum(items, budget):
 
 @settings(max_examples=200, deadline=None)
 @given(items=items, budget=st.integers(0, 150))
-def test_greedy_fits_whenever_anything_does_and_is_never_faster_than_exact(items, budget):
+def test_internals_greedy_fits_whenever_anything_does_and_is_never_faster_than_exact(items, budget):
     sol, exact = solve.greedy(items, budget), solve.solve(items, budget)
     _consistent(items, sol)
     assert not sol.exact
@@ -58,7 +58,7 @@ def test_greedy_fits_whenever_anything_does_and_is_never_faster_than_exact(items
         assert sol.seconds >= exact.seconds - 1e-9
 
 
-def test_a_state_cap_falls_back_to_greedy():
+def test_internals_a_state_cap_falls_back_to_greedy():
     many = [[(k + 1, 0.0), (0, float(k % 7) + 0.5)] for k in range(40)]
     capped = solve.solve(many, 300, max_states=10)
     assert not capped.exact and capped.fits
@@ -66,7 +66,7 @@ def test_a_state_cap_falls_back_to_greedy():
     assert full.exact and full.seconds <= capped.seconds
 
 
-def test_hundreds_of_layer_items_solve_exactly():
+def test_internals_hundreds_of_layer_items_solve_exactly():
     """A forward's candidates repeat per layer: equal states merge, the frontier stays small."""
     layer = [[(4096, 0.0), (0, 3e-4), (0, 1e-4)], [(1024, 0.0), (0, 8e-5)], [(16384, 0.0), (0, 1.2e-3), (0, 2e-3)]]
     many = layer * 100
@@ -75,7 +75,7 @@ def test_hundreds_of_layer_items_solve_exactly():
     assert sol.seconds < solve.solve(many, 0).seconds
 
 
-def test_unbounded_takes_the_fastest_and_bad_options_are_refused():
+def test_internals_unbounded_takes_the_fastest_and_bad_options_are_refused():
     sol = solve.solve([[(10, 0.0), (0, 1.0)], [(5, 2.0), (7, 2.0), (0, 3.0)]], None)
     assert sol.choices == (0, 0) and sol.fits
     for bad in ([[]], [[(-1, 0.0)]], [[(1, -0.5)]], [[(1, math.nan)]]):

@@ -22,7 +22,7 @@ as a kept one does: the store the pipeline puts contexts in, at the same budget,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from residual_store._src import remat
@@ -105,6 +105,29 @@ def _shape_dtype(v: Any) -> tuple[tuple[int, ...], str]:
     return shape, str(aval.dtype)
 
 
+def _own_inputs(jaxpr: Any, base: remat.RematPlan, input_cost: Sequence[bool], held: Sequence[Any]) -> list[Any]:
+    """The inputs a context holds as its own (weights and constants aside): those it holds
+    whatever the plan, and those the cut keeps; once each, in order."""
+    position = {v: j for j, v in enumerate(jaxpr.invars)}
+    found = dict.fromkeys([*held, *(v for v in base.kept if base.is_input(v) is not None)])
+    return [v for v in found if input_cost[position[v]]]
+
+
+def _solved(
+    held: Sequence[Sequence[cost.Option]], candidates: Sequence[cost.Candidate], budget: int | None
+) -> tuple[bool, list[cost.Option]]:
+    """The fastest options within ``budget``, one per input (``held``: each input's placements)
+    then one per candidate; and whether the solver proved them the fastest."""
+    items = [*held, *(c.options for c in candidates)]
+    solution = solve.solve([[(o.nbytes, o.seconds) for o in options] for options in items], budget)
+    return solution.exact, [options[i] for options, i in zip(items, solution.choices)]
+
+
+def _placed_only(candidates: Iterable[cost.Candidate]) -> list[cost.Candidate]:
+    """The candidates with their placements only (the recomputing is decided)."""
+    return [dataclasses.replace(c, options=tuple(o for o in c.options if o.choice != "recompute")) for c in candidates]
+
+
 def choose(
     jaxpr: Any,
     residuals: Sequence[Any],
@@ -120,47 +143,50 @@ def choose(
     context's own (else a weight or a constant, held by reference); ``held``: inputs (variables)
     the context holds whatever the plan chooses. See the module docstring."""
     base = remat.plan(jaxpr, residuals, input_cost, cost.relabels)
-    position = {v: j for j, v in enumerate(jaxpr.invars)}
-    inputs = [v for v in dict.fromkeys([*held, *(v for v in base.kept if base.is_input(v) is not None)])
-              if input_cost[position[v]]]
-    held_items = [cost.placements(cost.nbytes(v.aval), profile, offload=False) for v in inputs]
+    inputs = _own_inputs(jaxpr, base, input_cost, held)
+    placements = [cost.placements(cost.nbytes(v.aval), profile, offload=False) for v in inputs]
     first = list(cost.candidates(base, profile, offload))
-    picked = solve.solve([[(o.nbytes, o.seconds) for o in opts] for opts in
-                          [*held_items, *(c.options for c in first)]], budget)
-    chosen_first = picked.choices[len(inputs):]
-    again = {id(eqn) for c, i in zip(first, chosen_first) if c.options[i].choice == "recompute" for eqn in c.products}
+    exact_first, options = _solved(placements, first, budget)
+    again = {id(eqn) for c, o in zip(first, options[len(inputs):]) if o.choice == "recompute" for eqn in c.products}
     planned = base
-    if again:
+    if again:  # the cut, with the chosen products let in
         planned = remat.plan(jaxpr, residuals, input_cost, lambda eqn: cost.relabels(eqn) or id(eqn) in again)
-    second = [
-        dataclasses.replace(c, options=tuple(o for o in c.options if o.choice != "recompute"))
-        for c in cost.candidates(planned, profile, offload)
-    ]
-    placed = solve.solve([[(o.nbytes, o.seconds) for o in opts] for opts in
-                          [*held_items, *(c.options for c in second)]], budget)
-    held_choice = [opts[i] for opts, i in zip(held_items, placed.choices)]
-    choice = {_key(c.value): c.options[i] for c, i in zip(second, placed.choices[len(inputs):])}
-    decisions = [Decision(f"input {position[v]}", *_shape_dtype(v), cost.nbytes(v.aval), o.choice, o.seconds)
-                 for v, o in zip(inputs, held_choice)]
-    recomputed = {_key(c.value): c for c in first if _key(c.value) not in choice}
-    for c in [*second, *recomputed.values()]:
-        option = choice.get(_key(c.value))
-        if option is None:  # made again: its share of the recompute time is its products'
-            option = next((o for o in c.options if o.choice == "recompute"), cost.Option("recompute", 0, 0.0))
-        decisions.append(Decision(c.name, *_shape_dtype(c.value), c.nbytes, option.choice, option.seconds))
+    second = _placed_only(cost.candidates(planned, profile, offload))
+    exact_second, placed = _solved(placements, second, budget)
+    choice = {_key(c.value): o for c, o in zip(second, placed[len(inputs):])}
     offloaded = frozenset(i for i, v in enumerate(planned.kept) if (o := choice.get(_key(v))) and o.choice == "offload")
-    placements = [*held_choice, *choice.values()]  # (choice: in second's order)
     sizes = [cost.nbytes(v.aval) for v in inputs] + [c.nbytes for c in second]
-    device = sum(o.nbytes for o in placements)
+    device = sum(o.nbytes for o in placed)
     report = Plan(
-        decisions=tuple(decisions),
+        decisions=_decisions(jaxpr, inputs, first, second, placed),
         device_bytes=device,
-        spill_bytes=sum(n for n, o in zip(sizes, placements) if o.choice == "spill"),
-        host_bytes=sum(n for n, o in zip(sizes, placements) if o.choice == "offload"),
-        seconds=cost.recomputed_seconds(planned, profile) + sum(o.seconds for o in placements),
+        spill_bytes=sum(n for n, o in zip(sizes, placed) if o.choice == "spill"),
+        host_bytes=sum(n for n, o in zip(sizes, placed) if o.choice == "offload"),
+        seconds=cost.recomputed_seconds(planned, profile) + sum(o.seconds for o in placed),
         budget=budget,
         fits=budget is None or device <= budget,
-        exact=picked.exact and placed.exact,
+        exact=exact_first and exact_second,
         profile=profile,
     )
     return remat.Chosen(planned, offloaded, report)
+
+
+def _decisions(
+    jaxpr: Any,
+    inputs: Sequence[Any],
+    first: Sequence[cost.Candidate],
+    second: Sequence[cost.Candidate],
+    placed: Sequence[cost.Option],
+) -> tuple[Decision, ...]:
+    """One decision per own input, per value kept (placed), per value made again."""
+    position = {v: j for j, v in enumerate(jaxpr.invars)}
+    out = [Decision(f"input {position[v]}", *_shape_dtype(v), cost.nbytes(v.aval), o.choice, o.seconds)
+           for v, o in zip(inputs, placed)]
+    out += [Decision(c.name, *_shape_dtype(c.value), c.nbytes, o.choice, o.seconds)
+            for c, o in zip(second, placed[len(inputs):])]
+    kept = {_key(c.value) for c in second}
+    for c in first:  # made again: its share of the recompute time is its products'
+        if _key(c.value) not in kept:
+            again = next((o for o in c.options if o.choice == "recompute"), cost.Option("recompute", 0, 0.0))
+            out.append(Decision(c.name, *_shape_dtype(c.value), c.nbytes, "recompute", again.seconds))
+    return tuple(out)
