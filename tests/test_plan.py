@@ -90,6 +90,18 @@ def test_gradients_equal_jax_grad_at_every_budget(planned, linked):
         assert fwd.cache_info().forward_compiles == 1 and fwd.cache_info().backward_compiles == 1
 
 
+def test_recomputing_on_a_cpu_is_bit_identical(planned):
+    """The backward recomputes with the forward's own operations on the same inputs: on a CPU
+    its gradients are ``save="all"``'s to the bit, at every budget."""
+    p, x = inputs(1)
+    fwd = rs.split(loss, argnums=(0, 1))
+    want = fwd.backward(fwd(p, x)[1])
+    for budget in BUDGETS:
+        planned_fwd, ctx, _ = planned[False, budget]
+        for g, w in zip(jax.tree.leaves(planned_fwd.backward(ctx)), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_a_tighter_budget_recomputes_more_on_a_cpu(planned):
     plans = [rs.explain(planned[False, b][1]) for b in BUDGETS]
     reports = [rs.plan_of(planned[False, b][1]) for b in BUDGETS]
