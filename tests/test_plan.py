@@ -143,6 +143,18 @@ def test_where_a_stores_copies_cost_less_the_plan_spills_what_it_keeps():
         _assert_grads(fwd.backward(store.pop("k")), jax.grad(loss, argnums=(0, 1))(p, x))
 
 
+@pytest.mark.parametrize("linked", [False, True], ids=["cpu", "linked"])
+def test_the_bw_split_of_a_planned_context(planned, linked):
+    """B then W equal the plain backward; an offloaded residual only W reads stays in host
+    memory in ``later``."""
+    fwd, ctx, _ = planned[linked, 0]
+    full = jax.tree.leaves(fwd.backward(ctx))
+    dx, later = fwd.backward(ctx, now=1)
+    for g, w in zip(jax.tree.leaves((rs.backward(later), dx)), full, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+    assert (_host_bytes(later) > 0) == linked
+
+
 def test_every_plan_is_a_signature_of_its_own(planned):
     signatures = {sig for _, _, sig in planned.values()}
     p, x = inputs(1)
