@@ -17,7 +17,11 @@ Prints, in one run (docs/store.md records a TPU v5e's output):
    the contexts in a list; each put into ``rs.Store(None, device_budget=k contexts)`` after its
    forward and popped for its backward, the next one prefetched (k = 0, 1, 2); JAX's own remat
    offload of the blocks' named intermediates (``save_and_offload_only_these_names``, one fused
-   ``value_and_grad`` a microbatch); and the pressure case (contexts 1.5x the device's memory,
+   ``value_and_grad`` a microbatch); the planned step (``--parts plan``: ``save=rs.plan(...)`` at
+   budgets of 0, 1 and 2 contexts of ``save="all"`` and at 12 microbatches, the store at the same
+   budget, beside ``jax.checkpoint(block, nothing_saveable)`` and
+   ``dots_with_no_batch_dims_saveable`` written by hand, each put into ``Store(None,
+   device_budget=0)``); and the pressure case (contexts 1.5x the device's memory,
    ``device_budget="25%"``), for ``save="all"`` and ``"auto"``, and the fused step
    (``jax.value_and_grad`` a microbatch). **Each row runs in a process of its own** (the chip
    serves one process at a time; a process's allocator peak is its own). Each row: ms a
@@ -34,7 +38,8 @@ beside nothing, would take. The store rows use the public ``rs.Store`` API only.
 Run: ``python benchmarks/accelerator.py`` on the accelerator (the issue's shapes: 8 blocks,
 d=1024, T=1024, B=4, 3 microbatches); ``--quick`` for small shapes on a CPU (the logic, its rows
 in this one process); ``--parts`` to run some parts only (the pressure row moves 1.5x the chip's
-memory each step: minutes on a TPU v5e). Each row's result is printed on stderr as it comes.
+memory each step: minutes on a TPU v5e; ``curve``, the plan's predicted time and memory over
+budgets on a TPU v5e's profile, is traced only and runs on a CPU too). Each row's result is printed on stderr as it comes.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ from timing import Case, interleaved_medians  # noqa: E402
 import residual_store as rs  # noqa: E402
 from residual_store._src.store.pinned import HostPool  # noqa: E402
 
-PARTS = ("copies", "free", "pipeline", "remat", "pressure")
+PARTS = ("copies", "free", "pipeline", "remat", "pressure", "plan", "curve")
 NAMES = ("attn_out", "mlp_hidden", "mlp_out")  # the intermediates remat offload moves
 
 
@@ -353,6 +358,74 @@ def _rows_of(shapes: Shapes, parts: set[str], budgets: list[int]) -> list[str]:
     return rows
 
 
+HAND = {"hand-nothing": jax.checkpoint_policies.nothing_saveable,
+        "hand-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+PLAN_ROWS = ("fused", "list", "hand-nothing:0", "hand-dots:0", "plankeep:0", "plan:0", "plan:1", "plan:2", "plan12:0",
+             "plankeep:1", "plan12keep:0")
+"""The plan part's rows: ``kind:k``, a store at a device budget of ``k`` contexts of ``save="all"``
+(``keep``: a plan that keeps or recomputes, never offloads; ``12``: 12 microbatches)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """A plan part's row set up: its split, its calls, its store's budget, its name."""
+
+    fwd: rs.Split
+    calls: list[tuple]
+    budget: int
+    name: str
+
+
+def all_bytes(shapes: Shapes, params: Any, x: Any) -> int:
+    """A ``save="all"`` context's own bytes, traced, not run (a run would leave its peak in the
+    row's allocator statistics)."""
+    fwd = rs.split(make_loss(shapes.heads))
+    ctx = jax.eval_shape(lambda p, x: fwd(p, x)[1], params, x)
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+               for a, kind in zip(ctx.residuals, ctx.spec.kinds) if kind != "weight")
+
+
+def planned_row(shapes: Shapes, row: str, params: Any, xs: list[jax.Array]) -> Planned:
+    """A hand-written policy's row (``hand-nothing:k``, ``hand-dots:k``) or a planned one
+    (``plan:k``, ``plankeep:k``; ``plan12:k``, ``plan12keep:k`` at 12 microbatches), its budget
+    ``k`` contexts of ``save="all"``."""
+    kind, _, k = row.partition(":")
+    size = all_bytes(shapes, params, xs[0])
+    budget = int(k) * size
+    count = 12 if kind.startswith("plan12") else shapes.microbatches
+    calls = [(params, xs[i % len(xs)]) for i in range(count)]
+    if kind in HAND:
+        fwd = rs.split(make_loss(shapes.heads, HAND[kind]))
+        name = f"jax.checkpoint({kind.split('-')[1]}), store at {k} contexts"
+    else:
+        offload = not kind.endswith("keep")
+        fwd = rs.split(make_loss(shapes.heads), save=rs.plan(device_budget=budget, microbatches=count, offload=offload))
+        name = f"rs.plan{'' if offload else '(offload=False)'}, {count} mb, store at {k} contexts"
+    return Planned(fwd, calls, budget, name)
+
+
+CURVE = (0, 0.25, 0.5, 0.75, 1, 1.5, 2, 3)  # budgets, in contexts of save="all"
+
+
+def curve(shapes: Shapes) -> list[str]:
+    """The plan's predicted time and memory over budgets on a TPU v5e (its built-in profile),
+    traced only (``--parts curve`` runs anywhere, a CPU too): per budget, what one context keeps
+    on the device and spills, and the time the plan adds to a microbatch."""
+    from residual_store._src.plan.profile import TPU_V5E
+
+    params = jax.eval_shape(lambda: init(shapes))
+    x = jax.ShapeDtypeStruct((shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)
+    size, n = all_bytes(shapes, params, x), shapes.microbatches
+    lines = [f"{'budget (contexts)':>17} {'device MiB/ctx':>14} {'spilled MiB/ctx':>15} {'+ms/mb':>7}  choices",]
+    for k in CURVE:
+        fwd = rs.split(make_loss(shapes.heads), save=rs.plan(device_budget=int(k * size), microbatches=n, profile=TPU_V5E))
+        p = rs.plan_of(jax.eval_shape(lambda p, x: fwd(p, x)[1], params, x))  # noqa: B023 - called at once
+        lines.append(f"{k:>17} {p.device_bytes / 2**20:>14.0f} {p.spill_bytes / 2**20:>15.0f} {p.seconds * 1e3:>7.1f}  "
+                     f"{p.count('keep')} kept, {p.count('spill')} spilled, {p.count('offload')} offloaded, "
+                     f"{p.count('recompute')} recomputed")
+    return lines
+
+
 def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> Row:
     """One row, in this process alone: two untimed steps (the first compiles and fills a store's
     pool, the second compiles its reusing copies), then ``repeats`` timed; the peak is the chip
@@ -366,14 +439,24 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
     ct = jnp.float32(1.0 / n)
     loss = make_loss(shapes.heads)
     device = jax.devices()[0]
-    fwd = rs.split(loss, save=save)
-    size = own_bytes(fwd(*calls[0])[1])  # (dropped at once)
+    planned = planned_row(shapes, row, params, xs) if row.startswith(("plan", "hand-")) else None
+    fwd = rs.split(loss, save=save) if planned is None else planned.fwd
+    size = own_bytes(fwd(*calls[0])[1])  # (dropped at once; a planned context is small)
     store: rs.Store | None = None
     budget: int | None = None
-    moved, count, name = 0, n, row
-    if row == "fused":
+    moved, count, name, note = 0, n, row, ""
+    if planned is not None:
+        budget, count, name = planned.budget, len(planned.calls), planned.name
+        store = rs.Store(None, device_budget=budget)
+        fn: Callable[[], Any] = functools.partial(store_step, store, fwd, planned.calls, ct)
+        moved = max(count * size - budget, 0)
+        if row.startswith("plan"):
+            report = rs.plan_of(fwd(*calls[0])[1])
+            note = (f"{report.count('keep')} kept, {report.count('spill')} spilled, {report.count('offload')} offloaded, "
+                    f"{report.count('recompute')} recomputed, +{report.seconds * 1e3:.1f} ms predicted")
+    elif row == "fused":
         vg = jax.jit(jax.value_and_grad(loss))
-        fn: Callable[[], Any] = functools.partial(fused_step, vg, calls)
+        fn = functools.partial(fused_step, vg, calls)
         name = "fused jax.value_and_grad a microbatch"
     elif row == "remat":
         policy = jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -413,13 +496,14 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
         identical = None
         if row == "list":
             np.savez(grads, *got)
-        elif row.startswith("budget:") and grads.exists():
+        elif row.startswith(("budget:", "plan", "hand-")) and grads.exists() and count == n:
             with np.load(grads) as want:
                 identical = all(np.array_equal(a, want[f"arr_{i}"]) for i, a in enumerate(got))
         if store is not None:
             store.close()
         context = held_bytes(fwd(*calls[0])[1])
-        return Row(name, count, seconds, moved, peak, budget, identical, start=start, context=context, device=_about())
+        return Row(name, count, seconds, moved, peak, budget, identical, note, start=start, context=context,
+                   device=_about())
     except Exception as err:  # noqa: BLE001 - a row that cannot run says why (out of memory, say)
         return Row(name, count, None, moved, None, budget, None, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
 
@@ -460,7 +544,15 @@ def pipeline(args: argparse.Namespace, parts: set[str], budgets: list[int], scra
             rows.append(Row(**got) if "error" not in got else Row(row, 0, None, 0, None, note=got["error"]))
             print(f"  {save} {row}: {rows[-1]}", file=sys.stderr, flush=True)
         out[save] = rows
-    if "remat" in parts:
+    if "plan" in parts:
+        rows = []
+        for row in PLAN_ROWS:
+            got = _child(["--row", row, "--save", "all", "--grads", str(scratch / "list-plan.npz"), *common],
+                         here=args.quick)
+            rows.append(Row(**got) if "error" not in got else Row(row, 0, None, 0, None, note=got["error"]))
+            print(f"  plan {row}: {rows[-1]}", file=sys.stderr, flush=True)
+        out["plan"] = rows
+    if parts & {"remat", "plan"}:
         got = _child(["--row", "remat", "--save", "all", "--grads", str(scratch / "none.npz"), *common], here=args.quick)
         out["remat"] = Row(**got) if "error" not in got else Row("remat", 0, None, 0, None, note=got["error"])
     return out
@@ -509,7 +601,11 @@ def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | No
             lines.append(f"pop    {r['bytes'] / 2**20:.1f} MiB: returned in {r['returned_s'] * 1e3:8.1f} ms, "
                          f"on the device after {r['ready_s'] * 1e3:9.1f} ms ({rate:.2f} GB/s{link})")
     for save, rows in (pipe or {}).items():
-        if save == "remat":
+        if save == "remat" or not rows:
+            continue
+        if save == "plan":
+            lines.append("\n## Planned: rs.plan beside hand-written policies, each put into a store at the same budget")
+            lines.extend(_rows(rows, d2h, h2d))
             continue
         context = next((r.context for r in rows if r.context), None)
         held = "" if context is None else f", {context / 2**20:.1f} MiB held on the device"
@@ -587,6 +683,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = parts - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    if "curve" in parts:
+        print(f"## The plan's predicted time and memory over budgets (TPU v5e profile, {shapes.microbatches} microbatches)")
+        print("\n".join(curve(shapes)), flush=True)
+        if parts == {"curve"}:
+            return 0
     common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
     copies = _child(["--part", "copies", *common], here=args.quick) if "copies" in parts else None
     print(f"  copies: {copies}", file=sys.stderr, flush=True)
@@ -599,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     copies = None if copies is None or "error" in copies else copies["result"]
     free = None if free is None or "error" in free else free["result"]
     pipe = None
-    if parts & {"pipeline", "remat", "pressure"}:
+    if parts & {"pipeline", "remat", "pressure", "plan"}:
         with tempfile.TemporaryDirectory() as scratch:
             pipe = pipeline(args, parts, [int(k) for k in args.budgets.split(",")], Path(scratch))
     lines = report(copies, free, pipe, about)

@@ -24,6 +24,14 @@ _EXPORTS = {
     "Split": "residual_store._src.split",
     "backward": "residual_store._src.backward",
     "is_inexact": "residual_store._src.filters",
+    "plan": "residual_store._src.plan.request",
+    "PlanOptions": "residual_store._src.plan.request",
+    "explain": "residual_store._src.plan.request",
+    "plan_of": "residual_store._src.plan.request",
+    "Plan": "residual_store._src.plan.choose",
+    "Decision": "residual_store._src.plan.choose",
+    "DeviceProfile": "residual_store._src.plan.profile",
+    "device_profile": "residual_store._src.plan.profile",
     "Store": "residual_store._src.store",
     "flush_on_sigterm": "residual_store._src.store.preemption",
     "VerifyReport": "residual_store._src.store.inspection",
@@ -76,6 +84,9 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         StoreUnavailableError,
     )
     from residual_store._src.filters import is_inexact
+    from residual_store._src.plan.choose import Decision, Plan
+    from residual_store._src.plan.profile import DeviceProfile, device_profile
+    from residual_store._src.plan.request import PlanOptions, explain, plan, plan_of
     from residual_store._src.split import Split, split
     from residual_store._src.store import Store
     from residual_store._src.store.inspection import (

@@ -16,8 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 INDEX = (ROOT / "docs" / "index.md").read_text()
 HEADINGS = {m[1]: m[2] for m in re.finditer(r"^### `rs\.(\w+)(.*?)`", INDEX, re.M)}
 
-CALLABLES = ["split", "backward", "Store", "enable_compilation_cache", "flush_on_sigterm"]
-CLASSES = [rs.Store, rs.Split, rs.ResidualContext]
+CALLABLES = ["split", "backward", "Store", "enable_compilation_cache", "flush_on_sigterm", "plan", "explain", "plan_of",
+             "device_profile"]
+CLASSES = [rs.Store, rs.Split, rs.ResidualContext, rs.Plan, rs.PlanOptions]
 MODULES = ["residual_store.pipeline", "residual_store.orbax"]
 
 

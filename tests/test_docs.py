@@ -33,7 +33,7 @@ def test_markdown_python_blocks_run(code):
     "name",
     [
         "split", "backward", "context", "keypaths", "filters", "names", "logs", "partition", "pipeline",
-        "store.schedule", "store.store", "store.budgets", "store.inspection", "orbax",
+        "store.schedule", "store.store", "store.budgets", "store.inspection", "orbax", "plan.request",
     ],
 )
 def test_internals_docstring_examples(name):

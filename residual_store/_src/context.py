@@ -99,8 +99,8 @@ class CallSpec:
       unrecorded: why ``in_tree``, ``statics`` or ``static_kwargs`` is ``None``.
       differentiated: with a split ``filter``, whether each leaf of ``in_avals`` is
         differentiated; ``None`` without one (every leaf of ``argnums`` is).
-      save: the split's ``save`` choice: ``"all"``, ``"auto"``, or ``"policy:<qualified name>"``
-        for a checkpoint policy.
+      save: the split's ``save`` choice: ``"all"``, ``"auto"``, ``"policy:<qualified name>"``
+        for a checkpoint policy, or ``"plan:<options>"`` for ``rs.plan(...)``.
       now, parent: for the ``later`` context of a B/W split (``split.backward(ctx, ct,
         now=...)``), the arguments whose gradients B returned and the signature of the context
         it was split from (whose call this record otherwise is); ``None`` for any other.
@@ -128,6 +128,7 @@ SAVE_WORDS = ("all", "auto")
 """The ``save`` choices a record spells as themselves; a checkpoint policy is ``POLICY_PREFIX``
 followed by its qualified name (see :class:`residual_store._src.remat.SaveChoice`)."""
 POLICY_PREFIX = "policy:"
+PLAN_PREFIX = "plan:"  # followed by the plan's options (residual_store._src.plan.request.PlanOptions.record)
 _MAX_SAVE_RECORD = 300  # characters: a record read from a manifest is capped
 
 
@@ -137,9 +138,11 @@ def check_save_record(v: Any) -> str:
     Raises:
       ValueError: it does not (a manifest's record is malformed).
     """
-    if v in SAVE_WORDS or (isinstance(v, str) and v.startswith(POLICY_PREFIX) and len(v) <= _MAX_SAVE_RECORD):
+    if v in SAVE_WORDS or (
+        isinstance(v, str) and v.startswith((POLICY_PREFIX, PLAN_PREFIX)) and len(v) <= _MAX_SAVE_RECORD
+    ):
         return v
-    raise ValueError(f"save must be 'all', 'auto' or 'policy:<name>', got {str(v)[:40]!r}")
+    raise ValueError(f"save must be 'all', 'auto', 'policy:<name>' or 'plan:<options>', got {str(v)[:40]!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,18 +40,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from residual_store._src import _jax_internals, jaxpr_walks, placement, slots
+from residual_store._src import _jax_internals
 from residual_store._src.canonical import qualified_name
 from residual_store._src.context import POLICY_PREFIX, SAVE_WORDS
 from residual_store._src.errors import InvalidArgumentError
 
-__all__ = ["CHEAP", "RematPlan", "Stacked", "abstract", "cheap", "is_lazy", "plan", "policy_recomputable", "run_backward"]
+__all__ = [
+    "CHEAP", "Chosen", "RematPlan", "SaveChoice", "Stacked", "abstract", "cheap", "is_lazy", "plan", "policy_recomputable",
+    "protected", "recomputed", "run_backward",
+]
 
 CHEAP: frozenset[str] = frozenset(
     {
@@ -84,14 +87,14 @@ _NEVER: frozenset[str] = frozenset(
 """Primitives never run again, whatever a policy says: RNG, kernels, collectives, callbacks."""
 
 
-def _protected(eqn: Any) -> bool:
+def protected(eqn: Any) -> bool:
     """Never recomputed: effects, higher-order primitives (their bodies stay whole), :data:`_NEVER`."""
     return bool(eqn.effects) or _jax_internals.has_inner_jaxprs(eqn) or eqn.primitive.name in _NEVER
 
 
 def cheap(eqn: Any) -> bool:
     """Whether ``save="auto"`` lets the backward run ``eqn`` again: in :data:`CHEAP`, and pure."""
-    return eqn.primitive.name in CHEAP and not _protected(eqn)
+    return eqn.primitive.name in CHEAP and not protected(eqn)
 
 
 def policy_recomputable(policy: Callable[..., Any]) -> Callable[[Any], bool]:
@@ -103,7 +106,7 @@ def policy_recomputable(policy: Callable[..., Any]) -> Callable[[Any], bool]:
     """
 
     def recomputable(eqn: Any) -> bool:
-        if _protected(eqn):
+        if protected(eqn):
             return False
         try:
             saveable = policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
@@ -126,17 +129,24 @@ class SaveChoice:
     residual ``jax.vjp`` keeps).
     """
 
-    record: str  # "all", "auto" or "policy:<qualified name>": part of the signature
+    record: str  # "all", "auto", "policy:<qualified name>" or "plan:<options>": part of the signature
     recomputable: Callable[[Any], bool] | None = dataclasses.field(default=None, compare=False)
+    # a planner (rs.plan): (jaxpr, residuals, input_cost, inputs held) -> Chosen, for the fewest bytes
+    choose: Callable[[Any, Sequence[Any], Sequence[bool], Sequence[Any]], Chosen] | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
-    def parse(cls, save: str | Callable[..., Any]) -> SaveChoice:
+    def parse(cls, save: Any) -> SaveChoice:
         """``save`` as :func:`residual_store.split` takes it.
 
         Raises:
-          InvalidArgumentError: ``save`` is neither callable nor one of
+          InvalidArgumentError: ``save`` is neither callable, a plan (``rs.plan``), nor one of
             :data:`~residual_store._src.context.SAVE_WORDS`.
         """
+        as_choice = getattr(type(save), "save_choice", None)  # rs.plan(...): it makes its own
+        if as_choice is not None:
+            choice = as_choice(save)
+            assert isinstance(choice, SaveChoice)
+            return choice
         if callable(save):
             return cls(f"{POLICY_PREFIX}{qualified_name(save)}", policy_recomputable(save))
         if save == "all":
@@ -144,54 +154,32 @@ class SaveChoice:
         if save == "auto":
             return cls("auto", cheap)
         raise InvalidArgumentError(
-            f"save must be one of {', '.join(map(repr, SAVE_WORDS))} or a JAX checkpoint policy "
-            f"(a callable such as jax.checkpoint_policies.dots_saveable), got {save!r}"
+            f"save must be one of {', '.join(map(repr, SAVE_WORDS))}, a JAX checkpoint policy "
+            f"(a callable such as jax.checkpoint_policies.dots_saveable) or a plan (rs.plan(...)), got {save!r}"
         )
 
 
-def keep_fewest_bytes(
-    traced: Any,
-    old_slots: tuple[slots.Slot, ...],
-    n_consts: int,
-    input_cost: Sequence[bool],
-    flat_bwd: Callable[[Sequence[Any], Sequence[Any]], list[Any]],
-    recomputable: Callable[[Any], bool],
-) -> tuple[Any, tuple[slots.Slot, ...], Callable[[Sequence[Any], Sequence[Any]], list[Any]]]:
-    """Rewrites a traced split forward (``jax.stages.Traced``) to keep the values of :func:`plan`
-    in place of its computed residuals: the new forward (jitted), its slots, and a backward that
-    recomputes the residuals from them before running ``flat_bwd``."""
-    closed = jaxpr_walks.inline_calls(traced.jaxpr, [placement.abstract(a) for a in traced.jaxpr.in_avals])
-    jaxpr = closed.jaxpr
-    computed = [k for k, (src, _) in enumerate(old_slots) if src == slots.FROM_OUTPUT]
-    n_kept_out = len(jaxpr.outvars) - len(computed)  # outputs and aux come first
-    p = plan(jaxpr, [jaxpr.outvars[old_slots[k][1]] for k in computed], input_cost, recomputable)
-    kept_out = [v for v in p.kept if p.is_input(v) is None]
-    given = [slot for slot in old_slots if slot[0] != slots.FROM_OUTPUT]
-    extra = [slots.of_input(j, n_consts) for v in p.kept if (j := p.is_input(v)) is not None]
-    new_slots = tuple(dict.fromkeys(given + extra)) + tuple(
-        (slots.FROM_OUTPUT, n_kept_out + k) for k in range(len(kept_out))
-    )
-    at = {slot: k for k, slot in enumerate(new_slots)}
-    returned = list(jaxpr.outvars[:n_kept_out]) + kept_out
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    """A planner's choice (``rs.plan``): the plan the backward's rebuild carries out, the
+    positions in its ``kept`` of the values the forward moves to host memory (and the backward
+    back), and the planner's report (what ``rs.explain`` shows)."""
 
-    def forward(consts: list[Any], flat: list[Any]) -> list[Any]:
-        return p.evaluate(closed.consts, [*consts, *flat], returned)
+    remat: RematPlan
+    offloaded: frozenset[int] = frozenset()
+    report: Any = None
 
-    def backward(residuals: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
-        kept_values = [
-            residuals[at[(slots.FROM_OUTPUT, n_kept_out + kept_out.index(v))]] if (j := p.is_input(v)) is None
-            else residuals[at[slots.of_input(j, n_consts)]]
-            for v in p.kept
-        ]
-        again = iter(p.rebuild(kept_values, closed.consts, lazy=True))
-        original = [next(again) if src == slots.FROM_OUTPUT else residuals[at[(src, i)]] for src, i in old_slots]
-        if not any(map(is_lazy, original)):
-            return flat_bwd(original, cts)
-        # a rebuilt scan's residuals are made inside the backward's scan, an iteration at a time
-        plain = jax.make_jaxpr(flat_bwd)([abstract(r) for r in original], [abstract(c) for c in cts])
-        return run_backward(plain, [*original, *cts])
 
-    return jax.jit(forward), new_slots, backward
+def recomputed(p: RematPlan) -> Iterator[tuple[Any, int]]:
+    """Every equation the backward of ``p`` runs again, with how many times a backward runs it
+    (a planned scan's body equations: once per iteration)."""
+    for i in p.recompute:
+        scan = p.scans.get(i)
+        if scan is None:
+            yield p.jaxpr.eqns[i], 1
+            continue
+        for eqn, times in recomputed(scan.body):
+            yield eqn, times * max(scan.parts.length, 1)
 
 
 def _nbytes(aval: Any) -> int:

@@ -47,6 +47,8 @@ from residual_store._src.context import (
 from residual_store._src.errors import InvalidArgumentError, RecomputeWarning, SignatureMismatchError
 from residual_store._src.halves import GradParts, Halves
 from residual_store._src.keypaths import PathStructure
+from residual_store._src.plan.request import PlanOptions
+from residual_store._src.plan.request import remember as remember_plan
 from residual_store._src.remat import SaveChoice
 from residual_store._src.trace import NO_KEYWORDS, Keywords, Options, Traced, checked_argnames, trace
 
@@ -119,7 +121,7 @@ def _checked_options(
     static_argnames: str | Sequence[str],
     weight_argnums: int | Sequence[int] | None,
     filter: Callable[[Any], bool] | None,  # noqa: A002
-    save: str | Callable[..., Any],
+    save: str | Callable[..., Any] | PlanOptions,
 ) -> Options:
     """:func:`split`'s arguments, checked, as the frozen options a trace reads.
 
@@ -178,7 +180,7 @@ class Split:
         weight_argnums: int | Sequence[int] | None = None,
         filter: Callable[[Any], bool] | None = None,  # noqa: A002 - named like eqx.filter_grad's
         cache_size: int = DEFAULT_CACHE_SIZE,
-        save: str | Callable[..., Any] = "all",
+        save: str | Callable[..., Any] | PlanOptions = "all",
     ) -> None:
         self.save = save  # as given; self._opts.save is it parsed
         self._opts = _checked_options(
@@ -517,6 +519,8 @@ class Split:
             )
             self._by_signature[signature] = bwd
             self._grad_parts[signature] = t.parts
+        if t.plan is not None:  # save=rs.plan(...): rs.explain finds it by signature
+            remember_plan(signature, t.plan)
         register_backward(bwd)
         return bwd
 
@@ -570,7 +574,7 @@ def split(
     weight_argnums: int | Sequence[int] | None = None,
     filter: Callable[[Any], bool] | None = None,  # noqa: A002
     cache_size: int = DEFAULT_CACHE_SIZE,
-    save: str | Callable[..., Any] = "all",
+    save: str | Callable[..., Any] | PlanOptions = "all",
 ) -> Split:
     """Splits ``fun`` into a forward that returns typed residuals and a backward that uses them.
 
@@ -610,8 +614,10 @@ def split(
         through), see :mod:`residual_store._src.remat`. A JAX checkpoint policy (e.g.
         ``jax.checkpoint_policies.dots_saveable``) instead lets the backward recompute what the
         policy does not save, with the same exceptions (RNG, kernels, callbacks, collectives and
-        higher-order primitives but ``scan`` are never recomputed). The choice is part of the
-        signature.
+        higher-order primitives but ``scan`` are never recomputed). :func:`residual_store.plan`
+        (``save=rs.plan(device_budget=...)``) chooses per residual to keep it, offload it to
+        host memory or recompute it, the fastest step whose contexts fit the budget
+        (:func:`residual_store.explain` shows the choice). The choice is part of the signature.
 
     Returns:
       A :class:`Split`: ``out, ctx = fwd(*args, **kwargs)``; ``grads = fwd.backward(ctx, cotangent)``.

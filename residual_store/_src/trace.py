@@ -4,7 +4,7 @@ A split traces ``fun`` once per signature to a jaxpr; the forward evaluates that
 ``jax.vjp`` and returns the output, aux and the residuals it *computes* (inputs and closed-over
 constants are taken live by the context: see :mod:`residual_store._src.slots`). The backward is traced
 too, not compiled, so that the signature covers what both compute. ``save`` other than ``"all"``
-rewrites the forward to keep fewer bytes (:func:`residual_store._src.remat.keep_fewest_bytes`).
+rewrites the forward to keep fewer bytes (:func:`residual_store._src.keep.keep_fewest_bytes`).
 
 Nothing here compiles, runs, or keeps state: the split owns the compiled executables and the
 registry of backwards.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from residual_store._src import _jax_internals, filters, names, placement, remat, slots, structure
+from residual_store._src import _jax_internals, filters, keep, names, placement, remat, slots, structure
 from residual_store._src.context import CallSpec, InputAval, ResidualKind, ResidualSpec
 from residual_store._src.errors import InvalidArgumentError, SignatureMismatchError
 from residual_store._src.halves import GradParts
@@ -244,6 +244,7 @@ class Traced:
     backward_jit: Any  # jax.jit of flat_backward
     backward_jaxpr: Any  # flat_backward's jaxpr on parts' avals
     grad_tree: Any  # the gradients' template
+    plan: Any = None  # with save=rs.plan(...): its choice for this signature (a plan.choose.Plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,10 +335,11 @@ def trace(
     (vjp,) = found
     res_slots = vjp.slots
     flat_bwd, grad_tree, templates = _flat_backward(opts, vjp.vjp_tree, out_avals, treedef, positions, differentiated)
-    if opts.save.recomputable is not None:  # keep the fewest bytes; the backward recomputes the rest
+    planned = None  # the planner's report, with save=rs.plan(...)
+    if opts.save.recomputable is not None:  # keep the fewest bytes (or plan); the backward recomputes the rest
         weights = [False] * n_consts + [pos not in opts.weight_argnums for pos in leaf_args]
-        forward_jit, res_slots, flat_bwd = remat.keep_fewest_bytes(
-            traced, res_slots, n_consts, weights, flat_bwd, opts.save.recomputable
+        forward_jit, res_slots, flat_bwd, planned = keep.keep_fewest_bytes(
+            traced, res_slots, n_consts, weights, flat_bwd, opts.save
         )
         traced = forward_jit.trace(consts, list(leaves))
     jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
@@ -383,6 +385,7 @@ def trace(
         backward_jit=bwd_jit,
         backward_jaxpr=bwd_traced.jaxpr,
         grad_tree=grad_tree,
+        plan=planned,
     )
 
 

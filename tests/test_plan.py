@@ -1,0 +1,259 @@
+"""``rs.split(f, save=rs.plan(...))``: per residual keep, offload or recompute under a device
+budget. The gradients are ``jax.grad``'s at every budget, the plan trades bytes for recompute as
+the budget tightens (and offloads where the profile has a link: a CPU's pinned host memory
+stands in for it), the report matches the context, and a planned context keeps every promise
+of a context: a signature of its own, a store round trip, a resume in a process with the model
+and without it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import residual_store as rs
+import transformer_model as tm
+from store_helpers import TESTS_DIR, run_python, write_script
+
+LAYERS, D, F, B = 3, 16, 32, 8
+TOL = {"rtol": 1e-6, "atol": 1e-7}
+LINKED = rs.DeviceProfile(kind="cpu-linked", matmul_flops=1e9, memory_bytes=1e10, d2h_bytes=1e9, h2d_bytes=1e9,
+                          hidden_forward=0.5)
+"""A profile with a link, where moving inside the programs (half hidden) beats a store's copies and
+recomputing: on a CPU, JAX's pinned host memory kind stands in for the host side."""
+
+
+def stage(p, x):
+    """Layers under ``lax.scan``: three matrix products a layer whose outputs the backward reads
+    (one named for a policy: a plan looks through the label)."""
+
+    def layer(h, w):
+        a = jnp.tanh(h @ w["a"])
+        s = jax.nn.softmax(a @ a.T / 4.0)
+        return h + checkpoint_name(s @ a, "mixed") @ w["b"], None
+
+    return jax.lax.scan(layer, x, p)[0]
+
+
+def loss(p, x):
+    return jnp.mean(stage(p, x) ** 2)
+
+
+def inputs(seed):
+    k = jax.random.split(jax.random.key(seed), 3)
+    p = {"a": jax.random.normal(k[0], (LAYERS, D, F)) / 4, "b": jax.random.normal(k[1], (LAYERS, F, D)) / 6}
+    return p, jax.random.normal(k[2], (B, D))
+
+
+def _device_bytes(ctx):
+    """The bytes a context holds in device memory, weights aside."""
+    return sum(r.nbytes for r, kind in zip(ctx.residuals, ctx.spec.kinds)
+               if kind != "weight" and r.sharding.memory_kind != "pinned_host")
+
+
+def _host_bytes(ctx):
+    return sum(r.nbytes for r in ctx.residuals if r.sharding.memory_kind == "pinned_host")
+
+
+def _assert_grads(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert float(jnp.max(jnp.abs(w))) > 0
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+
+
+BUDGETS = (None, 6000, 3000, 0)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """Per (profile, budget): a planned split, run on fresh inputs, its context and plan."""
+    out = {}
+    for profile in (None, LINKED):
+        for budget in BUDGETS:
+            fwd = rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=budget, profile=profile))
+            p, x = inputs(1)
+            _, ctx = fwd(p, x)
+            out[profile is not None, budget] = fwd, ctx, ctx.spec.signature
+    return out
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["cpu", "linked"])
+def test_gradients_equal_jax_grad_at_every_budget(planned, linked):
+    for budget in BUDGETS:
+        fwd, ctx, _ = planned[linked, budget]
+        _assert_grads(fwd.backward(ctx), jax.grad(loss, argnums=(0, 1))(*inputs(1)))
+        p, x = inputs(2)  # fresh inputs, the same compiled forward and backward
+        _assert_grads(fwd.backward(fwd(p, x)[1]), jax.grad(loss, argnums=(0, 1))(p, x))
+        assert fwd.cache_info().forward_compiles == 1 and fwd.cache_info().backward_compiles == 1
+
+
+def test_recomputing_on_a_cpu_is_bit_identical(planned):
+    """The backward recomputes with the forward's own operations on the same inputs: on a CPU
+    its gradients are ``save="all"``'s to the bit, at every budget."""
+    p, x = inputs(1)
+    fwd = rs.split(loss, argnums=(0, 1))
+    want = fwd.backward(fwd(p, x)[1])
+    for budget in BUDGETS:
+        planned_fwd, ctx, _ = planned[False, budget]
+        for g, w in zip(jax.tree.leaves(planned_fwd.backward(ctx)), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_a_tighter_budget_recomputes_more_on_a_cpu(planned):
+    plans = [rs.explain(planned[False, b][1]) for b in BUDGETS]
+    reports = [rs.plan_of(planned[False, b][1]) for b in BUDGETS]
+    recomputed = [r.count("recompute") for r in reports]
+    assert recomputed == sorted(recomputed) and recomputed[0] == 0 and recomputed[-1] == 3, plans
+    assert all(r.count("offload") == 0 for r in reports)  # a CPU has no link
+    for budget, r in zip(BUDGETS, reports):
+        ctx = planned[False, budget][1]
+        assert r.device_bytes == _device_bytes(ctx) and r.host_bytes == r.spill_bytes == 0  # the report is the context
+        assert r.fits == (budget is None or r.device_bytes <= budget)
+    assert reports[1].fits and reports[2].fits and not reports[3].fits  # 0: the carry stack stays
+    assert reports[0].seconds < reports[1].seconds < reports[2].seconds < reports[3].seconds
+
+
+def test_with_a_link_the_plan_offloads_into_pinned_host_memory(planned):
+    for budget in BUDGETS:
+        ctx = planned[True, budget][1]
+        r = rs.plan_of(ctx)
+        assert (r.device_bytes + r.spill_bytes, r.host_bytes) == (_device_bytes(ctx), _host_bytes(ctx))
+        assert r.count("recompute") == 0  # moving costs less than these products on this profile
+        assert r.fits and r.count("spill") == 0  # the in-program copies, half hidden, cost less
+    assert rs.plan_of(planned[True, None][1]).host_bytes == 0
+    assert rs.plan_of(planned[True, 0][1]).device_bytes == 0 < rs.plan_of(planned[True, 0][1]).host_bytes
+
+
+def test_where_a_stores_copies_cost_less_the_plan_spills_what_it_keeps():
+    """A TPU v5e today: fresh pinned program outputs are slow, the store's pool is not. A spilled
+    value stays in the context, on the device, for a store at the budget to move."""
+    slow_program = rs.DeviceProfile(kind="cpu-pool", matmul_flops=1e8, memory_bytes=1e10, d2h_bytes=1e10,
+                                    h2d_bytes=1e10, program_d2h_bytes=1e8)
+    fwd = rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=0, profile=slow_program))
+    p, x = inputs(3)
+    _, ctx = fwd(p, x)
+    r = rs.plan_of(ctx)
+    assert r.fits and r.device_bytes == r.host_bytes == 0 and r.count("offload") == 0
+    assert r.spill_bytes == _device_bytes(ctx) > 0 and r.count("spill") > 0, rs.explain(ctx)
+    with rs.Store(None, device_budget=0) as store:
+        store.put(ctx, "k")
+        _assert_grads(fwd.backward(store.pop("k")), jax.grad(loss, argnums=(0, 1))(p, x))
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["cpu", "linked"])
+def test_the_bw_split_of_a_planned_context(planned, linked):
+    """B then W equal the plain backward; an offloaded residual only W reads stays in host
+    memory in ``later``."""
+    fwd, ctx, _ = planned[linked, 0]
+    full = jax.tree.leaves(fwd.backward(ctx))
+    dx, later = fwd.backward(ctx, now=1)
+    for g, w in zip(jax.tree.leaves((rs.backward(later), dx)), full, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+    assert (_host_bytes(later) > 0) == linked
+
+
+def test_every_plan_is_a_signature_of_its_own(planned):
+    signatures = {sig for _, _, sig in planned.values()}
+    p, x = inputs(1)
+    signatures |= {rs.split(loss, argnums=(0, 1), save=s)(p, x)[1].spec.signature for s in ("all", "auto")}
+    assert len(signatures) == len(planned) + 2
+    _, ctx, _ = planned[False, 0]
+    with pytest.raises(rs.SignatureMismatchError, match="save='plan:budget=0"):
+        rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=6000)).backward(ctx)
+    with pytest.raises(rs.SignatureMismatchError, match="save='plan:budget=0"):
+        rs.split(loss, argnums=(0, 1), save="auto").backward(ctx)
+
+
+def test_the_transformer_with_its_names_policy_keys_and_aux():
+    """``jax.checkpoint`` bodies, RNG (dropout) and ``checkpoint_name``'d values are kept whole."""
+    params = tm.init(jax.random.key(3))
+    tokens = jax.random.randint(jax.random.key(4), (2, tm.SEQ + 1), 0, tm.VOCAB)
+    key = jax.random.key(5)
+    fwd = rs.split(tm.loss, has_aux=True, save=rs.plan(device_budget=0))
+    (value, aux), ctx = fwd(params, tokens, key)
+    (want_value, want_aux), want = jax.value_and_grad(tm.loss, has_aux=True)(params, tokens, key)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    _assert_grads(fwd.backward(ctx), want)
+    assert rs.plan_of(ctx).count("recompute") > 0
+
+
+def _dropout_mlp(w, x, key):
+    mask = jax.random.bernoulli(key, 0.7, (x.shape[0], w.shape[1]))
+    return jnp.sum(jnp.where(mask, jnp.sin(x @ w), 0.0) @ w.T)
+
+
+def test_rng_is_never_recomputed():
+    w, x = jax.random.normal(jax.random.key(6), (8, 8)), jax.random.normal(jax.random.key(7), (4, 8))
+    fwd = rs.split(_dropout_mlp, save=rs.plan(device_budget=0))
+    _, ctx = fwd(w, x, jax.random.key(8))
+    _assert_grads(fwd.backward(ctx), jax.grad(_dropout_mlp)(w, x, jax.random.key(8)))
+    report = rs.plan_of(ctx)
+    assert report.count("recompute") == 1  # x @ w, from x; the mask is kept, never drawn again
+    assert any(d.choice == "keep" and d.dtype == "bool" for d in report.decisions), rs.explain(ctx)
+
+
+_RESUME = """
+import sys, jax, numpy as np, residual_store as rs
+assert "test_plan" not in sys.modules
+with rs.Store(sys.argv[1], read_only=True) as store:
+    for key in ("cpu", "linked"):  # no model here: the stored backward recomputes
+        grads = rs.backward(store.get(key))
+        np.savez(f"{sys.argv[2]}/{key}-free.npz", *[np.asarray(g) for g in jax.tree.leaves(grads)])
+    sys.path.insert(0, sys.argv[3])
+    import test_plan  # the model: a fresh split made with the same plan rebuilds the backward
+    fwd = rs.split(test_plan.loss, argnums=(0, 1), save=rs.plan(device_budget=3000, profile=test_plan.LINKED))
+    ctx = store.get("linked")
+    np.savez(f"{sys.argv[2]}/linked-model.npz", *[np.asarray(g) for g in jax.tree.leaves(fwd.backward(ctx))])
+    print(rs.explain(ctx).splitlines()[0])
+"""
+
+
+def test_a_planned_context_resumes_in_another_process_with_and_without_the_model(planned, tmp_path):
+    want = jax.tree.leaves(jax.grad(loss, argnums=(0, 1))(*inputs(1)))
+    with rs.Store(tmp_path / "store") as store:
+        store.put(planned[False, 3000][1], "cpu")
+        store.put(planned[True, 3000][1], "linked")
+        again = store.get("linked")  # and back in this process, from its device tier
+        _assert_grads(planned[True, 3000][0].backward(again), want)
+    script = write_script(tmp_path, "resume.py", _RESUME)
+    proc = run_python(script, str(tmp_path / "store"), str(tmp_path), str(TESTS_DIR), env={"PYTHONHASHSEED": "7"})
+    assert "2 offloaded" in proc.stdout, proc.stdout
+    for name in ("cpu-free", "linked-free", "linked-model"):
+        got = np.load(tmp_path / f"{name}.npz")
+        for i, w in enumerate(want):
+            np.testing.assert_allclose(got[f"arr_{i}"], np.asarray(w), **TOL)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"microbatches": 0}, "microbatches"),
+        ({"microbatches": 2.0}, "microbatches"),
+        ({"device_budget": -1}, "device_budget"),
+        ({"device_budget": "12 parsecs"}, "device_budget"),
+        ({"device_budget": "50%"}, "memory"),  # a CPU reports no memory limit
+        ({"profile": "tpu"}, "profile"),
+        ({"offload": "yes"}, "offload"),
+    ],
+)
+def test_bad_plan_options_raise_the_librarys_error(kwargs, match):
+    with pytest.raises(rs.InvalidArgumentError, match=match):
+        rs.plan(**kwargs)
+
+
+def test_explain_refuses_what_has_no_plan():
+    _, ctx = rs.split(loss, argnums=(0, 1))(*inputs(1))
+    with pytest.raises(rs.InvalidArgumentError, match="no plan for signature"):
+        rs.explain(ctx)
+    with pytest.raises(rs.InvalidArgumentError, match="takes a rs.ResidualContext or a rs.Plan"):
+        rs.explain(3)
+
+
+def test_the_budget_is_shared_by_the_microbatches():
+    one = rs.plan(device_budget="6KiB", microbatches=1)
+    four = rs.plan(device_budget="24KiB", microbatches=4)
+    assert one.context_budget == four.context_budget == 6144
+    assert one != four and one.record != four.record  # the same choice, another record
