@@ -227,7 +227,7 @@ def test_internals_a_write_of_a_superseded_version_finds_nothing_to_write():
 def test_internals_a_failed_write_takes_its_put_out_of_memory():
     table = _table()
     own = table.put("k", _ctx()).own
-    table.write_failed("k", own.version)
+    table.write_done("k", own.version, None, failed=True)
     assert table.locate("k") == (None, False, False) and table.held("k") is None  # the disk decides
 
 
@@ -251,7 +251,7 @@ def test_internals_a_delete_hides_the_key_until_its_removal_is_done():
 def test_internals_a_delete_of_a_key_only_the_disk_holds_asks_the_disk_first():
     table = _table()
     assert table.delete("k") is None
-    version = table.delete_stored("k")
+    version = table.delete("k", stored=True)
     assert table.held("k") is False
     table.delete_done("k", version)
     assert table.held("k") is None
@@ -262,18 +262,18 @@ def test_internals_race_1_a_put_after_a_delete_keeps_the_removal_owed_and_a_fail
     the removal still runs (it is queued before the write and the table still owes it), so
     nothing brings the deleted version back."""
     table = _table()
-    removal = table.delete_stored("k")
+    removal = table.delete("k", stored=True)
     own = table.put("k", _ctx()).own
     assert table.held("k") is True  # the put is visible at once
     assert table.write_starting("k", own.version) is own.ctx
-    table.write_failed("k", own.version)
+    table.write_done("k", own.version, None, failed=True)
     table.delete_done("k", removal)
     assert table.held("k") is None and table.locate("k") == (None, False, False)
 
 
 def test_internals_a_disk_read_after_a_delete_and_put_never_installs_while_the_removal_is_owed():
     table = _table(device=0, host=0)
-    removal = table.delete_stored("k")
+    removal = table.delete("k", stored=True)
     own = table.put("k", _ctx(seed=1)).own
     table.write_done("k", own.version, SIZE)  # (written before the removal: impossible in order, refused anyway)
     found = table.begin_get("k")
@@ -292,13 +292,11 @@ def test_internals_race_2_a_write_no_put_has_queued_yet_is_claimed_by_the_drain(
     table = _table()
     older = _claim(table, [table.put("k", _ctx(seed=0)).own])  # an earlier put's, queued
     moves = table.put("k", _ctx(seed=2))  # ... the signal lands here
-    unqueued = table.unqueued()
-    assert [(w.key, w.version) for w in unqueued] == [("k", moves.own.version)]
-    drained = _claim(table, unqueued)
-    assert [w for w, _ in drained] == unqueued
+    drained = table.claim_writes(None, Future)  # every write nobody queued yet
+    assert [(w.key, w.version) for w, _ in drained] == [("k", moves.own.version)]
     assert table.newest_writes(["k"]) == [drained[0][1]]  # what flush("k") waits for
     assert _claim(table, [moves.own]) == []  # the put's own queueing: already claimed
-    assert table.unqueued() == []
+    assert table.claim_writes(None, Future) == []
     assert table.write_starting("k", older[0][0].version) is None  # superseded: skipped
 
 
@@ -361,12 +359,12 @@ def test_internals_a_load_ahead_enters_the_device_tier_only_where_it_has_room():
     a, b = _ctx(seed=1), _ctx(seed=2)
     table.put("a", a)
     table.put("b", b)  # a moves to host memory
-    found = table.begin_read("a")
+    found = table.begin_get("a", ahead=True)
     assert found.ahead and found.ctx is a
     assert table.finish_read("a", found, _ctx(seed=1)) == Moves()
     assert _where(table) == (["b"], ["a"])
     table.delete("b")
-    found = table.begin_read("a")
+    found = table.begin_get("a", ahead=True)
     copy = _ctx(seed=1)
     table.finish_read("a", found, copy)
     assert _where(table) == (["a"], []) and table.begin_get("a").ctx is copy

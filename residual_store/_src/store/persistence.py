@@ -217,10 +217,9 @@ class WritablePersistence(ReadOnlyPersistence):
         see :meth:`prepare_put`); with ``None``, every write the table holds pending that nobody
         queued (a signal landed between a put's transition and its queueing), so that a drain
         writes what the table holds pending (rule 6)."""
-        writes = self._table.unqueued() if writes is None else writes
         for write, future in self._table.claim_writes(writes, self.writer.future):
             held = write.ctx if self._jobs_hold else None
-            first = staged if write is writes[0] else None
+            first = staged if writes is not None and write is writes[0] else None
             job = functools.partial(self._write, write.key, held, write.version, first)
             self.writer.submit(job, write.ctx.nbytes, future)
             future.add_done_callback(functools.partial(self._table.write_settled, write.key))
@@ -271,7 +270,7 @@ class WritablePersistence(ReadOnlyPersistence):
             del ctx, pending
             stale = committer.write(write)
         except BaseException:
-            self._table.write_failed(key, version)  # a put that failed is not in the store (flush raises why)
+            self._table.write_done(key, version, None, failed=True)  # a put that failed is not in the store (flush raises why)
             raise
         self.drop_later(stale)
         self._weights.hold(residuals, write.impls, write.digests)

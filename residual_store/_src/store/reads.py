@@ -88,7 +88,7 @@ class Reads:
             return found.ctx  # type: ignore[return-value]
         # a load's result is kept for this get even when the budgets could not hold it
         ctx = found.load.result() if found.load is not None else self._read(key, found)
-        if self._table.device.budget is not None and not self._table.on_device(key, ctx):
+        if self._table.device.budget is not None and self._table.locate(key)[0] is not ctx:  # (in no tier)
             self.lend(ctx)
         return ctx
 
@@ -121,7 +121,7 @@ class Reads:
         """``key`` from memory or disk, on the device (a load ahead's job)."""
         if self._table.leaving.count:
             self._copies.wait_landed()
-        found = self._table.begin_read(key)
+        found = self._table.begin_get(key, ahead=True)
         return found.ctx if found.on_device else self._read(key, found)  # type: ignore[return-value]
 
     def _read(self, key: str, found: Found) -> ResidualContext:
@@ -139,7 +139,7 @@ class Reads:
             else:
                 ctx, nbytes = self._from_disk(key)
         except BaseException:
-            self._table.end_read(key)
+            self._table.finish_read(key, found, None)
             raise
         moves = self._table.finish_read(key, found, ctx, nbytes_read=nbytes)
         if moves.spills or moves.owed.demoted or moves.owed.released:

@@ -389,7 +389,8 @@ class Store(StoreMapping):
             if version is None:  # not in memory: the disk tells
                 if not self._persistence.holds(key):
                     raise ContextNotFoundError.of(key, self._description)
-                version = self._table.delete_stored(key)
+                version = self._table.delete(key, stored=True)
+                assert version is not None  # (a stored delete always deletes)
             self._persistence.delete(key, version)
 
     # -- listing ------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ kill suites end to end):
 6. **A pending write is queued exactly once, by whoever claims it first.** The put that made it
    claims it right after its transition (:meth:`KeyTable.claim_writes`); a drain that finds a
    write no one has claimed yet (a signal landed in between) claims and queues it itself
-   (:meth:`KeyTable.unqueued`, then :meth:`KeyTable.claim_writes`). So a put whose transition
+   (:meth:`KeyTable.claim_writes` of ``None``). So a put whose transition
    is done is never lost by a drain that ran before it queued its write; ``flush`` does the same
    (a put whose copy failed on the way), and a put is a critical section from its transition to
    its queueing, so a signal handler's drain never runs between the two (``critical.py``).
@@ -153,30 +153,17 @@ class KeyTable:
 
     # -- entries -------------------------------------------------------------------------------
 
-    def _deleted(self, key: str) -> ContextNotFoundError:
-        return ContextNotFoundError.of(key, self.where, deleted="now")
-
     def _live(self, key: str) -> _Entry | None:
         """The entry of ``key`` (``None``: nothing happened to it here); raises for a key being
         deleted (rule 5)."""
         entry = self._entries.get(key)
         if entry is not None and entry.deleted:
-            raise self._deleted(key)
-        return entry
-
-    def _entry(self, key: str) -> _Entry:
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._entries[key] = _Entry()
+            raise ContextNotFoundError.of(key, self.where, deleted="now")
         return entry
 
     def _drop_if_idle(self, key: str, entry: _Entry) -> None:
         if entry.idle() and self._entries.get(key) is entry:
             del self._entries[key]
-
-    def _bump(self, entry: _Entry) -> int:
-        entry.version = next(self._counter)
-        return entry.version
 
     def _forget_memory(self, key: str, entry: _Entry) -> None:
         """The key's context leaves its tier and its pending write and load are superseded."""
@@ -213,10 +200,10 @@ class KeyTable:
         with self.lock:
             if not self.keeping.below_host:
                 check_capacity(self.device, self.host, self.schedule, key, size)
-            entry = self._entry(key)
+            entry = self._entries.setdefault(key, _Entry())
             self._forget_memory(key, entry)
             entry.on_disk = False
-            version = self._bump(entry)
+            version = entry.version = next(self._counter)
             if self.device.fits(size):
                 self._place(key, entry, ctx, DEVICE)
             elif self.host.fits(size):
@@ -225,35 +212,32 @@ class KeyTable:
             if self.keeping.writes_puts or entry.ctx is None:
                 own = self._mark_pending(key, entry, ctx, version)
             protect = key if not self.scheduled or self.schedule.next_use(key) is None else None
-            spills = self._rebalance(protect)
-            return Moves(self._take_owed(), tuple(spills), own)
+            return self._moves(protect, own)
 
-    def delete(self, key: str) -> int | None:
+    def delete(self, key: str, *, stored: bool = False) -> int | None:
         """A delete of ``key`` held in memory (or loading): a new version, every copy in flight
         superseded, the key absent from now on (rule 5). Returns the version its disk removal
         carries, or ``None`` if this store does not hold the key in memory: the caller asks the
-        disk, outside the lock, and calls :meth:`delete_stored` if it has it.
+        disk, outside the lock, and calls again with ``stored=True`` if it has it (the key is
+        then deleted whatever memory holds).
 
         Raises:
           ContextNotFoundError: the key is being deleted already.
         """
         with self.lock:
             entry = self._entries.get(key)
+            if stored:
+                return self._delete(key, self._entries.setdefault(key, _Entry()))
             if entry is not None and entry.deleted:
                 raise ContextNotFoundError.of(key, self.where, deleted="already")
             if entry is None or not (entry.in_memory or entry.load is not None):
                 return None
             return self._delete(key, entry)
 
-    def delete_stored(self, key: str) -> int:
-        """A delete of ``key``, which the disk holds (see :meth:`delete`)."""
-        with self.lock:
-            return self._delete(key, self._entry(key))
-
     def _delete(self, key: str, entry: _Entry) -> int:
         self._forget_memory(key, entry)
         entry.on_disk = False
-        version = self._bump(entry)
+        version = entry.version = next(self._counter)
         if self.keeping.below_host:
             entry.removing = version  # absent until its removal is done
         else:
@@ -276,12 +260,17 @@ class KeyTable:
             self._unsettled.add(key)
         return Write(key, ctx, version)
 
-    def claim_writes(self, writes: Iterable[Write], future: Callable[[], Future[Any]]) -> list[tuple[Write, Future[Any]]]:
+    def claim_writes(
+        self, writes: Iterable[Write] | None, future: Callable[[], Future[Any]]
+    ) -> list[tuple[Write, Future[Any]]]:
         """The writes among ``writes`` that nobody has queued yet (rule 6), now claimed by the
         caller, which queues each with the future made for it by ``future`` (from now on the
-        newest write of its key: what ``flush(key)`` waits for)."""
+        newest write of its key: what ``flush(key)`` waits for). ``writes=None``: every pending
+        write nobody has queued yet (a drain claims and queues them)."""
         claimed = []
         with self.lock:
+            if writes is None:
+                writes = [Write(k, e.pending, e.version) for k, e in self._entries.items() if e.pending is not None]
             for write in writes:
                 entry = self._entries.get(write.key)
                 if entry is not None and entry.version == write.version and entry.pending is not None \
@@ -290,11 +279,6 @@ class KeyTable:
                     entry.write = future()
                     claimed.append((write, entry.write))
         return claimed
-
-    def unqueued(self) -> list[Write]:
-        """Every pending write nobody has queued yet (a drain claims and queues them, rule 6)."""
-        with self.lock:
-            return [Write(k, e.pending, e.version) for k, e in self._entries.items() if e.pending is not None and not e.claimed]
 
     def write_settled(self, key: str, future: Future[Any]) -> None:
         """The write ``future`` is over: ``flush(key)`` need not wait for it (a failed one is
@@ -318,19 +302,17 @@ class KeyTable:
                 return None
             return entry.pending
 
-    def write_failed(self, key: str, version: int) -> None:
-        """The write of ``version`` failed: a put that failed is not in the store (``flush``
-        raises why); what the disk held before stays the disk's."""
-        with self.lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.version == version:
-                self._forget_memory(key, entry)
-                self._drop_if_idle(key, entry)
-
-    def write_done(self, key: str, version: int, nbytes: int | None) -> None:
+    def write_done(self, key: str, version: int, nbytes: int | None, *, failed: bool = False) -> None:
         """The write of ``version`` is over: committed (``nbytes`` of own residuals written), or
-        skipped or failed (``None``)."""
+        skipped (``None``); ``failed``: it raised, and a put that failed is not in the store
+        (``flush`` raises why; what the disk held before stays the disk's)."""
         with self.lock:
+            if failed:
+                entry = self._entries.get(key)
+                if entry is not None and entry.version == version:
+                    self._forget_memory(key, entry)
+                    self._drop_if_idle(key, entry)
+                return
             if nbytes is not None:
                 self.io["writes"] += 1
                 self.io["bytes_written"] += nbytes
@@ -345,47 +327,38 @@ class KeyTable:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def begin_get(self, key: str, *, taking: bool = False) -> Found:
+    def begin_get(self, key: str, *, taking: bool = False, ahead: bool = False) -> Found:
         """A get of ``key`` starts: the load in flight (if it loads the current version), the
         device tier's context, or a read noted (rule 3) with what it copies; the schedule's next
         use of ``key`` consumed. ``taking``: a pop's, whose read never enters the device tier
-        (it would push out a context the store keeps, for one that leaves it).
+        (it would push out a context the store keeps, for one that leaves it). ``ahead``: a load
+        ahead of need starts instead (nothing consumed, no load taken; what it brings enters the
+        device tier only where it has room, see :class:`Found`).
 
         Raises:
           ContextNotFoundError: the key is being deleted (rule 5).
         """
         with self.lock:
             entry = self._live(key)
-            if self.scheduled:
+            if self.scheduled and not ahead:
                 self.schedule.consume(key)
                 self.scheduled = bool(self.schedule)
             if entry is not None:
-                load, entry.load = entry.load, None
-                if load is not None and entry.load_version == entry.version:
-                    return Found(entry.version, load=load)
+                if not ahead:
+                    load, entry.load = entry.load, None
+                    if load is not None and entry.load_version == entry.version:
+                        return Found(entry.version, load=load)
                 if entry.place == DEVICE:
-                    self.device.touch(key)
+                    if not ahead:
+                        self.device.touch(key)
                     return Found(entry.version, entry.ctx, on_device=True)
-            return self._begin_read(key, entry, taking=taking)
-
-    def begin_read(self, key: str) -> Found:
-        """A load ahead of ``key`` starts (see :meth:`begin_get`; nothing consumed, no load taken;
-        what it brings enters the device tier only where it has room, see :class:`Found`).
-
-        Raises:
-          ContextNotFoundError: the key is being deleted.
-        """
-        with self.lock:
-            entry = self._live(key)
-            if entry is not None and entry.place == DEVICE:
-                return Found(entry.version, entry.ctx, on_device=True)
-            return self._begin_read(key, entry, ahead=True)
+            return self._begin_read(key, entry, ahead=ahead, taking=taking)
 
     def _begin_read(self, key: str, entry: _Entry | None, *, ahead: bool = False, taking: bool = False) -> Found:
         if entry is None:
             if not self.keeping.below_host:
                 raise ContextNotFoundError.of(key, self.where)
-            entry = self._entry(key)
+            entry = self._entries.setdefault(key, _Entry())
         source = entry.ctx if entry.place == HOST else entry.pending
         if source is None and not self.keeping.below_host:
             self._drop_if_idle(key, entry)
@@ -405,10 +378,11 @@ class KeyTable:
         )
         return Found(entry.version, source, stays=stays, ahead=ahead)
 
-    def finish_read(self, key: str, found: Found, ctx: ResidualContext, *, nbytes_read: int | None = None) -> Moves:
+    def finish_read(self, key: str, found: Found, ctx: ResidualContext | None, *, nbytes_read: int | None = None) -> Moves:
         """A read of ``found`` is done with ``ctx`` on the device (copied from ``found.ctx``, or
         read from disk, ``nbytes_read`` bytes): installed in the device tier if its version is
-        still current and nothing else came meanwhile (rule 3); the read ends."""
+        still current and nothing else came meanwhile (rule 3); the read ends. ``ctx=None``: the
+        read failed (it installs nothing)."""
         with self.lock:
             if nbytes_read is not None:
                 self.io["reads"] += 1
@@ -417,7 +391,7 @@ class KeyTable:
             if entry is None:
                 return NOTHING
             entry.readers -= 1
-            install = entry.version == found.version and not found.stays and entry.place != DEVICE
+            install = ctx is not None and entry.version == found.version and not found.stays and entry.place != DEVICE
             if found.ahead and self.device.budget is not None:  # only into room the tier has now
                 install = install and self.device.nbytes + own_nbytes(ctx) <= self.device.budget
             if install and found.ctx is not None:  # copied from memory: the source must still be there
@@ -425,20 +399,11 @@ class KeyTable:
             elif install:  # read from disk: only where no memory holds a newer copy, nor a removal owes
                 install = entry.ctx is None and entry.pending is None and entry.removing is None
                 entry.on_disk = install or entry.on_disk
-            if not install:
+            if not install or ctx is None:
                 self._drop_if_idle(key, entry)
                 return NOTHING
             self._place(key, entry, ctx, DEVICE, moved=found.ctx is not None)  # (a pending write keeps its copy)
-            spills = self._rebalance(protect=key)
-            return Moves(self._take_owed(), tuple(spills))
-
-    def end_read(self, key: str) -> None:
-        """A read that failed ends (it installs nothing)."""
-        with self.lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.readers -= 1
-                self._drop_if_idle(key, entry)
+            return self._moves(protect=key)
 
     def start_load(self, key: str, submit: Callable[[], Future[Any]], *, on_disk: bool = False) -> bool | None:
         """Starts a load ahead of ``key`` with ``submit`` (which only queues it), unless one runs
@@ -454,7 +419,7 @@ class KeyTable:
                 return True
             if (entry is None or not entry.in_memory) and not on_disk:
                 return None
-            entry = self._entry(key)
+            entry = self._entries.setdefault(key, _Entry())
             entry.load, entry.load_version = submit(), entry.version
             return True
 
@@ -494,30 +459,15 @@ class KeyTable:
                 if entry.pending is copy:
                     entry.pending = source
 
-    def _take_owed(self) -> Owed:
-        """The copies owed since the last call. A pending context that the host tier holds a copy
-        of waits as that copy, at once; one that no tier holds is released (copied for writing)."""
-        released = []
-        for key in list(self._unsettled):
-            entry = self._entries.get(key)
-            if entry is None or entry.place is not None or entry.pending is None:
-                self._unsettled.discard(key)
-                continue
-            released.append((key, entry.pending))
-            self._unsettled.discard(key)
-        for key, entry in ((k, self._entries[k]) for k, _ in self._owed if k in self._entries):
-            if entry.pending is not None and entry.place == HOST and entry.ctx is not entry.pending:
-                entry.pending = entry.ctx  # a host copy already: no second copy
-        demoted = tuple((k, c) for k, c in self._owed if (e := self._entries.get(k)) is not None and e.ctx is c)
-        self._owed = []
-        return Owed(demoted, tuple(released))
-
     # -- the budgets ---------------------------------------------------------------------------------
 
-    def _rebalance(self, protect: str | None) -> list[Write]:
-        """Moves contexts down until each tier is within budget (the device tier also within the
-        device's headroom); returns the writes owed by contexts pushed out of host memory, already
-        marked pending (where the store writes spills and the disk lacks them)."""
+    def _moves(self, protect: str | None, own: Write | None = None) -> Moves:
+        """After a transition (``own``: a put's write): moves contexts down until each tier is
+        within budget (the device tier also within the device's headroom), then takes the copies
+        owed since the last call. Returns both, with the writes owed by contexts pushed out of
+        host memory, already marked pending (where the store writes spills and the disk lacks
+        them). A pending context that the host tier holds a copy of waits as that copy, at once;
+        one that no tier holds is released (copied for writing)."""
         device, host = self.device, self.host
         limit = self._device_limit(device.nbytes) if self._device_limit is not None else None
         evicted = []
@@ -548,7 +498,18 @@ class KeyTable:
                 writes.append(self._mark_pending(key, entry, ctx, entry.version))
             else:
                 self._drop_if_idle(key, entry)
-        return writes
+        released = []
+        for key in list(self._unsettled):
+            unsettled = self._entries.get(key)
+            if unsettled is not None and unsettled.place is None and unsettled.pending is not None:
+                released.append((key, unsettled.pending))
+            self._unsettled.discard(key)
+        for owed in (self._entries[k] for k, _ in self._owed if k in self._entries):
+            if owed.pending is not None and owed.place == HOST and owed.ctx is not owed.pending:
+                owed.pending = owed.ctx  # a host copy already: no second copy
+        demoted = tuple((k, c) for k, c in self._owed if (e := self._entries.get(k)) is not None and e.ctx is c)
+        self._owed = []
+        return Moves(Owed(demoted, tuple(released)), tuple(writes), own)
 
     # -- the schedule ----------------------------------------------------------------------------
 
@@ -624,12 +585,6 @@ class KeyTable:
                     source = entry.ctx if entry.ctx is not None else entry.pending
                     loading += 0 if source is None else own_nbytes(source)
             return self.device.nbytes + self.leaving.nbytes() + loading
-
-    def on_device(self, key: str, ctx: ResidualContext) -> bool:
-        """Whether the device tier holds ``ctx`` itself as ``key``'s context."""
-        with self.lock:
-            entry = self._entries.get(key)
-            return entry is not None and entry.place == DEVICE and entry.ctx is ctx
 
     def keys(self) -> tuple[set[str], set[str]]:
         """The keys in memory or pending, and the keys being deleted."""
