@@ -1,5 +1,6 @@
 """The memory tiers' budgeted LRUs (``residual_store/_src/store/tiers.py``): budgets, bytes in and
-out, recency, and the order keys move down in (``spill_order``), with and without a schedule.
+out, recency, the order keys move down in (``spill_order``) and what a rebalance moves (``spills``), with and
+without a schedule.
 Pure bookkeeping of sizes: no context, no thread, no device."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 
 import residual_store as rs
 from residual_store._src.store.schedule import Schedule
-from residual_store._src.store.tiers import MemoryTier, spill_order
+from residual_store._src.store.tiers import MemoryTier, Spills, spill_order, spills
 
 _SIZE = 24  # the own bytes of one small context
 
@@ -129,3 +130,29 @@ def test_internals_unscheduled_contexts_leave_before_scheduled_ones_least_recent
     assert spill_order(tier.keys(), schedule, protect="u2") == ["u3", "u1", "s2", "s1", "u2"]
     # the order is spill_order's on the tier's keys, least recently used first
     assert spill_order(tier.keys(), schedule, "s2") == ["u2", "u3", "u1", "s1", "s2"]
+
+
+def test_internals_spills_bring_each_tier_within_budget_without_changing_them():
+    """The rebalance's decision, alone: the device tier's least recently used move down to host
+    memory until it fits its budget (or the tighter limit), the host tier's leave memory until
+    it fits its own, those just moved down included; ``protect`` moves last. Nothing changes."""
+    device = _tier("device", 2 * _SIZE, "a", "b", "c", "d")
+    host = _tier("host", 3 * _SIZE, "h")
+    assert spills(device, host, Schedule()) == Spills(down=("a", "b"), out=())
+    assert spills(device, host, Schedule(), limit=_SIZE) == Spills(down=("a", "b", "c"), out=("h",))
+    assert spills(device, host, Schedule(), protect="a") == Spills(down=("b", "c"), out=())
+    assert device.keys() == ["a", "b", "c", "d"] and host.keys() == ["h"] and device.nbytes == 4 * _SIZE
+    small = _tier("host", _SIZE // 2)  # could never hold one: the device's leave memory
+    assert spills(device, small, Schedule()) == Spills(down=(), out=("a", "b"))
+    tight = _tier("host", _SIZE, "h")  # holds one: the oldest leaves, the one moved down stays
+    assert spills(device, tight, Schedule()) == Spills(down=("a", "b"), out=("h", "a"))
+
+
+def test_internals_spills_follow_the_schedule_both_tiers():
+    """With a schedule the context needed last moves first, from the device tier and from host
+    memory alike (Belady); unscheduled ones go before any it names."""
+    device = _tier("device", _SIZE, "a", "b", "c")
+    host = _tier("host", _SIZE, "h")
+    got = spills(device, host, _scheduled(["c", "a", "b", "h"]))
+    assert got == Spills(down=("b", "a"), out=("h", "b"))
+    assert spills(device, _tier("host", None), _scheduled(["c", "a", "b"])) == Spills(down=("b", "a"), out=())

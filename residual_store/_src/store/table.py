@@ -70,7 +70,7 @@ from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.leaving import Leaving
 from residual_store._src.store.owed import NOTHING, Found, Keeping, Moves, Owed, Write
 from residual_store._src.store.schedule import Schedule
-from residual_store._src.store.tiers import MemoryTier, check_capacity, spill_order, would_overflow
+from residual_store._src.store.tiers import MemoryTier, check_capacity, spills, would_overflow
 
 __all__ = ["KeyTable", "Place"]
 
@@ -468,28 +468,20 @@ class KeyTable:
         host memory, already marked pending (where the store writes spills and the disk lacks
         them). A pending context that the host tier holds a copy of waits as that copy, at once;
         one that no tier holds is released (copied for writing)."""
-        device, host = self.device, self.host
-        limit = self._device_limit(device.nbytes) if self._device_limit is not None else None
+        limit = self._device_limit(self.device.nbytes) if self._device_limit is not None else None
+        moves = spills(self.device, self.host, self.schedule, protect, limit)
+        for key in moves.down:
+            entry = self._entries[key]
+            assert entry.ctx is not None
+            self._place(key, entry, entry.ctx, HOST, moved=True)
         evicted = []
-        while device.over_budget(limit):
-            victim = spill_order(device.keys(), self.schedule, protect)[0]
-            entry = self._entries[victim]
+        for key in moves.out:
+            entry = self._entries[key]
             ctx = entry.ctx
             assert ctx is not None
-            if host.fits(own_nbytes(ctx)):
-                self._place(victim, entry, ctx, HOST, moved=True)
-            else:
-                device.remove(victim, moved=True)
-                entry.ctx = entry.place = None
-                evicted.append((victim, entry, ctx))
-        while host.over_budget():
-            victim = spill_order(host.keys(), self.schedule, protect)[0]
-            entry = self._entries[victim]
-            ctx = entry.ctx
-            assert ctx is not None
-            host.remove(victim, moved=True)
+            (self.device if entry.place == DEVICE else self.host).remove(key, moved=True)
             entry.ctx = entry.place = None
-            evicted.append((victim, entry, ctx))
+            evicted.append((key, entry, ctx))
         writes = []
         for key, entry, ctx in evicted:
             if entry.pending is not None:

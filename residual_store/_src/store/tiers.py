@@ -13,6 +13,7 @@ reference are the model's memory and stay where they are.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections import OrderedDict
 
@@ -21,7 +22,7 @@ import numpy as np
 from residual_store._src.errors import InvalidArgumentError, StoreFullError
 from residual_store._src.store.schedule import Schedule
 
-__all__ = ["MemoryTier", "check_capacity", "spill_order", "would_overflow"]
+__all__ = ["MemoryTier", "Spills", "check_capacity", "spill_order", "spills", "would_overflow"]
 
 
 class MemoryTier:
@@ -63,9 +64,14 @@ class MemoryTier:
         """Whether ``nbytes`` more would stay within budget once the tier were emptied."""
         return self.budget is None or nbytes <= self.budget
 
+    def bound(self, limit: int | None = None) -> int | None:
+        """The bytes the tier may hold: its budget, or ``limit`` (a tighter bound for now) where
+        given and tighter; ``None``: unbounded."""
+        return self.budget if limit is None else limit if self.budget is None else min(limit, self.budget)
+
     def over_budget(self, limit: int | None = None) -> bool:
         """Over the budget, or over ``limit`` (a tighter bound for now) where given."""
-        bound = self.budget if limit is None else limit if self.budget is None else min(limit, self.budget)
+        bound = self.bound(limit)
         return bound is not None and self.nbytes > bound
 
     def size_of(self, key: str) -> int | None:
@@ -111,6 +117,51 @@ def spill_order(keys: list[str], schedule: Schedule, protect: str | None = None)
     if protect is not None and protect in keys:
         order.append(protect)
     return order
+
+
+@dataclasses.dataclass(frozen=True)
+class Spills:
+    """What a rebalance moves, in order: ``down``, keys the device tier moves to host memory;
+    ``out``, keys that leave memory (the device tier's where host memory could never hold them,
+    and the host tier's, those just moved down included)."""
+
+    down: tuple[str, ...] = ()
+    out: tuple[str, ...] = ()
+
+
+def spills(device: MemoryTier, host: MemoryTier, schedule: Schedule, protect: str | None = None,
+           limit: int | None = None) -> Spills:
+    """The moves that bring each tier within budget: the device tier's contexts, in
+    :func:`spill_order`, move down while it is over its budget (or ``limit``, the device's
+    headroom now), each to host memory where its budget could hold it at all, else out of
+    memory; then the host tier's leave memory, in the same order, while it is over budget;
+    ``protect`` last in each. Pure: the tiers are not changed (the key table applies it).
+
+    Example:
+      >>> device, host = MemoryTier("device", 100), MemoryTier("host", 100)
+      >>> device.add("a", 60); device.add("b", 60); host.add("c", 60)
+      >>> spills(device, host, Schedule())
+      Spills(down=('a',), out=('c',))
+    """
+    on_device = {k: device.size_of(k) or 0 for k in device.keys()}  # least recently used first
+    on_host = {k: host.size_of(k) or 0 for k in host.keys()}
+    used, bound = device.nbytes, device.bound(limit)
+    down, out = [], []
+    while bound is not None and used > bound and on_device:
+        victim = spill_order(list(on_device), schedule, protect)[0]
+        size = on_device.pop(victim)
+        used -= size
+        if host.fits(size):
+            on_host[victim] = size  # (the most recently used there)
+            down.append(victim)
+        else:
+            out.append(victim)
+    used, bound = sum(on_host.values()), host.budget
+    while bound is not None and used > bound and on_host:
+        victim = spill_order(list(on_host), schedule, protect)[0]
+        used -= on_host.pop(victim)
+        out.append(victim)
+    return Spills(tuple(down), tuple(out))
 
 
 def would_overflow(device: MemoryTier, host: MemoryTier, schedule: Schedule, key: str, size: int) -> bool:
