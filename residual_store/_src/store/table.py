@@ -2,7 +2,7 @@
 
 A store's contexts move between threads (callers of ``put``/``get``/``delete``, the writer, the
 loaders) and between places (the device and host tiers, a pending write's host copy, the disk).
-Every fact about a key that more than one thread reads lives in its :class:`_Entry` here: its
+Every fact about a key that more than one thread reads lives in its :class:`Entry` here: its
 version, the context in memory and its tier, the version waiting for its disk write, the load in
 flight, the removal in flight, whether the disk holds it, the reads in flight. The
 :class:`KeyTable` owns the store's one lock; each transition a key goes through is one method
@@ -57,8 +57,6 @@ version of that key, and no read that overlapped them leaves an older version be
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -67,52 +65,15 @@ from typing import Any
 from residual_store._src.context import ResidualContext, own_nbytes
 from residual_store._src.errors import ContextNotFoundError
 from residual_store._src.store.critical import StoreLock
+from residual_store._src.store.entry import Entry, Place
 from residual_store._src.store.leaving import Leaving
 from residual_store._src.store.owed import NOTHING, Found, Keeping, Moves, Owed, Write
 from residual_store._src.store.schedule import Schedule
 from residual_store._src.store.tiers import MemoryTier, check_capacity, spills, would_overflow
 
-__all__ = ["KeyTable", "Place"]
-
-class Place(enum.Enum):
-    """The memory tier an entry's context is in."""
-
-    DEVICE = "device"
-    HOST = "host"
-
+__all__ = ["KeyTable"]
 
 DEVICE, HOST = Place.DEVICE, Place.HOST
-
-
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    """Everything about one key (changed only under the table's lock)."""
-
-    version: int = 0  # 0: nothing happened to the key here (the disk is the truth)
-    ctx: ResidualContext | None = None  # in memory: in the tier ``place`` names
-    place: Place | None = None  # None: in no memory tier
-    pending: ResidualContext | None = None  # this version, waiting for its disk write
-    claimed: bool = False  # the pending write is (being) queued
-    write: Future[Any] | None = None  # the newest write scheduled: what flush(key) waits for
-    load: Future[Any] | None = None  # a load ahead in flight ...
-    load_version: int = 0  # ... of this version
-    removing: int | None = None  # the version of a delete whose disk removal is in flight
-    on_disk: bool = False  # the current version is committed on disk (as far as this store knows)
-    readers: int = 0  # reads in flight (each holds the version it noted)
-
-    @property
-    def deleted(self) -> bool:
-        """Deleted and not put again: absent for every lookup (rule 5)."""
-        return self.removing is not None and self.removing == self.version
-
-    @property
-    def in_memory(self) -> bool:
-        return self.ctx is not None or self.pending is not None
-
-    def idle(self) -> bool:
-        """Nothing of the key is held here: the entry can go (its version is then 0 again)."""
-        return not (self.in_memory or self.load is not None or self.removing is not None or self.readers
-                    or self.write is not None)
 
 
 class KeyTable:
@@ -145,7 +106,7 @@ class KeyTable:
         self.keeping = keeping
         self._device_limit = device_limit
         self._counter = itertools.count(1)
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._owed: list[tuple[str, ResidualContext]] = []  # demoted since the last Moves
         self._unsettled: set[str] = set()  # pending contexts in no tier, not yet copied for writing
         self.leaving = Leaving(self.lock)  # the copies to host memory in flight (rule 7)
@@ -153,7 +114,7 @@ class KeyTable:
 
     # -- entries -------------------------------------------------------------------------------
 
-    def _live(self, key: str) -> _Entry | None:
+    def _live(self, key: str) -> Entry | None:
         """The entry of ``key`` (``None``: nothing happened to it here); raises for a key being
         deleted (rule 5)."""
         entry = self._entries.get(key)
@@ -161,11 +122,11 @@ class KeyTable:
             raise ContextNotFoundError.of(key, self.where, deleted="now")
         return entry
 
-    def _drop_if_idle(self, key: str, entry: _Entry) -> None:
+    def _drop_if_idle(self, key: str, entry: Entry) -> None:
         if entry.idle() and self._entries.get(key) is entry:
             del self._entries[key]
 
-    def _forget_memory(self, key: str, entry: _Entry) -> None:
+    def _forget_memory(self, key: str, entry: Entry) -> None:
         """The key's context leaves its tier and its pending write and load are superseded."""
         if entry.place is not None:
             (self.device if entry.place == DEVICE else self.host).remove(key)
@@ -175,7 +136,7 @@ class KeyTable:
         entry.load = None
         self._unsettled.discard(key)
 
-    def _place(self, key: str, entry: _Entry, ctx: ResidualContext, place: Place, *, moved: bool = False) -> None:
+    def _place(self, key: str, entry: Entry, ctx: ResidualContext, place: Place, *, moved: bool = False) -> None:
         if entry.place is not None:
             (self.device if entry.place == DEVICE else self.host).remove(key, moved=moved)
         (self.device if place == DEVICE else self.host).add(key, own_nbytes(ctx))
@@ -200,7 +161,7 @@ class KeyTable:
         with self.lock:
             if not self.keeping.below_host:
                 check_capacity(self.device, self.host, self.schedule, key, size)
-            entry = self._entries.setdefault(key, _Entry())
+            entry = self._entries.setdefault(key, Entry())
             self._forget_memory(key, entry)
             entry.on_disk = False
             version = entry.version = next(self._counter)
@@ -227,14 +188,14 @@ class KeyTable:
         with self.lock:
             entry = self._entries.get(key)
             if stored:
-                return self._delete(key, self._entries.setdefault(key, _Entry()))
+                return self._delete(key, self._entries.setdefault(key, Entry()))
             if entry is not None and entry.deleted:
                 raise ContextNotFoundError.of(key, self.where, deleted="already")
             if entry is None or not (entry.in_memory or entry.load is not None):
                 return None
             return self._delete(key, entry)
 
-    def _delete(self, key: str, entry: _Entry) -> int:
+    def _delete(self, key: str, entry: Entry) -> int:
         self._forget_memory(key, entry)
         entry.on_disk = False
         version = entry.version = next(self._counter)
@@ -254,7 +215,7 @@ class KeyTable:
 
     # -- writes (the writer thread and whoever queues) ------------------------------------------
 
-    def _mark_pending(self, key: str, entry: _Entry, ctx: ResidualContext, version: int) -> Write:
+    def _mark_pending(self, key: str, entry: Entry, ctx: ResidualContext, version: int) -> Write:
         entry.pending, entry.claimed = ctx, False
         if entry.ctx is None:
             self._unsettled.add(key)
@@ -354,11 +315,11 @@ class KeyTable:
                     return Found(entry.version, entry.ctx, on_device=True)
             return self._begin_read(key, entry, ahead=ahead, taking=taking)
 
-    def _begin_read(self, key: str, entry: _Entry | None, *, ahead: bool = False, taking: bool = False) -> Found:
+    def _begin_read(self, key: str, entry: Entry | None, *, ahead: bool = False, taking: bool = False) -> Found:
         if entry is None:
             if not self.keeping.below_host:
                 raise ContextNotFoundError.of(key, self.where)
-            entry = self._entries.setdefault(key, _Entry())
+            entry = self._entries.setdefault(key, Entry())
         source = entry.ctx if entry.place == HOST else entry.pending
         if source is None and not self.keeping.below_host:
             self._drop_if_idle(key, entry)
@@ -419,7 +380,7 @@ class KeyTable:
                 return True
             if (entry is None or not entry.in_memory) and not on_disk:
                 return None
-            entry = self._entries.setdefault(key, _Entry())
+            entry = self._entries.setdefault(key, Entry())
             entry.load, entry.load_version = submit(), entry.version
             return True
 
