@@ -60,6 +60,10 @@ class MemoryTier:
         """The keys, least recently used first."""
         return list(self._sizes)
 
+    def sizes(self) -> dict[str, int]:
+        """Each key's own bytes, least recently used first (a copy)."""
+        return dict(self._sizes)
+
     def fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more would stay within budget once the tier were emptied."""
         return self.budget is None or nbytes <= self.budget
@@ -129,6 +133,9 @@ class Spills:
     out: tuple[str, ...] = ()
 
 
+_NO_SPILLS = Spills()
+
+
 def spills(device: MemoryTier, host: MemoryTier, schedule: Schedule, protect: str | None = None,
            limit: int | None = None) -> Spills:
     """The moves that bring each tier within budget: the device tier's contexts, in
@@ -143,9 +150,11 @@ def spills(device: MemoryTier, host: MemoryTier, schedule: Schedule, protect: st
       >>> spills(device, host, Schedule())
       Spills(down=('a',), out=('c',))
     """
-    on_device = {k: device.size_of(k) or 0 for k in device.keys()}  # least recently used first
-    on_host = {k: host.size_of(k) or 0 for k in host.keys()}
     used, bound = device.nbytes, device.bound(limit)
+    if bound is None or used <= bound:
+        if host.budget is None or host.nbytes <= host.budget:
+            return _NO_SPILLS  # (the common case: nothing to move)
+    on_device, on_host = device.sizes(), host.sizes()  # least recently used first
     down, out = [], []
     while bound is not None and used > bound and on_device:
         victim = spill_order(list(on_device), schedule, protect)[0]
