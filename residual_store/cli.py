@@ -289,7 +289,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ])
     header = (
         f"context {info.key}: signature {info.signature}, jax {info.jax_version}, {_human(info.nbytes)} "
-        f"({_human(info.own_nbytes)} its own)\nbackward: {_backward_text(backward)}"
+        f"({_human(info.own_nbytes)} its own)\nsaved for the backward: {info.save or 'unrecorded'}"
+        f"\nbackward: {_backward_text(backward)}"
     )
     if any(r.bundle for r in info.residuals):
         header += "\n(a path FILE.zip:G/ is the group G/ inside that zip file, not a folder)"
@@ -299,7 +300,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         header += f"\n{_backward_step(args)}"
     _emit(
         args,
-        {"key": info.key, "signature": info.signature, "backward": _backward_json(backward),
+        {"key": info.key, "signature": info.signature, "save": info.save, "backward": _backward_json(backward),
          "damage": info.damage, "residuals": data},
         header + "\n" + _table(rows),
     )

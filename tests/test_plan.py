@@ -8,6 +8,8 @@ and without it.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import residual_store as rs
 import transformer_model as tm
-from store_helpers import TESTS_DIR, run_python, write_script
+from store_helpers import TESTS_DIR, run_cli, run_python, write_script
 
 LAYERS, D, F, B = 3, 16, 32, 8
 TOL = {"rtol": 1e-6, "atol": 1e-7}
@@ -257,3 +259,21 @@ def test_the_budget_is_shared_by_the_microbatches():
     four = rs.plan(device_budget="24KiB", microbatches=4)
     assert one.context_budget == four.context_budget == 6144
     assert one != four and one.record != four.record  # the same choice, another record
+
+
+def test_a_stores_info_and_the_command_lines_inspect_name_the_plan(planned, tmp_path):
+    """What a context's split kept is in its record: ``Store.info(key).save`` (in memory and
+    from disk) and ``residual-store inspect`` (text and ``--json``), for a plan and for
+    ``save="all"``, read by a store that never made the plan."""
+    fwd, ctx, _ = planned[False, 3000]
+    record = fwd.save.record  # (rs.PlanOptions: what rs.plan returned)
+    assert record.startswith("plan:")
+    plain = rs.split(loss, argnums=(0, 1))(*inputs(2))[1]
+    with rs.Store(tmp_path / "s") as store:
+        store.put(ctx, "planned")
+        store.put(plain, "plain")
+        assert store.info("planned").save == record and store.info("plain").save == "all"
+    with rs.Store(tmp_path / "s", read_only=True) as reader:
+        assert reader.info("planned").save == record
+    assert json.loads(run_cli("inspect", str(tmp_path / "s"), "planned", "--json").stdout)["save"] == record
+    assert f"saved for the backward: {record}" in run_cli("inspect", str(tmp_path / "s"), "planned").stdout

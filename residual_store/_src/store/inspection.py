@@ -108,6 +108,9 @@ class ContextInfo:
         names is missing, or of another size than the manifest records or its layout implies);
         ``None`` where none is seen. Only sizes are looked at (one ``stat`` per file, on a local
         folder; a kvstore's listing gives no sizes): ``verify`` checks every byte.
+      save: what its split kept for the backward, as the split's ``save`` record spells it
+        (``"all"``, ``"auto"``, ``"policy:<name>"``, ``"plan:<options>"``; ``None`` for a context
+        written before splits recorded how they were called).
     """
 
     key: str
@@ -116,6 +119,7 @@ class ContextInfo:
     created: float | None = None
     jax_version: str | None = None
     damage: str | None = None
+    save: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -265,7 +269,7 @@ def memory_info(key: str, spec: ResidualSpec) -> ContextInfo:
         ResidualInfo(name, tuple(aval.shape), str(aval.dtype), nbytes, kind, path, kind in SHARED_KINDS)
         for name, aval, nbytes, kind, path in zip(spec.names, spec.avals, spec.leaf_nbytes, spec.kinds, spec.input_paths)
     )
-    return ContextInfo(key, spec.signature, residuals)
+    return ContextInfo(key, spec.signature, residuals, save=None if spec.call is None else spec.call.save)
 
 
 def context_info(stored: StoredContext) -> ContextInfo:
