@@ -87,7 +87,7 @@ _SIGNAL_SCRIPT = textwrap.dedent(
     import os, signal, sys, time
     import jax, jax.numpy as jnp
     import residual_store as rs
-    from residual_store._src.store import reads
+    from residual_store._src.store import copies
 
     root, mode = sys.argv[1], sys.argv[2]
     fwd = rs.split(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))
@@ -103,12 +103,12 @@ _SIGNAL_SCRIPT = textwrap.dedent(
     store = rs.Store(root)
     store._persistence.writer.submit(lambda: time.sleep(0.3), 0)  # v0 is not written yet
     store.put(ctxs[0], "k")  # returns: acknowledged
-    settle = reads.Reads.settle
+    settle = copies.BudgetCopies.settle
     def signal_here(self, moves):  # between the put's transition and the queueing of its write
-        reads.Reads.settle = settle
+        copies.BudgetCopies.settle = settle
         os.kill(os.getpid(), signal.SIGTERM)
         settle(self, moves)
-    reads.Reads.settle = signal_here
+    copies.BudgetCopies.settle = signal_here
     store.put(ctxs[1], "k")
     print("handler saw k on disk:", seen, flush=True)
     sys.exit(0 if seen == [True] else 3)
