@@ -70,7 +70,7 @@ NOTHING = Moves()
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """Where a read finds a key (:meth:`KeyTable.begin_get`, :meth:`KeyTable.begin_read`).
+    """Where a read finds a key (:meth:`KeyTable.begin_get`, for a get or a load ahead).
 
     Attributes:
       version: the key's version, noted for the install (rule 3).
