@@ -88,7 +88,8 @@ class Reads:
             return found.ctx  # type: ignore[return-value]
         # a load's result is kept for this get even when the budgets could not hold it
         ctx = found.load.result() if found.load is not None else self._read(key, found)
-        if self._table.device.budget is not None and self._table.locate(key)[0] is not ctx:  # (in no tier)
+        # in no tier: lent (a pop's, once it has taken the key out of the store: see Store.pop)
+        if not taking and self._table.device.budget is not None and self._table.locate(key)[0] is not ctx:
             self.lend(ctx)
         return ctx
 
@@ -128,16 +129,18 @@ class Reads:
         """Copies ``found.ctx`` to the device, or reads the disk, without the lock; then installs
         it where the table lets it (rule 3) and makes the copies that owes."""
         nbytes = None
-        # (nothing is lent without a device budget; a load ahead started only where there was room)
-        if not found.ahead and self._table.device.budget is not None and self._lent:
-            self.make_room(own_nbytes(found.ctx) if found.ctx is not None else self._stored_size(key) or 0)
+        # it waits for room before it places anything on the device (nothing is lent without a
+        # device budget; a load ahead started only where there was room)
+        wait = not found.ahead and self._table.device.budget is not None and bool(self._lent)
         try:
             if found.ctx is not None:
+                if wait:
+                    self.make_room(own_nbytes(found.ctx))
                 # a context the device budget cannot hold is served as a device copy and left
                 # where it is, so a get under a small budget costs one copy, not a round trip
                 ctx = to_device(found.ctx, self._target, self._pool)
             else:
-                ctx, nbytes = self._from_disk(key)
+                ctx, nbytes = self._from_disk(key, wait)
         except BaseException:
             self._table.finish_read(key, found, None)
             raise
@@ -146,13 +149,16 @@ class Reads:
             self._copies.settle(moves)
         return ctx
 
-    def _from_disk(self, key: str) -> tuple[ResidualContext, int]:
-        """``key`` read from disk, verified and placed; and the bytes read."""
+    def _from_disk(self, key: str, wait: bool) -> tuple[ResidualContext, int]:
+        """``key`` read from disk, verified and placed; and the bytes read. ``wait``: for room
+        (:meth:`make_room`) once it is in host memory, before it is placed."""
         assert self._disk is not None, "a memory-only store's table never reads the disk"
         live = self._weights.on(self._target)  # kept alive until placed: not read again
         stored, arrays = self._disk.read(key, skip=live)  # sharded: only this process's chunks
         nbytes = sum(r.nbytes for r in stored.records if not (r.shared and not r.chunked and r.path in live))
         _check_representable(key, stored.spec)
+        if wait:
+            self.make_room(sum(r.nbytes for r in stored.records if not r.shared))
         paths = [r.path for r in stored.records]
         residuals = place(
             arrays, [r.shared for r in stored.records], stored.key_impls,

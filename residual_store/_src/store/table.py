@@ -352,7 +352,10 @@ class KeyTable:
             if entry is None:
                 return NOTHING
             entry.readers -= 1
-            install = ctx is not None and entry.version == found.version and not found.stays and entry.place != DEVICE
+            if ctx is None:  # the read failed: it installs nothing
+                self._drop_if_idle(key, entry)
+                return NOTHING
+            install = entry.version == found.version and not found.stays and entry.place != DEVICE
             if found.ahead and self.device.budget is not None:  # only into room the tier has now
                 install = install and self.device.nbytes + own_nbytes(ctx) <= self.device.budget
             if install and found.ctx is not None:  # copied from memory: the source must still be there
@@ -360,7 +363,7 @@ class KeyTable:
             elif install:  # read from disk: only where no memory holds a newer copy, nor a removal owes
                 install = entry.ctx is None and entry.pending is None and entry.removing is None
                 entry.on_disk = install or entry.on_disk
-            if not install or ctx is None:
+            if not install:
                 self._drop_if_idle(key, entry)
                 return NOTHING
             self._place(key, entry, ctx, DEVICE, moved=found.ctx is not None)  # (a pending write keeps its copy)
