@@ -399,8 +399,13 @@ def planned_row(shapes: Shapes, row: str, params: Any, xs: list[jax.Array]) -> P
         name = f"jax.checkpoint({kind.split('-')[1]}), store at {k} contexts"
     else:
         offload = not kind.endswith("keep")
-        fwd = rs.split(make_loss(shapes.heads), save=rs.plan(device_budget=budget, microbatches=count, offload=offload))
-        name = f"rs.plan{'' if offload else '(offload=False)'}, {count} mb, store at {k} contexts"
+        profile = rs.device_profile()
+        if kind.endswith("inprog"):  # in-program copies priced at the pool's rate
+            profile = dataclasses.replace(profile, program_d2h_bytes=None)
+        fwd = rs.split(make_loss(shapes.heads),
+                       save=rs.plan(device_budget=budget, microbatches=count, offload=offload, profile=profile))
+        where = " in-program" if kind.endswith("inprog") else ""
+        name = f"rs.plan{'' if offload else '(offload=False)'}{where}, {count} mb, store at {k} contexts"
     return Planned(fwd, calls, budget, name)
 
 

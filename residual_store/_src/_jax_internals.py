@@ -72,6 +72,10 @@ Assumptions (the tests refer to them by these tags):
   shape and (canonical) dtype makes the ``jax.Array`` that ``jax.device_put(x, device)`` makes
   (same aval, sharding, commitment and values; on CPU it aliases an aligned buffer as
   ``jax.device_put`` does), without ``jax.device_put``'s per-array Python work.
+* ``HOST_AVAL``: ``jax._src.core.ShapedArray(shape, dtype, memory_space=MemorySpace.Host)`` traced
+  as a ``jax.jit`` argument (given a ``pinned_host`` sharding in ``in_shardings``) is a host
+  buffer in the jaxpr (``aval.memory_space == jax.memory.Space.Host``), which
+  ``dynamic_update_slice`` of a value moved to host memory can write into, donated and aliased.
 * ``TRACER_KINDS``: a value being staged out (``jax.jit``, ``lax.scan`` bodies, ``eval_shape``)
   is a ``partial_eval.DynamicJaxprTracer``; under ``jax.vmap`` a ``batching.BatchTracer``; under
   ``jax.grad``/``jax.jvp``/``jax.linearize`` an ``ad.JVPTracer`` or ``ad.LinearizeTracer``.
@@ -420,6 +424,16 @@ HOST_CALLBACK_PRIMITIVES = frozenset(
 def distributed_client() -> Any | None:
     """The coordination client of ``jax.distributed`` (``DISTRIBUTED_CLIENT``), or ``None``."""
     return _distributed.global_state.client
+
+
+# --------------------------------------------------------------------------------------------
+# An abstract value in host memory
+
+
+def host_aval(aval: Any) -> Any:
+    """An abstract value of ``aval``'s shape and dtype in host memory (``HOST_AVAL``), to trace a
+    program that takes a host buffer (``jax.ShapeDtypeStruct`` keeps no memory space)."""
+    return _core.ShapedArray(tuple(aval.shape), aval.dtype, memory_space=_core.MemorySpace.Host)
 
 
 # --------------------------------------------------------------------------------------------

@@ -159,6 +159,11 @@ class ResidualSpec:
       kinds: ``"weight"``, ``"input"``, ``"constant"`` or ``"intermediate"`` per leaf.
       call: how the forward was called (:class:`CallSpec`); ``None`` for contexts written by
         residual-store 0.1, which did not record it.
+      on_host: the positions of the intermediates the forward itself put in host memory (a
+        plan's offloaded values, :func:`residual_store.plan`), in order. They stay there: a
+        store neither counts them against a device budget nor moves them (its device and host
+        tiers move the other residuals; a read from disk puts them back in host memory), and
+        the backward brings them to the device inside its own program.
     """
 
     signature: str
@@ -167,6 +172,7 @@ class ResidualSpec:
     input_paths: tuple[str | None, ...]
     kinds: tuple[ResidualKind, ...]
     call: CallSpec | None = None
+    on_host: tuple[int, ...] = ()
 
     @functools.cached_property
     def leaf_nbytes(self) -> tuple[int, ...]:
@@ -175,10 +181,22 @@ class ResidualSpec:
         return tuple(_aval_nbytes(a) for a in self.avals)
 
     @functools.cached_property
+    def movable(self) -> tuple[bool, ...]:
+        """Per residual, whether a store moves it between its tiers: the context's own (an
+        intermediate or an input, not a weight nor a constant) and not :attr:`on_host`."""
+        host = frozenset(self.on_host)
+        return tuple(k in OWN_KINDS and i not in host for i, k in enumerate(self.kinds))
+
+    @functools.cached_property
     def own_nbytes(self) -> int:
-        """Bytes of the context's own residuals (intermediates and inputs; not weights nor
-        constants): what offloading a context of this spec frees."""
-        return sum(n for n, k in zip(self.leaf_nbytes, self.kinds) if k in OWN_KINDS)
+        """Bytes of the context's own residuals that a store moves (:attr:`movable`): what
+        offloading a context of this spec frees on the device."""
+        return sum(n for n, m in zip(self.leaf_nbytes, self.movable) if m)
+
+    @functools.cached_property
+    def host_nbytes(self) -> int:
+        """Bytes of the residuals the forward put in host memory itself (:attr:`on_host`)."""
+        return sum(self.leaf_nbytes[i] for i in self.on_host)
 
     def __hash__(self) -> int:
         # the fields' hash, worked out once: specs key the caches every put and get consults,
@@ -186,7 +204,7 @@ class ResidualSpec:
         try:
             return self.__dict__["_hash"]
         except KeyError:
-            h = hash((self.signature, self.avals, self.names, self.input_paths, self.kinds, self.call))
+            h = hash((self.signature, self.avals, self.names, self.input_paths, self.kinds, self.call, self.on_host))
             self.__dict__["_hash"] = h
             return h
 
@@ -197,6 +215,10 @@ class ResidualSpec:
                 f"ResidualSpec fields disagree in length: {n} avals, {len(self.names)} names, "
                 f"{len(self.input_paths)} input paths, {len(self.kinds)} kinds"
             )
+        if any(not 0 <= i < n or self.kinds[i] != "intermediate" for i in self.on_host) or list(self.on_host) != sorted(
+            set(self.on_host)
+        ):
+            raise ValueError(f"ResidualSpec.on_host must list intermediates' positions in order, got {self.on_host}")
 
     @property
     def nbytes(self) -> int:
@@ -313,8 +335,8 @@ class ResidualContext:
         if self._own_nbytes is None:
             seen: set[int] = set()
             total = 0
-            for x, n, kind in zip(self._residuals, self._spec.leaf_nbytes, self._spec.kinds):
-                if kind in OWN_KINDS and id(x) not in seen:
+            for x, n, movable in zip(self._residuals, self._spec.leaf_nbytes, self._spec.movable):
+                if movable and id(x) not in seen:
                     seen.add(id(x))
                     total += n
             self._own_nbytes = total
@@ -334,15 +356,17 @@ class ResidualContext:
             zip(self._spec.avals, self._spec.names, self._spec.kinds)
         ):
             shape = "(" + ", ".join(str(d) for d in aval.shape) + ")"
-            rows.append((str(i), name, shape, str(aval.dtype), f"{_aval_nbytes(aval):,}", kind))
+            where = " (host)" if i in self._spec.on_host else ""
+            rows.append((str(i), name, shape, str(aval.dtype), f"{_aval_nbytes(aval):,}", kind + where))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         held = {k: 0 for k in ("weight", "input", "constant", "intermediate")}
         for aval, kind in zip(self._spec.avals, self._spec.kinds):
             held[kind] += _aval_nbytes(aval)
+        host = f" ({self._spec.host_nbytes:,} of them in host memory)" if self._spec.on_host else ""
         lines.append(
             f"signature {self._spec.signature}: {self.nbytes:,} bytes held; its own "
-            f"{held['intermediate'] + held['input']:,} ({held['intermediate']:,} intermediate, "
+            f"{held['intermediate'] + held['input']:,} ({held['intermediate']:,} intermediate{host}, "
             f"{held['input']:,} input), by reference {held['weight']:,} weight and "
             f"{held['constant']:,} constant bytes"
         )

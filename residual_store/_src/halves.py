@@ -162,7 +162,8 @@ class Halves:
         weight_paths: Sequence[str],
     ) -> ResidualSpec:
         """Names, kinds and key paths of what ``later`` holds: the parent's residuals keep
-        theirs; cotangents and values B computed are intermediates."""
+        theirs (and stay in host memory where the parent's did); cotangents and values B
+        computed are intermediates."""
         n_res = len(spec.avals)
         ct_paths = [parent.out_structure.paths[i] for i in parent.float_leaves]
         names, paths, kinds = [], [], []
@@ -188,6 +189,7 @@ class Halves:
             input_paths=tuple(paths),
             kinds=tuple(kinds),  # type: ignore[arg-type]
             call=dataclasses.replace(spec.call, now=now, parent=spec.signature),
+            on_host=tuple(j for j, i in enumerate(part.inputs_of_w) if i in spec.on_host),
         )
 
     @property

@@ -59,7 +59,7 @@ class Origin:
 
 # Value-preserving ops that remat and partial evaluation insert around saved values: a residual
 # produced by one of them is named after its operand (e.g. the checkpoint_name label).
-_TRANSPARENT_PRIMITIVES = frozenset({"reduce_precision", "optimization_barrier", "copy", "copy_p"})
+_TRANSPARENT_PRIMITIVES = frozenset({"reduce_precision", "optimization_barrier", "copy", "copy_p", "device_put"})
 _LOOP_PRIMITIVES = frozenset({"scan", "while", "fori_loop"})
 
 

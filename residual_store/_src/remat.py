@@ -23,7 +23,7 @@ Scans (layers under ``lax.scan``) are planned inside: their body gets its own cu
 iteration, whose kept values the forward stacks over the iterations (:class:`Stacked`); in the
 top-level graph the scan's per-iteration residuals then come from a *rebuild* that reads every
 stacked value, so the top-level cut weighs keeping the residuals against keeping the stacks. A
-rebuild never runs as a loop of its own when it can be helped: :func:`run_backward` makes each
+rebuild never runs as a loop of its own when it can be helped: :func:`~residual_store._src.lazy.run_backward` makes each
 iteration's residuals inside the backward's scan that reads them, where XLA fuses the
 recomputation into its uses, so the whole residual stacks are never written to memory.
 
@@ -40,7 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -50,10 +50,11 @@ from residual_store._src import _jax_internals
 from residual_store._src.canonical import qualified_name
 from residual_store._src.context import POLICY_PREFIX, SAVE_WORDS
 from residual_store._src.errors import InvalidArgumentError
+from residual_store._src.lazy import Lazy, PendingRebuild, force, read, to_host
 
 __all__ = [
-    "CHEAP", "Chosen", "RematPlan", "SaveChoice", "Stacked", "abstract", "cheap", "is_lazy", "plan", "policy_recomputable",
-    "protected", "recomputed", "run_backward",
+    "CHEAP", "Chosen", "RematPlan", "SaveChoice", "Stacked", "cheap", "plan", "policy_recomputable", "protected",
+    "recomputed",
 ]
 
 CHEAP: frozenset[str] = frozenset(
@@ -245,10 +246,6 @@ class _Rebuild:
     eqn: int
 
 
-def _read(env: dict[Any, Any], v: Any) -> Any:
-    return v.val if _jax_internals.is_literal(v) else env[v]
-
-
 @dataclasses.dataclass(frozen=True)
 class RematPlan:
     """What a forward keeps and what its backward recomputes.
@@ -279,46 +276,64 @@ class RematPlan:
         except ValueError:
             return None
 
-    def evaluate(self, consts: Sequence[Any], args: Sequence[Any], want: Sequence[Any]) -> list[Any]:
+    def evaluate(
+        self, consts: Sequence[Any], args: Sequence[Any], want: Sequence[Any], on_host: Mapping[Any, Any] | None = None
+    ) -> list[Any]:
         """Runs the forward on its constants and ``args``, each planned scan also stacking the
-        values it keeps; the values of ``want`` (variables of the jaxpr, :class:`Stacked`)."""
-        env = self._forward(consts, args)
-        return [_read(env, v) for v in want]
+        values it keeps; the values of ``want`` (variables of the jaxpr, :class:`Stacked`).
 
-    def _forward(self, consts: Sequence[Any], args: Sequence[Any]) -> dict[Any, Any]:
+        The :class:`Stacked` values that key ``on_host`` are stacked in host memory, each
+        iteration's slice copied as the iteration makes it (the copy overlaps the next
+        iterations' work), into the host buffer of the stack's shape they map to (donated by
+        the caller: a program output in fresh pinned memory costs the time the host takes to
+        pin it), or into a new one where they map to ``None``."""
+        env = self._forward(consts, args, on_host or {})
+        return [read(env, v) for v in want]
+
+    def _forward(
+        self, consts: Sequence[Any], args: Sequence[Any], on_host: Mapping[Any, Any] | None = None
+    ) -> dict[Any, Any]:
         env: dict[Any, Any] = dict(zip(self.jaxpr.constvars, consts))
         env.update(zip(self.jaxpr.invars, args))
         for i, eqn in enumerate(self.jaxpr.eqns):
-            ins = [_read(env, v) for v in eqn.invars]
+            ins = [read(env, v) for v in eqn.invars]
             scan = self.scans.get(i)
             if scan is None:
                 outs = _jax_internals.bind_equation(eqn, ins)
             else:
-                outs, stacks = scan.forward(eqn, ins)
+                outs, stacks = scan.forward(eqn, ins, on_host or {})
                 env.update(zip(scan.stacked, stacks))
             env.update(zip(eqn.outvars, outs))
         return env
 
-    def rebuild(self, kept_values: Sequence[Any], consts: Sequence[Any] = (), lazy: bool = False) -> list[Any]:
+    def rebuild(
+        self,
+        kept_values: Sequence[Any],
+        consts: Sequence[Any] = (),
+        lazy: bool = False,
+        on_host: frozenset[Any] = frozenset(),
+    ) -> list[Any]:
         """The residuals, from the kept values (in ``kept``'s order) and the jaxpr's own
         constants: the recomputed ones again. With ``lazy``, a planned scan's outputs come as
         placeholders that :func:`run_backward` rebuilds inside the backward's own scan, one
-        iteration at a time (never the whole stack at once)."""
+        iteration at a time (never the whole stack at once). The :class:`Stacked` values in
+        ``on_host`` are in host memory: each iteration of a rebuild moves its slice to the
+        device (a scan reading them copies the next slice while it computes)."""
         env = dict(zip(self.jaxpr.constvars, consts))
         env.update(zip(self.kept, kept_values))
-        self._recompute(env, lazy)
-        return [_read(env, v) for v in self.residuals]
+        self._recompute(env, lazy, on_host)
+        return [read(env, v) for v in self.residuals]
 
-    def _recompute(self, env: dict[Any, Any], lazy: bool = False) -> None:
+    def _recompute(self, env: dict[Any, Any], lazy: bool = False, on_host: frozenset[Any] = frozenset()) -> None:
         eqns = self.jaxpr.eqns
         for i in self.recompute:
             eqn, scan = eqns[i], self.scans.get(i)
             if scan is None:
-                ins = [_force(_read(env, v)) for v in eqn.invars]
+                ins = [force(read(env, v)) for v in eqn.invars]
                 env.update(zip(eqn.outvars, _jax_internals.bind_equation(eqn, ins)))
                 continue
-            pending = scan.pending(eqn, env)
-            outs = [_Lazy(pending, k) for k in range(len(scan.planned))] if lazy else pending.outputs()
+            pending = scan.pending(eqn, env, on_host)
+            outs = [Lazy(pending, k) for k in range(len(scan.planned))] if lazy else pending.outputs()
             env.update(zip((eqn.outvars[k] for k in scan.planned), outs))
 
 
@@ -335,137 +350,48 @@ class _ScanPlan:
     consts: tuple[int, ...]  # positions among the equation's inputs of kept loop constants
     xs: tuple[int, ...]  # positions among the equation's inputs of kept per-iteration inputs
 
-    def forward(self, eqn: Any, ins: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        """The scan equation ``eqn`` run on ``ins``: its outputs and the stacks of ``stacked``."""
+    def forward(
+        self, eqn: Any, ins: Sequence[Any], on_host: Mapping[Any, Any] | None = None
+    ) -> tuple[list[Any], list[Any]]:
+        """The scan equation ``eqn`` run on ``ins``: its outputs and the stacks of ``stacked``
+        (those keying ``on_host`` in host memory: see :meth:`RematPlan.evaluate`)."""
         p, nc, nk = self.parts, self.parts.num_consts, self.parts.num_carry
         consts, init, xs = list(ins[:nc]), list(ins[nc : nc + nk]), list(ins[nc + nk :])
         out = p.body.outvars
+        on_host = on_host or {}
+        into = {k: on_host[s] for k, s in enumerate(self.stacked) if on_host.get(s) is not None}
+        last = max(p.length, 1) - 1
 
-        def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], tuple[list[Any], list[Any]]]:
-            env = self.body._forward(p.consts, consts + carry + x)
-            ys = [_read(env, v) for v in out[nk:]]
-            return [_read(env, v) for v in out[:nk]], (ys, [env[s.value] for s in self.stacked])
+        def step(
+            carry: tuple[list[Any], Any, dict[int, Any]], x: list[Any]
+        ) -> tuple[tuple[list[Any], Any, dict[int, Any]], tuple[list[Any], list[Any]]]:
+            values, n, buffers = carry
+            env = self.body._forward(p.consts, consts + values + x)
+            ys = [read(env, v) for v in out[nk:]]
+            at = last - n if p.reverse else n  # where the scan stacks this iteration's values
+            buffers = {k: jax.lax.dynamic_update_index_in_dim(b, to_host(env[self.stacked[k].value]), at, 0)
+                       for k, b in buffers.items()}
+            stacks = [None if k in into else to_host(env[s.value]) if s in on_host else env[s.value]
+                      for k, s in enumerate(self.stacked)]
+            return ([read(env, v) for v in out[:nk]], n + 1, buffers), (ys, stacks)
 
         with _jax_internals.equation_context(eqn):
-            final, (ys, stacks) = jax.lax.scan(step, init, xs, length=p.length, reverse=p.reverse, unroll=p.unroll)
-        return list(final) + list(ys), list(stacks)
+            (final, _, filled), (ys, stacks) = jax.lax.scan(
+                step, (init, 0, into), xs, length=p.length, reverse=p.reverse, unroll=p.unroll
+            )
+        return list(final) + list(ys), [filled[k] if k in filled else s for k, s in enumerate(stacks)]
 
-    def pending(self, eqn: Any, env: dict[Any, Any]) -> _PendingRebuild:
-        """The rebuild of the outputs at ``planned``, reading the kept values in ``env``."""
-        return _PendingRebuild(
+    def pending(self, eqn: Any, env: dict[Any, Any], on_host: frozenset[Any] = frozenset()) -> PendingRebuild:
+        """The rebuild of the outputs at ``planned``, reading the kept values in ``env`` (those
+        of ``on_host`` in host memory)."""
+        return PendingRebuild(
             self,
             eqn,
-            {self.parts.body.invars[j]: _force(_read(env, eqn.invars[j])) for j in self.consts},
-            [_force(_read(env, eqn.invars[j])) for j in self.xs],
+            {self.parts.body.invars[j]: force(read(env, eqn.invars[j])) for j in self.consts},
+            [force(read(env, eqn.invars[j])) for j in self.xs],
             [env[s] for s in self.stacked],
+            tuple(s in on_host for s in self.stacked),
         )
-
-
-class _PendingRebuild:
-    """A planned scan's rebuild and what it reads: run whole (:meth:`outputs`, once) or one
-    iteration at a time inside another scan (:meth:`iteration`)."""
-
-    def __init__(self, scan: _ScanPlan, eqn: Any, consts: dict[Any, Any], xs: list[Any], stacks: list[Any]) -> None:
-        self.scan, self.eqn, self.consts, self.xs, self.stacks = scan, eqn, consts, xs, stacks
-        self._outputs: list[Any] | None = None
-
-    def iteration(self, xs: Sequence[Any], stacks: Sequence[Any]) -> list[Any]:
-        """One iteration's outputs at ``planned``, from its slices of ``xs`` and ``stacks``."""
-        scan = self.scan
-        env = dict(zip(scan.parts.body.constvars, scan.parts.consts))
-        env.update(self.consts)
-        env.update(zip((scan.parts.body.invars[j] for j in scan.xs), xs))
-        env.update(zip((s.value for s in scan.stacked), stacks))
-        scan.body._recompute(env)
-        return [_read(env, v) for v in scan.body.residuals]
-
-    def outputs(self) -> list[Any]:
-        """The outputs at ``planned``, every iteration stacked (made once)."""
-        if self._outputs is None:
-            # no carry: every iteration reads and writes index i of its stacks, whatever the direction
-            with _jax_internals.equation_context(self.eqn):
-                _, ys = jax.lax.scan(lambda _, x: (None, self.iteration(*x)), None, (self.xs, self.stacks),
-                                     length=self.scan.parts.length)
-            self._outputs = list(ys)
-        return self._outputs
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Lazy:
-    """Output ``k`` of a pending rebuild, not made yet."""
-
-    pending: _PendingRebuild
-    k: int
-
-    @property
-    def aval(self) -> Any:
-        body_aval = self.pending.scan.body.residuals[self.k].aval
-        return jax.ShapeDtypeStruct((self.pending.scan.parts.length, *body_aval.shape), body_aval.dtype)
-
-
-def _force(x: Any) -> Any:
-    return x.pending.outputs()[x.k] if isinstance(x, _Lazy) else x
-
-
-def is_lazy(x: Any) -> bool:
-    """Whether ``x`` is a residual :meth:`RematPlan.rebuild` left to :func:`run_backward`."""
-    return isinstance(x, _Lazy)
-
-
-def abstract(x: Any) -> Any:
-    """The shape and dtype of a residual, lazy or not."""
-    if isinstance(x, _Lazy):
-        return x.aval
-    aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def run_backward(closed_jaxpr: Any, args: Sequence[Any]) -> list[Any]:
-    """Evaluates a backward's jaxpr on ``args``, some of them lazy residuals of
-    :meth:`RematPlan.rebuild`: a scan that reads them as per-iteration inputs rebuilds each
-    iteration's slices in its own body, where XLA fuses the recomputation into their uses (the
-    stacks are never made whole); anything else that reads one makes it."""
-    return _run(closed_jaxpr.jaxpr, closed_jaxpr.consts, args)
-
-
-def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        ins = [_read(env, v) for v in eqn.invars]
-        if not any(isinstance(x, _Lazy) for x in ins):
-            outs = _jax_internals.bind_equation(eqn, ins)
-        elif (scan := _jax_internals.scan_parts(eqn)) is not None and not any(
-            isinstance(x, _Lazy) for x in ins[: scan.num_consts + scan.num_carry]
-        ):
-            outs = _fused_scan(eqn, scan, ins)
-        elif eqn.primitive.name in ("jit", "pjit") and (body := _jax_internals.call_body(eqn)) is not None:
-            outs = _run(body[0], body[1], ins)
-        else:
-            outs = _jax_internals.bind_equation(eqn, [_force(x) for x in ins])
-        env.update(zip(eqn.outvars, outs))
-    return [_read(env, v) for v in jaxpr.outvars]
-
-
-def _fused_scan(eqn: Any, scan: _jax_internals.ScanParts, ins: Sequence[Any]) -> list[Any]:
-    """A backward scan whose per-iteration inputs include lazy residuals: each iteration first
-    rebuilds its slices of them (from its slices of the kept stacks), then runs the body."""
-    nc, nk = scan.num_consts, scan.num_carry
-    consts, init, xs = list(ins[:nc]), list(ins[nc : nc + nk]), list(ins[nc + nk :])
-    pendings = list({id(x.pending): x.pending for x in xs if isinstance(x, _Lazy)}.values())
-    plain = [None if isinstance(x, _Lazy) else x for x in xs]
-
-    def step(carry: list[Any], x: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
-        plain_x, per_pending = x
-        made = {id(p): p.iteration(*slices) for p, slices in zip(pendings, per_pending)}
-        full = [made[id(v.pending)][v.k] if isinstance(v, _Lazy) else px for v, px in zip(xs, plain_x)]
-        outs = _run(scan.body, scan.consts, [*consts, *carry, *full])
-        return outs[:nk], outs[nk:]
-
-    with _jax_internals.equation_context(eqn):
-        final, ys = jax.lax.scan(step, init, (plain, [(p.xs, p.stacks) for p in pendings]), length=scan.length,
-                                 reverse=scan.reverse, unroll=scan.unroll)
-    return [*final, *ys]
 
 
 def plan(

@@ -50,6 +50,7 @@ from residual_store._src.keypaths import PathStructure
 from residual_store._src.plan.request import PlanOptions
 from residual_store._src.plan.request import remember as remember_plan
 from residual_store._src.remat import SaveChoice
+from residual_store._src.scratch import Scratch
 from residual_store._src.trace import NO_KEYWORDS, Keywords, Options, Traced, checked_argnames, trace
 
 __all__ = ["Split", "split"]
@@ -71,6 +72,15 @@ class _Forward:
     aux_tree: Any | None
     spec: ResidualSpec
     backward: Backward
+    # the pinned buffers its offloaded values go into (None: it offloads nothing), and their
+    # positions among its outputs
+    scratch: Scratch | None = None
+    scratch_outputs: tuple[int, ...] = ()
+
+    def buffers(self, inlined: bool) -> list[Any]:
+        """The forward's third argument: the pinned buffers it writes into (donated); none where
+        it runs inlined in the caller's trace (it makes its own there)."""
+        return [] if self.scratch is None or inlined else self.scratch.lend()
 
 
 def _normalize_argnums(argnums: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -246,7 +256,9 @@ class Split:
         entry = self._cache.get(key)
         if entry is None:
             entry = self._compile_forward(args, keywords, leaves, treedef, statics, key, inlined)
-        outputs = entry.executable(list(entry.consts), leaves)
+        outputs = entry.executable(list(entry.consts), leaves, entry.buffers(inlined))
+        if entry.scratch is not None and not inlined:
+            entry.scratch.keep([outputs[i] for i in entry.scratch_outputs])
         residuals = tuple(slots.gather(entry.slots, entry.consts, leaves, outputs))
         out = jax.tree.unflatten(entry.out_tree, outputs[: entry.n_out])
         ctx = bound_context(entry.spec, residuals, backward=entry.backward)
@@ -493,6 +505,8 @@ class Split:
                 aux_tree=t.aux_tree,
                 spec=t.spec,
                 backward=backward,
+                scratch=Scratch(t.scratch) if t.scratch else None,
+                scratch_outputs=t.scratch_outputs,
             )
             self._cache.put(key, entry)
             return entry

@@ -26,6 +26,7 @@ from residual_store._src.context import CallSpec, InputAval, ResidualKind, Resid
 from residual_store._src.errors import InvalidArgumentError, SignatureMismatchError
 from residual_store._src.halves import GradParts
 from residual_store._src.origins import output_origins
+from residual_store._src.scratch import pinned_like
 from residual_store._src.signature import compute_signature
 
 __all__ = ["NO_KEYWORDS", "Keywords", "Options", "Traced", "checked_argnames", "trace"]
@@ -245,6 +246,10 @@ class Traced:
     backward_jaxpr: Any  # flat_backward's jaxpr on parts' avals
     grad_tree: Any  # the gradients' template
     plan: Any = None  # with save=rs.plan(...): its choice for this signature (a plan.choose.Plan)
+    # the host buffers the forward writes its offloaded values into (its third argument,
+    # donated: pinned, on the inputs' device), and their positions among its outputs
+    scratch: tuple[jax.ShapeDtypeStruct, ...] = ()
+    scratch_outputs: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +311,7 @@ def trace(
     n_consts = len(closed.consts)
     found: list[_VjpFound] = []  # invariant: the forward is traced once, so this gets one record
 
-    def forward(consts: list[Any], flat: list[Any]) -> list[Any]:
+    def forward(consts: list[Any], flat: list[Any], scratch: list[Any]) -> list[Any]:
         def primal(*diff: Any) -> tuple[list[Any], list[Any]]:
             merged = list(flat)
             for j, value in zip(diff_idx, diff):
@@ -331,17 +336,25 @@ def trace(
 
     consts = [jnp.asarray(c) if not isinstance(c, jax.Array) else c for c in closed.consts]
     forward_jit = jax.jit(forward)
-    traced = forward_jit.trace(consts, list(leaves))
+    traced = forward_jit.trace(consts, list(leaves), [])
     (vjp,) = found
     res_slots = vjp.slots
     flat_bwd, grad_tree, templates = _flat_backward(opts, vjp.vjp_tree, out_avals, treedef, positions, differentiated)
     planned = None  # the planner's report, with save=rs.plan(...)
+    scratch: tuple[jax.ShapeDtypeStruct, ...] = ()
+    scratch_outputs: tuple[int, ...] = ()
     if opts.save.recomputable is not None:  # keep the fewest bytes (or plan); the backward recomputes the rest
         weights = [False] * n_consts + [pos not in opts.weight_argnums for pos in leaf_args]
-        forward_jit, res_slots, flat_bwd, planned = keep.keep_fewest_bytes(
-            traced, res_slots, n_consts, weights, flat_bwd, opts.save
-        )
-        traced = forward_jit.trace(consts, list(leaves))
+        kept = keep.keep_fewest_bytes(traced, res_slots, n_consts, weights, flat_bwd, opts.save)
+        res_slots, flat_bwd, planned = kept.slots, kept.backward, kept.report
+        forward_jit = jax.jit(kept.forward)  # inside a caller's jax.jit: no buffers to donate
+        pinned = pinned_like(kept.offloaded, leaves) if kept.offloaded else None
+        if pinned is None:
+            traced = forward_jit.trace(consts, list(leaves), [])
+        else:  # called on its own: writes its offloaded values into the donated pinned buffers
+            scratch, scratch_outputs = pinned, kept.offloaded_outputs
+            donating = jax.jit(kept.forward, donate_argnums=2, in_shardings=(None, None, [a.sharding for a in pinned]))
+            traced = donating.trace(consts, list(leaves), [_jax_internals.host_aval(a) for a in pinned])
     jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
     residual_types = slots.gather(res_slots, jaxpr_in[:n_consts], jaxpr_in[n_consts:], jaxpr_out)
     float_out = [i for i, a in enumerate(out_avals) if jax.dtypes.issubdtype(a.dtype, np.inexact)]
@@ -386,6 +399,8 @@ def trace(
         backward_jaxpr=bwd_traced.jaxpr,
         grad_tree=grad_tree,
         plan=planned,
+        scratch=scratch,
+        scratch_outputs=scratch_outputs,
     )
 
 
@@ -477,7 +492,8 @@ def _spec(
     n_consts: int,
     traced: Any,
 ) -> ResidualSpec:
-    """The residuals' spec: their avals, names, input paths and kinds."""
+    """The residuals' spec: their avals, names, input paths and kinds, and which the forward
+    put in host memory."""
     output_slots = [i for src, i in res_slots if src == slots.FROM_OUTPUT]
     # Intermediates are placed after the nearest weight (else differentiated input) feeding
     # them; the forward jaxpr's inputs are the constants, then the flat input leaves.
@@ -508,6 +524,8 @@ def _spec(
         input_paths=tuple(input_paths),
         kinds=tuple(kinds),
         call=call,
+        on_host=tuple(i for i, (k, a) in enumerate(zip(kinds, residual_types))
+                      if k == "intermediate" and getattr(a, "memory_space", None) == jax.memory.Space.Host),
     )
 
 

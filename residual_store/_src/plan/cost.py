@@ -133,14 +133,18 @@ def move_seconds(size: int, profile: DeviceProfile) -> float | None:
 
 def placements(size: int, profile: DeviceProfile, offload: bool) -> list[Option]:
     """Where a value of ``size`` bytes may live between forward and backward: kept, spilled by
-    a store (where there is a link), offloaded inside the programs (there too, if ``offload``)."""
-    options = [Option("keep", size, 0.0)]
+    a store (where there is a link), offloaded inside the programs (there too, if ``offload``).
+    Each costs writing the value to memory in the forward and reading it in the backward (what
+    recomputing it, fused into its uses, saves: on a TPU v5e a kept attention matrix costs more
+    than its matrix product), then its copies."""
+    stored = 2 * size / profile.memory_bytes
+    options = [Option("keep", size, stored)]
     spilled = spill_seconds(size, profile)
     if spilled is not None:
-        options.append(Option("spill", 0, spilled))
+        options.append(Option("spill", 0, stored + spilled))
     moved = move_seconds(size, profile) if offload else None
     if moved is not None:
-        options.append(Option("offload", 0, moved))
+        options.append(Option("offload", 0, stored + moved))
     return options
 
 

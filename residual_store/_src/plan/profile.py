@@ -105,12 +105,10 @@ TPU_V5E = DeviceProfile(
     duplex=True,  # 1 GiB each way in one program: 83 ms, against 74 and 77 one way
     hidden_forward=2 / 3,  # a forward's per-layer copies into donated buffers hid about 2/3 behind equal compute
     hidden_backward=1 / 3,  # a backward's about 1/3
-    program_d2h_bytes=0.8e9,  # a program's output in fresh pinned memory: ~1.3 s per GiB
 )
 """A TPU v5e chip, from the measurements of issue 51 (main 838ccdd). A plan's in-program offload
-writes fresh pinned memory (``program_d2h_bytes``) until the forward writes into the pool's
-donated buffers; on 2026-12-06 it measured 144 ms a microbatch where spilling through the store
-measured 42.5 (``docs/performance.md``)."""
+writes into pinned buffers the split donates to its forward (:mod:`residual_store._src.scratch`),
+at the link's rate, a scan's stacks an iteration at a time."""
 
 _BUILTIN = {"cpu": CPU, "tpu v5 lite": TPU_V5E, "tpu v5e": TPU_V5E}
 _MEASURED: dict[str, DeviceProfile] = {}  # device kind -> profile measured in this process

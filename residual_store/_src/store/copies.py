@@ -21,6 +21,7 @@ from residual_store._src.store.host import (
     check_live,
     default_memory_kind,
     device_put_all,
+    host_memory_kind,
     is_host_memory,
     is_key_dtype,
     is_whole_on,
@@ -38,20 +39,10 @@ __all__ = [
     "detached",
     "for_writing",
     "holds_device_memory",
-    "host_memory_kind",
     "to_device",
     "to_host",
     "wait_copied",
 ]
-
-
-def host_memory_kind(device: Any) -> str | None:
-    """``"pinned_host"`` if ``device`` has that memory space, else ``None``."""
-    try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001 - backends without memory spaces.
-        return None
-    return "pinned_host" if "pinned_host" in kinds else None
 
 
 def to_host(ctx: ResidualContext, pool: HostPool | None = None) -> ResidualContext:
@@ -88,12 +79,12 @@ def copy_done(ctx: ResidualContext) -> bool:
     :func:`for_writing`) have finished (or failed), without waiting. The device memory they
     were copied from is free from then on, once nothing else holds it: until then a store
     counts it as the device's. A residual held as a NumPy array counts as copied."""
-    return copies_done([x for x, kind in zip(ctx.residuals, ctx.spec.kinds) if kind in OWN_KINDS])
+    return copies_done([x for x, movable in zip(ctx.residuals, ctx.spec.movable) if movable])
 
 
 def wait_copied(ctx: ResidualContext) -> None:
     """Waits until :func:`copy_done` is true of ``ctx``; raises what a failed copy raised."""
-    wait_copies([x for x, kind in zip(ctx.residuals, ctx.spec.kinds) if kind in OWN_KINDS])
+    wait_copies([x for x, movable in zip(ctx.residuals, ctx.spec.movable) if movable])
 
 
 def _host_copy(x: Any) -> Any:
@@ -162,8 +153,8 @@ def _host_sharding(x: jax.Array) -> Any:
 def holds_device_memory(ctx: ResidualContext) -> bool:
     """Whether ``ctx``'s own residuals are in device memory (the first one's place tells: a
     context is moved whole), so that keeping it keeps device memory."""
-    for x, kind in zip(ctx.residuals, ctx.spec.kinds):
-        if kind not in OWN_KINDS or (isinstance(x, jax.Array) and is_key_dtype(x.dtype)):
+    for x, movable in zip(ctx.residuals, ctx.spec.movable):
+        if not movable or (isinstance(x, jax.Array) and is_key_dtype(x.dtype)):
             continue  # (a typed key stays on the device: a few bytes)
         if not isinstance(x, jax.Array):
             return False  # a host copy already
@@ -196,14 +187,16 @@ def to_device(
     ctx: ResidualContext, device: jax.Device | None = None, pool: HostPool | None = None
 ) -> ResidualContext:
     """A copy of ``ctx`` in device memory (the default memory space of its arrays' devices; a
-    NumPy host copy goes to ``device``, else the default device); shared arrays stay shared.
-    ``pool``: the host arrays it takes go back in one program, at the link's speed (the pool's
-    buffers are reused only once nothing holds them: the context, until it is dropped)."""
-    distinct = list({id(x): x for x in ctx.residuals}.values())
+    NumPy host copy goes to ``device``, else the default device); shared arrays stay shared,
+    and the arrays the forward put in host memory (``spec.on_host``) stay there. ``pool``: the
+    host arrays it takes go back in one program, at the link's speed (the pool's buffers are
+    reused only once nothing holds them: the context, until it is dropped)."""
+    stay = {id(x) for i in ctx.spec.on_host if isinstance(x := ctx.residuals[i], jax.Array)}
+    distinct = [x for i, x in {id(x): x for x in ctx.residuals}.items() if i not in stay]
     back = [i for i, x in enumerate(distinct) if pool is not None and returnable(x)]
     placed = dict(zip(back, pool.to_device([distinct[i] for i in back]))) if pool is not None and back else {}
     moved = {id(x): placed[i] if i in placed else _moved(x, device) for i, x in enumerate(distinct)}
-    return ResidualContext.tree_unflatten(ctx.spec, [moved[id(x)] for x in ctx.residuals])
+    return ResidualContext.tree_unflatten(ctx.spec, [moved.get(id(x), x) for x in ctx.residuals])
 
 
 def _moved(x: Any, device: jax.Device | None) -> Any:

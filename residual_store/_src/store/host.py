@@ -29,6 +29,7 @@ __all__ = [
     "check_live",
     "check_dtypes_writable",
     "default_memory_kind",
+    "host_memory_kind",
     "device_put_all",
     "host_arrays",
     "is_host_memory",
@@ -340,6 +341,21 @@ def default_memory_kind(sharding: Any) -> str:
     return device.default_memory().kind
 
 
+def host_memory_kind(device: Any) -> str | None:
+    """``"pinned_host"`` if ``device`` has that memory space, else ``None``."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 - backends without memory spaces.
+        return None
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def _pinned_sharding(device: jax.Device) -> Any:
+    """``device``'s pinned host memory as a sharding, or ``None`` where it has none."""
+    kind = host_memory_kind(device)
+    return None if kind is None else jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+
+
 def read_device(device: jax.Device | None) -> jax.Device:
     """Where a read's host arrays go: ``device``, or where ``jax.device_put`` puts a host array
     given no device in this thread (``jax.default_device``, else this process's first device)."""
@@ -406,15 +422,22 @@ def place(
     key_impls: Sequence[str | None],
     shared_array: Callable[[int], jax.Array],
     device: jax.Device | None = None,
+    on_host: Sequence[int] = (),
 ) -> list[jax.Array]:
     """The residuals of a read context on the devices: the context's own arrays in one
     ``device_put`` onto ``device`` (``None``: the default one; on CPU it aliases a suitably
     aligned NumPy buffer instead of copying), a
     sharded one block by block onto its devices, a shared one (a weight) from ``shared_array(i)``,
-    which keeps one device array per stored weight; typed PRNG keys wrapped again."""
+    which keeps one device array per stored weight; typed PRNG keys wrapped again. Those at
+    ``on_host`` (whole arrays the forward put in host memory) go to the device's pinned host
+    memory where it has one."""
     own = [i for i, s in enumerate(shared) if not s]
-    plain = [i for i in own if not isinstance(arrays[i], ShardedHost)]
+    pinned = _pinned_sharding(read_device(device)) if on_host else None
+    hosted = [i for i in on_host if pinned is not None and not isinstance(arrays[i], ShardedHost)]
+    plain = [i for i in own if not isinstance(arrays[i], ShardedHost) and i not in hosted]
     placed = dict(zip(plain, device_put_all(cast(list[np.ndarray], [arrays[i] for i in plain]), device)))
+    if hosted:
+        placed.update(zip(hosted, jax.device_put([_placeable(cast(np.ndarray, arrays[i])) for i in hosted], pinned)))
     for i in own:
         host = arrays[i]
         if isinstance(host, ShardedHost):

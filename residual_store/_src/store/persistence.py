@@ -263,7 +263,7 @@ class WritablePersistence(ReadOnlyPersistence):
             arrays, impls = committer.host_arrays(ctx, staged)
             sums, digests = self._weights.checksums(ctx, arrays)
             write = HostWrite(key, ctx.spec, arrays, tuple(impls), self._durable, sums, digests)
-            nbytes = ctx.spec.own_nbytes
+            nbytes = ctx.spec.own_nbytes + ctx.spec.host_nbytes
             # Only the host arrays from here on: the context's device arrays can go while the
             # commit runs (a slow, durable one most of all) once nothing else holds them.
             residuals = tuple(x if k not in OWN_KINDS else None for x, k in zip(ctx.residuals, ctx.spec.kinds))

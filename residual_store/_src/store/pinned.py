@@ -41,7 +41,6 @@ import collections
 import dataclasses
 import functools
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +48,7 @@ import jax
 import numpy as np
 
 from residual_store._src.errors import InvalidArgumentError
+from residual_store._src.scratch import held_only_by
 from residual_store._src.store.critical import StoreLock
 
 __all__ = ["DEFAULT_CAPACITY_SHARE", "HostPool", "PoolStats", "capacity_for", "copies_done", "poolable", "returnable", "wait_copies"]
@@ -138,16 +138,7 @@ def returnable(x: Any) -> bool:
     return x.sharding.memory_kind not in (None, _default_kind(x))
 
 
-def _only_the_pool_holds(buffers: list[jax.Array], i: int) -> bool:
-    """Whether nothing but the list ``buffers`` refers to ``buffers[i]`` (the reuse rule)."""
-    return _references(buffers, i) <= _ALONE
-
-
-def _references(items: list[Any], i: int) -> int:
-    return sys.getrefcount(items[i])
-
-
-_ALONE = _references([object()], 0)  # what _references counts for an object only a list holds
+_only_the_pool_holds = held_only_by  # the reuse rule, the one planned forwards' buffers keep
 
 
 def _same(arrays: tuple[jax.Array, ...], buffers: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:

@@ -158,12 +158,13 @@ class Reads:
         nbytes = sum(r.nbytes for r in stored.records if not (r.shared and not r.chunked and r.path in live))
         _check_representable(key, stored.spec)
         if wait:
-            self.make_room(sum(r.nbytes for r in stored.records if not r.shared))
+            self.make_room(stored.spec.own_nbytes)
         paths = [r.path for r in stored.records]
         residuals = place(
             arrays, [r.shared for r in stored.records], stored.key_impls,
             functools.partial(self._weights.device_array, paths, arrays, live, self._target),
             self._target,
+            stored.spec.on_host,
         )
         # the stored backward, read and checked now, deserialized only if rs.backward needs it
         return bound_context(stored.spec, residuals, loader=self._backward_for(stored.spec.signature)), nbytes

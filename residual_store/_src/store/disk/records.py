@@ -265,6 +265,8 @@ def spec_to_map(
         out["shardings"] = list(shardings)
     if spec.call is not None:
         out["call"] = _call_to_map(spec.call)
+    if spec.on_host:  # absent when the forward put nothing in host memory
+        out["on_host"] = list(spec.on_host)
     return out
 
 
@@ -325,6 +327,7 @@ def spec_from_map(
             input_paths=tuple(p if p is None else str(p) for p in input_paths),
             kinds=tuple(kinds),
             call=call,
+            on_host=tuple(_ints(m.get("on_host", []), "on_host")),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptContextError(f"{what}: invalid spec in manifest ({err})") from None
