@@ -58,9 +58,9 @@ from residual_store._src.context import ResidualContext
 from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreNotFoundError
 from residual_store._src.store import Store, item_record
 from residual_store._src.store.copies import detached
+from residual_store._src.store.disk.paths import validate_key
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import check_live
-from residual_store._src.store.key_rules import validate_key
 
 if TYPE_CHECKING:
     from etils import epath

@@ -24,6 +24,7 @@ One module a job, peers over shared format modules (none imports another's priva
 
 from typing import Any
 
+from . import kv
 from .aligned import aligned_empty
 from .checksums import ALGORITHM, Verifier, checksum, content_digest, verify
 from .errors import (
@@ -37,24 +38,7 @@ from .errors import (
     UnsupportedVersionError,
     is_disk_full,
 )
-from .kv import (
-    KvStoreSpec,
-    check_array_metadata,
-    default_context,
-    delete_prefix,
-    is_unavailable,
-    local_root,
-    read_array,
-    read_array_async,
-    read_arrays,
-    read_chunk,
-    read_chunk_async,
-    read_raw,
-    wait_request,
-    write_array_async,
-    write_arrays,
-    write_arrays_kv,
-)
+from .kv import *  # noqa: F403 - tensorstore I/O, the whole of serializers.kv (its __all__)
 from .local import (
     read_array_local,
     read_arrays_local,
@@ -142,23 +126,8 @@ __all__ = [
     "encode_zarr_metadata",
     "group_metadata",
     "encode_group_metadata",
-    # tensorstore I/O (serializers.kv)
-    "KvStoreSpec",
-    "default_context",
-    "local_root",
-    "is_unavailable",
-    "wait_request",
-    "write_array_async",
-    "write_arrays",
-    "read_array",
-    "read_array_async",
-    "read_arrays",
-    "write_arrays_kv",
-    "delete_prefix",
-    "read_chunk",
-    "read_chunk_async",
-    "read_raw",
-    "check_array_metadata",
+    # tensorstore I/O: every public name of serializers.kv
+    *kv.__all__,
     # the local fast path (serializers.local)
     "aligned_empty",
     "write_arrays_local",
@@ -167,7 +136,7 @@ __all__ = [
     "write_chunks_local",
     "read_chunk_local",
     # plain zarr-python (serializers.zarr_compat, which imports zarr: loaded when first asked for)
-    "register_zarr_dtypes",
+    "register_zarr_dtypes",  # noqa: F405 - defined on first use, by __getattr__ below
 ]
 
 

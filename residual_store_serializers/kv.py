@@ -54,26 +54,21 @@ from .kv_futures import all_done, raise_error, then
 from .zarr import (
     MAX_METADATA_BYTES,
     METADATA_KEY,
-    SUPPORTED_DTYPES,
+    ArrayRead,
     ChunkedArray,
     DTypeLike,
     PathLike,
     Shape,
     byte_view,
     check_attributes,
-    check_chunk_index,
-    check_chunk_shape,
     check_relpath,
     check_zarr_metadata,
-    chunk_grid,
     chunk_index_key,
-    chunk_key,
     chunk_region,
     describe_arrays,
     disk_array,
     disk_chunks,
     disk_metadata,
-    numpy_dtype,
     zarr_dtype_name,
     zarr_metadata,
 )
@@ -413,14 +408,12 @@ def read_array_async(
     :class:`CorruptDataError` if the metadata is missing or does not match, or
     the chunk is missing, truncated or oversized.
     """
-    shape = tuple(int(d) for d in shape)
-    name = zarr_dtype_name(numpy_dtype(dtype))
+    asked = ArrayRead.of(path, shape, dtype)
     kv = _array_kvstore(kvstore, path)
     ctx = context if context is not None else default_context()
-    what = f"array {path!r}"
-    opened = ts.open(_ts_spec(kv, shape, name, write=False), open=True, context=ctx)
+    opened = ts.open(_ts_spec(kv, asked.shape, asked.name, write=False), open=True, context=ctx)
     read = then(opened, lambda store: store.read())
-    return then(read, lambda a: a, lambda e: raise_error(convert_read_error(e, what)))
+    return then(read, lambda a: a, lambda e: raise_error(convert_read_error(e, asked.what)))
 
 
 def read_array(
@@ -513,15 +506,12 @@ def read_chunk_async(
     this shape, dtype and chunk shape; a missing, truncated or oversized chunk or mismatching
     metadata raise :class:`CorruptDataError`.
     """
-    shape = tuple(int(d) for d in shape)
-    name = zarr_dtype_name(numpy_dtype(dtype))
-    cs = check_chunk_shape(shape, chunk_shape)
-    idx = check_chunk_index(chunk_index, chunk_grid(shape, cs), f"array {path!r}")
+    asked = ArrayRead.of(path, shape, dtype, chunk_shape, chunk_index)
     kv = _array_kvstore(kvstore, path)
     ctx = context if context is not None else default_context()
-    what = f"array {path!r}, chunk {chunk_index_key(idx)}"
-    opened = ts.open(_ts_spec(kv, shape, name, write=False, chunks=cs), open=True, context=ctx)
-    read = then(opened, lambda store: store[chunk_region(idx, cs)].read())
+    what = f"{asked.what}, chunk {asked.key}"
+    opened = ts.open(_ts_spec(kv, asked.shape, asked.name, write=False, chunks=asked.chunk_shape), open=True, context=ctx)
+    read = then(opened, lambda store: store[asked.region].read())
     return then(read, lambda a: a, lambda e: raise_error(convert_read_error(e, what)))
 
 
@@ -565,17 +555,10 @@ def read_raw(
       ValueError: a chunk shape that does not divide ``shape``, an index outside the grid.
       UnavailableError: no answer within ``timeout`` seconds, or the store gave up.
     """
-    check_relpath(path)
-    shape = tuple(int(d) for d in shape)
-    dt = SUPPORTED_DTYPES[zarr_dtype_name(numpy_dtype(dtype))]
-    what = f"array {path!r}"
-    if chunk_index is None:
-        piece, key = shape, chunk_key(shape)
-        if key is None:  # no elements: nothing is stored
-            return aligned_empty(shape, dt)
-    else:
-        piece = check_chunk_shape(shape, chunk_shape)
-        key = chunk_index_key(check_chunk_index(chunk_index, chunk_grid(shape, piece), what))
+    asked = ArrayRead.of(path, shape, dtype, chunk_shape, chunk_index)
+    dt, what, key, piece = asked.dtype, asked.what, asked.key, asked.piece
+    if not asked.stored:  # no elements: nothing is stored (and no chunk index is inside the grid)
+        return aligned_empty(asked.shape, dt)
     try:
         result = wait_request(kv.read(f"{path}/{key}"), timeout, what)
     except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and others
@@ -607,15 +590,12 @@ def check_array_metadata(
     Raises:
       CorruptDataError: it is missing, oversized, or describes another array.
     """
-    check_relpath(path)
-    shape = tuple(int(d) for d in shape)
-    name = zarr_dtype_name(numpy_dtype(dtype))
-    cs = check_chunk_shape(shape, chunk_shape) if chunk_shape is not None else None
-    what = f"array {path!r}"
+    asked = ArrayRead.of(path, shape, dtype, chunk_shape)
+    what = asked.what
     key = f"{path}/{METADATA_KEY}"
     result = wait_request(kv.read(key), timeout, what)
     if result.state != "value":
         raise CorruptDataError(f"{what}: metadata object {key} is missing")
     if len(result.value) > MAX_METADATA_BYTES:
         raise CorruptDataError(f"{what}: metadata object {key} is {len(result.value):,} bytes, over the {MAX_METADATA_BYTES:,} allowed")
-    check_zarr_metadata(bytes(result.value), shape, name, f"{what} ({key})", cs)
+    check_zarr_metadata(bytes(result.value), asked.shape, asked.name, f"{what} ({key})", asked.chunk_shape)

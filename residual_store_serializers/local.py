@@ -58,25 +58,18 @@ from .zarr import (
     CHUNK_KEY_SEPARATOR,
     MAX_METADATA_BYTES,
     METADATA_KEY,
-    SUPPORTED_DTYPES,
+    ArrayRead,
     ChunkedArray,
     DTypeLike,
     PathLike,
     Shape,
     check_attributes,
-    check_chunk_index,
-    check_chunk_shape,
     check_relpath,
     check_zarr_metadata,
-    chunk_grid,
-    chunk_index_key,
-    chunk_key,
     describe_arrays,
     disk_array,
     disk_chunks,
     disk_metadata,
-    numpy_dtype,
-    zarr_dtype_name,
 )
 
 # The file primitives (serializers.files) and aligned buffers (serializers.aligned) are named
@@ -411,21 +404,18 @@ def _read_single_chunk(
     checksum: str | None,
     empty: Callable[[Shape, np.dtype], np.ndarray],
 ) -> np.ndarray:
-    check_relpath(path)
-    shape = tuple(int(d) for d in shape)
-    name = zarr_dtype_name(numpy_dtype(dtype))
+    asked = ArrayRead.of(path, shape, dtype)
     folder = folders.path(tuple(path.split("/")))
-    what = f"array {path!r}"
+    what = asked.what
     if check_metadata:
-        _check_metadata_file(folder, shape, name, what, None)
+        _check_metadata_file(folder, asked)
     verifier = Verifier(checksum, what=what) if checksum is not None else None
-    key = chunk_key(shape)
-    if key is None:
-        out = aligned_empty(shape, SUPPORTED_DTYPES[name])
+    if not asked.stored:
+        out = aligned_empty(asked.shape, asked.dtype)
         if verifier is not None:
             verifier.check()
         return out
-    return read_sized_file(os.path.join(folder, key), shape, SUPPORTED_DTYPES[name], what, verifier, empty)
+    return read_sized_file(os.path.join(folder, asked.key), asked.shape, asked.dtype, what, verifier, empty)
 
 
 def write_chunks_local(
@@ -479,26 +469,19 @@ def read_chunk_local(
       CorruptDataError: a missing or wrong-sized chunk file, missing or mismatching metadata;
         the message names the file.
     """
-    check_relpath(path)
-    shape = tuple(int(d) for d in shape)
-    name = zarr_dtype_name(numpy_dtype(dtype))
-    cs = check_chunk_shape(shape, chunk_shape)
-    idx = check_chunk_index(chunk_index, chunk_grid(shape, cs), f"array {path!r}")
+    asked = ArrayRead.of(path, shape, dtype, chunk_shape, chunk_index)
     folder = check_folders_local(root, path.split("/"))
-    what = f"array {path!r}"
     if check_metadata:
-        _check_metadata_file(folder, shape, name, what, cs)
-    return read_sized_file(os.path.join(folder, chunk_index_key(idx)), cs, SUPPORTED_DTYPES[name], what)
+        _check_metadata_file(folder, asked)
+    return read_sized_file(os.path.join(folder, asked.key), asked.piece, asked.dtype, asked.what)
 
 
-def _check_metadata_file(
-    folder: str, shape: tuple[int, ...], name: str, what: str, chunks: tuple[int, ...] | None
-) -> None:
+def _check_metadata_file(folder: str, asked: ArrayRead) -> None:
     meta_path = os.path.join(folder, METADATA_KEY)
-    raw = read_file_local(meta_path, max_bytes=MAX_METADATA_BYTES, what=what)
+    raw = read_file_local(meta_path, max_bytes=MAX_METADATA_BYTES, what=asked.what)
     if raw is None:
-        raise CorruptDataError(f"{what}: metadata file {meta_path} is missing")
-    check_zarr_metadata(raw, shape, name, f"{what} ({meta_path})", chunks)
+        raise CorruptDataError(f"{asked.what}: metadata file {meta_path} is missing")
+    check_zarr_metadata(raw, asked.shape, asked.name, f"{asked.what} ({meta_path})", asked.chunk_shape)
 
 
 def check_array_metadata_local(
@@ -511,9 +494,5 @@ def check_array_metadata_local(
     Raises:
       CorruptDataError: it is missing, not a regular file, oversized, or describes another array.
     """
-    check_relpath(path)
-    shape = tuple(int(d) for d in shape)
-    name = zarr_dtype_name(numpy_dtype(dtype))
-    cs = check_chunk_shape(shape, chunk_shape) if chunk_shape is not None else None
-    folder = check_folders_local(root, path.split("/"))
-    _check_metadata_file(folder, shape, name, f"array {path!r}", cs)
+    asked = ArrayRead.of(path, shape, dtype, chunk_shape)
+    _check_metadata_file(check_folders_local(root, path.split("/")), asked)

@@ -31,7 +31,7 @@ This module only describes the format; the writers and readers of the bytes are
 any kvstore) and :mod:`serializers.bundle` (one zip), peers that produce byte-identical
 files and read each other's. What they all need of the format is public here (in
 ``__all__``): what every writer stores (:func:`disk_array`, :func:`disk_chunks`,
-:func:`disk_metadata`), the checks every reader makes (:func:`check_zarr_metadata`,
+:func:`disk_metadata`), the checks every reader makes (:class:`ArrayRead`, :func:`check_zarr_metadata`,
 :data:`MAX_METADATA_BYTES`) and the path and attribute checks every writer makes first.
 
 Data types: ``bool``, ``int8``-``int64``, ``uint8``-``uint64``, ``float16``,
@@ -45,6 +45,7 @@ does when zarr loads its plugins (``int2``/``int4`` stay tensorstore-only). The 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -85,6 +86,7 @@ __all__ = [
     "check_zarr_metadata",
     "check_chunk_index",
     "check_relpath",
+    "ArrayRead",
     "check_attributes",
     "describe_arrays",
     "disk_array",
@@ -517,3 +519,75 @@ def check_relpath(path: str) -> None:
     """Raises ValueError unless ``path`` is a safe array path (:func:`is_safe_relpath`)."""
     if not is_safe_relpath(path):
         raise ValueError(f"unsafe array path {path!r}: use [A-Za-z0-9._/-], relative, no '..'")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRead:
+    """One read of an array, or of one chunk of it, checked as every reader checks what it is
+    asked (:meth:`of`) before it touches a byte.
+
+    Attributes:
+      what: the array in words, for errors (``"array 'a/b'"``).
+      shape: the array's shape, as ints.
+      name: the zarr v3 name of its dtype.
+      chunk_shape: the chunk shape of its grid, checked (:func:`check_chunk_shape`), where one
+        is asked or a chunk is read; ``None``: the single chunk.
+      index: the chunk read, inside the grid; ``None``: the whole array.
+    """
+
+    what: str
+    shape: tuple[int, ...]
+    name: str
+    chunk_shape: tuple[int, ...] | None = None
+    index: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        path: str,
+        shape: Shape,
+        dtype: DTypeLike,
+        chunk_shape: Shape | None = None,
+        chunk_index: Sequence[int] | None = None,
+    ) -> ArrayRead:
+        """The read of the array ``path`` of ``shape`` and ``dtype`` on a grid of ``chunk_shape``
+        (``None``: one chunk), of its chunk ``chunk_index`` (``None``: the array whole).
+
+        Raises:
+          ValueError: an unsafe path (:func:`check_relpath`), a chunk shape that does not divide
+            ``shape``, an index outside the grid.
+          UnsupportedDTypeError: a dtype outside the format.
+        """
+        check_relpath(path)
+        what = f"array {path!r}"
+        shape = tuple(int(d) for d in shape)
+        name = zarr_dtype_name(numpy_dtype(dtype))
+        if chunk_shape is None and chunk_index is None:  # (a whole array's read: the common one)
+            return cls(what, shape, name)
+        cs = check_chunk_shape(shape, chunk_shape)
+        index = None if chunk_index is None else check_chunk_index(chunk_index, chunk_grid(shape, cs), what)
+        return cls(what, shape, name, cs, index)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return SUPPORTED_DTYPES[self.name]
+
+    @property
+    def stored(self) -> bool:
+        """Whether anything of the array is stored: one with no elements has no chunk."""
+        return all(self.shape)
+
+    @property
+    def key(self) -> str:
+        """The key of what is read in the array's folder: its chunk's, or the single chunk's."""
+        return chunk_index_key(self.index if self.index is not None else (0,) * len(self.shape))
+
+    @property
+    def piece(self) -> tuple[int, ...]:
+        """The shape of what is read: the chunk's, or the whole array's."""
+        return self.shape if self.index is None or self.chunk_shape is None else self.chunk_shape
+
+    @property
+    def region(self) -> tuple[slice, ...]:
+        """The block of the array that is read."""
+        return chunk_region(self.index if self.index is not None else (0,) * len(self.shape), self.piece)

@@ -39,10 +39,10 @@ from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms, layout, paths
 from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
 from residual_store._src.store.disk.layout import HostWrite
+from residual_store._src.store.disk.paths import validate_key
 from residual_store._src.store.disk.protocol import ContextWrite, StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import host_arrays, stage_shared
-from residual_store._src.store.key_rules import validate_key
 
 if TYPE_CHECKING:
     from residual_store._src.store.backwards import BackwardSaver

@@ -22,10 +22,10 @@ from residual_store._src.context import ResidualContext
 from residual_store._src.store.disk import layout, paths
 from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
 from residual_store._src.store.disk.layout import HostWrite
+from residual_store._src.store.disk.paths import put_key
 from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import host_arrays, stage_shared
-from residual_store._src.store.key_rules import put_key
 
 if TYPE_CHECKING:
     from residual_store._src.store.backwards import BackwardSaver

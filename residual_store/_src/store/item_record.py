@@ -44,10 +44,9 @@ from residual_store._src.store import backwards
 from residual_store._src.store.disk import paths
 from residual_store._src.store.disk.damage import size_damage
 from residual_store._src.store.disk.folder import LocalBackend
-from residual_store._src.store.disk.paths import ITEM_RECORD, STORE_MARKER
+from residual_store._src.store.disk.paths import ITEM_RECORD, STORE_MARKER, validate_key
 from residual_store._src.store.disk.records import check_signature
 from residual_store._src.store.disk.tier import DiskTier
-from residual_store._src.store.key_rules import validate_key
 from residual_store._src.store.workers import request_pool
 from residual_store_serializers.checksums import parse_checksum
 

@@ -32,11 +32,11 @@ from residual_store._src.errors import ReadOnlyStoreError
 from residual_store._src.store import backwards, gc
 from residual_store._src.store.committer import Committer
 from residual_store._src.store.disk.layout import HostWrite
+from residual_store._src.store.disk.paths import put_key
 from residual_store._src.store.disk.protocol import StaleData
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import check_dtypes_writable
 from residual_store._src.store.inspection import MEMORY_ONLY, Progress
-from residual_store._src.store.key_rules import put_key
 from residual_store._src.store.owed import Keeping, Write
 from residual_store._src.store.table import KeyTable
 from residual_store._src.store.weights import LiveWeights

@@ -9,6 +9,7 @@ that version is still current.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,7 @@ def _check_representable(key: str, spec: Any) -> None:
     check_representable(spec.avals, describe_residual(spec, f"context {key!r}"), "loading it")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Reads:
     """The read side of a store: memory first, then disk; loads ahead by schedule.
 
@@ -55,48 +57,37 @@ class Reads:
       pool: the pinned host memory copies to the device go through.
     """
 
-    def __init__(
-        self,
-        *,
-        table: KeyTable,
-        disk: DiskTier | None,
-        backward_for: Callable[[str], Any],
-        copies: BudgetCopies,
-        weights: LiveWeights,
-        target: Any,
-        loads: ThreadPoolExecutor,
-        pool: HostPool,
-    ) -> None:
-        self._table = table
-        self._disk = disk
-        self._backward_for = backward_for
-        self._copies = copies
-        self._weights = weights
-        self._target = target
-        self._loads = loads
-        self._pool = pool
-        self._lent = Lent()  # what gets and pops handed out that no tier counts (lent.py)
+    table: KeyTable
+    disk: DiskTier | None
+    backward_for: Callable[[str], Any]
+    copies: BudgetCopies
+    weights: LiveWeights
+    target: Any
+    loads: ThreadPoolExecutor
+    pool: HostPool
+    # what gets and pops handed out that no tier counts (lent.py)
+    _lent: Lent = dataclasses.field(default_factory=Lent, init=False)
 
     def get(self, key: str, *, taking: bool = False) -> ResidualContext:
         """For a ``get``: the load of ``key`` in flight if it loads the current version, the
         device tier's context, or a read now. What no tier keeps is lent (see :meth:`lend`).
         ``taking``: a ``pop``'s, whose read never enters the device tier."""
-        if self._table.leaving.count:  # (read whole; wait_landed asks again under the lock)
-            self._copies.wait_landed()
-        found = self._table.begin_get(key, taking=taking)
+        if self.table.leaving.count:  # (read whole; wait_landed asks again under the lock)
+            self.copies.wait_landed()
+        found = self.table.begin_get(key, taking=taking)
         if found.on_device:
             return found.ctx  # type: ignore[return-value]
         # a load's result is kept for this get even when the budgets could not hold it
         ctx = found.load.result() if found.load is not None else self._read(key, found)
         # in no tier: lent (a pop's, once it has taken the key out of the store: see Store.pop)
-        if not taking and self._table.device.budget is not None and self._table.locate(key)[0] is not ctx:
+        if not taking and self.table.device.budget is not None and self.table.locate(key)[0] is not ctx:
             self.lend(ctx)
         return ctx
 
     def lend(self, ctx: ResidualContext) -> None:
         """Under a device budget: ``ctx``, handed out and in no tier, counts against the budget
         until its device memory can be freed (``lent.py``)."""
-        if self._table.device.budget is not None:
+        if self.table.device.budget is not None:
             self._lent.lend(ctx)
 
     def lent(self) -> int:
@@ -106,8 +97,8 @@ class Reads:
     def room(self) -> int | None:
         """Device bytes the budget has left beside everything the store's contexts hold on the
         device, lent ones included (negative: over; ``None``: no budget)."""
-        budget = self._table.device.budget
-        return None if budget is None else budget - self._table.device_held() - self.lent()
+        budget = self.table.device.budget
+        return None if budget is None else budget - self.table.device_held() - self.lent()
 
     def make_room(self, nbytes: int) -> None:
         """Before a read brings ``nbytes`` of a context to the device: waits for the backwards
@@ -120,9 +111,9 @@ class Reads:
 
     def load(self, key: str) -> ResidualContext:
         """``key`` from memory or disk, on the device (a load ahead's job)."""
-        if self._table.leaving.count:
-            self._copies.wait_landed()
-        found = self._table.begin_get(key, ahead=True)
+        if self.table.leaving.count:
+            self.copies.wait_landed()
+        found = self.table.begin_get(key, ahead=True)
         return found.ctx if found.on_device else self._read(key, found)  # type: ignore[return-value]
 
     def _read(self, key: str, found: Found) -> ResidualContext:
@@ -131,30 +122,30 @@ class Reads:
         nbytes = None
         # it waits for room before it places anything on the device (nothing is lent without a
         # device budget; a load ahead started only where there was room)
-        wait = not found.ahead and self._table.device.budget is not None and bool(self._lent)
+        wait = not found.ahead and self.table.device.budget is not None and bool(self._lent)
         try:
             if found.ctx is not None:
                 if wait:
                     self.make_room(own_nbytes(found.ctx))
                 # a context the device budget cannot hold is served as a device copy and left
                 # where it is, so a get under a small budget costs one copy, not a round trip
-                ctx = to_device(found.ctx, self._target, self._pool)
+                ctx = to_device(found.ctx, self.target, self.pool)
             else:
                 ctx, nbytes = self._from_disk(key, wait)
         except BaseException:
-            self._table.finish_read(key, found, None)
+            self.table.finish_read(key, found, None)
             raise
-        moves = self._table.finish_read(key, found, ctx, nbytes_read=nbytes)
+        moves = self.table.finish_read(key, found, ctx, nbytes_read=nbytes)
         if moves.spills or moves.owed.demoted or moves.owed.released:
-            self._copies.settle(moves)
+            self.copies.settle(moves)
         return ctx
 
     def _from_disk(self, key: str, wait: bool) -> tuple[ResidualContext, int]:
         """``key`` read from disk, verified and placed; and the bytes read. ``wait``: for room
         (:meth:`make_room`) once it is in host memory, before it is placed."""
-        assert self._disk is not None, "a memory-only store's table never reads the disk"
-        live = self._weights.on(self._target)  # kept alive until placed: not read again
-        stored, arrays = self._disk.read(key, skip=live)  # sharded: only this process's chunks
+        assert self.disk is not None, "a memory-only store's table never reads the disk"
+        live = self.weights.on(self.target)  # kept alive until placed: not read again
+        stored, arrays = self.disk.read(key, skip=live)  # sharded: only this process's chunks
         nbytes = sum(r.nbytes for r in stored.records if not (r.shared and not r.chunked and r.path in live))
         _check_representable(key, stored.spec)
         if wait:
@@ -162,12 +153,12 @@ class Reads:
         paths = [r.path for r in stored.records]
         residuals = place(
             arrays, [r.shared for r in stored.records], stored.key_impls,
-            functools.partial(self._weights.device_array, paths, arrays, live, self._target),
-            self._target,
+            functools.partial(self.weights.device_array, paths, arrays, live, self.target),
+            self.target,
             stored.spec.on_host,
         )
         # the stored backward, read and checked now, deserialized only if rs.backward needs it
-        return bound_context(stored.spec, residuals, loader=self._backward_for(stored.spec.signature)), nbytes
+        return bound_context(stored.spec, residuals, loader=self.backward_for(stored.spec.signature)), nbytes
 
     # -- loads ahead -----------------------------------------------------------------------------
 
@@ -183,27 +174,27 @@ class Reads:
         """
         room = self.room()
         if room is not None and room < self._size(key):  # full: the get reads it, once there is room
-            held = self._table.held(key)
+            held = self.table.held(key)
             if held is False or (held is None and not holds(key)):
-                raise ContextNotFoundError.of(key, self._table.where)
+                raise ContextNotFoundError.of(key, self.table.where)
             return
         submit = self._submitter(key)
-        if self._table.start_load(key, submit) is None:
+        if self.table.start_load(key, submit) is None:
             if not holds(key):
-                raise ContextNotFoundError.of(key, self._table.where)
-            self._table.start_load(key, submit, on_disk=True)
+                raise ContextNotFoundError.of(key, self.table.where)
+            self.table.start_load(key, submit, on_disk=True)
 
     def ahead(self) -> None:
         """Starts loading the contexts the schedule names next: the very next one, then as many
         as fit the room the device budget has left together with it, at most ``_AHEAD`` loads in
         flight, stopping at the first not yet put (its room is the put's); none while the
         store's contexts, lent ones included, fill the budget (the get reads it then)."""
-        if not self._table.scheduled:  # (read whole; the table answers again under its lock)
+        if not self.table.scheduled:  # (read whole; the table answers again under its lock)
             return
         room = self.room()
         if room is not None and room < 0:  # the store's contexts fill the budget: none ahead
             return
-        upcoming, in_flight = self._table.ahead(_LOOKAHEAD)
+        upcoming, in_flight = self.table.ahead(_LOOKAHEAD)
         if not upcoming:
             return
         sizes = {k: (None if s == -1 else s if s is not None else self._stored_size(k)) for k, s, _ in upcoming}
@@ -211,26 +202,26 @@ class Reads:
         start = loads_ahead(list(sizes), sizes.__getitem__, held.__getitem__, room, _AHEAD - in_flight)
         for key in start:
             try:
-                self._table.start_load(key, self._submitter(key), on_disk=True)
+                self.table.start_load(key, self._submitter(key), on_disk=True)
             except ContextNotFoundError:
                 continue  # deleted meanwhile
 
     def _size(self, key: str) -> int:
         """The own bytes of ``key``'s context in memory (0 where only the disk has it)."""
-        ctx, _, _ = self._table.locate(key)
+        ctx, _, _ = self.table.locate(key)
         return 0 if ctx is None else own_nbytes(ctx)
 
     def _submitter(self, key: str) -> Callable[[], Future[ResidualContext]]:
         """What queues a load of ``key`` on the load threads (the table calls it, see
         :meth:`KeyTable.start_load`)."""
-        return functools.partial(self._loads.submit, functools.partial(self.load, key))
+        return functools.partial(self.loads.submit, functools.partial(self.load, key))
 
     def _stored_size(self, key: str) -> int | None:
         """The own bytes of ``key`` on disk, or ``None`` if the disk does not hold it."""
-        if self._disk is None:
+        if self.disk is None:
             return None
         try:
-            stored: StoredContext = self._disk.stat(key)
+            stored: StoredContext = self.disk.stat(key)
         except (ContextNotFoundError, CorruptContextError):
             return None
         return sum(r.nbytes for r in stored.records if not r.shared)

@@ -16,9 +16,9 @@ from residual_store._src.context import ResidualContext
 from residual_store._src.errors import ContextNotFoundError, InvalidArgumentError
 from residual_store._src.store import inspection, item_record
 from residual_store._src.store.calls import Calls, store_call
+from residual_store._src.store.disk.paths import validate_key
 from residual_store._src.store.host import to_numpy
 from residual_store._src.store.inspection import BackwardInfo, ContextInfo, Progress, StoreUsage, VerifyReport
-from residual_store._src.store.key_rules import validate_key
 
 if TYPE_CHECKING:
     from residual_store._src.store.disk.tier import DiskTier

@@ -29,10 +29,10 @@ from residual_store._src.store.copies import BudgetCopies
 from residual_store._src.store.critical import critical_section, defer_keyboard_interrupt
 from residual_store._src.store.disk.backends import resolve_path
 from residual_store._src.store.disk.buffers import DEFAULT_READ_BUFFER_BYTES
+from residual_store._src.store.disk.paths import validate_key
 from residual_store._src.store.disk.tier import DiskTier
 from residual_store._src.store.host import read_device
 from residual_store._src.store.inspection import Progress
-from residual_store._src.store.key_rules import validate_key
 from residual_store._src.store.mapping import StoreMapping
 from residual_store._src.store.persistence import Persistence, keeping_for, persistence_for
 from residual_store._src.store.pinned import HostPool, capacity_for

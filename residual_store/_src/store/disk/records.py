@@ -27,7 +27,7 @@ from residual_store._src.errors import CorruptContextError
 from residual_store._src.placement import check_sharding_record, key_dtype
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import paths
-from residual_store._src.store.key_rules import validate_key
+from residual_store._src.store.disk.paths import validate_key
 from residual_store_serializers.bundle import BUNDLE_ALIGNMENT, MAX_BUNDLE_BYTES, BundleArray
 from residual_store_serializers.checksums import parse_checksum
 from residual_store_serializers.manifest import manifest_outline
