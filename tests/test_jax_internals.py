@@ -438,3 +438,30 @@ def test_assumption_COMMITMENT():
     compiled = jax.jit(lambda q: q.astype(jnp.float32) * 2).lower(jax.ShapeDtypeStruct((8,), jnp.int4)).compile()
     got = compiled(ji.with_commitment(jax.device_put(values.astype(jnp.int4), device), False))
     np.testing.assert_array_equal(got, values * 2, err_msg="COMMITMENT: compiled code refuses an uncommitted int4 array")
+
+
+def test_assumption_HOST_AVAL():
+    """``host_aval`` traces as a host buffer that a donated, pinned argument fills: the program
+    writes a value moved to host memory into it in place (aliased), and keeps its memory kind."""
+    device = jax.devices()[0]
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+
+    def write(x, buf):
+        return x * 2, jax.lax.dynamic_update_slice(buf, jax.device_put(x, jax.memory.Space.Host), (0, 0))
+
+    aval = ji.host_aval(jax.ShapeDtypeStruct((4, 3), jnp.float32))
+    here = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+    # every placement given: JAX pairs the donated buffer with the output of its memory kind
+    # (else with the first output of its shape, by hash order: the device one aborts the call)
+    placed = jax.jit(write, donate_argnums=1, in_shardings=(here, pinned), out_shardings=(here, pinned))
+    traced = placed.trace(jnp.ones((4, 3)), aval)
+    assert traced.jaxpr.in_avals[1].memory_space == jax.memory.Space.Host, (
+        f"HOST_AVAL: a ShapedArray with memory_space=Host traced as {traced.jaxpr.in_avals[1]}"
+    )
+    compiled = traced.lower().compile()
+    assert "input_output_alias" in compiled.as_text(), "HOST_AVAL: the donated host buffer is not aliased"
+    buf = jax.device_put(np.zeros((4, 3), np.float32), pinned)
+    x = jax.random.normal(jax.random.key(0), (4, 3))
+    _, out = compiled(x, buf)
+    assert buf.is_deleted() and out.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))

@@ -207,7 +207,8 @@ with rs.Store(sys.argv[1], read_only=True) as store:
     sys.path.insert(0, sys.argv[3])
     import test_plan  # the model: a fresh split made with the same plan rebuilds the backward
     fwd = rs.split(test_plan.loss, argnums=(0, 1), save=rs.plan(device_budget=3000, profile=test_plan.LINKED))
-    ctx = store.get("linked")
+    ctx = store.get("linked")  # its offloaded values read back into host memory, where the backward wants them
+    assert ctx.spec.on_host and all(ctx.residuals[i].sharding.memory_kind == "pinned_host" for i in ctx.spec.on_host)
     np.savez(f"{sys.argv[2]}/linked-model.npz", *[np.asarray(g) for g in jax.tree.leaves(fwd.backward(ctx))])
     print(rs.explain(ctx).splitlines()[0])
 """

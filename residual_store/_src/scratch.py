@@ -45,10 +45,12 @@ def held_only_by(items: list[Any], i: int) -> bool:
 def pinned_like(avals: Sequence[Any], leaves: Sequence[Any]) -> tuple[jax.ShapeDtypeStruct, ...] | None:
     """``avals`` (shapes and dtypes) as buffers in the pinned host memory of the one device
     every array of ``leaves`` is on (JAX's first device where none is an array), or ``None``
-    where the leaves span several devices or the device has no pinned host memory (then the
+    where the leaves span several devices, one is being traced (a call inside the caller's
+    ``jax.jit``: nothing to donate there) or the device has no pinned host memory (then the
     forward makes its host buffers itself)."""
-    devices = {d for x in leaves if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-               for d in x.sharding.device_set}
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set}
     if len(devices) > 1:
         return None
     device = next(iter(devices)) if devices else jax.devices()[0]

@@ -348,13 +348,10 @@ def trace(
         kept = keep.keep_fewest_bytes(traced, res_slots, n_consts, weights, flat_bwd, opts.save)
         res_slots, flat_bwd, planned = kept.slots, kept.backward, kept.report
         forward_jit = jax.jit(kept.forward)  # inside a caller's jax.jit: no buffers to donate
-        pinned = pinned_like(kept.offloaded, leaves) if kept.offloaded else None
-        if pinned is None:
-            traced = forward_jit.trace(consts, list(leaves), [])
-        else:  # called on its own: writes its offloaded values into the donated pinned buffers
+        traced = forward_jit.trace(consts, list(leaves), [])  # what is computed (the signature's)
+        pinned = pinned_like(kept.offloaded, [*consts, *leaves]) if kept.offloaded else None
+        if pinned is not None:  # called on its own: writes its offloaded values into donated buffers
             scratch, scratch_outputs = pinned, kept.offloaded_outputs
-            donating = jax.jit(kept.forward, donate_argnums=2, in_shardings=(None, None, [a.sharding for a in pinned]))
-            traced = donating.trace(consts, list(leaves), [_jax_internals.host_aval(a) for a in pinned])
     jaxpr_in, jaxpr_out = traced.jaxpr.in_avals, traced.jaxpr.out_avals
     residual_types = slots.gather(res_slots, jaxpr_in[:n_consts], jaxpr_in[n_consts:], jaxpr_out)
     float_out = [i for i, a in enumerate(out_avals) if jax.dtypes.issubdtype(a.dtype, np.inexact)]
@@ -382,6 +379,8 @@ def trace(
         backward=bwd_traced.jaxpr,
     )
     spec = _spec(opts, signature, call, res_slots, residual_types, paths, leaf_args, n_consts, traced)
+    if scratch:
+        traced = _donating(kept.forward, traced, consts, leaves, scratch)
     return Traced(
         closed=closed,
         traced=traced,
@@ -402,6 +401,26 @@ def trace(
         scratch=scratch,
         scratch_outputs=scratch_outputs,
     )
+
+
+def _donating(
+    forward: Any, plain: Any, consts: Sequence[Any], leaves: Sequence[Any], scratch: Sequence[jax.ShapeDtypeStruct]
+) -> Any:
+    """The forward traced to take ``scratch`` (pinned buffers, donated) and write its offloaded
+    values into them: the program a call runs (``plain``, the same forward making its own host
+    buffers, is what the signature digests). Every input's and output's placement is given (the
+    outputs' memory kinds as ``plain``'s), since JAX pairs a donated buffer with an output of
+    the same shape *and memory kind* only when it knows them all; otherwise it may give the
+    pinned buffer to a device output of that shape, and the call aborts the process."""
+    device = next(iter(scratch[0].sharding.device_set))
+    here = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+    host = scratch[0].sharding
+    ins = ([c.sharding if isinstance(c, jax.Array) else here for c in consts],
+           [x.sharding if isinstance(x, jax.Array) else here for x in leaves],
+           [a.sharding for a in scratch])
+    outs = [host if getattr(a, "memory_space", None) == jax.memory.Space.Host else here for a in plain.jaxpr.out_avals]
+    jitted = jax.jit(forward, donate_argnums=2, in_shardings=ins, out_shardings=outs)
+    return jitted.trace(list(consts), list(leaves), [_jax_internals.host_aval(a) for a in scratch])
 
 
 def _out_trees(opts: Options, out_shape: Any) -> tuple[Any, Any | None, list[Any]]:

@@ -1,0 +1,186 @@
+"""A plan's offload inside the programs: the forward writes each offloaded value into a pinned
+host buffer the split donates (a scan's stacks an iteration at a time) and reuses once nothing
+holds it; the backward reads a scan's stacks a slice ahead; the context says which residuals
+live in host memory (``spec.on_host``), and a store neither counts nor moves them, in memory or
+through its disk. On a CPU, JAX's pinned host memory kind stands in for the host side.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import residual_store as rs
+from residual_store._src import scratch
+from residual_store._src.store.disk import records
+from store_helpers import TESTS_DIR, run_python, write_script
+from test_plan import LINKED, _assert_grads, inputs, loss, stage
+
+PINNED = "pinned_host"
+
+
+def _planned(f, argnums=(0, 1)):
+    return rs.split(f, argnums=argnums, save=rs.plan(device_budget=0, profile=LINKED))
+
+
+def _kinds(ctx):
+    return [r.sharding.memory_kind for r in ctx.residuals]
+
+
+def _scratch(fwd):
+    """The one signature's pinned buffers (a split's internals)."""
+    (entry,) = fwd._cache.values()
+    return entry.scratch
+
+
+def test_offloaded_values_live_in_host_memory_and_the_spec_says_which():
+    fwd = _planned(loss)
+    p, x = inputs(11)
+    _, ctx = fwd(p, x)
+    on_host = ctx.spec.on_host
+    assert on_host and all(ctx.spec.kinds[i] == "intermediate" for i in on_host)
+    assert [i for i, k in enumerate(_kinds(ctx)) if k == PINNED] == list(on_host)
+    assert ctx.spec.own_nbytes == 0 and ctx.spec.host_nbytes == rs.plan_of(ctx).host_bytes > 0
+    assert "(host)" in ctx.describe()
+    _assert_grads(fwd.backward(ctx), jax.grad(loss, argnums=(0, 1))(p, x))
+
+
+def test_internals_the_forward_writes_into_donated_buffers_it_reuses_once_nothing_holds_them():
+    fwd = _planned(loss)
+    p, x = inputs(12)
+    want = jax.grad(loss, argnums=(0, 1))(p, x)
+    _, first = fwd(p, x)
+    pool = _scratch(fwd)
+    per_context = len(pool.avals)
+    assert pool.made == per_context
+    kept = [np.asarray(first.residuals[i]) for i in first.spec.on_host]
+    for seed in (13, 14):  # while ``first`` lives, later forwards take new buffers, never its own
+        fwd(*inputs(seed))
+    assert pool.made == 2 * per_context  # the first later one's went back when it was dropped
+    for i, before in zip(first.spec.on_host, kept):
+        np.testing.assert_array_equal(np.asarray(first.residuals[i]), before)
+    _assert_grads(fwd.backward(first), want)
+    del first
+    for _ in range(3):  # now a forward at a time: the buffers come back each time
+        _assert_grads(fwd.backward(fwd(p, x)[1]), want)
+    assert pool.made == 2 * per_context
+
+
+def test_a_store_neither_counts_nor_moves_offloaded_values(tmp_path):
+    fwd = _planned(loss)
+    p, x = inputs(15)
+    want = jax.grad(loss, argnums=(0, 1))(p, x)
+    _, ctx = fwd(p, x)
+    with rs.Store(None, device_budget=0) as store:
+        store.put(ctx, "k")
+        device = store.stats()["device"]
+        assert device["bytes"] == device["bytes_out"] == 0  # nothing of it counted, nothing copied
+        back = store.pop("k")
+        assert _kinds(back) == _kinds(ctx) and store.stats()["device"]["bytes_in"] == 0
+        _assert_grads(fwd.backward(back), want)
+    with rs.Store(tmp_path / "s", device_budget=0, host_budget=0) as store:
+        store.put(ctx, "k")
+        store.flush()
+        assert store.stats()["disk"]["bytes_written"] >= ctx.spec.host_nbytes > 0  # written with the context
+    with rs.Store(tmp_path / "s") as store:  # fresh: read from disk into host memory again
+        back = store.get("k")
+        assert back.spec.on_host == ctx.spec.on_host and _kinds(back) == _kinds(ctx)
+        _assert_grads(fwd.backward(back), want)
+
+
+def test_internals_a_manifest_whose_on_host_is_wrong_is_corrupt():
+    fwd = _planned(loss)
+    _, ctx = fwd(*inputs(16))
+    good = json.loads(json.dumps(records.spec_to_map(ctx.spec, [None] * len(ctx.residuals))))  # as stored
+    assert good["on_host"] == list(ctx.spec.on_host)
+    arrays = [types.SimpleNamespace(shared=k in ("weight", "constant"), dtype=str(a.dtype), shape=list(a.shape))
+              for a, k in zip(ctx.spec.avals, ctx.spec.kinds)]  # what the manifest's array records say
+    assert records.spec_from_map(ctx.spec.signature, good, arrays, "k")[0] == ctx.spec
+    weight = ctx.spec.kinds.index("weight")
+    for bad in ([weight], list(reversed(ctx.spec.on_host)), [len(ctx.residuals)], "all", [-1]):
+        with pytest.raises(rs.CorruptContextError, match="on_host"):
+            records.spec_from_map(ctx.spec.signature, {**good, "on_host": bad}, arrays, "k")
+    without = {k: v for k, v in good.items() if k != "on_host"}  # an older manifest: nothing on the host
+    assert records.spec_from_map(ctx.spec.signature, without, arrays, "k")[0].on_host == ()
+
+
+def _reverse_stage(p, x):
+    def layer(h, w):
+        return h + jnp.tanh(h @ w["a"]) @ w["b"], None
+
+    return jax.lax.scan(layer, x, p, reverse=True)[0]
+
+
+@pytest.mark.parametrize("layers", [1, 3], ids=["one-iteration", "three"])
+def test_a_reverse_scan_and_a_single_iteration_offload_exactly(layers):
+    p, x = inputs(17)
+    p = jax.tree.map(lambda w: w[:layers], p)
+
+    def f(p, x):
+        return jnp.mean(_reverse_stage(p, x) ** 2)
+
+    fwd = _planned(f)
+    _, ctx = fwd(p, x)
+    assert ctx.spec.on_host
+    _assert_grads(fwd.backward(ctx), jax.grad(f, argnums=(0, 1))(p, x))
+
+
+def test_inside_a_callers_jit_the_forward_makes_its_own_host_buffers():
+    fwd = _planned(loss)
+    p, x = inputs(18)
+    ctx = jax.jit(lambda p, x: fwd(p, x)[1])(p, x)
+    assert ctx.spec.on_host and all(_kinds(ctx)[i] == PINNED for i in ctx.spec.on_host)
+    _assert_grads(fwd.backward(ctx), jax.grad(loss, argnums=(0, 1))(p, x))
+
+
+def test_internals_pinned_like_wants_one_device_with_pinned_memory():
+    avals = [jax.ShapeDtypeStruct((2, 3), jnp.float32)]
+    got = scratch.pinned_like(avals, [jnp.ones(2)])
+    assert got is not None and got[0].sharding.memory_kind == PINNED and got[0].shape == (2, 3)
+    assert jax.jit(lambda x: jnp.asarray(scratch.pinned_like(avals, [x]) is None))(1.0)  # traced: none
+
+
+_SAME_SHAPE = """
+import sys, jax, jax.numpy as jnp, numpy as np, residual_store as rs
+sys.path.insert(0, sys.argv[1])
+from test_plan import LINKED, inputs, stage
+
+def f(p, x):  # its output has the shape of the offloaded last layer's output
+    h = stage(p, x)
+    return h, jnp.mean(h ** 2)
+
+fwd = rs.split(f, argnums=(0, 1), save=rs.plan(device_budget=0, profile=LINKED))
+p, x = inputs(19)
+(h, value), ctx = fwd(p, x)
+assert h.sharding.memory_kind == "device" and ctx.spec.on_host
+assert any(ctx.residuals[i].shape == h.shape for i in ctx.spec.on_host), ctx.describe()
+cts = (jnp.ones_like(h), jnp.float32(1.0))
+for _ in range(3):
+    (h, value), ctx = fwd(p, x)
+    got = fwd.backward(ctx, cts)
+want = jax.vjp(f, p, x)[1](cts)
+for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+print("ok", h.sharding.memory_kind)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", ["0", "1", "2", "3"])
+def test_a_donated_buffer_never_goes_to_a_device_output_of_its_shape(tmp_path, seed):
+    """JAX pairs a donated buffer with an output by shape unless every placement is given; a
+    pinned buffer given to a device output aborts the process (it did under some hash seeds)."""
+    script = write_script(tmp_path, "same_shape.py", _SAME_SHAPE)
+    proc = run_python(script, str(TESTS_DIR), env={"PYTHONHASHSEED": seed})
+    assert "ok device" in proc.stdout
+
+
+def test_the_stage_model_keeps_its_name_through_the_copy():
+    fwd = _planned(lambda p, x: jnp.mean(stage(p, x) ** 2))
+    _, ctx = fwd(*inputs(20))
+    assert all("device_put" not in ctx.spec.names[i] for i in ctx.spec.on_host), ctx.describe()
