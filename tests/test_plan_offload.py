@@ -69,6 +69,9 @@ def test_internals_the_forward_writes_into_donated_buffers_it_reuses_once_nothin
     for _ in range(3):  # now a forward at a time: the buffers come back each time
         _assert_grads(fwd.backward(fwd(p, x)[1]), want)
     assert pool.made == 2 * per_context
+    (entry,) = fwd._cache.values()  # the compiled forward writes in place: each buffer is an output
+    aliases = entry.executable.as_text().split("input_output_alias={", 1)[1].split("}, entry", 1)[0]
+    assert aliases.count("may-alias") + aliases.count("must-alias") == per_context, aliases
 
 
 def test_a_store_neither_counts_nor_moves_offloaded_values(tmp_path):
