@@ -95,6 +95,9 @@ class Shapes:
 
 FULL = Shapes(blocks=8, d=1024, seq=1024, batch=4, heads=8, microbatches=3, copy_bytes=1 << 30,
               small_count=300, small_bytes=256 << 10)
+WIDE = dataclasses.replace(FULL, d=4096, heads=32)
+"""``--wide``: the model 4x wider (matrix products of K=4,096: 4x the FLOPs a byte of FULL's, where
+offloading should beat recomputing)."""
 QUICK = Shapes(blocks=2, d=64, seq=32, batch=2, heads=2, microbatches=3, copy_bytes=4 << 20,
                small_count=300, small_bytes=4 << 10)
 
@@ -540,7 +543,7 @@ def _child_result(stdout: str, stderr: str, returncode: int = 0) -> Any:
 def pipeline(args: argparse.Namespace, parts: set[str], budgets: list[int], scratch: Path) -> dict[str, Any]:
     """Every row of every save, each in its own process (see :func:`run_row`)."""
     out: dict[str, Any] = {}
-    common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+    common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else []) + (["--wide"] if args.wide else [])
     for save in args.saves.split(","):
         rows = []
         for row in _rows_of(QUICK if args.quick else FULL, parts, budgets):
@@ -661,6 +664,7 @@ def _rows(rows: list[Row], d2h: float | None, h2d: float | None, base: Row | Non
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (a CPU, in seconds)")
+    parser.add_argument("--wide", action="store_true", help="the model 4x wider (d=4096, 32 heads)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
     parser.add_argument("--saves", default="all,auto")
@@ -671,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grads", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--part", help=argparse.SUPPRESS)  # (a child: copies or free)
     args = parser.parse_args(argv)
-    shapes = QUICK if args.quick else FULL
+    shapes = QUICK if args.quick else WIDE if args.wide else FULL
     if args.row is not None:
         print(_RESULT + json.dumps(dataclasses.asdict(run_row(shapes, args.save, args.row, args.repeats, args.grads))))
         return 0
@@ -693,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(curve(shapes)), flush=True)
         if parts == {"curve"}:
             return 0
-    common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+    common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else []) + (["--wide"] if args.wide else [])
     copies = _child(["--part", "copies", *common], here=args.quick) if "copies" in parts else None
     print(f"  copies: {copies}", file=sys.stderr, flush=True)
     free = _child(["--part", "free", *common], here=args.quick) if "free" in parts else None

@@ -40,8 +40,9 @@ class DeviceProfile:
       duplex: whether the link moves both ways at once.
       hidden_forward: the share (0..1) of a forward's copy to host that hides behind compute.
       hidden_backward: the share (0..1) of a backward's copy back that hides behind compute.
-      program_d2h_bytes: device-to-host bytes/s of a copy a compiled forward makes into fresh
-        pinned host memory (a plan's in-program offload); ``None``: ``d2h_bytes``.
+      program_d2h_bytes: device-to-host bytes/s of a plan's in-program offload where it differs
+        from a store's copies (``None``: ``d2h_bytes``; the forward writes into donated pinned
+        buffers, at the link's rate; a device whose program outputs pin fresh memory is slower).
 
     Invariant: ``d2h_bytes`` and ``h2d_bytes`` are both ``None`` or both positive.
     """
