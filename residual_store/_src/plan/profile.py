@@ -105,7 +105,9 @@ TPU_V5E = DeviceProfile(
     h2d_bytes=14e9,
     duplex=True,  # 1 GiB each way in one program: 83 ms, against 74 and 77 one way
     hidden_forward=2 / 3,  # a forward's per-layer copies into donated buffers hid about 2/3 behind equal compute
-    hidden_backward=1 / 3,  # a backward's about 1/3
+    # a backward reading a scan's stack a slice ahead: the offloaded step (layer inputs, 72 MiB
+    # each way) ran 2.4 ms over the same step keeping them, for 11 ms of copies (2026-12-06)
+    hidden_backward=0.9,
 )
 """A TPU v5e chip, from the measurements of issue 51 (main 838ccdd). A plan's in-program offload
 writes into pinned buffers the split donates to its forward (:mod:`residual_store._src.scratch`),
