@@ -187,3 +187,17 @@ def test_the_stage_model_keeps_its_name_through_the_copy():
     fwd = _planned(lambda p, x: jnp.mean(stage(p, x) ** 2))
     _, ctx = fwd(*inputs(20))
     assert all("device_put" not in ctx.spec.names[i] for i in ctx.spec.on_host), ctx.describe()
+
+
+def test_a_backward_takes_its_offloaded_values_on_the_device_too():
+    """Each placement of the residuals compiles a backward of its own: a context whose offloaded
+    values a caller moved to the device gives the same gradients (a program handed a buffer in
+    another memory than it was compiled for would abort the process)."""
+    fwd = _planned(loss)
+    p, x = inputs(21)
+    want = jax.grad(loss, argnums=(0, 1))(p, x)
+    _, ctx = fwd(p, x)
+    on_device = jax.device_put(ctx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    assert set(_kinds(on_device)) == {"device"} and PINNED in _kinds(ctx)
+    for moved in (on_device, ctx, on_device):
+        _assert_grads(fwd.backward(moved), want)
