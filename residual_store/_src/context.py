@@ -215,9 +215,8 @@ class ResidualSpec:
                 f"ResidualSpec fields disagree in length: {n} avals, {len(self.names)} names, "
                 f"{len(self.input_paths)} input paths, {len(self.kinds)} kinds"
             )
-        if any(not 0 <= i < n or self.kinds[i] != "intermediate" for i in self.on_host) or list(self.on_host) != sorted(
-            set(self.on_host)
-        ):
+        host = self.on_host
+        if list(host) != sorted(set(host)) or any(not 0 <= i < n or self.kinds[i] != "intermediate" for i in host):
             raise ValueError(f"ResidualSpec.on_host must list intermediates' positions in order, got {self.on_host}")
 
     @property

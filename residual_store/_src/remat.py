@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -183,6 +184,9 @@ def recomputed(p: RematPlan) -> Iterator[tuple[Any, int]]:
             yield eqn, times * max(scan.parts.length, 1)
 
 
+_NONE_ON_HOST: Mapping[Any, Any] = types.MappingProxyType({})  # no stack in host memory
+
+
 def _nbytes(aval: Any) -> int:
     try:
         return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
@@ -287,11 +291,11 @@ class RematPlan:
         iterations' work), into the host buffer of the stack's shape they map to (donated by
         the caller: a program output in fresh pinned memory costs the time the host takes to
         pin it), or into a new one where they map to ``None``."""
-        env = self._forward(consts, args, on_host or {})
+        env = self._forward(consts, args, _NONE_ON_HOST if on_host is None else on_host)
         return [read(env, v) for v in want]
 
     def _forward(
-        self, consts: Sequence[Any], args: Sequence[Any], on_host: Mapping[Any, Any] | None = None
+        self, consts: Sequence[Any], args: Sequence[Any], on_host: Mapping[Any, Any] = _NONE_ON_HOST
     ) -> dict[Any, Any]:
         env: dict[Any, Any] = dict(zip(self.jaxpr.constvars, consts))
         env.update(zip(self.jaxpr.invars, args))
@@ -301,7 +305,7 @@ class RematPlan:
             if scan is None:
                 outs = _jax_internals.bind_equation(eqn, ins)
             else:
-                outs, stacks = scan.forward(eqn, ins, on_host or {})
+                outs, stacks = scan.forward(eqn, ins, on_host)
                 env.update(zip(scan.stacked, stacks))
             env.update(zip(eqn.outvars, outs))
         return env
@@ -351,14 +355,13 @@ class _ScanPlan:
     xs: tuple[int, ...]  # positions among the equation's inputs of kept per-iteration inputs
 
     def forward(
-        self, eqn: Any, ins: Sequence[Any], on_host: Mapping[Any, Any] | None = None
+        self, eqn: Any, ins: Sequence[Any], on_host: Mapping[Any, Any] = _NONE_ON_HOST
     ) -> tuple[list[Any], list[Any]]:
         """The scan equation ``eqn`` run on ``ins``: its outputs and the stacks of ``stacked``
         (those keying ``on_host`` in host memory: see :meth:`RematPlan.evaluate`)."""
         p, nc, nk = self.parts, self.parts.num_consts, self.parts.num_carry
         consts, init, xs = list(ins[:nc]), list(ins[nc : nc + nk]), list(ins[nc + nk :])
         out = p.body.outvars
-        on_host = on_host or {}
         into = {k: on_host[s] for k, s in enumerate(self.stacked) if on_host.get(s) is not None}
         last = max(p.length, 1) - 1
 

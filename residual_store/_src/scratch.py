@@ -17,6 +17,7 @@ array keeps it from reuse; JAX keeps the buffer alive for a computation still re
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Scratch", "held_only_by", "pinned_like"]
+__all__ = ["Scratch", "held_only_by", "pinned_like", "pinned_memory_kind", "pinned_sharding"]
 
 _PINNED = "pinned_host"
 
@@ -42,6 +43,24 @@ def held_only_by(items: list[Any], i: int) -> bool:
     return _references(items, i) <= _ALONE
 
 
+@functools.lru_cache(maxsize=256)
+def pinned_memory_kind(device: Any) -> str | None:
+    """``"pinned_host"`` where ``device`` has that memory space, else ``None`` (a backend
+    without memory spaces too)."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 - backends without memory spaces
+        return None
+    return _PINNED if _PINNED in kinds else None
+
+
+@functools.lru_cache(maxsize=256)
+def pinned_sharding(device: Any) -> jax.sharding.SingleDeviceSharding | None:
+    """``device``'s pinned host memory as a sharding, or ``None`` where it has none."""
+    kind = pinned_memory_kind(device)
+    return None if kind is None else jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+
+
 def pinned_like(avals: Sequence[Any], leaves: Sequence[Any]) -> tuple[jax.ShapeDtypeStruct, ...] | None:
     """``avals`` (shapes and dtypes) as buffers in the pinned host memory of the one device
     every array of ``leaves`` is on (JAX's first device where none is an array), or ``None``
@@ -53,13 +72,9 @@ def pinned_like(avals: Sequence[Any], leaves: Sequence[Any]) -> tuple[jax.ShapeD
     devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set}
     if len(devices) > 1:
         return None
-    device = next(iter(devices)) if devices else jax.devices()[0]
-    try:
-        if _PINNED not in {m.kind for m in device.addressable_memories()}:
-            return None
-    except Exception:  # noqa: BLE001 - a backend without memory spaces
+    sharding = pinned_sharding(next(iter(devices)) if devices else jax.devices()[0])
+    if sharding is None:
         return None
-    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=_PINNED)
     return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in avals)
 
 

@@ -77,10 +77,15 @@ class _Forward:
     scratch: Scratch | None = None
     scratch_outputs: tuple[int, ...] = ()
 
-    def buffers(self, inlined: bool) -> list[Any]:
-        """The forward's third argument: the pinned buffers it writes into (donated); none where
-        it runs inlined in the caller's trace (it makes its own there)."""
-        return [] if self.scratch is None or inlined else self.scratch.lend()
+    def run(self, leaves: list[Any], inlined: bool) -> list[Any]:
+        """The forward's outputs on ``leaves``: handed the pinned buffers its offloaded values go
+        into (donated), and keeping them again as outputs; none where it runs inlined in the
+        caller's trace (it makes its own there)."""
+        if self.scratch is None or inlined:
+            return self.executable(list(self.consts), leaves, [])
+        outputs = self.executable(list(self.consts), leaves, self.scratch.lend())
+        self.scratch.keep([outputs[i] for i in self.scratch_outputs])
+        return outputs
 
 
 def _normalize_argnums(argnums: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -256,9 +261,7 @@ class Split:
         entry = self._cache.get(key)
         if entry is None:
             entry = self._compile_forward(args, keywords, leaves, treedef, statics, key, inlined)
-        outputs = entry.executable(list(entry.consts), leaves, entry.buffers(inlined))
-        if entry.scratch is not None and not inlined:
-            entry.scratch.keep([outputs[i] for i in entry.scratch_outputs])
+        outputs = entry.run(leaves, inlined)
         residuals = tuple(slots.gather(entry.slots, entry.consts, leaves, outputs))
         out = jax.tree.unflatten(entry.out_tree, outputs[: entry.n_out])
         ctx = bound_context(entry.spec, residuals, backward=entry.backward)

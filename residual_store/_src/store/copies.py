@@ -17,11 +17,11 @@ from typing import Any
 import jax
 
 from residual_store._src.context import OWN_KINDS, SHARED_KINDS, ResidualContext, own_nbytes
+from residual_store._src.scratch import pinned_memory_kind
 from residual_store._src.store.host import (
     check_live,
     default_memory_kind,
     device_put_all,
-    host_memory_kind,
     is_host_memory,
     is_key_dtype,
     is_whole_on,
@@ -92,7 +92,7 @@ def _host_copy(x: Any) -> Any:
     it); a typed key stays where it is (a few bytes), a NumPy array is host memory."""
     if isinstance(x, jax.Array) and not is_key_dtype(x.dtype):
         sharding = x.sharding
-        kind = host_memory_kind(next(iter(sharding.device_set)))
+        kind = pinned_memory_kind(next(iter(sharding.device_set)))
         if kind is not None and sharding.memory_kind != kind:
             return jax.device_put(x, sharding.with_memory_kind(kind))
         if kind is None:
@@ -146,7 +146,7 @@ def detached(
 
 def _host_sharding(x: jax.Array) -> Any:
     """Where :func:`detached` copies ``x``: its sharding in host memory, where it has one."""
-    kind = None if is_key_dtype(x.dtype) else host_memory_kind(next(iter(x.sharding.device_set)))
+    kind = None if is_key_dtype(x.dtype) else pinned_memory_kind(next(iter(x.sharding.device_set)))
     return x.sharding.with_memory_kind(kind) if kind is not None else x.sharding
 
 

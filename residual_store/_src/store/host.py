@@ -23,13 +23,13 @@ from residual_store._src import _jax_internals
 from residual_store._src.context import SHARED_KINDS, ResidualContext, ResidualSpec, describe_residual
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.placement import sharding_record
+from residual_store._src.scratch import pinned_sharding
 from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost, chunk_index
 
 __all__ = [
     "check_live",
     "check_dtypes_writable",
     "default_memory_kind",
-    "host_memory_kind",
     "device_put_all",
     "host_arrays",
     "is_host_memory",
@@ -341,21 +341,6 @@ def default_memory_kind(sharding: Any) -> str:
     return device.default_memory().kind
 
 
-def host_memory_kind(device: Any) -> str | None:
-    """``"pinned_host"`` if ``device`` has that memory space, else ``None``."""
-    try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001 - backends without memory spaces.
-        return None
-    return "pinned_host" if "pinned_host" in kinds else None
-
-
-def _pinned_sharding(device: jax.Device) -> Any:
-    """``device``'s pinned host memory as a sharding, or ``None`` where it has none."""
-    kind = host_memory_kind(device)
-    return None if kind is None else jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-
-
 def read_device(device: jax.Device | None) -> jax.Device:
     """Where a read's host arrays go: ``device``, or where ``jax.device_put`` puts a host array
     given no device in this thread (``jax.default_device``, else this process's first device)."""
@@ -432,7 +417,7 @@ def place(
     ``on_host`` (whole arrays the forward put in host memory) go to the device's pinned host
     memory where it has one."""
     own = [i for i, s in enumerate(shared) if not s]
-    pinned = _pinned_sharding(read_device(device)) if on_host else None
+    pinned = pinned_sharding(read_device(device)) if on_host else None
     hosted = [i for i in on_host if pinned is not None and not isinstance(arrays[i], ShardedHost)]
     plain = [i for i in own if not isinstance(arrays[i], ShardedHost) and i not in hosted]
     placed = dict(zip(plain, device_put_all(cast(list[np.ndarray], [arrays[i] for i in plain]), device)))

@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from residual_store._src.errors import InvalidArgumentError
-from residual_store._src.scratch import held_only_by
+from residual_store._src.scratch import held_only_by, pinned_memory_kind
 from residual_store._src.store.critical import StoreLock
 
 __all__ = ["DEFAULT_CAPACITY_SHARE", "HostPool", "PoolStats", "capacity_for", "copies_done", "poolable", "returnable", "wait_copies"]
@@ -101,14 +101,6 @@ def _pinned(x: jax.Array) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _has_pinned(device: Any) -> bool:
-    try:
-        return PINNED in {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001 - a backend without memory spaces
-        return False
-
-
-@functools.lru_cache(maxsize=256)
 def _copyable_dtype(dtype: np.dtype) -> bool:
     """Whether a buffer of ``dtype`` can be donated and copied into as it is: whole bytes an
     element (no typed key, no sub-byte type, whose layouts XLA may pack)."""
@@ -127,7 +119,7 @@ def poolable(x: Any) -> bool:
     device: Any = next(iter(sharding.device_set))
     if sharding.memory_kind not in (None, device.default_memory().kind) or not x.is_fully_addressable:
         return False
-    return _has_pinned(device)
+    return pinned_memory_kind(device) is not None
 
 
 def returnable(x: Any) -> bool:
