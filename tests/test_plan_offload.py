@@ -201,3 +201,24 @@ def test_a_backward_takes_its_offloaded_values_on_the_device_too():
     assert set(_kinds(on_device)) == {"device"} and PINNED in _kinds(ctx)
     for moved in (on_device, ctx, on_device):
         _assert_grads(fwd.backward(moved), want)
+
+
+@pytest.mark.parametrize("name", ["nnx_functional", "linen_scan", "eqx_transformer", "haiku_state"])
+def test_real_models_offload_through_a_store_with_jax_grads_gradients(name):
+    """Flax NNX and linen, Equinox and Haiku modules planned at budget 0 with a link: what the
+    plan offloads stays in host memory through a store at budget 0, and the gradients are
+    ``jax.grad``'s."""
+    import library_models as lm
+    from test_libraries import assert_close_by_path
+
+    case = lm.MAKERS[name]()
+    fwd = rs.split(case.fun, **case.options, save=rs.plan(device_budget=0, profile=LINKED))
+    args = case.args(jax.random.key(22))
+    _, ctx = fwd(*args)
+    assert ctx.spec.on_host and rs.plan_of(ctx).host_bytes == ctx.spec.host_nbytes, ctx.describe()
+    with rs.Store(None, device_budget=0) as store:
+        store.put(ctx, "k")
+        back = store.pop("k")
+    assert [back.residuals[i].sharding.memory_kind for i in ctx.spec.on_host] == [PINNED] * len(ctx.spec.on_host)
+    _, _, want = lm.reference(case)(*args)
+    assert_close_by_path(fwd.backward(back), want, f"{name} planned")
