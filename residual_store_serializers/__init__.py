@@ -20,125 +20,31 @@ One module a job, peers over shared format modules (none imports another's priva
 * :mod:`serializers.checksums`, :mod:`serializers.errors`;
 * :mod:`serializers.zarr_compat` (plain zarr-python and the ``ml_dtypes`` floats) and
   :mod:`serializers.zarr_plugin` (the plugin zarr loads that registers them).
+
+The package's names are its modules' public names (each module's ``__all__``), so a name is
+made public in one place, its module.
 """
 
 from typing import Any
 
-from . import kv
-from .aligned import aligned_empty
-from .checksums import ALGORITHM, Verifier, checksum, content_digest, verify
-from .errors import (
-    DISK_FULL_ERRNOS,
-    ChecksumMismatchError,
-    CorruptDataError,
-    DiskFullError,
-    SerializationError,
-    UnavailableError,
-    UnsupportedDTypeError,
-    UnsupportedVersionError,
-    is_disk_full,
-)
-from .kv import *  # noqa: F403 - tensorstore I/O, the whole of serializers.kv (its __all__)
-from .local import (
-    read_array_local,
-    read_arrays_local,
-    read_chunk_local,
-    write_arrays_local,
-    write_chunks_local,
-)
-from .manifest import (
-    ARRAY_RECORD_FIELDS,
-    BACKWARD_FORMAT,
-    BACKWARD_SCHEMA,
-    CONTEXT_FORMAT,
-    CONTEXT_SCHEMA,
-    FORMAT_VERSION,
-    MAX_MANIFEST_BYTES,
-    ArrayRecord,
-    Field,
-    ManifestSchema,
-    chunked_checksum,
-    decode_manifest,
-    encode_manifest,
-    is_safe_relpath,
-)
-from .zarr import (
-    SUPPORTED_DTYPES,
-    ChunkedArray,
-    check_chunk_shape,
-    chunk_grid,
-    chunk_index_key,
-    chunk_key,
-    chunk_region,
-    chunk_shape,
-    encode_group_metadata,
-    encode_zarr_metadata,
-    group_metadata,
-    numpy_dtype,
-    zarr_dtype_name,
-    zarr_metadata,
-)
+from . import checksums, errors, kv, local, manifest, zarr
+from .checksums import *  # noqa: F403 - each module's public names (its __all__) are the package's
+from .errors import *  # noqa: F403
+from .kv import *  # noqa: F403 - tensorstore I/O
+from .local import *  # noqa: F403 - the local fast path, with serializers.files and serializers.aligned
+from .manifest import *  # noqa: F403
+from .zarr import *  # noqa: F403 - the zarr v3 format
 
-__all__ = [
-    # errors
-    "SerializationError",
-    "ChecksumMismatchError",
-    "CorruptDataError",
-    "UnsupportedVersionError",
-    "DiskFullError",
-    "DISK_FULL_ERRNOS",
-    "is_disk_full",
-    "UnavailableError",
-    "UnsupportedDTypeError",
-    # checksums
-    "ALGORITHM",
-    "checksum",
-    "Verifier",
-    "content_digest",
-    "verify",
-    # manifest
-    "FORMAT_VERSION",
-    "CONTEXT_FORMAT",
-    "BACKWARD_FORMAT",
-    "MAX_MANIFEST_BYTES",
-    "Field",
-    "ManifestSchema",
-    "CONTEXT_SCHEMA",
-    "BACKWARD_SCHEMA",
-    "ARRAY_RECORD_FIELDS",
-    "ArrayRecord",
-    "chunked_checksum",
-    "encode_manifest",
-    "decode_manifest",
-    "is_safe_relpath",
-    # zarr v3 format (serializers.zarr)
-    "SUPPORTED_DTYPES",
-    "zarr_dtype_name",
-    "numpy_dtype",
-    "chunk_shape",
-    "chunk_key",
-    "check_chunk_shape",
-    "chunk_grid",
-    "chunk_index_key",
-    "chunk_region",
-    "ChunkedArray",
-    "zarr_metadata",
-    "encode_zarr_metadata",
-    "group_metadata",
-    "encode_group_metadata",
-    # tensorstore I/O: every public name of serializers.kv
+__all__ = list(dict.fromkeys([  # (a name two modules share, as local's of aligned, once)
+    *errors.__all__,
+    *checksums.__all__,
+    *manifest.__all__,
+    *zarr.__all__,
     *kv.__all__,
-    # the local fast path (serializers.local)
-    "aligned_empty",
-    "write_arrays_local",
-    "read_array_local",
-    "read_arrays_local",
-    "write_chunks_local",
-    "read_chunk_local",
+    *local.__all__,
     # plain zarr-python (serializers.zarr_compat, which imports zarr: loaded when first asked for)
-    "register_zarr_dtypes",  # noqa: F405 - defined on first use, by __getattr__ below
-]
-
+    "register_zarr_dtypes",
+]))
 
 def __getattr__(name: str) -> Any:
     """``register_zarr_dtypes``, imported from :mod:`serializers.zarr_compat` on first use, so

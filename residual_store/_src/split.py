@@ -179,28 +179,14 @@ def _checked_options(
 class Split:
     """A function split into a forward that returns residuals and a backward that consumes them.
 
-    Made by :func:`split`; see there for the arguments. ``split(fun)(*args, **kwargs)`` returns
+    Made by :func:`split`, which checks the arguments (see there). ``split(fun)(*args, **kwargs)`` returns
     ``(out, ctx)`` (``((out, aux), ctx)`` with ``has_aux``); ``backward(ctx, cotangent)`` returns
     gradients shaped like ``args[argnums]``.
     """
 
-    def __init__(
-        self,
-        fun: Callable[..., Any],
-        argnums: int | Sequence[int] = 0,
-        *,
-        has_aux: bool = False,
-        static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = (),
-        weight_argnums: int | Sequence[int] | None = None,
-        filter: Callable[[Any], bool] | None = None,  # noqa: A002 - named like eqx.filter_grad's
-        cache_size: int = DEFAULT_CACHE_SIZE,
-        save: str | Callable[..., Any] | PlanOptions = "all",
-    ) -> None:
+    def __init__(self, options: Options, *, save: str | Callable[..., Any] | PlanOptions, cache_size: int) -> None:
         self.save = save  # as given; self._opts.save is it parsed
-        self._opts = _checked_options(
-            fun, argnums, has_aux, static_argnums, static_argnames, weight_argnums, filter, save
-        )
+        self._opts = options
         self._forward_compiles = 0
         self._backward_compiles = 0
         self._count_lock = threading.Lock()
@@ -210,7 +196,7 @@ class Split:
         self._halves: dict[tuple[str, tuple[int, ...], bool], Halves] = {}
         self._foreign: LRUCache[str, str] = LRUCache(_MAX_FOREIGN)  # signatures it does not make -> why
         self._cache: ExecutableCache[_Forward] = ExecutableCache(cache_size, on_evict=self._evicted)
-        self.__wrapped__ = fun
+        self.__wrapped__ = options.fun
 
     fun = property(lambda self: self._opts.fun, doc="The function split.")
     argnums = property(lambda self: self._opts.argnums, doc="The differentiated arguments, a tuple.")
@@ -651,14 +637,7 @@ def split(
       >>> bool(jnp.allclose(grads["w"], jax.grad(loss)(params, x)["w"], atol=1e-6))
       True
     """
-    return Split(
-        fun,
-        argnums,
-        has_aux=has_aux,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        weight_argnums=weight_argnums,
-        filter=filter,
-        cache_size=cache_size,
-        save=save,
+    options = _checked_options(
+        fun, argnums, has_aux, static_argnums, static_argnames, weight_argnums, filter, save
     )
+    return Split(options, save=save, cache_size=cache_size)
