@@ -290,6 +290,43 @@ def test_internals_a_caller_that_dispatches_ahead_gets_no_more_than_the_budget_a
         assert np.array_equal(np.asarray(grads[key][0]), v) and np.any(v != 0)
 
 
+_LINEAR = rs.split(lambda w, x: jnp.sum(x @ w), argnums=(0, 1), weight_argnums=(0, 1))  # no own residual
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-bytes", "nothing-on-device"])
+def test_internals_a_caller_that_dispatches_ahead_has_at_most_two_backwards_running(monkeypatch, own):
+    """Every backward's outputs and working memory are allocated when it is dispatched: under a
+    device budget each pop waits until at most one backward on what was handed out is still
+    running (the running one and the one dispatched next), whether or not the contexts hold
+    device memory (here a budget that holds them all, and contexts of weights alone at budget
+    0: no room is ever waited for). Gradients are ``jax.grad``'s."""
+    fwd = _FWD if own else _LINEAR
+    w = jax.random.normal(jax.random.key(9), (_D, _D)) / np.sqrt(_D)
+    xs = [jax.random.normal(jax.random.key(300 + i), (32, _D)) for i in range(_STEP)]
+    one = fwd(w, xs[0])[1].spec.own_nbytes
+    assert (one > 0) == own
+    keys = [f"mb{i}" for i in range(_STEP)]
+    with rs.Store(None, device_budget=_STEP * one) as store:
+        caller = _DispatchedAhead(monkeypatch, store)
+        for key, x in zip(keys, xs):
+            store.put(fwd(w, x)[1], key)
+        grads, running = {}, []
+        for key in reversed(keys):
+            ctx = store.pop(key)
+            running.append(len(grads) - len(caller.waited))  # backwards dispatched, not waited for
+            grads[key] = fwd.backward(ctx)
+            del ctx
+        assert running == [0, 1] + [1] * (_STEP - 2), running
+        caller.finish()
+        assert store.stats()["device"]["lent"] == 0
+    for key, x in zip(keys, xs):
+        want = jax.grad(lambda w: _loss(w, x) if own else jnp.sum(x @ w))(w)  # noqa: B023 - called at once
+        got = grads[key] if own else grads[key][0]  # (argnums=(0, 1): a pair)
+        want = np.asarray(want)
+        assert np.any(want != 0)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
 def test_internals_a_context_held_by_its_caller_counts_until_dropped_and_its_backward_has_run(monkeypatch):
     """A popped context counts in ``stats()["device"]`` (``lent``, ``held``) while its caller
     holds it, and after its backward until that has run; a context dropped without a backward

@@ -8,6 +8,14 @@ the store hands out that no tier counts (a pop's, or a get's that the device tie
 keep) is therefore *lent*: its device bytes count against the device budget until they can be
 freed, and a read under a full budget first waits for room (``reads.py``).
 
+The backwards themselves need device memory too (their outputs and working memory, allocated
+when each is dispatched), which no budget counts: a loop of pops and backwards would otherwise
+have every backward of a step allocated at once, even for contexts that hold nothing on the
+device (a planned context whose values the forward put in host memory). So every context handed
+out under a device budget is watched, and each ``get`` or ``pop`` that hands one out first waits
+until at most one backward on those handed out is still running (:meth:`Lent.pace`): the one
+running and the one its caller dispatches next, so the chip never idles for it.
+
 A lease is over when nothing refers to the context any more (a weak reference tells: the
 caller dropped it; arrays of it the caller holds otherwise, its inputs, are the caller's) and,
 where a backward of the library's read it (:func:`~residual_store._src.context.on_consumed`
@@ -55,7 +63,7 @@ class _Lease:
 
     def __init__(self, ctx: ResidualContext) -> None:
         self._ctx = weakref.ref(ctx)
-        self.nbytes = own_nbytes(ctx)
+        self.nbytes = own_nbytes(ctx) if holds_device_memory(ctx) else 0
         self.output: jax.Array | None = None
 
     def used(self, outputs: Any) -> None:
@@ -90,10 +98,9 @@ class Lent:
         return bool(self._leases)  # (read whole: a hint, :meth:`nbytes` answers)
 
     def lend(self, ctx: ResidualContext) -> None:
-        """Counts ``ctx``'s own device arrays (each distinct one once) until they can be freed;
-        a context lent already (by this store or another) is not counted again."""
-        if not holds_device_memory(ctx):
-            return
+        """Counts ``ctx``'s own device arrays (each distinct one once) until they can be freed,
+        and watches the backward that reads it (one that holds nothing on the device too); a
+        context lent already (by this store or another) is not counted again."""
         lease = _Lease(ctx)
         if not on_consumed(ctx, lease.used):
             return
@@ -106,6 +113,16 @@ class Lent:
         with self._lock:
             self._leases = [x for x in self._leases if not x.over()]
             return sum(x.nbytes for x in self._leases)
+
+    def pace(self, running: int = 1) -> None:
+        """Waits, oldest first, until at most ``running`` backwards on lent contexts are still
+        running (see the module docstring)."""
+        while True:
+            with self._lock:
+                pending = [o for o in map(_Lease.pending, self._leases) if o is not None]
+            if len(pending) <= running:
+                return
+            _wait(pending[0])
 
     def wait_one(self) -> bool:
         """Waits for the oldest backward still running on a lent context; ``False`` if none runs

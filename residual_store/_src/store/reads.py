@@ -86,9 +86,11 @@ class Reads:
 
     def lend(self, ctx: ResidualContext) -> None:
         """Under a device budget: ``ctx``, handed out and in no tier, counts against the budget
-        until its device memory can be freed (``lent.py``)."""
+        until its device memory can be freed; and it is handed out once at most one backward on
+        those lent before is still running (``lent.py``)."""
         if self.table.device.budget is not None:
             self._lent.lend(ctx)
+            self._lent.pace()
 
     def lent(self) -> int:
         """Device bytes of the contexts lent and not yet free."""
