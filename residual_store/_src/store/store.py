@@ -356,7 +356,9 @@ class Store(StoreMapping, StoreReports):
         (``rs.backward`` or a split's) has run; a ``get`` or ``pop`` that must bring a context
         to the device where the budget has no room for it first waits for those backwards (JAX
         dispatches asynchronously: without it a loop of pops would bring every context back
-        before the first backward ran).
+        before the first backward ran). And it returns once at most one backward on what the
+        store handed out is still running: each backward's outputs and working memory are
+        allocated when it is dispatched, and the budget bounds the chip only if few are.
 
         Example::
 
