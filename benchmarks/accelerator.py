@@ -345,6 +345,7 @@ class Row:
     budget: int | None = None  # device bytes the row's store may keep (None: not a store row)
     identical: bool | None = None
     note: str = ""
+    max_rel: float | None = None  # the largest gradient difference from the list's, over that leaf's largest value
     start: int | None = None  # device bytes in use when the row's first step began
     context: int | None = None  # device bytes one context holds
     device: str = ""  # the chip, as the row's process saw it
@@ -501,17 +502,20 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
             seconds = interleaved_medians({name: Case(fn)}, repeats, warmup=0)[name]
         stats = device.memory_stats() or {}
         peak = max(filter(None, (stats.get("peak_bytes_in_use"), sampled.peak)), default=None)
-        identical = None
+        identical = max_rel = None
         if row == "list":
             np.savez(grads, *got)
         elif row.startswith(("budget:", "plan", "hand-")) and grads.exists() and count == n:
             with np.load(grads) as want:
-                identical = all(np.array_equal(a, want[f"arr_{i}"]) for i, a in enumerate(got))
+                wants = [want[f"arr_{i}"] for i in range(len(got))]
+            identical = all(np.array_equal(a, w) for a, w in zip(got, wants))
+            max_rel = max(float(np.max(np.abs(a - w)) / max(float(np.max(np.abs(w))), 1e-30))
+                          for a, w in zip(got, wants))
         if store is not None:
             store.close()
         context = held_bytes(fwd(*calls[0])[1])
         return Row(name, count, seconds, moved, peak, budget, identical, note, start=start, context=context,
-                   device=_about())
+                   device=_about(), max_rel=max_rel)
     except Exception as err:  # noqa: BLE001 - a row that cannot run says why (out of memory, say)
         return Row(name, count, None, moved, None, budget, None, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
 
@@ -653,7 +657,7 @@ def _rows(rows: list[Row], d2h: float | None, h2d: float | None, base: Row | Non
             floor = per_mb * count + row.moved * (1 / (d2h * 1e9) + 1 / (h2d * 1e9))
         vs_list = "" if ms is None or per_mb is None else f"{ms / (per_mb * 1e3):.2f}"
         vs_floor = "" if row.seconds is None or floor is None else f"{row.seconds / floor:.2f}"
-        same = "" if row.identical is None else str(row.identical)
+        same = "" if row.identical is None else "True" if row.identical else f"{row.max_rel:.0e} rel"
         shown = "failed" if ms is None else f"{ms:.1f}"
         limit = bound(row, fused)
         out.append(f"{row.name:<52} {shown:>9} {vs_list:>8} {vs_floor:>9} {_gib(row.peak):>9} "

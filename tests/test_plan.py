@@ -92,6 +92,30 @@ def test_gradients_equal_jax_grad_at_every_budget(planned, linked):
         assert fwd.cache_info().forward_compiles == 1 and fwd.cache_info().backward_compiles == 1
 
 
+@pytest.mark.parametrize("budget", [None, 0], ids=["unbounded", "budget-0"])
+def test_internals_backwards_of_a_plan_under_a_budget_run_at_most_two_at_once(planned, monkeypatch, budget):
+    """A loop that dispatches backwards ahead (as on an accelerator: here no output counts as
+    ready until waited for) has, under a plan's device budget, at most one earlier backward still
+    running when it dispatches the next (their gradients are allocated at dispatch); an
+    unbounded plan leaves JAX's dispatch alone. Gradients are ``jax.grad``'s."""
+    from residual_store._src import backward, pace
+
+    monkeypatch.setattr(backward, "_PLANNED", pace.Pace())  # (none of other tests' backwards)
+    waited: set[int] = set()
+    monkeypatch.setattr(pace, "is_ready", lambda out: id(out) in waited)
+    monkeypatch.setattr(pace, "wait_for", lambda out: waited.add(id(out)))
+    fwd = planned[False, budget][0]
+    calls = [inputs(10 + i) for i in range(5)]
+    contexts = [fwd(*call)[1] for call in calls]
+    grads, running = [], []
+    for ctx in reversed(contexts):
+        grads.append(fwd.backward(ctx))
+        running.append(len(grads) - len(waited))  # dispatched and not waited for, this one included
+    assert running == ([1, 2, 2, 2, 2] if budget is not None else [1, 2, 3, 4, 5]), running
+    for g, call in zip(grads, reversed(calls)):
+        _assert_grads(g, jax.grad(loss, argnums=(0, 1))(*call))
+
+
 def test_recomputing_on_a_cpu_is_bit_identical(planned):
     """The backward recomputes with the forward's own operations on the same inputs: on a CPU
     its gradients are ``save="all"``'s to the bit, at every budget."""

@@ -221,18 +221,19 @@ def test_internals_a_pipeline_step_through_a_store_needs_no_more_device_memory_t
 class _DispatchedAhead:
     """A caller whose backwards have not run when it calls again, as on an accelerator: the
     output of a backward on a lent context counts as not ready until the store waits for it
-    (``lent._ready``/``lent._wait``); each copy to the device records the device bytes the
+    (``pace.is_ready``/``pace.wait_for``); each copy to the device records the device bytes the
     store's contexts held and lent when it started (``stats()["device"]``) and whether a load
     ahead made it. ``finish()``: every backward has run."""
 
     def __init__(self, monkeypatch, store: rs.Store) -> None:
-        from residual_store._src.store import lent, reads
+        from residual_store._src import pace
+        from residual_store._src.store import reads
 
         self.waited: set[int] = set()
         self.done = False
         self.copies: list[tuple[int, int, bool]] = []
-        monkeypatch.setattr(lent, "_ready", lambda out: self.done or id(out) in self.waited)
-        monkeypatch.setattr(lent, "_wait", lambda out: self.waited.add(id(out)))
+        monkeypatch.setattr(pace, "is_ready", lambda out: self.done or id(out) in self.waited)
+        monkeypatch.setattr(pace, "wait_for", lambda out: self.waited.add(id(out)))
         to_device = reads.to_device
 
         def recorded(ctx, *args, **kw):

@@ -19,7 +19,14 @@ import jax
 import numpy as np
 
 from residual_store._src import _jax_internals
-from residual_store._src.context import ResidualContext, backward_of, check_representable, consumed, describe_residual
+from residual_store._src.context import (
+    ResidualContext,
+    backward_of,
+    check_representable,
+    consumed,
+    describe_residual,
+    is_bounded_plan,
+)
 from residual_store._src.errors import (
     BackwardUnavailableError,
     InvalidArgumentError,
@@ -27,6 +34,7 @@ from residual_store._src.errors import (
     StoreUnavailableError,
 )
 from residual_store._src.keypaths import PathStructure
+from residual_store._src.pace import Pace
 from residual_store._src.signature import is_current
 
 __all__ = [
@@ -51,6 +59,23 @@ def _describe_aval(x: Any) -> str:
 
 def _placement_key(values: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(getattr(x, "sharding", None) for x in values)
+
+
+_PLANNED = Pace()
+"""The backwards of contexts planned under a device budget: at most one running on a device when
+the next is dispatched (``pace.py``: otherwise a loop allocates every backward's gradients at once)."""
+
+
+def _paced_on(ctx: ResidualContext) -> frozenset[Any] | None:
+    """The devices a backward on ``ctx`` is paced on: those of its first array, for a context
+    planned under a device budget and not inside a trace; ``None`` otherwise."""
+    call = ctx.spec.call
+    if call is None or not is_bounded_plan(call.save):
+        return None
+    first = next((x for x in ctx.residuals if isinstance(x, jax.Array)), None)
+    if first is None or _jax_internals.any_tracer(ctx.residuals):
+        return None
+    return frozenset(first.sharding.device_set)
 
 
 class Executables:
@@ -239,7 +264,12 @@ class Backward:
             raise type(self.unavailable)(*self.unavailable.args)
         self.check_representable(ctx)
         cts = self.cotangent_leaves(cotangent)
+        where = _paced_on(ctx)
+        if where is not None:  # a plan's budget bounds the device: so do its backwards in flight
+            _PLANNED.wait(where)
         grads = self._executables.run(list(ctx.residuals), cts, lambda: self.check_residuals(ctx))
+        if where is not None:
+            _PLANNED.ran(where, grads)
         consumed(ctx, grads)  # a store that handed ``ctx`` out waits on these for room
         return self.grad_structure.unflatten(grads, like=like)
 

@@ -36,22 +36,13 @@ from typing import Any
 
 import jax
 
-from residual_store._src import _jax_internals
+from residual_store._src import pace
 from residual_store._src.context import ResidualContext, on_consumed, own_nbytes
+from residual_store._src.pace import smallest_output, wait_while_running
 from residual_store._src.store.copies import holds_device_memory
 from residual_store._src.store.critical import StoreLock
 
 __all__ = ["Lent"]
-
-
-def _ready(output: jax.Array) -> bool:
-    """Whether the program that made ``output`` has run (without waiting)."""
-    return bool(output.is_ready())  # type: ignore[attr-defined]  # (jax.Array's stubs lack it)
-
-
-def _wait(output: jax.Array) -> None:
-    """Waits until the program that made ``output`` has run."""
-    jax.block_until_ready(output)
 
 
 class _Lease:
@@ -68,9 +59,9 @@ class _Lease:
 
     def used(self, outputs: Any) -> None:
         """The backward's outputs (concrete arrays; ignored inside a trace)."""
-        leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
-        if leaves and not _jax_internals.any_tracer(leaves):
-            self.output = min(leaves, key=lambda x: int(x.nbytes))
+        output = smallest_output(outputs)
+        if output is not None:
+            self.output = output
 
     def dropped(self) -> bool:
         """Whether nothing refers to the context any more."""
@@ -79,12 +70,12 @@ class _Lease:
     def over(self) -> bool:
         """Whether its device memory can be freed now (see the module docstring)."""
         output = self.output
-        return self.dropped() and (output is None or _ready(output))
+        return self.dropped() and (output is None or pace.is_ready(output))
 
     def pending(self) -> jax.Array | None:
         """The output to wait on for this lease to be over, if a backward of it is running."""
         output = self.output
-        return output if output is not None and not _ready(output) else None
+        return output if output is not None and not pace.is_ready(output) else None
 
 
 class Lent:
@@ -117,12 +108,11 @@ class Lent:
     def pace(self, running: int = 1) -> None:
         """Waits, oldest first, until at most ``running`` backwards on lent contexts are still
         running (see the module docstring)."""
-        while True:
-            with self._lock:
-                pending = [o for o in map(_Lease.pending, self._leases) if o is not None]
-            if len(pending) <= running:
-                return
-            _wait(pending[0])
+        wait_while_running(self._pending, running)
+
+    def _pending(self) -> list[jax.Array]:
+        with self._lock:
+            return [o for o in map(_Lease.pending, self._leases) if o is not None]
 
     def wait_one(self) -> bool:
         """Waits for the oldest backward still running on a lent context; ``False`` if none runs
@@ -131,6 +121,6 @@ class Lent:
             output = next((o for o in map(_Lease.pending, self._leases) if o is not None), None)
         if output is None:
             return False
-        _wait(output)
+        pace.wait_for(output)
         return True
 
