@@ -18,10 +18,11 @@ Prints, in one run (docs/store.md records a TPU v5e's output):
    forward and popped for its backward, the next one prefetched (k = 0, 1, 2); JAX's own remat
    offload of the blocks' named intermediates (``save_and_offload_only_these_names``, one fused
    ``value_and_grad`` a microbatch); the planned step (``--parts plan``: ``save=rs.plan(...)`` at
-   budgets of 0, 1 and 2 contexts of ``save="all"`` and at 12 microbatches, the store at the same
-   budget, beside ``jax.checkpoint(block, nothing_saveable)`` and
-   ``dots_with_no_batch_dims_saveable`` written by hand, each put into ``Store(None,
-   device_budget=0)``); and the pressure case (contexts 1.5x the device's memory,
+   each of ``--budgets`` (contexts of ``save="all"``) and at 12 microbatches, the store at the
+   same budget, beside the same budget's ``save="all"``, ``"auto"``, and
+   ``jax.checkpoint(block, nothing_saveable)`` and ``dots_with_no_batch_dims_saveable`` written
+   by hand, each put into a store at that budget, and a line a budget: the plan against the
+   fastest of those and JAX's remat offload, and the two peaks); and the pressure case (contexts 1.5x the device's memory,
    ``device_budget="25%"``), for ``save="all"`` and ``"auto"``, and the fused step
    (``jax.value_and_grad`` a microbatch). **Each row runs in a process of its own** (the chip
    serves one process at a time; a process's allocator peak is its own). Each row: ms a
@@ -346,6 +347,7 @@ class Row:
     identical: bool | None = None
     note: str = ""
     max_rel: float | None = None  # the largest gradient difference from the list's, over that leaf's largest value
+    row: str = ""  # the row asked for (``kind:k``, ``@save`` where not "all")
     start: int | None = None  # device bytes in use when the row's first step began
     context: int | None = None  # device bytes one context holds
     device: str = ""  # the chip, as the row's process saw it
@@ -364,10 +366,38 @@ def _rows_of(shapes: Shapes, parts: set[str], budgets: list[int]) -> list[str]:
 
 HAND = {"hand-nothing": jax.checkpoint_policies.nothing_saveable,
         "hand-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-PLAN_ROWS = ("fused", "list", "hand-nothing:0", "hand-dots:0", "plankeep:0", "plan:0", "plan:1", "plan:2", "plan12:0",
-             "plankeep:1", "plan12keep:0")
-"""The plan part's rows: ``kind:k``, a store at a device budget of ``k`` contexts of ``save="all"``
-(``keep``: a plan that keeps or recomputes, never offloads; ``12``: 12 microbatches)."""
+BASELINES = ("budget:{k}@all", "budget:{k}@auto", "hand-nothing:{k}", "hand-dots:{k}")
+"""Issue 51's baselines at a budget of ``k`` contexts of ``save="all"`` (``@save``: the row's
+``save``), beside JAX's remat offload (``remat``, fused: no budget)."""
+
+
+def plan_rows(budgets: list[int]) -> list[str]:
+    """The plan part's rows, each ``kind:k`` a store at a device budget of ``k`` contexts of
+    ``save="all"``: the fused step and the list, then per budget the baselines and ``plan:k``;
+    then ``plan12:0`` (12 microbatches) and ``plankeep:0`` (a plan that never offloads)."""
+    rows = ["fused", "list"]
+    for k in budgets:
+        rows += [b.format(k=k) for b in BASELINES] + [f"plan:{k}"]
+    return [*rows, "plan12:0", "plankeep:0"]
+
+
+def verdicts(rows: list[Row], remat: Row | None, budgets: list[int]) -> list[str]:
+    """Per budget: the plan against the fastest baseline of the same run (issue 51: no slower
+    than it by 2%, at no higher peak)."""
+    by_row = {r.row: r for r in rows if r.row}
+    lines = []
+    for k in budgets:
+        plan = by_row.get(f"plan:{k}")
+        base = [by_row.get(b.format(k=k)) for b in BASELINES] + [remat]
+        timed = [b for b in base if b is not None and b.seconds is not None]
+        if plan is None or plan.seconds is None or not timed:
+            lines.append(f"budget {k}: not run")
+            continue
+        best = min(timed, key=lambda b: b.seconds / b.microbatches)
+        ratio = (plan.seconds / plan.microbatches) / (best.seconds / best.microbatches)
+        peaks = f"peak {_gib(plan.peak)} GiB against {_gib(best.peak)}"
+        lines.append(f"budget {k}: plan {ratio:.3f}x the fastest baseline ({best.name}), {peaks}")
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,7 +511,7 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
         budget = k * size
         store = rs.Store(None, device_budget=budget)
         fn = functools.partial(store_step, store, fwd, calls, ct)
-        moved, name = max(n - k, 0) * size, f"Store(None, device_budget={k} contexts)"
+        moved, name = max(n - k, 0) * size, f"save={save!r}, Store(None, device_budget={k} contexts)"
     elif row == "pressure":
         limit = _limit(device)
         count = math.ceil(1.5 * limit / size) if limit else 2 * n
@@ -558,10 +588,11 @@ def pipeline(args: argparse.Namespace, parts: set[str], budgets: list[int], scra
         out[save] = rows
     if "plan" in parts:
         rows = []
-        for row in PLAN_ROWS:
-            got = _child(["--row", row, "--save", "all", "--grads", str(scratch / "list-plan.npz"), *common],
+        for row in plan_rows(budgets):
+            name, _, save = row.partition("@")
+            got = _child(["--row", name, "--save", save or "all", "--grads", str(scratch / "list-plan.npz"), *common],
                          here=args.quick)
-            rows.append(Row(**got) if "error" not in got else Row(row, 0, None, 0, None, note=got["error"]))
+            rows.append(Row(**{**got, "row": row}) if "error" not in got else Row(row, 0, None, 0, None, note=got["error"], row=row))
             print(f"  plan {row}: {rows[-1]}", file=sys.stderr, flush=True)
         out["plan"] = rows
     if parts & {"remat", "plan"}:
@@ -618,6 +649,8 @@ def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | No
         if save == "plan":
             lines.append("\n## Planned: rs.plan beside hand-written policies, each put into a store at the same budget")
             lines.extend(_rows(rows, d2h, h2d))
+            lines.extend(verdicts(rows, (pipe or {}).get("remat"), sorted({int(r.row.split(":")[1].split("@")[0])
+                                                                         for r in rows if r.row.startswith("plan:")})))
             continue
         context = next((r.context for r in rows if r.context), None)
         held = "" if context is None else f", {context / 2**20:.1f} MiB held on the device"
