@@ -359,6 +359,13 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) ->
         time.sleep(0.005)
 
 
+@functools.cache
+def jitted_grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0) -> Callable[..., Any]:
+    """``jax.jit(jax.grad(f, argnums))``, one per function: a reference gradient compiled once,
+    where ``jax.grad`` run eagerly compiles each of its operations anew for every new shape."""
+    return jax.jit(jax.grad(f, argnums=argnums))
+
+
 def tanh_loss(w: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.tanh(x @ w) ** 2)
 
