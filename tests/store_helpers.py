@@ -279,6 +279,41 @@ def run_cli_process(
     )
 
 
+_CLI_LINES = """
+import contextlib, io, json, sys
+from residual_store import cli
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit:  # argparse's usage errors
+            code = exit.code if isinstance(exit.code, int) else 1
+    results.append([code, out.getvalue(), err.getvalue()])
+sys.__stdout__.write(json.dumps(results))
+"""
+
+
+def run_cli_lines(
+    *argvs: Sequence[Any], env: Mapping[str, str] | None = None, timeout: float = SUBPROCESS_TIMEOUT
+) -> list[subprocess.CompletedProcess[str]]:
+    """Several ``residual-store`` command lines, one after another, in one new process (as
+    :func:`run_cli_process` starts it, paying one import of JAX): each one's exit status and
+    what it printed. For read-only commands whose order does not matter."""
+    lines = [[str(a) for a in argv] for argv in argvs]
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLI_LINES, json.dumps(lines)],
+        capture_output=True, text=True, timeout=timeout, env={**python_env(), **(env or {})}, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [
+        subprocess.CompletedProcess(["residual-store", *line], code, out, err)
+        for line, (code, out, err) in zip(lines, json.loads(proc.stdout), strict=True)
+    ]
+
+
 def python_env() -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
@@ -357,6 +392,13 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) ->
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+@functools.cache
+def jitted_grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0) -> Callable[..., Any]:
+    """``jax.jit(jax.grad(f, argnums))``, one per function: a reference gradient compiled once,
+    where ``jax.grad`` run eagerly compiles each of its operations anew for every new shape."""
+    return jax.jit(jax.grad(f, argnums=argnums))
 
 
 def tanh_loss(w: jax.Array, x: jax.Array) -> jax.Array:

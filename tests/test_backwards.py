@@ -21,7 +21,7 @@ import pytest
 import residual_store as rs
 from models import init_mlp, mlp_loss
 from residual_store._src.store import backwards
-from store_helpers import run_cli_process, unbundled
+from store_helpers import jitted_grad, run_cli_process, unbundled
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -88,7 +88,7 @@ def test_a_damaged_stored_backward(stored, tmp_path, damage):
         manifest.write_bytes(manifest.read_bytes()[:-7])
     else:
         export.unlink()
-    want = jax.tree.leaves(jax.grad(mlp_loss)(params, x, y))
+    want = jax.tree.leaves(jitted_grad(mlp_loss)(params, x, y))
 
     verify = run_cli_process("verify", root)
     assert verify.returncode == 1, verify.stdout

@@ -13,6 +13,7 @@ one fails :func:`test_the_dtypes_here_are_every_dtype_jax_numpy_offers` until it
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -114,10 +115,11 @@ def _scale(r: jax.Array) -> jax.Array:
     return jnp.real(r).astype(jnp.float32) if jnp.issubdtype(r.dtype, jnp.complexfloating) else r.astype(jnp.float32)
 
 
+@functools.cache
 def _model(case: str) -> Callable[[jax.Array, Any], jax.Array]:
     """``f(x, q)``: a ``custom_vjp`` keeps a residual of ``case`` (``x`` cast to it, or the
     input ``q`` where XLA casts nothing to it, or the key ``q``) and its backward scales the
-    gradient by it."""
+    gradient by it. One per case, shared by the tests (their inputs are fresh each time)."""
     key = case.startswith("key<")
     dtype = None if key else jnp.dtype(case)
 
@@ -141,6 +143,18 @@ def _model(case: str) -> Callable[[jax.Array, Any], jax.Array]:
 
     scaled.defvjp(fwd, bwd)
     return lambda x, q: jnp.sum(scaled(x, q) ** 2)
+
+
+@functools.cache
+def _split(case: str) -> Any:
+    """``rs.split`` of :func:`_model`, one per case: the tiers' tests of a case share its compiles."""
+    return rs.split(_model(case), argnums=0)
+
+
+@functools.cache
+def _grad(case: str) -> Callable[[jax.Array, Any], jax.Array]:
+    """``jax.grad`` of :func:`_model` (jitted once per case): what every tier must give back."""
+    return jax.jit(jax.grad(_model(case)))
 
 
 def _inputs(case: str, seed: int) -> tuple[jax.Array, Any]:
@@ -214,11 +228,10 @@ def test_every_dtype_comes_back_exact_from_every_tier(tmp_path: Path, tier: str,
     skip_what_cannot_compute(case)
     seed = _seed()
     with _x64(case in X64):
-        f = _model(case)
         x, q = _inputs(case, seed)
-        out, ctx = rs.split(f, argnums=0)(x, q)
+        out, ctx = _split(case)(x, q)
         assert _kept(ctx, case), f"no residual is {case}: {[r.dtype for r in ctx.residuals]}"
-        want = jax.grad(f)(x, q)
+        want = _grad(case)(x, q)
         got = TIERS[tier](ctx, tmp_path / "store")
         assert_contexts_identical(got, ctx)
         grads = rs.backward(got)
@@ -231,14 +244,15 @@ def test_a_sub_byte_residual_of_committed_inputs_comes_back_as_one_the_backward_
     committed sub-byte array (see ``COMMITMENT``): host memory and the disk give it back
     uncommitted, on the same device (the others as before: committed after host memory)."""
     skip_what_cannot_compute(case, committed=True)
-    f = _model(case)
     x, q = _inputs(case, _seed())
     device = jax.devices()[0]
     x = jax.device_put(x, device)
-    _, ctx = rs.split(f, argnums=0)(x, q)
+    # a split of its own: what a split first called with committed inputs keeps (the shared one
+    # was called with uncommitted ones by the tests above)
+    _, ctx = rs.split(_model(case), argnums=0)(x, q)
     (i,) = _kept(ctx, case)
     assert ctx.residuals[i].committed
-    want = jax.grad(f)(x, q)
+    want = _grad(case)(x, q)
     for tier in ("host", "disk", "disk-on-a-device"):
         got = TIERS[tier](ctx, tmp_path / tier)
         assert_contexts_identical(got, ctx)
@@ -267,8 +281,7 @@ def test_a_put_of_a_dtype_no_store_writes_is_refused_and_changes_nothing(tmp_pat
 
     x = jax.random.normal(jax.random.key(_seed()), (4,))
     _, bad = rs.split(f)(x)
-    f_int4 = _model("int4")
-    _, good = rs.split(f_int4, argnums=0)(*_inputs("int4", 1))
+    _, good = _split("int4")(*_inputs("int4", 1))
     for options in ({}, {"write_through": False, "device_budget": 0, "host_budget": 0}):
         path = tmp_path / str(len(options))
         with rs.Store(path, **options) as store:
@@ -341,10 +354,9 @@ def read_by_another_process(tmp_path_factory: pytest.TempPathFactory) -> dict[st
             if cannot_compute(case) is not None:
                 continue
             with _x64(case in X64):
-                f = _model(case)
                 x, q = _inputs(case, _seed())
-                _, ctx = rs.split(f, argnums=0)(x, q)
-                made[case] = (ctx, np.asarray(jax.grad(f)(x, q)))
+                _, ctx = _split(case)(x, q)
+                made[case] = (ctx, np.asarray(_grad(case)(x, q)))
                 store.put(ctx, _key(case))
                 store.flush()
     script = write_script(root, "reader.py", _READER)

@@ -25,7 +25,7 @@ from residual_store._src.backward import Backward
 from residual_store._src.export import export_backward, load_backward
 from residual_store._src.keypaths import PathStructure
 from residual_store_serializers.manifest import seal_manifest
-from store_helpers import run_cli_process
+from store_helpers import run_cli_lines, run_cli_process
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -317,15 +317,16 @@ def test_ls_and_inspect_say_whether_a_backward_is_stored_and_why_not(stored, tmp
     fwd = rs.split(with_callback)
     with rs.Store(root) as store, pytest.warns(rs.ResidualStoreWarning, match="calls back into Python"):
         store.put(fwd(jnp.ones((4, 2)), jnp.ones((3, 4)))[1], "cb")
-    ls = run_cli_process("ls", root, "--json")
+    # (one process without the model runs the three read-only command lines)
+    ls, inspect_cb, inspect_mb0 = run_cli_lines(("ls", root, "--json"), ("inspect", root, "cb"), ("inspect", root, "mb0"))
     assert ls.returncode == 0, ls.stderr
     by_key = {e["key"]: e["backward"] for e in json.loads(ls.stdout)}
     assert by_key["mb0"]["stored"] and by_key["mb0"]["platforms"][0] == "cpu" and "cuda" in by_key["mb0"]["platforms"]
     assert by_key["mb0"]["jax_version"] == jax.__version__
     assert not by_key["cb"]["stored"] and "calls back into Python" in by_key["cb"]["reason"]
-    text = run_cli_process("inspect", root, "cb").stdout
+    text = inspect_cb.stdout
     assert "backward: not stored: the backward of signature rs2-" in text and "pure_callback" in text
-    assert "backward: stored for cpu, cuda" in run_cli_process("inspect", root, "mb0").stdout
+    assert "backward: stored for cpu, cuda" in inspect_mb0.stdout
     report, _ = _read(root, "cb", tmp_path)
     assert report["error"].startswith("BackwardUnavailableError: the stored backward of signature rs2-"), report
     assert "calls back into Python (pure_callback)" in report["error"]

@@ -34,7 +34,7 @@ import pytest
 import residual_store as rs
 import residual_store_serializers as serializers
 from models import init_mlp, mlp_loss
-from store_helpers import python_env, read_manifest, wait_for, write_script
+from store_helpers import jitted_grad, python_env, read_manifest, wait_for, write_script
 
 TESTS = str(Path(__file__).resolve().parent)
 SIZES = (8, 16, 16, 4)
@@ -203,7 +203,7 @@ def _versions(rng: jax.Array, rows: int = 256) -> list[tuple[rs.ResidualContext,
     for v in range(3):
         kx, ky = jax.random.split(jax.random.fold_in(rng, v + 1))
         x, y = jax.random.normal(kx, (rows, SIZES[0])), jax.random.normal(ky, (rows, SIZES[-1]))
-        out.append((fwd(params, x, y)[1], [np.asarray(g) for g in jax.tree.leaves(jax.grad(mlp_loss)(params, x, y))]))
+        out.append((fwd(params, x, y)[1], [np.asarray(g) for g in jax.tree.leaves(jitted_grad(mlp_loss)(params, x, y))]))
     return out
 
 

@@ -48,8 +48,12 @@ def _inputs(key):
     return params, x, mask, scale
 
 
+# jax.grad's gradients, compiled once per ``train`` (run eagerly, each operation compiles anew)
+_GRAD = jax.jit(jax.grad(_kw_loss, argnums=(0, 1)), static_argnames="train")
+
+
 def _want(params, x, mask, scale, train):
-    return jax.grad(_kw_loss, argnums=(0, 1))(params, x, mask=mask, scale=scale, train=train)
+    return _GRAD(params, x, mask=mask, scale=scale, train=train)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import residual_store as rs
 import residual_store_serializers as serializers
 from residual_store._src.store.disk import folder as local_backend
 from residual_store._src.store.disk import records
-from store_helpers import F32_TOL, assert_trees_close, data_dirs
+from store_helpers import F32_TOL, assert_trees_close, data_dirs, jitted_grad
 
 
 def _loss(params, x):
@@ -67,7 +67,7 @@ def test_a_durable_put_into_a_recycled_folder_fsyncs_each_file_once_and_two_fold
         # contexts/ (the manifest's)
         files, folders = (len(datasyncs), len(fsyncs)) if datasyncs is not fsyncs else (len(fsyncs) - 2, 2)
         assert (files, folders) == (3, 2), (len(datasyncs), len(fsyncs))
-        assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
+        assert_trees_close(rs.backward(store.get("k")), jitted_grad(_loss, (0, 1))(params, x), **F32_TOL)
 
 
 def test_internals_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_manifest(tmp_path, split, monkeypatch):
@@ -80,14 +80,14 @@ def test_internals_a_get_after_a_put_in_one_store_neither_reads_nor_parses_the_m
         parses = _count(monkeypatch, records, "parse_context_manifest")
         from residual_store._src.store.disk import tier as disk
         monkeypatch.setattr(disk, "parse_context_manifest", records.parse_context_manifest)
-        assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
+        assert_trees_close(rs.backward(store.get("k")), jitted_grad(_loss, (0, 1))(params, x), **F32_TOL)
         assert parses == []
         # another store's write of the key changes the file: read and parsed again, the new one
         params2, x2 = _inputs(4)
         with rs.Store(root) as other:
             other.put(split(params2, x2)[1], "k")
         parses.clear()
-        assert_trees_close(rs.backward(store.get("k")), jax.grad(_loss, argnums=(0, 1))(params2, x2), **F32_TOL)
+        assert_trees_close(rs.backward(store.get("k")), jitted_grad(_loss, (0, 1))(params2, x2), **F32_TOL)
         assert len(parses) == 1
 
 
@@ -143,7 +143,7 @@ def test_internals_contexts_of_one_signature_parse_their_spec_once_and_examine_e
     assert own >= 3
     assert len(data) == len(xs), sorted(data)  # each get: its bundle's folder, once
     for ctx, x in zip(got, xs):
-        assert_trees_close(rs.backward(ctx), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
+        assert_trees_close(rs.backward(ctx), jitted_grad(_loss, (0, 1))(params, x), **F32_TOL)
 
 
 def test_internals_weights_a_store_holds_on_the_device_are_not_read_again(tmp_path, split, monkeypatch):
@@ -165,11 +165,11 @@ def test_internals_weights_a_store_holds_on_the_device_are_not_read_again(tmp_pa
         assert len(weight_reads()) == 2
         assert second.residuals[ctx_weight_index(second)] is first.residuals[ctx_weight_index(first)]
         for ctx, x in zip((first, second), xs):
-            assert_trees_close(rs.backward(ctx), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
+            assert_trees_close(rs.backward(ctx), jitted_grad(_loss, (0, 1))(params, x), **F32_TOL)
         del first, second, ctx
         third = store.get("k0")  # no context holds them now: read again
         assert len(weight_reads()) == 4
-        assert_trees_close(rs.backward(third), jax.grad(_loss, argnums=(0, 1))(params, xs[0]), **F32_TOL)
+        assert_trees_close(rs.backward(third), jitted_grad(_loss, (0, 1))(params, xs[0]), **F32_TOL)
 
 
 def ctx_weight_index(ctx) -> int:
@@ -205,9 +205,9 @@ def test_a_live_weight_is_hashed_once_for_every_put_that_holds_it(tmp_path, spli
         store.flush()
         assert len(digests) == 2 * len(params)
         for i, (p, x) in enumerate([(params, xs[0]), (params, xs[1]), (params, xs[2]), (new, xs[0])]):
-            assert_trees_close(rs.backward(store.get(f"k{i}")), jax.grad(_loss, argnums=(0, 1))(p, x), **F32_TOL)
+            assert_trees_close(rs.backward(store.get(f"k{i}")), jitted_grad(_loss, (0, 1))(p, x), **F32_TOL)
     with rs.Store(tmp_path / "s", read_only=True) as fresh:  # what was written is what a reader checks
-        assert_trees_close(rs.backward(fresh.get("k3")), jax.grad(_loss, argnums=(0, 1))(new, xs[0]), **F32_TOL)
+        assert_trees_close(rs.backward(fresh.get("k3")), jitted_grad(_loss, (0, 1))(new, xs[0]), **F32_TOL)
 
 
 def test_internals_a_burst_of_durable_puts_shares_one_sync_of_the_manifests_folder(tmp_path, split, monkeypatch):
@@ -226,4 +226,4 @@ def test_internals_a_burst_of_durable_puts_shares_one_sync_of_the_manifests_fold
         contexts = [a for a in synced if a[0].endswith(os.sep + "contexts")]
         assert len(contexts) == 1  # once for the five commits, before flush returned
         for i, x in enumerate(xs):
-            assert_trees_close(rs.backward(store.get(f"k{i}")), jax.grad(_loss, argnums=(0, 1))(params, x), **F32_TOL)
+            assert_trees_close(rs.backward(store.get(f"k{i}")), jitted_grad(_loss, (0, 1))(params, x), **F32_TOL)

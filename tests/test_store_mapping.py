@@ -17,6 +17,7 @@ import pytest
 
 import residual_store as rs
 from models import init_mlp, mlp_loss
+from store_helpers import jitted_grad
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ def contexts(rng):
         x = jax.random.normal(jax.random.fold_in(rng, 1 + i), (3, 8))
         y = jax.random.normal(jax.random.fold_in(rng, 11 + i), (3, 4))
         _, ctx = fwd(params, x, y)
-        out.append((ctx, jax.grad(mlp_loss)(params, x, y)))
+        out.append((ctx, jitted_grad(mlp_loss)(params, x, y)))
     return fwd, out
 
 

@@ -18,7 +18,7 @@ import pytest
 import residual_store as rs
 from residual_store._src.backward import lookup_backward
 from residual_store._src.store.disk import folder as local_backend
-from store_helpers import run_python, write_script
+from store_helpers import jitted_grad, run_python, write_script
 
 # Shapes no other residual has, so jax.live_arrays() can find the activation by shape.
 ACT, W, OUT = (37, 19), (19, 11), 11
@@ -44,7 +44,7 @@ def _live_of_shape(shape):
 def test_a_stage_input_is_the_contexts_own_and_is_freed_when_offloaded(tmp_path, rng):
     params, h = _stage_inputs(rng)
     # copies: on a CPU np.asarray shares the device buffer, which would keep an array of ACT alive
-    want = [np.array(g, copy=True) for g in jax.tree.leaves(jax.grad(stage2, argnums=(0, 1))(params, h))]
+    want = [np.array(g, copy=True) for g in jax.tree.leaves(jitted_grad(stage2, (0, 1))(params, h))]
     fwd = rs.split(stage2, argnums=(0, 1))  # weight_argnums: argnums[0], the parameters
     _, ctx = fwd(params, h)
     kinds = dict(zip(ctx.spec.names, ctx.spec.kinds))
@@ -271,7 +271,7 @@ def test_weights_donated_after_put_before_the_write_are_stored_right(tmp_path, r
     from store_helpers import F32_TOL, assert_contexts_identical, assert_trees_close
 
     params, h = _stage_inputs(rng)
-    want_grads = jax.grad(stage2, argnums=(0, 1))(params, h)
+    want_grads = jitted_grad(stage2, (0, 1))(params, h)
     fwd = rs.split(stage2, argnums=(0, 1))
     _, ctx = fwd(params, h)
     want = fwd(jax.tree.map(jnp.copy, params), h)[1]  # the same context, on arrays kept alive
