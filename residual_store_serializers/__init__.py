@@ -46,6 +46,7 @@ __all__ = list(dict.fromkeys([  # (a name two modules share, as local's of align
     "register_zarr_dtypes",
 ]))
 
+
 def __getattr__(name: str) -> Any:
     """``register_zarr_dtypes``, imported from :mod:`serializers.zarr_compat` on first use, so
     that ``import serializers`` does not import zarr."""

@@ -130,12 +130,12 @@ followed by its qualified name (see :class:`residual_store._src.remat.SaveChoice
 POLICY_PREFIX = "policy:"
 PLAN_PREFIX = "plan:"  # followed by the plan's options (residual_store._src.plan.request.PlanOptions.record)
 PLAN_UNBOUNDED = f"{PLAN_PREFIX}budget=none;"  # how a plan without a device budget's record starts
+_MAX_SAVE_RECORD = 300  # characters: a record read from a manifest is capped
 
 
 def is_bounded_plan(save: str) -> bool:
     """Whether a ``save`` record is a plan under a device budget."""
     return save.startswith(PLAN_PREFIX) and not save.startswith(PLAN_UNBOUNDED)
-_MAX_SAVE_RECORD = 300  # characters: a record read from a manifest is capped
 
 
 def check_save_record(v: Any) -> str:

@@ -117,10 +117,9 @@ class Lent:
     def wait_one(self) -> bool:
         """Waits for the oldest backward still running on a lent context; ``False`` if none runs
         (what is lent then is in use, or over)."""
-        with self._lock:
-            output = next((o for o in map(_Lease.pending, self._leases) if o is not None), None)
-        if output is None:
+        pending = self._pending()
+        if not pending:
             return False
-        pace.wait_for(output)
+        pace.wait_for(pending[0])
         return True
 
