@@ -92,28 +92,47 @@ def test_gradients_equal_jax_grad_at_every_budget(planned, linked):
         assert fwd.cache_info().forward_compiles == 1 and fwd.cache_info().backward_compiles == 1
 
 
-@pytest.mark.parametrize("budget", [None, 0], ids=["unbounded", "budget-0"])
-def test_internals_backwards_of_a_plan_under_a_budget_run_at_most_two_at_once(planned, monkeypatch, budget):
+ROOMY = 1 << 20
+"""A budget with room beside the contexts for the gradients of a backward dispatched ahead."""
+
+
+@pytest.mark.parametrize("budget", [None, ROOMY, 0], ids=["unbounded", "room", "budget-0"])
+def test_internals_backwards_of_a_plan_under_a_budget_are_paced(planned, monkeypatch, budget):
     """A loop that dispatches backwards ahead (as on an accelerator: here no output counts as
-    ready until waited for) has, under a plan's device budget, at most one earlier backward still
-    running when it dispatches the next (their gradients are allocated at dispatch); an
-    unbounded plan leaves JAX's dispatch alone. Gradients are ``jax.grad``'s."""
+    ready until waited for): under a plan's device budget with room beside its contexts for
+    another backward's gradients (allocated at dispatch), at most one earlier backward still runs
+    when the next is dispatched; without that room, none; an unbounded plan leaves JAX's dispatch
+    alone. Gradients are ``jax.grad``'s."""
     from residual_store._src import backward, pace
 
     monkeypatch.setattr(backward, "_PLANNED", pace.Pace())  # (none of other tests' backwards)
     waited: set[int] = set()
     monkeypatch.setattr(pace, "is_ready", lambda out: id(out) in waited)
     monkeypatch.setattr(pace, "wait_for", lambda out: waited.add(id(out)))
-    fwd = planned[False, budget][0]
+    fwd = planned[False, budget][0] if budget != ROOMY else rs.split(
+        loss, argnums=(0, 1), save=rs.plan(device_budget=ROOMY, microbatches=5))
     calls = [inputs(10 + i) for i in range(5)]
     contexts = [fwd(*call)[1] for call in calls]
     grads, running = [], []
     for ctx in reversed(contexts):
         grads.append(fwd.backward(ctx))
         running.append(len(grads) - len(waited))  # dispatched and not waited for, this one included
-    assert running == ([1, 2, 2, 2, 2] if budget is not None else [1, 2, 3, 4, 5]), running
+    room = ROOMY - 5 * contexts[0].spec.own_nbytes
+    assert room >= sum(g.nbytes for g in jax.tree.leaves(grads[0])) if budget == ROOMY else True
+    want = {None: [1, 2, 3, 4, 5], ROOMY: [1, 2, 2, 2, 2], 0: [1, 1, 1, 1, 1]}[budget]
+    assert running == want, running
     for g, call in zip(grads, reversed(calls)):
         _assert_grads(g, jax.grad(loss, argnums=(0, 1))(*call))
+
+
+def test_internals_a_records_budget_read_back_for_pacing():
+    from residual_store._src.context import plan_budget
+
+    record = rs.plan(device_budget=5000, microbatches=3).record
+    assert plan_budget(record) == (5000, 3)
+    assert plan_budget(rs.plan().record) is None and plan_budget("all") is None and plan_budget("policy:x") is None
+    for damaged in ("plan:budget=x;microbatches=3;", "plan:microbatches=3;", "plan:budget=-4;microbatches=0;"):
+        assert plan_budget(damaged) == (0, 1)  # (paced as tightly as it goes)
 
 
 def test_recomputing_on_a_cpu_is_bit_identical(planned):

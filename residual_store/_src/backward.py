@@ -10,6 +10,8 @@ serialized backward was loaded.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -25,7 +27,7 @@ from residual_store._src.context import (
     check_representable,
     consumed,
     describe_residual,
-    is_bounded_plan,
+    plan_budget,
 )
 from residual_store._src.errors import (
     BackwardUnavailableError,
@@ -62,20 +64,36 @@ def _placement_key(values: Sequence[Any]) -> tuple[Any, ...]:
 
 
 _PLANNED = Pace()
-"""The backwards of contexts planned under a device budget: at most one running on a device when
-the next is dispatched (``pace.py``: otherwise a loop allocates every backward's gradients at once)."""
+"""The backwards of contexts planned under a device budget, per device (``pace.py``: otherwise a
+loop allocates every backward's gradients at once)."""
 
 
-def _paced_on(ctx: ResidualContext) -> frozenset[Any] | None:
-    """The devices a backward on ``ctx`` is paced on: those of its first array, for a context
+@dataclasses.dataclass(frozen=True)
+class _Paced:
+    """Where a backward on a planned context is paced, and the device bytes its plan's budget
+    leaves beside its contexts (each holding what this one holds): room for the gradients of a
+    backward dispatched while an earlier one runs, or not."""
+
+    devices: frozenset[Any]
+    room: int
+
+
+def _paced_on(ctx: ResidualContext) -> _Paced | None:
+    """How a backward on ``ctx`` is paced: on the devices of its first array, for a context
     planned under a device budget and not inside a trace; ``None`` otherwise."""
     call = ctx.spec.call
-    if call is None or not is_bounded_plan(call.save):
+    bounded = None if call is None else plan_budget(call.save)
+    if bounded is None:
         return None
     first = next((x for x in ctx.residuals if isinstance(x, jax.Array)), None)
     if first is None or _jax_internals.any_tracer(ctx.residuals):
         return None
-    return frozenset(first.sharding.device_set)
+    budget, microbatches = bounded
+    return _Paced(frozenset(first.sharding.device_set), budget - microbatches * ctx.spec.own_nbytes)
+
+
+def _nbytes(outputs: Sequence[Any]) -> int:
+    return sum(int(getattr(x, "nbytes", 0)) for x in outputs)
 
 
 class Executables:
@@ -185,6 +203,7 @@ class Backward:
         self.unexportable = unexportable
         self.unavailable = unavailable
         self._executables = Executables(self._jitted, on_compile)
+        self._grads_nbytes = sys.maxsize  # (a paced call's, once one ran: see __call__)
 
     # -- cotangents -------------------------------------------------------------------------
 
@@ -264,12 +283,14 @@ class Backward:
             raise type(self.unavailable)(*self.unavailable.args)
         self.check_representable(ctx)
         cts = self.cotangent_leaves(cotangent)
-        where = _paced_on(ctx)
-        if where is not None:  # a plan's budget bounds the device: so do its backwards in flight
-            _PLANNED.wait(where)
+        paced = _paced_on(ctx)
+        if paced is not None:  # a plan's budget bounds the device: so do its backwards in flight
+            ahead = paced.room >= self._grads_nbytes  # (this one's gradients, allocated at dispatch)
+            _PLANNED.wait(paced.devices, running=1 if ahead else 0)
         grads = self._executables.run(list(ctx.residuals), cts, lambda: self.check_residuals(ctx))
-        if where is not None:
-            _PLANNED.ran(where, grads)
+        if paced is not None:
+            self._grads_nbytes = _nbytes(grads)
+            _PLANNED.ran(paced.devices, grads)
         consumed(ctx, grads)  # a store that handed ``ctx`` out waits on these for room
         return self.grad_structure.unflatten(grads, like=like)
 

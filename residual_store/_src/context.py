@@ -133,9 +133,18 @@ PLAN_UNBOUNDED = f"{PLAN_PREFIX}budget=none;"  # how a plan without a device bud
 _MAX_SAVE_RECORD = 300  # characters: a record read from a manifest is capped
 
 
-def is_bounded_plan(save: str) -> bool:
-    """Whether a ``save`` record is a plan under a device budget."""
-    return save.startswith(PLAN_PREFIX) and not save.startswith(PLAN_UNBOUNDED)
+def plan_budget(save: str) -> tuple[int, int] | None:
+    """The device budget and the microbatches sharing it that a ``save`` record's plan names:
+    ``None`` for anything but a plan under a device budget; ``(0, 1)`` (the tightest) for one
+    whose numbers cannot be read."""
+    if not save.startswith(PLAN_PREFIX) or save.startswith(PLAN_UNBOUNDED):
+        return None
+    fields = dict(part.partition("=")[::2] for part in save[len(PLAN_PREFIX):].split(";"))
+    try:
+        budget, microbatches = int(fields["budget"]), int(fields["microbatches"])
+    except (KeyError, ValueError):
+        return 0, 1
+    return (budget, microbatches) if budget >= 0 and microbatches >= 1 else (0, 1)
 
 
 def check_save_record(v: Any) -> str:

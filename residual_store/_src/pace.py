@@ -1,13 +1,14 @@
-"""Backwards in flight, bounded: at most one running while the next is dispatched.
+"""Backwards in flight, bounded: the next one dispatched once few enough earlier ones still run.
 
 JAX dispatches asynchronously, and a computation's outputs are allocated when it is dispatched.
 A loop ``for ctx in contexts: grads = add(grads, backward(ctx))`` therefore allocates every
 backward's gradients before the first one has run: on a TPU v5e, 12 microbatches of an 8-block
 model planned at budget 0 (contexts that hold nothing on the device) peaked at 2.28 GiB, and at
 0.92 GiB with each backward waited for. Where memory is bounded (a planned split with a device
-budget, a store with one), a backward is dispatched only once at most one earlier backward of
-the same kind on its device is still running: the one running and the one dispatched next, so
-the device never waits for the host.
+budget, a store with one), a backward is dispatched only once at most ``running`` earlier ones
+of the same kind on its device still run: one (the device never waits for the host, and the
+gradients of the one dispatched ahead are allocated beside the running one's), or none (the
+host's dispatch between two backwards is the price of the memory).
 
 What a computation's end is told by: one of its outputs being ready (all of a program's outputs
 are ready together; the smallest is kept, as it keeps the least memory alive meanwhile). A ready
@@ -83,9 +84,10 @@ class Pace:
                 del self._outputs[where]
             return pending
 
-    def wait(self, where: Hashable) -> None:
-        """Waits until at most ``running`` computations recorded for ``where`` still run."""
-        wait_while_running(lambda: self._pending(where), self.running)
+    def wait(self, where: Hashable, running: int | None = None) -> None:
+        """Waits until at most ``running`` (default: the pace's own) computations recorded for
+        ``where`` still run."""
+        wait_while_running(lambda: self._pending(where), self.running if running is None else running)
 
     def ran(self, where: Hashable, outputs: Any) -> None:
         """Records a computation just dispatched for ``where`` by its ``outputs`` (ignored
