@@ -456,23 +456,42 @@ def planned_row(shapes: Shapes, row: str, params: Any, xs: list[jax.Array]) -> P
 CURVE = (0, 0.25, 0.5, 0.75, 1, 1.5, 2, 3)  # budgets, in contexts of save="all"
 
 
-def curve(shapes: Shapes) -> list[str]:
-    """The plan's predicted time and memory over budgets on a TPU v5e (its built-in profile),
-    traced only (``--parts curve`` runs anywhere, a CPU too): per budget, what one context keeps
-    on the device and spills, and the time the plan adds to a microbatch."""
+def curve(shapes: Shapes) -> list[tuple[float, Any]]:
+    """The plan per budget (contexts of ``save="all"``, :data:`CURVE`) on a TPU v5e's built-in
+    profile, traced only (``--parts curve`` runs anywhere, a CPU too)."""
     from residual_store._src.plan.profile import TPU_V5E
 
     params = jax.eval_shape(lambda: init(shapes))
     x = jax.ShapeDtypeStruct((shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)
     size, n = all_bytes(shapes, params, x), shapes.microbatches
-    lines = [f"{'budget (contexts)':>17} {'device MiB/ctx':>14} {'spilled MiB/ctx':>15} {'+ms/mb':>7}  choices",]
+    plans = []
     for k in CURVE:
         fwd = rs.split(make_loss(shapes.heads), save=rs.plan(device_budget=int(k * size), microbatches=n, profile=TPU_V5E))
-        p = rs.plan_of(jax.eval_shape(lambda p, x: fwd(p, x)[1], params, x))  # noqa: B023 - called at once
+        plans.append((k, rs.plan_of(jax.eval_shape(lambda p, x: fwd(p, x)[1], params, x))))  # noqa: B023 - called at once
+    return plans
+
+
+def curve_table(plans: list[tuple[float, Any]]) -> list[str]:
+    """Per budget: what one context keeps on the device and spills, and the time the plan adds
+    to a microbatch."""
+    lines = [f"{'budget (contexts)':>17} {'device MiB/ctx':>14} {'spilled MiB/ctx':>15} {'+ms/mb':>7}  choices",]
+    for k, p in plans:
         lines.append(f"{k:>17} {p.device_bytes / 2**20:>14.0f} {p.spill_bytes / 2**20:>15.0f} {p.seconds * 1e3:>7.1f}  "
                      f"{p.count('keep')} kept, {p.count('spill')} spilled, {p.count('offload')} offloaded, "
                      f"{p.count('recompute')} recomputed")
     return lines
+
+
+def curve_svg(plans: list[tuple[float, Any]], shapes: Shapes) -> str:
+    """The same curve drawn: predicted time added a microbatch, and device MiB a context."""
+    from svg_chart import Panel, chart
+
+    title = (f"rs.plan on a TPU v5e's profile: {shapes.blocks} blocks, d={shapes.d}, T={shapes.seq}, "
+             f"B={shapes.batch}, {shapes.microbatches} microbatches (predicted)")
+    return chart(title, 'device budget (contexts of save="all", shared by the microbatches)', [k for k, _ in plans], [
+        Panel("+ms a microbatch", [p.seconds * 1e3 for _, p in plans]),
+        Panel("device MiB a context", [p.device_bytes / 2**20 for _, p in plans]),
+    ])
 
 
 def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> Row:
@@ -720,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", default="all,auto")
     parser.add_argument("--budgets", default="0,1,2", help="device budgets of the store rows, in contexts")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--svg", type=Path, help="with --parts curve: also draw the curve here")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # (a child: one row, see run_row)
     parser.add_argument("--save", default="all", help=argparse.SUPPRESS)
     parser.add_argument("--grads", type=Path, help=argparse.SUPPRESS)
@@ -744,7 +764,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     if "curve" in parts:
         print(f"## The plan's predicted time and memory over budgets (TPU v5e profile, {shapes.microbatches} microbatches)")
-        print("\n".join(curve(shapes)), flush=True)
+        plans = curve(shapes)
+        print("\n".join(curve_table(plans)), flush=True)
+        if args.svg is not None:
+            args.svg.write_text(curve_svg(plans, shapes))
         if parts == {"curve"}:
             return 0
     common = ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else []) + (["--wide"] if args.wide else [])
