@@ -22,7 +22,7 @@ def test_internals_a_pace_waits_for_the_oldest_until_one_runs_per_device(running
     outs = {d: [jnp.full((2,), i, jnp.float32) + 0 for i in range(4)] for d in ("a", "b")}
     for i in range(4):
         for d in ("a", "b"):
-            p.wait(d)
+            p.wait(d, running=1)
             p.ran(d, {"big": jnp.zeros((64,)), "small": outs[d][i]})  # the smallest output is kept
     # before each of the 3rd and 4th on a device, its oldest running one was waited for; the other
     # device's are its own

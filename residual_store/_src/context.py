@@ -133,6 +133,13 @@ PLAN_UNBOUNDED = f"{PLAN_PREFIX}budget=none;"  # how a plan without a device bud
 _MAX_SAVE_RECORD = 300  # characters: a record read from a manifest is capped
 
 
+def plan_record(device_budget: int | None, microbatches: int, offload: bool, profile: str) -> str:
+    """How a context's record spells a plan's options (part of its signature; the budget and
+    microbatches are read back by :func:`plan_budget`)."""
+    head = PLAN_UNBOUNDED if device_budget is None else f"{PLAN_PREFIX}budget={device_budget};"
+    return f"{head}microbatches={microbatches};offload={int(offload)};profile={profile}"
+
+
 def plan_budget(save: str) -> tuple[int, int] | None:
     """The device budget and the microbatches sharing it that a ``save`` record's plan names:
     ``None`` for anything but a plan under a device budget; ``(0, 1)`` (the tightest) for one

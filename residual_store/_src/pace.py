@@ -63,12 +63,11 @@ class Pace:
 
     Example:
       >>> pace = Pace()
-      >>> pace.wait(device)                  # at most one earlier one still running
+      >>> pace.wait(device, running=1)       # at most one earlier one still running
       >>> pace.ran(device, backward(ctx))    # (its outputs: it is running now)
     """
 
-    def __init__(self, running: int = 1) -> None:
-        self.running = running
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._outputs: dict[Hashable, collections.deque[jax.Array]] = {}
 
@@ -84,10 +83,9 @@ class Pace:
                 del self._outputs[where]
             return pending
 
-    def wait(self, where: Hashable, running: int | None = None) -> None:
-        """Waits until at most ``running`` (default: the pace's own) computations recorded for
-        ``where`` still run."""
-        wait_while_running(lambda: self._pending(where), self.running if running is None else running)
+    def wait(self, where: Hashable, running: int) -> None:
+        """Waits until at most ``running`` computations recorded for ``where`` still run."""
+        wait_while_running(lambda: self._pending(where), running)
 
     def ran(self, where: Hashable, outputs: Any) -> None:
         """Records a computation just dispatched for ``where`` by its ``outputs`` (ignored

@@ -18,7 +18,7 @@ import threading
 from cachetools import LRUCache
 
 from residual_store._src import remat
-from residual_store._src.context import PLAN_PREFIX, PLAN_UNBOUNDED, ResidualContext
+from residual_store._src.context import ResidualContext, plan_record
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.plan import choose as choose_module
 from residual_store._src.plan import cost
@@ -58,9 +58,7 @@ class PlanOptions:
     def record(self) -> str:
         """How a context's record spells these options (part of the signature)."""
         kind = "".join(c if c.isalnum() else "-" for c in self.profile.kind)[:40]
-        budget = PLAN_UNBOUNDED if self.device_budget is None else f"{PLAN_PREFIX}budget={self.device_budget};"
-        return (f"{budget}microbatches={self.microbatches};offload={int(self.offload)};"
-                f"profile={kind}.{self.profile.digest}")
+        return plan_record(self.device_budget, self.microbatches, self.offload, f"{kind}.{self.profile.digest}")
 
     def save_choice(self) -> remat.SaveChoice:
         """The split's ``save`` choice for these options (read by ``SaveChoice.parse``)."""
