@@ -494,6 +494,44 @@ def curve_svg(plans: list[tuple[float, Any]], shapes: Shapes) -> str:
     ])
 
 
+MEASURED_LINES = (("rs.plan", "plan:{k}"), ("nothing_saveable", "hand-nothing:{k}"), ("dots", "hand-dots:{k}"),
+                  ('save="auto"', "store:{k}@auto"), ('save="all"', "store:{k}@all"))
+"""The measured chart's lines a budget: a name, and the plan part's row at budget ``k``."""
+
+
+def measured_svg(rows: list[Row], remat: Row | None, budgets: list[int], about: str) -> str:
+    """The plan part's rows drawn over budgets: ms a microbatch (log axis) and the chip's peak,
+    the plan beside each baseline; JAX's remat offload and the fused step, which have no budget,
+    as flat lines. A row not run, or failed, is a gap."""
+    from svg_chart import Line, Panel, chart
+
+    by_row = {r.row: r for r in rows if r.row}
+    flat = [("JAX remat offload", remat), ("fused value_and_grad", by_row.get("fused"))]
+
+    def lines(value: Callable[[Row], float | None]) -> list[Line]:
+        def at(row: Row | None) -> float | None:
+            return None if row is None or row.seconds is None else value(row)
+
+        drawn = [Line(name, [at(by_row.get(pattern.format(k=k))) for k in budgets]) for name, pattern in MEASURED_LINES]
+        drawn += [Line(name, [at(row)] * len(budgets)) for name, row in flat if at(row) is not None]
+        return [line for line in drawn if any(y is not None for y in line.ys)]
+
+    return chart(f"Measured, each row in a process of its own: {about}", 'device budget (contexts of save="all")',
+                 budgets, [Panel("ms a microbatch (log)", lines=lines(lambda r: r.seconds / r.microbatches * 1e3), log=True),
+                           Panel("peak GiB (the chip's allocator)",
+                                 lines=lines(lambda r: None if r.peak is None else r.peak / 2**30))])
+
+
+def draw_measured(saved: Path, svg: Path) -> None:
+    """Draws a run's ``--json`` (its plan part) into ``svg``."""
+    got = json.loads(saved.read_text())["rows"]
+    rows = [Row(**r) for r in got.get("plan", [])]
+    remat = next((Row(**r) for r in got.get("remat", [])), None)
+    budgets = sorted({int(r.row.split(":")[1].split("@")[0]) for r in rows if r.row.startswith("plan:")})
+    about = next((r.device for r in rows if r.device), "")
+    svg.write_text(measured_svg(rows, remat, budgets, about))
+
+
 def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> Row:
     """One row, in this process alone: two untimed steps (the first compiles and fills a store's
     pool, the second compiles its reusing copies), then ``repeats`` timed; the peak is the chip
@@ -753,7 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", default="all,auto")
     parser.add_argument("--budgets", default="0,1,2", help="device budgets of the store rows, in contexts")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
-    parser.add_argument("--svg", type=Path, help="with --parts curve: also draw the curve here")
+    parser.add_argument("--svg", type=Path, help="with --parts curve: also draw the curve here; with --draw: the chart")
+    parser.add_argument("--draw", type=Path, help="draw the plan part of a run's --json into --svg, and stop")
     parser.add_argument("--compile-cache", type=Path,
                         help="JAX's persistent compilation cache for the children (default: one for this run only)")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # (a child: one row, see run_row)
@@ -775,6 +814,11 @@ def main(argv: list[str] | None = None) -> int:
         x = jax.random.normal(jax.random.key(9), (shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)
         free = put_until_free(rs.split(make_loss(shapes.heads), save="all"), params, x)
         print(_RESULT + json.dumps({"about": _about(), "result": free}))
+        return 0
+    if args.draw is not None:
+        if args.svg is None:
+            parser.error("--draw needs --svg")
+        draw_measured(args.draw, args.svg)
         return 0
     parts = set(args.parts.split(","))
     unknown = parts - set(PARTS)

@@ -1,10 +1,13 @@
-"""benchmarks/accelerator.py's report: issue 51's verdict read both ways, and the arguments its
-children share (one compilation cache a run)."""
+"""benchmarks/accelerator.py's report: issue 51's verdict read both ways, the chart of a run's
+plan part, and the arguments its children share (one compilation cache a run)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+import xml.dom.minidom
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -39,3 +42,21 @@ def test_every_child_of_a_run_shares_one_compilation_cache(tmp_path):
     given = argparse.Namespace(repeats=1, quick=True, wide=False, compile_cache=tmp_path / "kept")
     common = accelerator._common(given, tmp_path)
     assert common[common.index("--compile-cache") + 1] == str(tmp_path / "kept")
+
+
+def test_a_runs_json_is_drawn_with_a_line_a_baseline_and_gaps_where_a_row_did_not_run(tmp_path):
+    rows = [_row("fused", 27.1, 1.17), _row("plan:0", 32.7, 0.98), _row("plan:1", 26.8, 2.69),
+            _row("hand-nothing:0", 43.9, 0.87), _row("hand-nothing:1", 30.4, 1.33), _row("store:0@all", 456.1, 3.56)]
+    failed = accelerator.Row("hand-dots:1", 3, None, 0, None, row="hand-dots:1", note="out of memory")
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"rows": {"plan": [dataclasses.asdict(r) for r in [*rows, failed]],
+                                          "remat": [dataclasses.asdict(_row("remat", 72.0, 1.17))]}}))
+    svg = tmp_path / "run.svg"
+    assert accelerator.main(["--draw", str(saved), "--svg", str(svg)]) == 0
+    doc = xml.dom.minidom.parse(str(svg))
+    legend = {t.firstChild.data for t in doc.getElementsByTagName("text")}
+    assert {"rs.plan", "nothing_saveable", 'save="all"', "JAX remat offload", "fused value_and_grad"} <= legend
+    assert "dots" not in legend and 'save="auto"' not in legend  # never measured: no line
+    # two panels, each: plan and nothing_saveable joined over budgets 0 and 1; all a point alone; two flat lines
+    assert len(doc.getElementsByTagName("polyline")) == 2 * 4
+    assert len(doc.getElementsByTagName("circle")) == 2 * (2 + 2 + 1 + 2 + 2)

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from svg_chart import Panel, chart  # noqa: E402
+from svg_chart import Line, Panel, chart  # noqa: E402
 
 
 def test_a_chart_is_svg_with_one_marked_line_a_panel():
@@ -33,3 +33,22 @@ def test_a_chart_of_mismatched_series_is_refused():
 def test_the_docs_curve_is_well_formed_with_both_panels():
     svg = (Path(__file__).resolve().parents[1] / "docs" / "plan_curve.svg").read_text()
     assert len(xml.dom.minidom.parseString(svg).getElementsByTagName("polyline")) == 2
+
+
+def test_named_lines_on_a_log_axis_have_a_legend_and_break_where_a_value_is_missing():
+    svg = chart("t", "budget", [0, 1, 2], [Panel("ms", lines=[Line("plan", [32.7, 26.8, 27.0]),
+                                                               Line("all", [456.1, None, 172.7])], log=True)])
+    doc = xml.dom.minidom.parseString(svg)
+    texts = [t.firstChild.data for t in doc.getElementsByTagName("text")]
+    assert "plan" in texts and "all" in texts  # the legend
+    assert [t for t in texts if t in ("20", "50", "100", "200", "500")] == ["20", "50", "100", "200", "500"]
+    lines = doc.getElementsByTagName("polyline")
+    assert len(lines) == 1  # "all" has no segment: its two points are apart
+    assert len(doc.getElementsByTagName("circle")) == 5
+    ys = [float(p.split(",")[1]) for p in lines[0].getAttribute("points").split()]
+    assert ys[0] < ys[2] < ys[1]  # 32.7 drawn above 27.0, above 26.8
+
+
+def test_a_log_axis_refuses_a_value_that_is_not_positive():
+    with pytest.raises(ValueError, match="log"):
+        chart("t", "x", [0, 1], [Panel("y", lines=[Line("a", [1.0, 0.0])], log=True)])
