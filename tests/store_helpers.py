@@ -401,6 +401,13 @@ def jitted_grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0) -> Ca
     return jax.jit(jax.grad(f, argnums=argnums))
 
 
+@functools.cache
+def jitted_value_and_grad(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """``jax.jit(jax.value_and_grad(f, argnums, has_aux=has_aux))``, one per function (as
+    :func:`jitted_grad`): eagerly, a model under ``lax.scan`` compiles its scans anew every call."""
+    return jax.jit(jax.value_and_grad(f, argnums=argnums, has_aux=has_aux))
+
+
 def tanh_loss(w: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.tanh(x @ w) ** 2)
 

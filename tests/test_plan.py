@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import residual_store as rs
 import transformer_model as tm
-from store_helpers import TESTS_DIR, run_cli, run_python, write_script
+from store_helpers import TESTS_DIR, jitted_grad, jitted_value_and_grad, run_cli, run_python, write_script
 
 LAYERS, D, F, B = 3, 16, 32, 8
 TOL = {"rtol": 1e-6, "atol": 1e-7}
@@ -42,6 +42,12 @@ def stage(p, x):
 
 def loss(p, x):
     return jnp.mean(stage(p, x) ** 2)
+
+
+def _grad(p, x):
+    """``jax.grad(loss, argnums=(0, 1))``, jitted once for every test that compares with it (those
+    of test_plan_offload.py too): run eagerly, its scan compiles anew on every call."""
+    return jitted_grad(loss, (0, 1))(p, x)
 
 
 def inputs(seed):
@@ -69,26 +75,27 @@ def _assert_grads(got, want):
 BUDGETS = (None, 6000, 3000, 0)
 
 
+def _planned_split(linked, budget):
+    """A planned split (with the link or without), run on fresh inputs: it, its context and plan."""
+    fwd = rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=budget, profile=LINKED if linked else None))
+    p, x = inputs(1)
+    _, ctx = fwd(p, x)
+    return fwd, ctx, ctx.spec.signature
+
+
 @pytest.fixture(scope="module")
 def planned():
-    """Per (profile, budget): a planned split, run on fresh inputs, its context and plan."""
-    out = {}
-    for profile in (None, LINKED):
-        for budget in BUDGETS:
-            fwd = rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=budget, profile=profile))
-            p, x = inputs(1)
-            _, ctx = fwd(p, x)
-            out[profile is not None, budget] = fwd, ctx, ctx.spec.signature
-    return out
+    """Per (profile, budget): :func:`_planned_split`."""
+    return {(linked, budget): _planned_split(linked, budget) for linked in (False, True) for budget in BUDGETS}
 
 
 @pytest.mark.parametrize("linked", [False, True], ids=["cpu", "linked"])
 def test_gradients_equal_jax_grad_at_every_budget(planned, linked):
     for budget in BUDGETS:
         fwd, ctx, _ = planned[linked, budget]
-        _assert_grads(fwd.backward(ctx), jax.grad(loss, argnums=(0, 1))(*inputs(1)))
+        _assert_grads(fwd.backward(ctx), _grad(*inputs(1)))
         p, x = inputs(2)  # fresh inputs, the same compiled forward and backward
-        _assert_grads(fwd.backward(fwd(p, x)[1]), jax.grad(loss, argnums=(0, 1))(p, x))
+        _assert_grads(fwd.backward(fwd(p, x)[1]), _grad(p, x))
         assert fwd.cache_info().forward_compiles == 1 and fwd.cache_info().backward_compiles == 1
 
 
@@ -123,7 +130,7 @@ def test_internals_backwards_of_a_plan_under_a_budget_are_paced(planned, monkeyp
     want = {None: [1, 2, 3, 4, 5], ROOMY: [1, 2, 2, 2, 2], 0: [1, 1, 1, 1, 1]}[budget]
     assert running == want, running
     for g, call in zip(grads, reversed(calls)):
-        _assert_grads(g, jax.grad(loss, argnums=(0, 1))(*call))
+        _assert_grads(g, _grad(*call))
 
 
 def test_internals_a_records_budget_read_back_for_pacing():
@@ -186,7 +193,7 @@ def test_where_a_stores_copies_cost_less_the_plan_spills_what_it_keeps():
     assert r.spill_bytes == _device_bytes(ctx) > 0 and r.count("spill") > 0, rs.explain(ctx)
     with rs.Store(None, device_budget=0) as store:
         store.put(ctx, "k")
-        _assert_grads(fwd.backward(store.pop("k")), jax.grad(loss, argnums=(0, 1))(p, x))
+        _assert_grads(fwd.backward(store.pop("k")), _grad(p, x))
 
 
 @pytest.mark.parametrize("linked", [False, True], ids=["cpu", "linked"])
@@ -213,6 +220,7 @@ def test_every_plan_is_a_signature_of_its_own(planned):
         rs.split(loss, argnums=(0, 1), save="auto").backward(ctx)
 
 
+@pytest.mark.slow  # seconds of compiling (as test_transformer.py's): the fast tier keeps under 90 s
 def test_the_transformer_with_its_names_policy_keys_and_aux():
     """``jax.checkpoint`` bodies, RNG (dropout) and ``checkpoint_name``'d values are kept whole."""
     params = tm.init(jax.random.key(3))
@@ -220,7 +228,7 @@ def test_the_transformer_with_its_names_policy_keys_and_aux():
     key = jax.random.key(5)
     fwd = rs.split(tm.loss, has_aux=True, save=rs.plan(device_budget=0))
     (value, aux), ctx = fwd(params, tokens, key)
-    (want_value, want_aux), want = jax.value_and_grad(tm.loss, has_aux=True)(params, tokens, key)
+    (want_value, want_aux), want = jitted_value_and_grad(tm.loss, has_aux=True)(params, tokens, key)
     np.testing.assert_allclose(value, want_value, **TOL)
     _assert_grads(fwd.backward(ctx), want)
     assert rs.plan_of(ctx).count("recompute") > 0
@@ -258,13 +266,15 @@ with rs.Store(sys.argv[1], read_only=True) as store:
 """
 
 
-def test_a_planned_context_resumes_in_another_process_with_and_without_the_model(planned, tmp_path):
-    want = jax.tree.leaves(jax.grad(loss, argnums=(0, 1))(*inputs(1)))
+@pytest.mark.subprocess  # (slow: a new process imports JAX and compiles)
+def test_a_planned_context_resumes_in_another_process_with_and_without_the_model(tmp_path):
+    want = jax.tree.leaves(_grad(*inputs(1)))
+    cpu, linked = _planned_split(False, 3000), _planned_split(True, 3000)  # (the two the fixture has)
     with rs.Store(tmp_path / "store") as store:
-        store.put(planned[False, 3000][1], "cpu")
-        store.put(planned[True, 3000][1], "linked")
+        store.put(cpu[1], "cpu")
+        store.put(linked[1], "linked")
         again = store.get("linked")  # and back in this process, from its device tier
-        _assert_grads(planned[True, 3000][0].backward(again), want)
+        _assert_grads(linked[0].backward(again), want)
     script = write_script(tmp_path, "resume.py", _RESUME)
     proc = run_python(script, str(tmp_path / "store"), str(tmp_path), str(TESTS_DIR), env={"PYTHONHASHSEED": "7"})
     assert "2 offloaded" in proc.stdout, proc.stdout

@@ -19,7 +19,7 @@ import residual_store as rs
 from residual_store._src import scratch
 from residual_store._src.store.disk import records
 from store_helpers import TESTS_DIR, run_python, write_script
-from test_plan import LINKED, _assert_grads, inputs, loss, stage
+from test_plan import LINKED, _assert_grads, _grad, inputs, loss, stage
 
 PINNED = "pinned_host"
 
@@ -47,13 +47,13 @@ def test_offloaded_values_live_in_host_memory_and_the_spec_says_which():
     assert [i for i, k in enumerate(_kinds(ctx)) if k == PINNED] == list(on_host)
     assert ctx.spec.own_nbytes == 0 and ctx.spec.host_nbytes == rs.plan_of(ctx).host_bytes > 0
     assert "(host)" in ctx.describe()
-    _assert_grads(fwd.backward(ctx), jax.grad(loss, argnums=(0, 1))(p, x))
+    _assert_grads(fwd.backward(ctx), _grad(p, x))
 
 
 def test_internals_the_forward_writes_into_donated_buffers_it_reuses_once_nothing_holds_them():
     fwd = _planned(loss)
     p, x = inputs(12)
-    want = jax.grad(loss, argnums=(0, 1))(p, x)
+    want = _grad(p, x)
     _, first = fwd(p, x)
     pool = _scratch(fwd)
     per_context = len(pool.avals)
@@ -77,7 +77,7 @@ def test_internals_the_forward_writes_into_donated_buffers_it_reuses_once_nothin
 def test_a_store_neither_counts_nor_moves_offloaded_values(tmp_path):
     fwd = _planned(loss)
     p, x = inputs(15)
-    want = jax.grad(loss, argnums=(0, 1))(p, x)
+    want = _grad(p, x)
     _, ctx = fwd(p, x)
     with rs.Store(None, device_budget=0) as store:
         store.put(ctx, "k")
@@ -138,7 +138,7 @@ def test_inside_a_callers_jit_the_forward_makes_its_own_host_buffers():
     p, x = inputs(18)
     ctx = jax.jit(lambda p, x: fwd(p, x)[1])(p, x)
     assert ctx.spec.on_host and all(_kinds(ctx)[i] == PINNED for i in ctx.spec.on_host)
-    _assert_grads(fwd.backward(ctx), jax.grad(loss, argnums=(0, 1))(p, x))
+    _assert_grads(fwd.backward(ctx), _grad(p, x))
 
 
 def test_internals_pinned_like_wants_one_device_with_pinned_memory():
@@ -195,7 +195,7 @@ def test_a_backward_takes_its_offloaded_values_on_the_device_too():
     another memory than it was compiled for would abort the process)."""
     fwd = _planned(loss)
     p, x = inputs(21)
-    want = jax.grad(loss, argnums=(0, 1))(p, x)
+    want = _grad(p, x)
     _, ctx = fwd(p, x)
     on_device = jax.device_put(ctx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     assert set(_kinds(on_device)) == {"device"} and PINNED in _kinds(ctx)
@@ -203,6 +203,7 @@ def test_a_backward_takes_its_offloaded_values_on_the_device_too():
         _assert_grads(fwd.backward(moved), want)
 
 
+@pytest.mark.slow  # real model libraries, seconds of compiling each: the fast tier keeps under 90 s
 @pytest.mark.parametrize("name", ["nnx_functional", "linen_scan", "eqx_transformer", "haiku_state"])
 def test_real_models_offload_through_a_store_with_jax_grads_gradients(name):
     """Flax NNX and linen, Equinox and Haiku modules planned at budget 0 with a link: what the

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import residual_store as rs
+from store_helpers import jitted_value_and_grad
 from transformer_model import SEQ, VOCAB, init
 from transformer_model import loss as loss_fn
 
@@ -18,9 +19,12 @@ def fwd():
     return rs.split(loss_fn, has_aux=True)
 
 
+_init = jax.jit(init)  # one compile for every test, where run eagerly each op compiles on its own
+
+
 def _batch(rng, batch=3):
     kp, kt, kd = jax.random.split(rng, 3)
-    params = init(kp)
+    params = _init(kp)
     tokens = jax.random.randint(kt, (batch, SEQ + 1), 0, VOCAB)
     return params, tokens, kd
 
@@ -29,7 +33,7 @@ def _batch(rng, batch=3):
 def test_gradients_match_jax_grad(fwd, rng):
     params, tokens, key = _batch(rng)
     (loss, aux), ctx = fwd(params, tokens, key)
-    (ref_loss, ref_aux), ref = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, key)
+    (ref_loss, ref_aux), ref = jitted_value_and_grad(loss_fn, has_aux=True)(params, tokens, key)  # (eagerly: a minute)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(aux["accuracy"], ref_aux["accuracy"])
     grads = fwd.backward(ctx)
