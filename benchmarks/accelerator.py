@@ -382,6 +382,11 @@ def plan_rows(budgets: list[int]) -> list[str]:
     return [*rows, "plan12:0", "plankeep:0"]
 
 
+def plan_budgets(rows: list[Row]) -> list[int]:
+    """The budgets the plan part's rows ran the plan at (its ``plan:k`` rows), ascending."""
+    return sorted({int(r.row.split(":")[1]) for r in rows if r.row.startswith("plan:")})
+
+
 def verdicts(rows: list[Row], remat: Row | None, budgets: list[int]) -> list[str]:
     """Per budget, issue 51's check (no slower by 2% than the best baseline of the same run, at
     no higher peak) read both ways: the plan against the fastest baseline, and against the
@@ -527,7 +532,7 @@ def draw_measured(saved: Path, svg: Path) -> None:
     got = json.loads(saved.read_text())["rows"]
     rows = [Row(**r) for r in got.get("plan", [])]
     remat = next((Row(**r) for r in got.get("remat", [])), None)
-    budgets = sorted({int(r.row.split(":")[1].split("@")[0]) for r in rows if r.row.startswith("plan:")})
+    budgets = plan_budgets(rows)
     about = next((r.device for r in rows if r.device), "")
     svg.write_text(measured_svg(rows, remat, budgets, about))
 
@@ -733,8 +738,7 @@ def report(copies: dict[str, dict[str, float]] | None, free: dict[str, Any] | No
         if save == "plan":
             lines.append("\n## Planned: rs.plan beside hand-written policies, each put into a store at the same budget")
             lines.extend(_rows(rows, d2h, h2d))
-            lines.extend(verdicts(rows, (pipe or {}).get("remat"), sorted({int(r.row.split(":")[1].split("@")[0])
-                                                                         for r in rows if r.row.startswith("plan:")})))
+            lines.extend(verdicts(rows, (pipe or {}).get("remat"), plan_budgets(rows)))
             continue
         context = next((r.context for r in rows if r.context), None)
         held = "" if context is None else f", {context / 2**20:.1f} MiB held on the device"

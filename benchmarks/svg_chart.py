@@ -33,6 +33,7 @@ class Panel:
     log: bool = False
 
     def series(self) -> list[Line]:
+        """The panel's series: ``ys`` as one unnamed line, else ``lines``."""
         return [Line("", self.ys)] if self.ys else list(self.lines)
 
 
