@@ -44,3 +44,21 @@ def test_internals_inside_a_trace_nothing_is_recorded():
     p = pace.Pace()
     jax.jit(lambda x: p.ran("a", x) or x)(jnp.ones(2))
     assert not p._outputs
+
+
+
+def test_internals_drain_waits_for_a_new_scalar_program_on_each_device(monkeypatch):
+    """A device runs its programs in order: ``drain`` dispatches one scalar program per device and
+    waits for it, which ends after everything dispatched there before (on a TPU; a CPU may run
+    programs side by side, so this checks the waits, not the order)."""
+    import jax
+
+    waited: list = []
+    monkeypatch.setattr(pace, "wait_for", waited.append)
+    devices = jax.devices()
+    pace.drain(devices)
+    pace.drain(devices)
+    assert len(waited) == 2 * len(devices)
+    assert [w.shape for w in waited] == [()] * len(waited)
+    assert [next(iter(w.devices())) for w in waited] == [*devices, *devices]
+    assert len({id(w) for w in waited}) == len(waited)  # a new program each time, not a stale ready one

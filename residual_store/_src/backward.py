@@ -36,7 +36,7 @@ from residual_store._src.errors import (
     StoreUnavailableError,
 )
 from residual_store._src.keypaths import PathStructure
-from residual_store._src.pace import Pace
+from residual_store._src.pace import Pace, drain
 from residual_store._src.signature import is_current
 
 __all__ = [
@@ -287,6 +287,8 @@ class Backward:
         if paced is not None:  # a plan's budget bounds the device: so do its backwards in flight
             ahead = paced.room >= self._grads_nbytes  # (this one's gradients, allocated at dispatch)
             _PLANNED.wait(paced.devices, running=1 if ahead else 0)
+            if not ahead:  # (and what the caller made of the last gradients has freed its inputs)
+                drain(paced.devices)
         grads = self._executables.run(list(ctx.residuals), cts, lambda: self.check_residuals(ctx))
         if paced is not None:
             self._grads_nbytes = _nbytes(grads)

@@ -8,7 +8,10 @@ model planned at budget 0 (contexts that hold nothing on the device) peaked at 2
 budget, a store with one), a backward is dispatched only once at most ``running`` earlier ones
 of the same kind on its device still run: one (the device never waits for the host, and the
 gradients of the one dispatched ahead are allocated beside the running one's), or none (the
-host's dispatch between two backwards is the price of the memory).
+host's dispatch between two backwards is the price of the memory). With none, the device is also
+drained first (:func:`drain`): what the caller dispatched between two backwards (summing the
+gradients, an optimizer's update) runs and frees its inputs before the next backward allocates
+(on a TPU v5e the caller's sum of the last gradients was what a budget-0 plan peaked above).
 
 What a computation's end is told by: one of its outputs being ready (all of a program's outputs
 are ready together; the smallest is kept, as it keeps the least memory alive meanwhile). A ready
@@ -27,10 +30,11 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import numpy as np
 
 from residual_store._src import _jax_internals
 
-__all__ = ["Pace", "is_ready", "smallest_output", "wait_for", "wait_while_running"]
+__all__ = ["Pace", "drain", "is_ready", "smallest_output", "wait_for", "wait_while_running"]
 
 
 def is_ready(output: jax.Array) -> bool:
@@ -56,6 +60,21 @@ def wait_while_running(pending: Callable[[], list[jax.Array]], running: int) -> 
     not yet run, oldest first) are left."""
     while len(outputs := pending()) > running:
         wait_for(outputs[0])
+
+
+@jax.jit
+def _mark(x: jax.Array) -> jax.Array:
+    return x + 1
+
+
+def drain(devices: Any) -> None:
+    """Waits until every program dispatched on ``devices`` so far has run. A device runs its
+    programs in the order they were dispatched (a TPU's, or a GPU's compute stream), so a program
+    of one scalar, dispatched now and waited for, ends after all of them. (On a CPU programs may
+    run side by side: there this waits for less, and the CPU has no device memory to bound.)"""
+    marks = [_mark(jax.device_put(np.int8(0), device)) for device in devices]
+    for mark in marks:
+        wait_for(mark)
 
 
 class Pace:
