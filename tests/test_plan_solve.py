@@ -81,3 +81,39 @@ def test_internals_unbounded_takes_the_fastest_and_bad_options_are_refused():
     for bad in ([[]], [[(-1, 0.0)]], [[(1, -0.5)]], [[(1, math.nan)]]):
         with pytest.raises(rs.InvalidArgumentError, match="item 0"):
             solve.solve(bad, 10)
+
+
+linked = st.lists(st.lists(st.tuples(st.integers(0, 30), st.floats(0, 5, allow_nan=False, allow_infinity=False),
+                                     st.integers(0, 30)), min_size=1, max_size=3), min_size=0, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=linked, hidden=st.integers(0, 60), budget=st.integers(0, 120))
+def test_internals_items_sharing_a_cost_combine_into_one_exactly(items, hidden, budget):
+    """Combined into one item, items whose third numbers add into a shared cost (copies beside
+    compute that hides ``hidden`` of them) solve to brute force's optimum over their
+    combinations, each costed whole."""
+
+    def shared(n):
+        return max(0.0, n - hidden) / 10
+
+    frontier = solve.combined(items, shared)
+    best = None
+    for choice in itertools.product(*[range(len(o)) for o in items]):
+        size = sum(items[k][c][0] for k, c in enumerate(choice))
+        secs = math.fsum(items[k][c][1] for k, c in enumerate(choice)) + shared(sum(items[k][c][2] for k, c in enumerate(choice)))
+        if size <= budget and (best is None or secs < best):
+            best = secs
+    for b, s, choice in frontier:  # each option is its combination's whole cost
+        assert b == sum(items[k][c][0] for k, c in enumerate(choice))
+        assert s == pytest.approx(math.fsum(items[k][c][1] for k, c in enumerate(choice))
+                                  + shared(sum(items[k][c][2] for k, c in enumerate(choice))))
+    assert [b for b, _, _ in frontier] == sorted({b for b, _, _ in frontier})  # a frontier: fewer bytes, more seconds
+    assert all(s1 > s2 for (_, s1, _), (_, s2, _) in zip(frontier, frontier[1:]))
+    fits = [s for b, s, _ in frontier if b <= budget]
+    assert (min(fits) if fits else None) == (pytest.approx(best) if best is not None else None)
+
+
+def test_internals_combining_gives_up_past_its_states():
+    items = [[(k, float(k % 3), k), (0, 1.0 + k, 2 * k), (3 * k, 0.5, 0)] for k in range(1, 30)]
+    assert solve.combined(items, lambda n: n / 7, max_states=50) is None

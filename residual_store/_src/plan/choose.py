@@ -114,13 +114,63 @@ def _own_inputs(jaxpr: Any, base: remat.RematPlan, input_cost: Sequence[bool], h
 
 
 def _solved(
-    held: Sequence[Sequence[cost.Option]], candidates: Sequence[cost.Candidate], budget: int | None
+    held: Sequence[Sequence[cost.Option]], candidates: Sequence[cost.Candidate], budget: int | None,
+    profile: DeviceProfile,
 ) -> tuple[bool, list[cost.Option]]:
     """The fastest options within ``budget``, one per input (``held``: each input's placements)
-    then one per candidate; and whether the solver proved them the fastest."""
-    items = [*held, *(c.options for c in candidates)]
-    solution = solve.solve([[(o.nbytes, o.seconds) for o in options] for options in items], budget)
-    return solution.exact, [options[i] for options, i in zip(items, solution.choices)]
+    then one per candidate, each with its share of its group's copy time in its seconds; and
+    whether the solver proved them the fastest. A group's candidates are one item of the
+    knapsack (their copies share the compute they hide behind: :func:`cost.copy_seconds`)."""
+    groups: dict[int | None, list[int]] = {}
+    for k, c in enumerate(candidates):
+        groups.setdefault(c.group, []).append(k)
+    items: list[list[tuple[int, float]]] = [[(o.nbytes, o.seconds) for o in options] for options in held]
+    combos: list[list[tuple[int, ...]]] = []
+    exact = True
+    for members in groups.values():
+        beside = candidates[members[0]].beside
+        linked = [[(o.nbytes, o.seconds, o.moved) for o in candidates[k].options] for k in members]
+        frontier = solve.combined(linked, lambda n, b=beside: _copies(n, profile, b))
+        if frontier is None:  # too many combinations: each its share of the compute, separately
+            exact = False
+            frontier = _apart(candidates, members, profile)
+        items.append([(b, s) for b, s, _ in frontier])
+        combos.append([choices for _, _, choices in frontier])
+    solution = solve.solve(items, budget)
+    chosen: list[cost.Option | None] = [None] * len(candidates)
+    for members, options, pick in zip(groups.values(), combos, solution.choices[len(held):]):
+        picked = [candidates[k].options[i] for k, i in zip(members, options[pick])]
+        for k, option in zip(members, _with_copies(picked, profile, candidates[members[0]].beside)):
+            chosen[k] = option
+    placed = [options[i] for options, i in zip(held, solution.choices)]
+    return exact and solution.exact, [*placed, *(o for o in chosen if o is not None)]
+
+
+def _copies(moved: int, profile: DeviceProfile, beside: float) -> float:
+    return (cost.copy_seconds(moved, profile, beside) or 0.0) if moved else 0.0
+
+
+def _apart(
+    candidates: Sequence[cost.Candidate], members: Sequence[int], profile: DeviceProfile
+) -> list[tuple[int, float, tuple[int, ...]]]:
+    """A group's candidates costed apart, each beside its share (by bytes) of the compute: one
+    option per choice of each, as :func:`solve.solve` takes them, through the greedy pass."""
+    total = sum(candidates[k].nbytes for k in members) or 1
+    items = [[(o.nbytes, o.seconds + _copies(o.moved, profile, c.beside * c.nbytes / total)) for o in c.options]
+             for c in (candidates[k] for k in members)]
+    out = []
+    for budget in sorted({sum(min(b for b, _ in options) for options in items), sum(options[0][0] for options in items)}):
+        found = solve.greedy(items, budget)
+        out.append((found.nbytes, found.seconds, found.choices))
+    return out
+
+
+def _with_copies(options: Sequence[cost.Option], profile: DeviceProfile, beside: float) -> list[cost.Option]:
+    """``options`` of one group, each offload's seconds with its share (by bytes) of the
+    group's copy time."""
+    moved = sum(o.moved for o in options)
+    copies = _copies(moved, profile, beside)
+    return [dataclasses.replace(o, seconds=o.seconds + copies * o.moved / moved) if o.moved else o for o in options]
 
 
 def _placed_only(candidates: Iterable[cost.Candidate]) -> list[cost.Candidate]:
@@ -146,13 +196,13 @@ def choose(
     inputs = _own_inputs(jaxpr, base, input_cost, held)
     placements = [cost.placements(cost.nbytes(v.aval), profile, offload=False) for v in inputs]
     first = list(cost.candidates(base, profile, offload))
-    exact_first, options = _solved(placements, first, budget)
+    exact_first, options = _solved(placements, first, budget, profile)
     again = {id(eqn) for c, o in zip(first, options[len(inputs):]) if o.choice == "recompute" for eqn in c.products}
     planned = base
     if again:  # the cut, with the chosen products let in
         planned = remat.plan(jaxpr, residuals, input_cost, lambda eqn: cost.relabels(eqn) or id(eqn) in again)
     second = _placed_only(cost.candidates(planned, profile, offload))
-    exact_second, placed = _solved(placements, second, budget)
+    exact_second, placed = _solved(placements, second, budget, profile)
     choice = {_key(c.value): o for c, o in zip(second, placed[len(inputs):])}
     offloaded = frozenset(i for i, v in enumerate(planned.kept) if (o := choice.get(_key(v))) and o.choice == "offload")
     sizes = [cost.nbytes(v.aval) for v in inputs] + [c.nbytes for c in second]

@@ -5,7 +5,8 @@ budget, no time), **spilled** (kept in the context, which a store at the budget 
 memory and back through its pool: no device bytes between forward and backward, both copies'
 time, unhidden: a TPU runs copies and compute one after the other), **offloaded** to host memory
 inside the forward and brought back inside the backward (no device bytes; the copies' time at
-the in-program rate, less what hides behind compute), or
+the in-program rate, less what hides behind the compute beside them: the values offloaded from
+one scan body share its compute, :func:`copy_seconds`), or
 **recomputed** in the backward from what is kept (no bytes; the time of the matrix products
 that make it, through cheap operations). Only pure operations are recomputed: never RNG,
 custom_vjp / custom_jvp calls, custom calls or kernels, callbacks or collectives (the
@@ -29,8 +30,8 @@ from residual_store._src import _jax_internals, remat
 from residual_store._src.plan.profile import DeviceProfile
 
 __all__ = [
-    "Candidate", "Choice", "Option", "candidates", "flops", "move_seconds", "nbytes", "placements", "recomputable",
-    "recomputed_seconds", "relabels", "seconds", "spill_seconds", "value_bytes",
+    "Candidate", "Choice", "Option", "candidates", "copy_seconds", "flops", "move_seconds", "nbytes", "placements",
+    "product_seconds", "recomputable", "recomputed_seconds", "relabels", "seconds", "spill_seconds", "value_bytes",
 ]
 
 Choice = Literal["keep", "spill", "offload", "recompute"]
@@ -41,12 +42,15 @@ _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One choice for a residual: the device bytes it holds per context, and the seconds it adds
-    to a step."""
+    """One choice for a residual: the device bytes it holds per context, the seconds it adds to
+    a step on its own, and the bytes it copies to host memory inside the forward and back inside
+    the backward (an offload's: their time is its group's, :func:`copy_seconds`, not in
+    ``seconds``)."""
 
     choice: Choice
     nbytes: int
     seconds: float
+    moved: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,10 @@ class Candidate:
       options: ``keep`` first, then ``spill`` and ``offload`` where the device has a link, then
         ``recompute`` where products make it (through cheap operations and labels only).
       products: those products (jaxpr equations), which recomputing it runs again.
+      group: the values whose copies run beside the same compute: the scan equation (its index)
+        a stacked value comes from, or ``None`` (the forward outside its scans).
+      beside: that compute's forward seconds in one context (a scan's: its body's times its
+        length), shared by the group's copies.
     """
 
     value: Any
@@ -68,6 +76,8 @@ class Candidate:
     nbytes: int
     options: tuple[Option, ...]
     products: tuple[Any, ...] = dataclasses.field(default=(), compare=False)
+    group: int | None = None
+    beside: float = 0.0
 
 
 def nbytes(aval: Any) -> int:
@@ -120,9 +130,27 @@ def spill_seconds(size: int, profile: DeviceProfile) -> float | None:
     return size / profile.d2h_bytes + size / profile.h2d_bytes
 
 
+def copy_seconds(moved: int, profile: DeviceProfile, beside: float) -> float | None:
+    """The time in-program copies of ``moved`` bytes add to a step, to host memory in a forward
+    whose compute beside them takes ``beside`` seconds and back in its backward (twice the
+    forward's compute): each direction's copy less what hides, at most ``hidden_forward``
+    (``hidden_backward``) seconds of copy per second of compute. ``None`` where the device has
+    no link.
+
+    At equal compute a copy hides by the profile's share; behind ``r`` times its time, by
+    ``min(1, r * share)``. Copies that share compute (one scan body's) share what it hides."""
+    d2h = profile.program_d2h
+    if d2h is None or profile.h2d_bytes is None:
+        return None
+    out = max(0.0, moved / d2h - profile.hidden_forward * beside)
+    back = max(0.0, moved / profile.h2d_bytes - profile.hidden_backward * 2.0 * beside)
+    return out + back
+
+
 def move_seconds(size: int, profile: DeviceProfile) -> float | None:
     """The unhidden time to move ``size`` bytes to host memory inside a forward and back inside
-    a backward, or ``None`` where the device has no link."""
+    a backward, each copy beside compute of its own time (the profile's shares hide), or
+    ``None`` where the device has no link."""
     d2h = profile.program_d2h
     if d2h is None or profile.h2d_bytes is None:
         return None
@@ -136,15 +164,15 @@ def placements(size: int, profile: DeviceProfile, offload: bool) -> list[Option]
     a store (where there is a link), offloaded inside the programs (there too, if ``offload``).
     Each costs writing the value to memory in the forward and reading it in the backward (what
     recomputing it, fused into its uses, saves: on a TPU v5e a kept attention matrix costs more
-    than its matrix product), then its copies."""
+    than its matrix product), then its copies: a store's, unhidden; an offload's moves ``size``
+    bytes, whose time its group's compute decides (:func:`copy_seconds`)."""
     stored = 2 * size / profile.memory_bytes
     options = [Option("keep", size, stored)]
     spilled = spill_seconds(size, profile)
     if spilled is not None:
         options.append(Option("spill", 0, stored + spilled))
-    moved = move_seconds(size, profile) if offload else None
-    if moved is not None:
-        options.append(Option("offload", 0, stored + moved))
+    if offload and profile.has_link:
+        options.append(Option("offload", 0, stored, moved=size))
     return options
 
 
@@ -198,6 +226,35 @@ def _made_by(jaxpr: Any, value: Any) -> tuple[list[Any], int]:
     return _products_behind(jaxpr, value), 1
 
 
+def _product_seconds(eqn: Any, profile: DeviceProfile) -> float:
+    if (parts := _jax_internals.scan_parts(eqn)) is not None:
+        return parts.length * product_seconds(parts.body, profile)
+    if (body := _jax_internals.call_body(eqn)) is not None:
+        return product_seconds(body[0], profile)
+    return seconds(eqn, profile) if eqn.primitive.name in _PRODUCTS else 0.0
+
+
+def product_seconds(jaxpr: Any, profile: DeviceProfile) -> float:
+    """The time the matrix products and convolutions of ``jaxpr`` take on ``profile`` (a scan's:
+    its body's times its length; a call's: its body's): the compute a copy hides behind. (The
+    cheap operations between them fuse into a few passes over memory, which a copy's own
+    traffic competes with: counting them apart, as :func:`seconds` does, would put a forward of
+    the benchmark's transformer at 1.7 times its measured time.)"""
+    return sum(_product_seconds(eqn, profile) for eqn in jaxpr.eqns)
+
+
+def _beside(jaxpr: Any, profile: DeviceProfile) -> dict[int | None, float]:
+    """Per group of kept values (:attr:`Candidate.group`), the forward seconds of the compute
+    their copies run beside (:func:`product_seconds`): a scan's (its stacks are copied an
+    iteration at a time, inside it), and the forward's outside its scans (a value is copied
+    whole, beside the rest)."""
+    out: dict[int | None, float] = {None: 0.0}
+    for k, eqn in enumerate(jaxpr.eqns):
+        group = k if _jax_internals.scan_parts(eqn) is not None else None
+        out[group] = out.get(group, 0.0) + _product_seconds(eqn, profile)
+    return out
+
+
 def _name(products: list[Any], value: Any, times: int) -> str:
     if not products:
         what = "carry" if isinstance(value, remat.Stacked) else "value"
@@ -210,6 +267,7 @@ def _name(products: list[Any], value: Any, times: int) -> str:
 
 def candidates(plan: remat.RematPlan, profile: DeviceProfile, offload: bool = True) -> Iterator[Candidate]:
     """The computed values ``plan`` keeps (not the forward's inputs), each with its options."""
+    beside = _beside(plan.jaxpr, profile)
     for value in plan.kept:
         if plan.is_input(value) is not None:
             continue
@@ -218,4 +276,6 @@ def candidates(plan: remat.RematPlan, profile: DeviceProfile, offload: bool = Tr
         options = placements(size, profile, offload)
         if products:
             options.append(Option("recompute", 0, times * sum(seconds(eqn, profile) for eqn in products)))
-        yield Candidate(value, _name(products, value, times), size, tuple(options), tuple(products))
+        group = value.eqn if isinstance(value, remat.Stacked) else None
+        yield Candidate(value, _name(products, value, times), size, tuple(options), tuple(products), group,
+                        beside[group])

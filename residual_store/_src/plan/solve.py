@@ -7,19 +7,24 @@ both bytes and seconds), which stays small for the few hundred items of a forwar
 layer repeat the same options, and equal states merge); past ``max_states`` states it falls back
 to a greedy pass (:func:`greedy`): cheapest bytes saved per second lost first. Both are pure and
 deterministic: the same items give the same choices in every process.
+
+Items whose costs are not separate (copies that share the compute they hide behind) are first
+combined into one item (:func:`combined`): its options are their combinations' frontier, each
+combination costed whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from residual_store._src.errors import InvalidArgumentError
 
-__all__ = ["Solution", "greedy", "solve"]
+__all__ = ["Solution", "combined", "greedy", "solve"]
 
 Option = tuple[int, float]  # (bytes, seconds)
+Linked = tuple[int, float, int]  # (bytes, seconds of its own, bytes that share a cost)
 
 DEFAULT_MAX_STATES = 20_000
 
@@ -93,12 +98,7 @@ def solve(items: Sequence[Sequence[Option]], budget: int | None, *, max_states: 
         if len(frontier) > max_states:
             return greedy(opts, budget)
     best = min(frontier, key=lambda st: (st[1], st[0]))
-    choices: list[int] = []
-    chain = best[2]
-    while chain is not None:
-        choices.append(chain[0])
-        chain = chain[1]
-    return _summed(opts, choices[::-1], budget, True)
+    return _summed(opts, _choices(best[2]), budget, True)
 
 
 def greedy(items: Sequence[Sequence[Option]], budget: int | None) -> Solution:
@@ -128,3 +128,41 @@ def greedy(items: Sequence[Sequence[Option]], budget: int | None) -> Solution:
             choices[k] = i
             improved = True
     return _summed(opts, choices, budget, False)
+
+
+def combined(
+    items: Sequence[Sequence[Linked]], shared: Callable[[int], float], *, max_states: int = 2_000
+) -> list[tuple[int, float, tuple[int, ...]]] | None:
+    """Items whose options' third numbers add into one cost, ``shared(total)`` seconds (which
+    must not fall as the total grows), as one item: per combination of their options no other
+    beats in bytes and seconds, ``(bytes, seconds + shared(total), choices)``, fewest bytes
+    first. Exact (a frontier in bytes, seconds and shared total); ``None`` past ``max_states``.
+
+    Example:
+      >>> combined([[(8, 0.0, 0), (0, 0.0, 8)]] * 2, lambda n: max(0.0, n - 8.0))
+      [(0, 8.0, (1, 1)), (8, 0.0, (1, 0))]
+    """
+    states: list[tuple[int, float, int, tuple | None]] = [(0, 0.0, 0, None)]
+    for options in items:
+        grown = sorted(((b + ob, s + os_, n + on, (i, chain)) for b, s, n, chain in states
+                        for i, (ob, os_, on) in enumerate(options)), key=lambda st: st[:3])
+        states = []
+        for st in grown:  # (sorted by bytes: an earlier state beats it if no worse in the others)
+            if not any(o[1] <= st[1] and o[2] <= st[2] for o in states):
+                states.append(st)
+        if len(states) > max_states:
+            return None
+    whole = sorted(((b, s + shared(n), _choices(chain)) for b, s, n, chain in states), key=lambda st: (st[0], st[1]))
+    out: list[tuple[int, float, tuple[int, ...]]] = []
+    for st in whole:
+        if not out or st[1] < out[-1][1]:
+            out.append(st)
+    return out
+
+
+def _choices(chain: tuple | None) -> tuple[int, ...]:
+    out: list[int] = []
+    while chain is not None:
+        out.append(chain[0])
+        chain = chain[1]
+    return tuple(out[::-1])
