@@ -22,6 +22,7 @@ as a kept one does: the store the pipeline puts contexts in, at the same budget,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -130,7 +131,7 @@ def _solved(
     for members in groups.values():
         beside = candidates[members[0]].beside
         linked = [[(o.nbytes, o.seconds, o.moved) for o in candidates[k].options] for k in members]
-        frontier = solve.combined(linked, lambda n, b=beside: _copies(n, profile, b))
+        frontier = solve.combined(linked, functools.partial(_copies, profile=profile, beside=beside))
         if frontier is None:  # too many combinations: each its share of the compute, separately
             exact = False
             frontier = _apart(candidates, members, profile)

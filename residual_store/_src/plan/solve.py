@@ -152,11 +152,11 @@ def combined(
                 states.append(st)
         if len(states) > max_states:
             return None
-    whole = sorted(((b, s + shared(n), _choices(chain)) for b, s, n, chain in states), key=lambda st: (st[0], st[1]))
+    whole = sorted(((b, s + shared(n), _choices(chain)) for b, s, n, chain in states), key=lambda w: (w[0], w[1]))
     out: list[tuple[int, float, tuple[int, ...]]] = []
-    for st in whole:
-        if not out or st[1] < out[-1][1]:
-            out.append(st)
+    for w in whole:
+        if not out or w[1] < out[-1][1]:
+            out.append(w)
     return out
 
 
