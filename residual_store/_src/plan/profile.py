@@ -2,7 +2,7 @@
 
 A plan weighs seconds against bytes: recomputing a residual costs its FLOPs at the device's
 matmul rate (or its bytes at the memory's rate), moving it to host memory and back costs its
-bytes at the link's rates, less the share of the copy that hides behind compute. Those rates
+bytes at the link's rates, less what hides behind the compute beside the copy. Those rates
 are a device kind's, so they are measured once per kind (:func:`measure`) and kept in memory,
 and on disk where the caller names a folder; CPU and TPU v5e have built-in profiles (the issue's
 measurements on a v5e), so nothing needs to measure to plan for them.
@@ -38,8 +38,11 @@ class DeviceProfile:
         moving a residual there frees nothing).
       h2d_bytes: host-to-device bytes/s, or ``None`` likewise.
       duplex: whether the link moves both ways at once.
-      hidden_forward: the share (0..1) of a forward's copy to host that hides behind compute.
-      hidden_backward: the share (0..1) of a backward's copy back that hides behind compute.
+      hidden_forward: the seconds (0..1) of a forward's copy to host that hide behind a second
+        of the matrix products beside it: the share of the copy hidden behind equal compute;
+        behind ``r`` times the copy's time, ``min(1, r * hidden_forward)`` of it (the copies of
+        one scan body share its compute: :func:`residual_store._src.plan.cost.copy_seconds`).
+      hidden_backward: the same for a backward's copy back, beside the backward's products.
       program_d2h_bytes: device-to-host bytes/s of a plan's in-program offload where it differs
         from a store's copies (``None``: ``d2h_bytes``; the forward writes into donated pinned
         buffers, at the link's rate; a device whose program outputs pin fresh memory is slower).
