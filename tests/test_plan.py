@@ -337,3 +337,22 @@ def test_a_stores_info_and_the_command_lines_inspect_name_the_plan(planned, tmp_
         assert reader.info("planned").save == record
     assert json.loads(run_cli("inspect", str(tmp_path / "s"), "planned", "--json").stdout)["save"] == record
     assert f"saved for the backward: {record}" in run_cli("inspect", str(tmp_path / "s"), "planned").stdout
+
+
+def test_a_model_of_layers_in_a_python_loop_is_planned_exactly_with_a_link():
+    """Layers in a Python loop leave every value outside a scan, each an item of its own (its
+    copies costed apart): scores of them stay within the exact solver."""
+    def unrolled(p, x):
+        h = x
+        for i in range(40):
+            h = h + jnp.tanh(jnp.tanh(h @ p["a"][i]) @ p["b"][i])
+        return jnp.mean(h**2)
+
+    k = jax.random.split(jax.random.key(5), 2)
+    p = {"a": jax.random.normal(k[0], (40, D, F)), "b": jax.random.normal(k[1], (40, F, D))}
+    x = jnp.ones((B, D))
+    for budget in (0, 6_000):
+        fwd = rs.split(unrolled, save=rs.plan(device_budget=budget, profile=LINKED))
+        report = rs.plan_of(jax.eval_shape(lambda p, x: fwd(p, x)[1], p, x))  # noqa: B023 - called at once
+        assert report.exact and report.fits, rs.explain(report)
+        assert len(report.decisions) > 60

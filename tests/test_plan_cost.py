@@ -76,8 +76,8 @@ def test_internals_moving_costs_what_the_compute_beside_it_does_not_hide():
 
 
 def test_internals_a_scans_values_are_one_group_beside_its_products():
-    """Stacked values of one scan share the compute of its body's products times its length; a
-    value outside the scans is beside the products outside them."""
+    """Stacked values of one scan share the compute of its body's products times its length (a
+    value outside the scans is costed apart)."""
     v5e = profile.TPU_V5E
 
     def f(w, x):
@@ -91,7 +91,7 @@ def test_internals_a_scans_values_are_one_group_beside_its_products():
     jaxpr = jax.make_jaxpr(f)(w, x).jaxpr
     scan = next(k for k, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan")
     dot = next(e for e in jaxpr.eqns if e.primitive.name == "dot_general")
-    assert cost._beside(jaxpr, v5e) == pytest.approx({None: cost.seconds(dot, v5e), scan: 5 * 2 * cost.seconds(dot, v5e)})
+    assert cost._beside(jaxpr, v5e) == pytest.approx({scan: 5 * 2 * cost.seconds(dot, v5e)})
     assert cost.product_seconds(jaxpr, v5e) == pytest.approx(11 * cost.seconds(dot, v5e))
 
 
@@ -176,3 +176,20 @@ def test_internals_a_group_with_too_many_combinations_is_costed_apart(monkeypatc
     exact, placed = choose._solved([], candidates, 0, linked)
     assert not exact and all(o.nbytes == 0 for o in placed)
     assert [o.choice for o in placed] == ["recompute", "recompute"]  # 0.6 s beside 0.5 s each: 0.1 s over, against 0.05
+
+
+def test_internals_values_outside_the_scans_are_costed_apart():
+    """A value outside the scans is copied whole, wherever the program puts the copy: an item of
+    its own, its copies beside compute of their own time (the profile's shares: half of each
+    hides here), whatever else is offloaded."""
+    from residual_store._src.plan import choose
+
+    linked, candidates = _two_in_one_body(0.7)
+    halves = dataclasses.replace(linked, hidden_forward=0.5, hidden_backward=0.5)
+    candidates = [dataclasses.replace(c, group=None, beside=0.0) for c in candidates]
+    exact, placed = choose._solved([], candidates, 0, halves)
+    assert exact and [o.choice for o in placed] == ["offload", "offload"]
+    assert [o.seconds for o in placed] == pytest.approx([0.3 + 0.3] * 2)  # each 0.6 s a way, half hidden
+    exact, placed = choose._solved([], [dataclasses.replace(c, options=(*c.options[:3], cost.Option("recompute", 0, 0.5)))
+                                        for c in candidates], 0, halves)
+    assert [o.choice for o in placed] == ["recompute", "recompute"]

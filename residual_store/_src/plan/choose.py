@@ -119,32 +119,49 @@ def _solved(
     profile: DeviceProfile,
 ) -> tuple[bool, list[cost.Option]]:
     """The fastest options within ``budget``, one per input (``held``: each input's placements)
-    then one per candidate, each with its share of its group's copy time in its seconds; and
-    whether the solver proved them the fastest. A group's candidates are one item of the
-    knapsack (their copies share the compute they hide behind: :func:`cost.copy_seconds`)."""
-    groups: dict[int | None, list[int]] = {}
-    for k, c in enumerate(candidates):
-        groups.setdefault(c.group, []).append(k)
-    items: list[list[tuple[int, float]]] = [[(o.nbytes, o.seconds) for o in options] for options in held]
-    combos: list[list[tuple[int, ...]]] = []
+    then one per candidate, each with its share of its copies' time in its seconds; and whether
+    the solver proved them the fastest. The candidates of one scan body are one item of the
+    knapsack: their copies share the compute they hide behind (:func:`cost.copy_seconds`). A
+    value outside the scans is an item of its own, its copies beside compute of their own time
+    (:func:`cost.move_seconds`): it is copied whole, wherever the program puts the copy."""
+    units: list[tuple[list[int], list[tuple[int, float, tuple[int, ...]]]]] = []
     exact = True
-    for members in groups.values():
+    for group, members in _groups(candidates).items():
+        if group is None:
+            units += [([k], [(o.nbytes, o.seconds + _moved_apart(o, profile), (i,)) for i, o in enumerate(candidates[k].options)])
+                      for k in members]
+            continue
         beside = candidates[members[0]].beside
         linked = [[(o.nbytes, o.seconds, o.moved) for o in candidates[k].options] for k in members]
         frontier = solve.combined(linked, functools.partial(_copies, profile=profile, beside=beside))
         if frontier is None:  # too many combinations: each its share of the compute, separately
             exact = False
             frontier = _apart(candidates, members, profile)
-        items.append([(b, s) for b, s, _ in frontier])
-        combos.append([choices for _, _, choices in frontier])
-    solution = solve.solve(items, budget)
+        units.append((members, frontier))
+    items = [[(o.nbytes, o.seconds) for o in options] for options in held]
+    solution = solve.solve([*items, *([(b, s) for b, s, _ in frontier] for _, frontier in units)], budget)
     chosen: list[cost.Option | None] = [None] * len(candidates)
-    for members, options, pick in zip(groups.values(), combos, solution.choices[len(held):]):
-        picked = [candidates[k].options[i] for k, i in zip(members, options[pick])]
-        for k, option in zip(members, _with_copies(picked, profile, candidates[members[0]].beside)):
+    for (members, frontier), pick in zip(units, solution.choices[len(held):]):
+        picked = [candidates[k].options[i] for k, i in zip(members, frontier[pick][2])]
+        first = candidates[members[0]]
+        timed = ([dataclasses.replace(picked[0], seconds=picked[0].seconds + _moved_apart(picked[0], profile))]
+                 if first.group is None else _with_copies(picked, profile, first.beside))
+        for k, option in zip(members, timed):
             chosen[k] = option
     placed = [options[i] for options, i in zip(held, solution.choices)]
     return exact and solution.exact, [*placed, *(o for o in chosen if o is not None)]
+
+
+def _groups(candidates: Sequence[cost.Candidate]) -> dict[int | None, list[int]]:
+    """The candidates' positions by :attr:`cost.Candidate.group`, in order."""
+    out: dict[int | None, list[int]] = {}
+    for k, c in enumerate(candidates):
+        out.setdefault(c.group, []).append(k)
+    return out
+
+
+def _moved_apart(option: cost.Option, profile: DeviceProfile) -> float:
+    return (cost.move_seconds(option.moved, profile) or 0.0) if option.moved else 0.0
 
 
 def _copies(moved: int, profile: DeviceProfile, beside: float) -> float:
@@ -154,15 +171,19 @@ def _copies(moved: int, profile: DeviceProfile, beside: float) -> float:
 def _apart(
     candidates: Sequence[cost.Candidate], members: Sequence[int], profile: DeviceProfile
 ) -> list[tuple[int, float, tuple[int, ...]]]:
-    """A group's candidates costed apart, each beside its share (by bytes) of the compute: one
-    option per choice of each, as :func:`solve.solve` takes them, through the greedy pass."""
+    """A group's candidates costed apart, each beside its share (by bytes) of the compute, as
+    the group's options: the greedy pass's choices at five budgets from the fewest bytes to the
+    most, a frontier (fewest bytes first)."""
     total = sum(candidates[k].nbytes for k in members) or 1
     items = [[(o.nbytes, o.seconds + _copies(o.moved, profile, c.beside * c.nbytes / total)) for o in c.options]
              for c in (candidates[k] for k in members)]
-    out = []
-    for budget in sorted({sum(min(b for b, _ in options) for options in items), sum(options[0][0] for options in items)}):
-        found = solve.greedy(items, budget)
-        out.append((found.nbytes, found.seconds, found.choices))
+    least = sum(min(b for b, _ in options) for options in items)
+    most = sum(max(b for b, _ in options) for options in items)
+    found = [solve.greedy(items, least + (most - least) * q // 4) for q in range(5)]
+    out: list[tuple[int, float, tuple[int, ...]]] = []
+    for f in sorted(found, key=lambda f: (f.nbytes, f.seconds)):
+        if not out or f.seconds < out[-1][1]:
+            out.append((f.nbytes, f.seconds, f.choices))
     return out
 
 

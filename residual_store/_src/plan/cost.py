@@ -6,7 +6,8 @@ memory and back through its pool: no device bytes between forward and backward, 
 time, unhidden: a TPU runs copies and compute one after the other), **offloaded** to host memory
 inside the forward and brought back inside the backward (no device bytes; the copies' time at
 the in-program rate, less what hides behind the compute beside them: the values offloaded from
-one scan body share its compute, :func:`copy_seconds`), or
+one scan body share its compute, :func:`copy_seconds`; a value outside the scans, copied whole,
+hides by the profile's shares, :func:`move_seconds`), or
 **recomputed** in the backward from what is kept (no bytes; the time of the matrix products
 that make it, through cheap operations). Only pure operations are recomputed: never RNG,
 custom_vjp / custom_jvp calls, custom calls or kernels, callbacks or collectives (the
@@ -66,9 +67,10 @@ class Candidate:
         ``recompute`` where products make it (through cheap operations and labels only).
       products: those products (jaxpr equations), which recomputing it runs again.
       group: the values whose copies run beside the same compute: the scan equation (its index)
-        a stacked value comes from, or ``None`` (the forward outside its scans).
-      beside: that compute's forward seconds in one context (a scan's: its body's times its
-        length), shared by the group's copies.
+        a stacked value comes from; ``None`` for a value outside the scans, copied whole wherever
+        the program puts the copy and costed apart (:func:`move_seconds`).
+      beside: a scan's compute, forward seconds in one context (its body's products times its
+        length), shared by its stacks' copies; 0 outside the scans.
     """
 
     value: Any
@@ -243,16 +245,11 @@ def product_seconds(jaxpr: Any, profile: DeviceProfile) -> float:
     return sum(_product_seconds(eqn, profile) for eqn in jaxpr.eqns)
 
 
-def _beside(jaxpr: Any, profile: DeviceProfile) -> dict[int | None, float]:
-    """Per group of kept values (:attr:`Candidate.group`), the forward seconds of the compute
-    their copies run beside (:func:`product_seconds`): a scan's (its stacks are copied an
-    iteration at a time, inside it), and the forward's outside its scans (a value is copied
-    whole, beside the rest)."""
-    out: dict[int | None, float] = {None: 0.0}
-    for k, eqn in enumerate(jaxpr.eqns):
-        group = k if _jax_internals.scan_parts(eqn) is not None else None
-        out[group] = out.get(group, 0.0) + _product_seconds(eqn, profile)
-    return out
+def _beside(jaxpr: Any, profile: DeviceProfile) -> dict[int, float]:
+    """Per scan of ``jaxpr`` (its equation's index), the forward seconds of the compute its
+    stacks' copies run beside, an iteration at a time, inside it (:func:`product_seconds`)."""
+    return {k: _product_seconds(eqn, profile) for k, eqn in enumerate(jaxpr.eqns)
+            if _jax_internals.scan_parts(eqn) is not None}
 
 
 def _name(products: list[Any], value: Any, times: int) -> str:
@@ -278,4 +275,4 @@ def candidates(plan: remat.RematPlan, profile: DeviceProfile, offload: bool = Tr
             options.append(Option("recompute", 0, times * sum(seconds(eqn, profile) for eqn in products)))
         group = value.eqn if isinstance(value, remat.Stacked) else None
         yield Candidate(value, _name(products, value, times), size, tuple(options), tuple(products), group,
-                        beside[group])
+                        0.0 if group is None else beside[group])

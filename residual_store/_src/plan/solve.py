@@ -15,6 +15,7 @@ combination costed whole.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -146,9 +147,9 @@ def combined(
     for options in items:
         grown = sorted(((b + ob, s + os_, n + on, (i, chain)) for b, s, n, chain in states
                         for i, (ob, os_, on) in enumerate(options)), key=lambda st: st[:3])
-        states = []
+        states, seen = [], _Staircase()
         for st in grown:  # (sorted by bytes: an earlier state beats it if no worse in the others)
-            if not any(o[1] <= st[1] and o[2] <= st[2] for o in states):
+            if seen.add(st[1], st[2]):
                 states.append(st)
         if len(states) > max_states:
             return None
@@ -166,3 +167,24 @@ def _choices(chain: tuple | None) -> tuple[int, ...]:
         out.append(chain[0])
         chain = chain[1]
     return tuple(out[::-1])
+
+
+class _Staircase:
+    """The points ``(seconds, moved)`` no other beats in both, seconds ascending (moved then
+    strictly descending): whether a new point is beaten is one search."""
+
+    def __init__(self) -> None:
+        self._seconds: list[float] = []
+        self._moved: list[int] = []
+
+    def add(self, seconds: float, moved: int) -> bool:
+        """Adds the point unless one no worse in both is there; whether it was added."""
+        k = bisect.bisect_right(self._seconds, seconds)
+        if k and self._moved[k - 1] <= moved:  # (the least moved of those no slower)
+            return False
+        end = k
+        while end < len(self._seconds) and self._moved[end] >= moved:
+            end += 1  # (slower and moving as much: beaten by the new point)
+        self._seconds[k:end] = [seconds]
+        self._moved[k:end] = [moved]
+        return True
