@@ -173,7 +173,7 @@ def test_w_repeats_no_matrix_product_that_b_ran(splits, name):
     assert 0 < b < plain and 0 < w and b + w == plain, (b, w, plain)
 
 
-@pytest.mark.slow  # seconds of its own: the fast tier keeps under 90 s
+@pytest.mark.slow  # seconds of its own: the fast tier aims at 90 s
 def test_later_holds_only_what_w_reads(splits):
     """The attention weights (softmax) are read only by the input gradient: B frees them."""
     fwd = splits["transformer_block"]

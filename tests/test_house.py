@@ -461,7 +461,7 @@ def test_no_test_but_the_demos_own_imports_the_demo():
     assert not importers, f"these tests import residual_store.demo: {importers}"
 
 
-@pytest.mark.slow  # seconds of its own: the fast tier keeps under 90 s
+@pytest.mark.slow  # seconds of its own: the fast tier aims at 90 s
 def test_the_serializers_install_under_the_projects_own_name(tmp_path):
     """The formats install as ``residual_store_serializers``: a top-level ``serializers`` is
     another published distribution's name, and a user with both would get one overwritten."""

@@ -179,7 +179,7 @@ def test_a_store_that_never_answers_is_reported_within_the_default_timeout():
         assert time.monotonic() - t0 < 10 and "give a longer timeout" in str(info.value)
 
 
-@pytest.mark.slow  # seconds of waiting: the fast tier keeps under 90 s
+@pytest.mark.slow  # seconds of waiting: the fast tier aims at 90 s
 def test_a_refused_connection_is_retried_within_the_timeout():
     """Nothing listens on the port (a server restarting, perhaps): retried, within ``timeout``."""
     with socket.create_server(("127.0.0.1", 0)) as taken:
@@ -254,7 +254,7 @@ def test_internals_the_window_hands_log_lines_to_the_logger_and_writes_the_rest_
     assert [r.getMessage() for r in caplog.records] == [f"object store SDK: {line.decode()}"]
 
 
-@pytest.mark.slow  # seconds of waiting: the fast tier keeps under 90 s
+@pytest.mark.slow  # seconds of waiting: the fast tier aims at 90 s
 def test_the_command_line_says_what_cannot_heal_in_one_line():
     from store_helpers import run_cli
 

@@ -225,7 +225,7 @@ def test_every_plan_is_a_signature_of_its_own(planned):
         rs.split(loss, argnums=(0, 1), save="auto").backward(ctx)
 
 
-@pytest.mark.slow  # seconds of compiling (as test_transformer.py's): the fast tier keeps under 90 s
+@pytest.mark.slow  # seconds of compiling (as test_transformer.py's): the fast tier aims at 90 s
 def test_the_transformer_with_its_names_policy_keys_and_aux():
     """``jax.checkpoint`` bodies, RNG (dropout) and ``checkpoint_name``'d values are kept whole."""
     params = tm.init(jax.random.key(3))

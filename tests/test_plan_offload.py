@@ -203,7 +203,7 @@ def test_a_backward_takes_its_offloaded_values_on_the_device_too():
         _assert_grads(fwd.backward(moved), want)
 
 
-@pytest.mark.slow  # real model libraries, seconds of compiling each: the fast tier keeps under 90 s
+@pytest.mark.slow  # real model libraries, seconds of compiling each: the fast tier aims at 90 s
 @pytest.mark.parametrize("name", ["nnx_functional", "linen_scan", "eqx_transformer", "haiku_state"])
 def test_real_models_offload_through_a_store_with_jax_grads_gradients(name):
     """Flax NNX and linen, Equinox and Haiku modules planned at budget 0 with a link: what the

@@ -53,7 +53,7 @@ def test_dropout_key_changes_output_and_gradients(fwd, rng):
     assert not np.allclose(g1["layers"]["w1"], g2["layers"]["w1"])
 
 
-@pytest.mark.slow  # seconds of its own: the fast tier keeps under 90 s
+@pytest.mark.slow  # seconds of its own: the fast tier aims at 90 s
 def test_residual_names_follow_checkpoint_policy(fwd, rng):
     params, tokens, key = _batch(rng)
     _, ctx = fwd(params, tokens, key)
