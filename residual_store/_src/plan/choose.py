@@ -128,8 +128,7 @@ def _solved(
     exact = True
     for group, members in _groups(candidates).items():
         if group is None:
-            units += [([k], [(o.nbytes, o.seconds + _moved_apart(o, profile), (i,)) for i, o in enumerate(candidates[k].options)])
-                      for k in members]
+            units += [([k], _alone(candidates[k], profile)) for k in members]
             continue
         beside = candidates[members[0]].beside
         linked = [[(o.nbytes, o.seconds, o.moved) for o in candidates[k].options] for k in members]
@@ -162,6 +161,12 @@ def _groups(candidates: Sequence[cost.Candidate]) -> dict[int | None, list[int]]
 
 def _moved_apart(option: cost.Option, profile: DeviceProfile) -> float:
     return (cost.move_seconds(option.moved, profile) or 0.0) if option.moved else 0.0
+
+
+def _alone(candidate: cost.Candidate, profile: DeviceProfile) -> list[tuple[int, float, tuple[int, ...]]]:
+    """A value outside the scans as an item of its own: its options, an offload's copies
+    costed apart."""
+    return [(o.nbytes, o.seconds + _moved_apart(o, profile), (i,)) for i, o in enumerate(candidate.options)]
 
 
 def _copies(moved: int, profile: DeviceProfile, beside: float) -> float:

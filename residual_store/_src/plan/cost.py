@@ -45,8 +45,8 @@ _PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 class Option:
     """One choice for a residual: the device bytes it holds per context, the seconds it adds to
     a step on its own, and the bytes it copies to host memory inside the forward and back inside
-    the backward (an offload's: their time is its group's, :func:`copy_seconds`, not in
-    ``seconds``)."""
+    the backward (an offload's). The copies' time is not in ``seconds``: a scan body's values
+    share it (:func:`copy_seconds`); a value outside the scans pays :func:`move_seconds`."""
 
     choice: Choice
     nbytes: int
