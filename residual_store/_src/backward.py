@@ -11,7 +11,7 @@ serialized backward was loaded.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -92,10 +92,6 @@ def _paced_on(ctx: ResidualContext) -> _Paced | None:
     return _Paced(frozenset(first.sharding.device_set), budget - microbatches * ctx.spec.own_nbytes)
 
 
-def _nbytes(outputs: Sequence[Any]) -> int:
-    return sum(int(getattr(x, "nbytes", 0)) for x in outputs)
-
-
 class Executables:
     """A jitted flat function compiled ahead of time, once per placement of its inputs.
 
@@ -140,6 +136,16 @@ class Executables:
     def __len__(self) -> int:
         """Executables held now (compiled, not dropped since)."""
         return len(self._by_placement)
+
+    def out_nbytes(self, residuals: list[Any], cts: list[Any], check: Callable[[], None]) -> int:
+        """The bytes of ``fn(residuals, cts)``'s outputs (its executable's, compiled now if it is
+        not yet; ``check`` first, as :meth:`run`)."""
+        compiled = self.find(residuals, cts)
+        if compiled is None:
+            check()
+            compiled = self.compile(residuals, cts)
+        return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(compiled.out_info))
 
     def run(self, residuals: list[Any], cts: list[Any], check: Callable[[], None]) -> Any:
         """``fn(residuals, cts)``: inlined into the caller's trace under ``jax.jit``, else
@@ -203,7 +209,6 @@ class Backward:
         self.unexportable = unexportable
         self.unavailable = unavailable
         self._executables = Executables(self._jitted, on_compile)
-        self._grads_nbytes = sys.maxsize  # (a paced call's, once one ran: see __call__)
 
     # -- cotangents -------------------------------------------------------------------------
 
@@ -284,14 +289,15 @@ class Backward:
         self.check_representable(ctx)
         cts = self.cotangent_leaves(cotangent)
         paced = _paced_on(ctx)
+        check = functools.partial(self.check_residuals, ctx)
         if paced is not None:  # a plan's budget bounds the device: so do its backwards in flight
-            ahead = paced.room >= self._grads_nbytes  # (this one's gradients, allocated at dispatch)
+            grads_nbytes = self._executables.out_nbytes(list(ctx.residuals), cts, check)  # (allocated at dispatch)
+            ahead = paced.room >= grads_nbytes
             _PLANNED.wait(paced.devices, running=1 if ahead else 0)
             if not ahead:  # (and what the caller made of the last gradients has freed its inputs)
                 drain(paced.devices)
-        grads = self._executables.run(list(ctx.residuals), cts, lambda: self.check_residuals(ctx))
+        grads = self._executables.run(list(ctx.residuals), cts, check)
         if paced is not None:
-            self._grads_nbytes = _nbytes(grads)
             _PLANNED.ran(paced.devices, grads)
         consumed(ctx, grads)  # a store that handed ``ctx`` out waits on these for room
         return self.grad_structure.unflatten(grads, like=like)
