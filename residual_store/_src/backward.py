@@ -23,6 +23,7 @@ import numpy as np
 from residual_store._src import _jax_internals
 from residual_store._src.context import (
     ResidualContext,
+    aval_nbytes,
     backward_of,
     check_representable,
     consumed,
@@ -92,6 +93,11 @@ def _paced_on(ctx: ResidualContext) -> _Paced | None:
     return _Paced(frozenset(first.sharding.device_set), budget - microbatches * ctx.spec.own_nbytes)
 
 
+def _out_nbytes(compiled: Any) -> int:
+    """The bytes of a compiled program's outputs."""
+    return sum(aval_nbytes(a) for a in jax.tree.leaves(compiled.out_info))
+
+
 class Executables:
     """A jitted flat function compiled ahead of time, once per placement of its inputs.
 
@@ -137,28 +143,26 @@ class Executables:
         """Executables held now (compiled, not dropped since)."""
         return len(self._by_placement)
 
-    def out_nbytes(self, residuals: list[Any], cts: list[Any], check: Callable[[], None]) -> int:
-        """The bytes of ``fn(residuals, cts)``'s outputs (its executable's, compiled now if it is
-        not yet; ``check`` first, as :meth:`run`)."""
+    def executable(self, residuals: list[Any], cts: list[Any], check: Callable[[], None]) -> Any:
+        """The executable for these inputs' placements, compiled now if it is not yet (``check()``
+        first: it names a bad residual before anything is compiled for it)."""
         compiled = self.find(residuals, cts)
         if compiled is None:
             check()
             compiled = self.compile(residuals, cts)
-        return sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-                   for a in jax.tree.leaves(compiled.out_info))
+        return compiled
 
-    def run(self, residuals: list[Any], cts: list[Any], check: Callable[[], None]) -> Any:
+    def run(self, residuals: list[Any], cts: list[Any], check: Callable[[], None], compiled: Any = None) -> Any:
         """``fn(residuals, cts)``: inlined into the caller's trace under ``jax.jit``, else
-        through the executable for these placements. ``check()`` names a bad residual (a wrong
-        shape, a deleted array) before anything is traced or compiled for it, and after a call
-        the executable rejected (:class:`SignatureMismatchError` if it passes)."""
+        through ``compiled`` (:meth:`executable`'s for these placements, found now if not given).
+        ``check()`` names a bad residual (a wrong shape, a deleted array) before anything is
+        traced or compiled for it, and after a call the executable rejected
+        (:class:`SignatureMismatchError` if it passes)."""
         if staged(residuals + cts, "the backward"):
             check()  # at trace time only: named here, not deep inside JAX
             return self._jitted(residuals, cts)
-        compiled = self.find(residuals, cts)
         if compiled is None:
-            check()
-            compiled = self.compile(residuals, cts)
+            compiled = self.executable(residuals, cts, check)
         try:
             return compiled(residuals, cts)
         except (TypeError, ValueError, RuntimeError) as err:
@@ -289,14 +293,15 @@ class Backward:
         self.check_representable(ctx)
         cts = self.cotangent_leaves(cotangent)
         paced = _paced_on(ctx)
-        check = functools.partial(self.check_residuals, ctx)
+        residuals, check = list(ctx.residuals), functools.partial(self.check_residuals, ctx)
+        compiled = None
         if paced is not None:  # a plan's budget bounds the device: so do its backwards in flight
-            grads_nbytes = self._executables.out_nbytes(list(ctx.residuals), cts, check)  # (allocated at dispatch)
-            ahead = paced.room >= grads_nbytes
+            compiled = self._executables.executable(residuals, cts, check)
+            ahead = paced.room >= _out_nbytes(compiled)  # (this one's gradients, allocated at dispatch)
             _PLANNED.wait(paced.devices, running=1 if ahead else 0)
             if not ahead:  # (and what the caller made of the last gradients has freed its inputs)
                 drain(paced.devices)
-        grads = self._executables.run(list(ctx.residuals), cts, check)
+        grads = self._executables.run(residuals, cts, check, compiled)
         if paced is not None:
             _PLANNED.ran(paced.devices, grads)
         consumed(ctx, grads)  # a store that handed ``ctx`` out waits on these for room

@@ -200,7 +200,7 @@ class ResidualSpec:
     def leaf_nbytes(self) -> tuple[int, ...]:
         """Bytes of each residual (a typed key: its key data), worked out once per spec: every
         put and get of a context of hundreds of residuals asks, and its arrays match ``avals``."""
-        return tuple(_aval_nbytes(a) for a in self.avals)
+        return tuple(aval_nbytes(a) for a in self.avals)
 
     @functools.cached_property
     def movable(self) -> tuple[bool, ...]:
@@ -244,7 +244,7 @@ class ResidualSpec:
     @property
     def nbytes(self) -> int:
         """Bytes of all residual leaves, as the avals describe them."""
-        return sum(_aval_nbytes(a) for a in self.avals)
+        return sum(aval_nbytes(a) for a in self.avals)
 
 
 @functools.lru_cache(maxsize=256)
@@ -286,7 +286,8 @@ def describe_residual(spec: ResidualSpec, context: str) -> Callable[[int], str]:
     return lambda i: f"{context}, residual {i} ({spec.names[i]})"
 
 
-def _aval_nbytes(aval: Any) -> int:
+def aval_nbytes(aval: Any) -> int:
+    """The bytes of one array of ``aval`` (a PRNG key's: its key data's)."""
     if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
         size = int(np.prod(aval.shape, dtype=np.int64))
         key_shape = jax.eval_shape(lambda k: jax.random.key_data(k), aval).shape
@@ -378,12 +379,12 @@ class ResidualContext:
         ):
             shape = "(" + ", ".join(str(d) for d in aval.shape) + ")"
             where = " (host)" if i in self._spec.on_host else ""
-            rows.append((str(i), name, shape, str(aval.dtype), f"{_aval_nbytes(aval):,}", kind + where))
+            rows.append((str(i), name, shape, str(aval.dtype), f"{aval_nbytes(aval):,}", kind + where))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         held = {k: 0 for k in ("weight", "input", "constant", "intermediate")}
         for aval, kind in zip(self._spec.avals, self._spec.kinds):
-            held[kind] += _aval_nbytes(aval)
+            held[kind] += aval_nbytes(aval)
         host = f" ({self._spec.host_nbytes:,} of them in host memory)" if self._spec.on_host else ""
         lines.append(
             f"signature {self._spec.signature}: {self.nbytes:,} bytes held; its own "
