@@ -151,16 +151,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 # -- two tiers -----------------------------------------------------------------------------------
 #
-# The fast tier (``pytest -m "not slow"``) aims at 90 s on 2 cores and takes about 170 s (the
-# README says what was last measured): no test in it starts another process, and none takes more
-# than a few seconds. A test that starts other processes pays their imports and compiles, so it is
-# slow by nature; the others that take seconds are marked ``slow`` where they are defined
-# (``--durations`` finds them).
+# The fast tier (``pytest -n 2 --dist loadfile -m "not slow"``, as the README runs it: two
+# pytest-xdist workers, each file's tests in one of them) aims at 90 s on 2 cores (the README says
+# what was last measured): no test in it starts another process, and none takes more than a few
+# seconds. A test that starts other processes pays their imports and compiles, so it is slow by
+# nature; the others that take seconds are marked ``slow`` where they are defined (``--durations``
+# finds them). Each worker imports this module: its own temp folder (in the one the controlling
+# process made), its own leak check, its own compile counter.
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Starts the type checker's process as the tests begin when its test is selected, so that
-    it runs beside them rather than after them (tests/test_lint.py)."""
+    it runs beside them rather than after them (tests/test_lint.py). Not in a pytest-xdist
+    worker: every worker collects every test, and only the one given the test would wait for
+    its process (there the test starts it, beside the other worker's tests)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if any(item.nodeid.endswith("test_lint.py::test_mypy_finds_nothing") for item in session.items):
         import test_lint
 
