@@ -3,7 +3,7 @@
 A plan weighs seconds against bytes: recomputing a residual costs its FLOPs at the device's
 matmul rate (or its bytes at the memory's rate), moving it to host memory and back costs its
 bytes at the link's rates, less what hides behind the compute beside the copy. Those rates
-are a device kind's, so they are measured once per kind (:func:`measure`) and kept in memory,
+are a device kind's, so they are measured once per kind (:mod:`residual_store._src.plan.measure`) and kept in memory,
 and on disk where the caller names a folder; CPU and TPU v5e have built-in profiles (the issue's
 measurements on a v5e), so nothing needs to measure to plan for them.
 """
@@ -16,13 +16,12 @@ import json
 import math
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from residual_store._src.errors import InvalidArgumentError
 
-__all__ = ["CPU", "TPU_V5E", "DeviceProfile", "builtin_profile", "measure", "device_profile"]
+__all__ = ["CPU", "TPU_V5E", "DeviceProfile", "builtin_profile", "device_profile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +130,8 @@ def device_profile(device: Any = None, *, remeasure: bool = False, cache_dir: st
 
     A built-in profile where there is one (unless ``remeasure``); else one measured in this
     process before, or read from ``cache_dir`` (a folder: one JSON file per device kind), or
-    measured now (:func:`measure`, about a second) and kept in memory and in ``cache_dir``.
+    measured now (:func:`residual_store._src.plan.measure.measure`: about a second without a link, ten with one on a TPU
+    v5e, most of it compiling) and kept in memory and in ``cache_dir``.
     """
     import jax
 
@@ -145,7 +145,9 @@ def device_profile(device: Any = None, *, remeasure: bool = False, cache_dir: st
         path = _cache_file(cache_dir, kind) if cache_dir is not None else None
         profile = _read(path) if path is not None and not remeasure else None
         if profile is None:
-            profile = measure(device)
+            from residual_store._src.plan import measure  # (it builds programs: only when asked)
+
+            profile = measure.measure(device)
             if path is not None:
                 _write(path, profile)
         _MEASURED[kind] = profile
@@ -170,34 +172,3 @@ def _write(path: Path, profile: DeviceProfile) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(dataclasses.asdict(profile), sort_keys=True))
     os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-
-
-def measure(device: Any, size: int = 1024, repeats: int = 3) -> DeviceProfile:
-    """Measures ``device``: a ``size``-square matrix product (FLOP/s), an elementwise pass
-    (bytes/s), and a copy each way between device and pinned host memory inside a compiled
-    program where the device has host memory kinds apart from its own (best of ``repeats``).
-    Hidden shares cannot be measured this simply; they stay 0 (the cautious choice)."""
-    import jax
-    import jax.numpy as jnp
-
-    def best(fn: Any, *args: Any) -> float:
-        jax.block_until_ready(fn(*args))  # compiled and warm
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        return max(min(times), 1e-9)
-
-    x = jax.device_put(jnp.ones((size, size), jnp.float32), device)
-    flops = 2 * size**3 / best(jax.jit(lambda a: a @ a), x)
-    memory = 2 * x.nbytes / best(jax.jit(lambda a: a * 2 + 1), x)
-    kinds = {m.kind for m in device.addressable_memories()}
-    if device.platform == "cpu" or "pinned_host" not in kinds:
-        return DeviceProfile(kind=str(device.device_kind), matmul_flops=flops, memory_bytes=memory)
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    on_host = jax.device_put(x, host)
-    d2h = x.nbytes / best(jax.jit(lambda a: a, out_shardings=host), x)
-    h2d = x.nbytes / best(jax.jit(lambda a: a * 1, out_shardings=jax.sharding.SingleDeviceSharding(device)), on_host)
-    return DeviceProfile(kind=str(device.device_kind), matmul_flops=flops, memory_bytes=memory,
-                         d2h_bytes=d2h, h2d_bytes=h2d)
