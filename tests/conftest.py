@@ -152,12 +152,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # -- two tiers -----------------------------------------------------------------------------------
 #
 # The fast tier (``pytest -n 2 --dist loadfile -m "not slow"``, as the README runs it: two
-# pytest-xdist workers, each file's tests in one of them) aims at 90 s on 2 cores (the README says
-# what was last measured): no test in it starts another process, and none takes more than a few
-# seconds. A test that starts other processes pays their imports and compiles, so it is slow by
-# nature; the others that take seconds are marked ``slow`` where they are defined (``--durations``
-# finds them). Each worker imports this module: its own temp folder (in the one the controlling
-# process made), its own leak check, its own compile counter.
+# pytest-xdist workers, each file's tests in one of them) aims at 90 s on 2 cores and takes about
+# 220 s (the README says what was last measured): no test in it starts another process, and none
+# takes more than a few seconds. A test that starts other processes pays their imports and
+# compiles, so it is slow by nature; the others that take seconds are marked ``slow`` where they
+# are defined (``--durations`` finds them). Each worker imports this module: its own temp folder
+# (in the one the controlling process made), its own leak check, its own compile counter.
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
