@@ -8,6 +8,7 @@ and without it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -219,10 +220,15 @@ def test_every_plan_is_a_signature_of_its_own(planned):
     signatures |= {rs.split(loss, argnums=(0, 1), save=s)(p, x)[1].spec.signature for s in ("all", "auto")}
     assert len(signatures) == len(planned) + 2
     _, ctx, _ = planned[False, 0]
-    with pytest.raises(rs.SignatureMismatchError, match="save='plan:budget=0"):
+    with pytest.raises(rs.SignatureMismatchError, match="save='plan:budget=0") as budget:
         rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=6000)).backward(ctx)
-    with pytest.raises(rs.SignatureMismatchError, match="save='plan:budget=0"):
+    with pytest.raises(rs.SignatureMismatchError, match="save='plan:budget=0") as auto:
         rs.split(loss, argnums=(0, 1), save="auto").backward(ctx)
+    assert "device profiles" not in str(budget.value) + str(auto.value)
+    # the same plan read off a profile measured again (2% faster products): what to do is said
+    remeasured = dataclasses.replace(rs.device_profile(), matmul_flops=rs.device_profile().matmul_flops * 1.02)
+    with pytest.raises(rs.SignatureMismatchError, match="only the device profiles the two plans read differ"):
+        rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=0, profile=remeasured)).backward(ctx)
 
 
 @pytest.mark.slow  # seconds of compiling (as test_transformer.py's): the fast tier aims at 90 s

@@ -140,13 +140,20 @@ def plan_record(device_budget: int | None, microbatches: int, offload: bool, pro
     return f"{head}microbatches={microbatches};offload={int(offload)};profile={profile}"
 
 
+def plan_fields(save: str) -> dict[str, str] | None:
+    """A ``save`` record's plan options by name (``budget``, ``microbatches``, ``offload``,
+    ``profile``: the profile's kind and digest), or ``None`` for anything but a plan."""
+    if not save.startswith(PLAN_PREFIX):
+        return None
+    return dict(part.partition("=")[::2] for part in save[len(PLAN_PREFIX):].split(";"))
+
+
 def plan_budget(save: str) -> tuple[int, int] | None:
     """The device budget and the microbatches sharing it that a ``save`` record's plan names:
     ``None`` for anything but a plan under a device budget; ``(0, 1)`` (the tightest) for one
     whose numbers cannot be read."""
-    if not save.startswith(PLAN_PREFIX) or save.startswith(PLAN_UNBOUNDED):
+    if save.startswith(PLAN_UNBOUNDED) or (fields := plan_fields(save)) is None:
         return None
-    fields = dict(part.partition("=")[::2] for part in save[len(PLAN_PREFIX):].split(";"))
     try:
         budget, microbatches = int(fields["budget"]), int(fields["microbatches"])
     except (KeyError, ValueError):

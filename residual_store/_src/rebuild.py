@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from residual_store._src import placement, structure
-from residual_store._src.context import ResidualSpec
+from residual_store._src.context import ResidualSpec, plan_fields
 from residual_store._src.errors import ResidualStoreError, SignatureMismatchError
 from residual_store._src.signature import is_current
 from residual_store._src.trace import Keywords, Options, Traced, trace
@@ -65,7 +65,7 @@ def inputs_of(opts: Options, spec: ResidualSpec) -> RecordedInputs:
     theirs = (call.argnums, call.weight_argnums, call.static_argnums, call.has_aux, call.save)
     if mine != theirs:
         diff = ", ".join(f"{n}={t!r} (this split: {m!r})" for n, m, t in zip(_OPTIONS, mine, theirs) if m != t)
-        raise mismatch(opts, spec, f": it was made by a split with {diff}")
+        raise mismatch(opts, spec, f": it was made by a split with {diff}{_profiles_differ(mine[-1], theirs[-1])}")
     if (call.differentiated is None) != (opts.filter is None):
         made, has = ("without", "has one") if call.differentiated is None else ("with", "has none")
         raise mismatch(opts, spec, f": it was made by a split {made} a filter, and this one {has}")
@@ -187,3 +187,18 @@ def _enter_mesh(record: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]
         devices = np.array(jax.devices()[:n], dtype=object).reshape(sizes)
         return jax.set_mesh(jax.sharding.Mesh(devices, axis_names, axis_types=kinds))
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(sizes, axis_names, axis_types=kinds))
+
+
+def _profiles_differ(mine: str, theirs: str) -> str:
+    """What to do where two plans' records differ in their device profiles alone (a profile
+    measured in each process differs by the measurement's noise), else nothing."""
+    a, b = plan_fields(mine), plan_fields(theirs)
+    if a is None or b is None or a == b or {k: v for k, v in a.items() if k != "profile"} != {
+        k: v for k, v in b.items() if k != "profile"
+    }:
+        return ""
+    return (
+        "; only the device profiles the two plans read differ (a profile measured in each process "
+        "differs by its noise): plan both with one rs.DeviceProfile, e.g. "
+        "rs.plan(..., profile=rs.device_profile(cache_dir=DIR)) with DIR shared by the processes"
+    )
