@@ -193,9 +193,7 @@ def _profiles_differ(mine: str, theirs: str) -> str:
     """What to do where two plans' records differ in their device profiles alone (a profile
     measured in each process differs by the measurement's noise), else nothing."""
     a, b = plan_fields(mine), plan_fields(theirs)
-    if a is None or b is None or a == b or {k: v for k, v in a.items() if k != "profile"} != {
-        k: v for k, v in b.items() if k != "profile"
-    }:
+    if a is None or b is None or a.pop("profile", None) == b.pop("profile", None) or a != b:
         return ""
     return (
         "; only the device profiles the two plans read differ (a profile measured in each process "

@@ -47,7 +47,7 @@ def measure(device: Any, size: int = 1024, repeats: int = 3) -> DeviceProfile:
       share of the cost model's law (:func:`_hidden_share`).
 
     The link's times leave out what launching a program costs (a program that does nothing,
-    timed alike). Without a link, 2 programs to compile; with one, :data:`_PROGRAMS`, whose runs
+    timed alike). Without a link, 2 programs to compile; with one, 10, whose runs
     take about half a second on a TPU v5e: there (JAX 0.10.2, two runs) the whole took 9.6 and
     10.0 s, most of it compiling, and gave 167-176 TFLOP/s, 13.7-13.8 GB/s to host and 12.8
     GB/s back, duplex, shares 0.91-0.93 and 0.94 (the built-in: 165 TFLOP/s, 13.4 and 14 GB/s,
@@ -87,7 +87,6 @@ def _compute_rates(device: Any, size: int, repeats: int) -> tuple[float, float]:
 
 _ITERATIONS = 16  # a link program's scan: slices copied, one an iteration
 _MAX_PRODUCTS = 64  # the most matrix products an iteration of a hidden-share program runs
-_PROGRAMS = 10  # what measure() compiles where there is a link (2 without)
 _DUPLEX = 0.75  # both ways in one program within this share of one way then the other: duplex
 _LONG = 0.004  # seconds: a loop of _per_step runs at least this long (where _MAX_STEPS allow)
 _MAX_STEPS = 4096
@@ -179,10 +178,10 @@ def _duplex(out: float, back: float, both: float) -> bool:
 
 
 def _link_fields(times: LinkTimes) -> dict[str, Any]:
-    """The profile's link fields from the measurement programs' times, less the launch's (each
-    time kept above a tenth of itself)."""
+    """The profile's link fields from the measurement programs' times, less the launch's
+    (:func:`_less_launch`)."""
     def run(t: float) -> float:
-        return max(t - times.launch, t / 10)
+        return _less_launch(t, times.launch)
 
     out, back = run(times.out), run(times.back)
     return {
@@ -194,6 +193,12 @@ def _link_fields(times: LinkTimes) -> dict[str, Any]:
     }
 
 
+def _less_launch(t: float, launch: float) -> float:
+    """A program's time ``t`` less ``launch`` (what launching one and waiting for it costs),
+    kept above a tenth of ``t`` (noise can make the launch seem to take it all)."""
+    return max(t - launch, t / 10)
+
+
 def _products(copy: float, flops: float, flop: float) -> int:
     """How many matrix products of ``flop`` FLOPs each (at ``flops``) take about ``copy`` seconds."""
     return max(1, min(_MAX_PRODUCTS, round(copy * flops / flop)))
@@ -202,9 +207,9 @@ def _products(copy: float, flops: float, flop: float) -> int:
 def _checked(jitted: Any, args: tuple[Any, ...], outs: tuple[Any, ...]) -> Any:
     """``jitted`` compiled for ``args``, refused (an exception, not a run that aborts the
     process) unless it places its inputs in the memory kinds of ``args`` and its outputs in
-    those of ``outs`` (shardings), and aliases each donated input with an output of its memory
-    kind: a pinned buffer handed to a program that expects device memory, or given to a device
-    output, is what aborts."""
+    those of ``outs`` (shardings), and every input it aliases with an output (a donated buffer
+    it reuses) is in that output's memory kind: a pinned buffer handed to a program that
+    expects device memory, or given to a device output, is what aborts."""
     import jax
 
     compiled = jitted.lower(*args).compile()
@@ -246,7 +251,7 @@ def _link_times(device: Any, size: int, repeats: int, flops: float) -> LinkTimes
     nothing = jax.jit(lambda t: t + 1)
     launch = _best(lambda: jax.block_until_ready(nothing(tiny)), repeats)
     out = link.time("out", repeats)
-    k = _products(max(out - launch, out / 10) / _ITERATIONS, flops, link.product_flop)
+    k = _products(_less_launch(out, launch) / _ITERATIONS, flops, link.product_flop)
     return LinkTimes(nbytes=link.nbytes, launch=launch, out=out, back=link.time("back", repeats),
                      both=link.time("both", repeats), kept_forward=link.time("kept_forward", repeats, k),
                      offloaded_forward=link.time("offloaded_forward", repeats, k),

@@ -3,9 +3,10 @@
 A plan weighs seconds against bytes: recomputing a residual costs its FLOPs at the device's
 matmul rate (or its bytes at the memory's rate), moving it to host memory and back costs its
 bytes at the link's rates, less what hides behind the compute beside the copy. Those rates
-are a device kind's, so they are measured once per kind (:mod:`residual_store._src.plan.measure`) and kept in memory,
-and on disk where the caller names a folder; CPU and TPU v5e have built-in profiles (the issue's
-measurements on a v5e), so nothing needs to measure to plan for them.
+are a device kind's, so they are measured once per kind
+(:mod:`residual_store._src.plan.measure`) and kept in memory, and on disk where the caller names
+a folder; CPU and TPU v5e have built-in profiles (the issue's measurements on a v5e), so nothing
+needs to measure to plan for them.
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ def device_profile(device: Any = None, *, remeasure: bool = False, cache_dir: st
 
     A built-in profile where there is one (unless ``remeasure``); else one measured in this
     process before, or read from ``cache_dir`` (a folder: one JSON file per device kind), or
-    measured now (:func:`residual_store._src.plan.measure.measure`: about a second without a link, ten with one on a TPU
-    v5e, most of it compiling) and kept in memory and in ``cache_dir``.
+    measured now (:func:`residual_store._src.plan.measure.measure`: about a second without a
+    link, ten with one on a TPU v5e, most of it compiling) and kept in memory and in
+    ``cache_dir``.
     """
     import jax
 
