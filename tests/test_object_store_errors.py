@@ -254,6 +254,23 @@ def test_internals_the_window_hands_log_lines_to_the_logger_and_writes_the_rest_
     assert [r.getMessage() for r in caplog.records] == [f"object store SDK: {line.decode()}"]
 
 
+def test_internals_a_window_inside_a_window_is_part_of_it(capfd, caplog):
+    """A store's opening requests run in one window (each request's own window inside it): a
+    credential lookup's line that comes between two requests is kept off stderr too."""
+    from residual_store._src.store.disk.sdk_logs import sdk_logs_to_logger
+
+    lines = [f"E1207 15:46:16.13750{i}    3907 http-stream:2053] id=static: Request path is invalid".encode()
+             for i in range(3)]
+    with caplog.at_level(logging.DEBUG, logger="residual_store"), sdk_logs_to_logger():
+        with sdk_logs_to_logger():
+            os.write(2, lines[0] + b"\n")
+        os.write(2, lines[1] + b"\n")  # between two requests' windows
+        with sdk_logs_to_logger():
+            os.write(2, lines[2] + b"\n")
+    assert capfd.readouterr().err == ""
+    assert [r.getMessage() for r in caplog.records] == [f"object store SDK: {x.decode()}" for x in lines]
+
+
 @pytest.mark.slow  # seconds of waiting: the fast tier aims at 90 s
 def test_the_command_line_says_what_cannot_heal_in_one_line():
     from store_helpers import run_cli

@@ -10,18 +10,21 @@ two in :func:`resolve_path`, once, when the store opens.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import residual_store_serializers as serializers
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.store.disk.folder import LocalBackend, check_writable
-from residual_store._src.store.disk.kvstore import KvBackend, url_spec
+from residual_store._src.store.disk.kvstore import KvBackend, is_remote, url_spec
 from residual_store._src.store.disk.protocol import Backend
+from residual_store._src.store.disk.sdk_logs import sdk_logs_to_logger
 
-__all__ = ["check_path", "open_backend", "resolve_path"]
+__all__ = ["check_path", "open_backend", "opening", "resolve_path"]
 
 Location = str | Mapping[str, Any] | None
 
@@ -57,6 +60,16 @@ def open_backend(path: str | os.PathLike[str] | Mapping[str, Any], *, timeout: f
         root = serializers.local_root(path)
         return LocalBackend(root) if root is not None else KvBackend(path, timeout)
     return LocalBackend(os.fspath(path))
+
+
+def opening(path: str | os.PathLike[str] | Mapping[str, Any]) -> AbstractContextManager[None]:
+    """Where a store at ``path`` makes its opening requests: an object store's in one window of
+    :func:`~residual_store._src.store.disk.sdk_logs.sdk_logs_to_logger`, from the first contact
+    to the marker read or written (the SDKs' credential lookups log their last lines as a
+    refused request fails, before the next request's own window opens); a folder's as they are."""
+    if isinstance(path, Mapping) and serializers.local_root(path) is None and is_remote(path):
+        return sdk_logs_to_logger()
+    return contextlib.nullcontext()
 
 
 def resolve_path(path: Any, *, read_only: bool = False, create: bool = True) -> Location:

@@ -24,7 +24,7 @@ from residual_store._src.store.disk.protocol import Backend, ContextWrite, Empty
 from residual_store._src.store.disk.sdk_logs import sdk_logs_to_logger
 from residual_store_serializers.kv_errors import is_missing_bucket, ts_message
 
-__all__ = ["AtomicPuts", "DEFAULT_TIMEOUT_S", "KvBackend", "URL_SCHEMES", "url_spec"]
+__all__ = ["AtomicPuts", "DEFAULT_TIMEOUT_S", "KvBackend", "URL_SCHEMES", "is_remote", "url_spec"]
 
 # Seconds each request to an object store may take by default, tensorstore's retries included:
 # an unreachable store is reported within it (tensorstore alone retries for minutes), and a
@@ -84,6 +84,11 @@ _RETRY_RESOURCES = {"s3": "s3_request_retries", "gcs": "gcs_request_retries", "h
 _LOCAL_DRIVERS = ("file", "memory")
 
 
+def is_remote(spec: Mapping[str, Any]) -> bool:
+    """Whether ``spec``'s requests go over a network (an object store's, not ``file`` or ``memory``)."""
+    return spec.get("driver") not in _LOCAL_DRIVERS
+
+
 def _tried_once(spec: dict[str, Any]) -> dict[str, Any]:
     """``spec`` whose requests are tried once (a networked driver's; any other as it is)."""
     name = _RETRY_RESOURCES.get(spec.get("driver"))  # type: ignore[arg-type]
@@ -120,7 +125,7 @@ class KvBackend:
 
     def __init__(self, spec: Mapping[str, Any], timeout: float | None = None) -> None:
         self.description = repr(dict(spec))
-        self.remote = spec.get("driver") not in _LOCAL_DRIVERS
+        self.remote = is_remote(spec)
         self.timeout_given = timeout is not None
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None and self.remote else timeout
         self.spec = _with_timeout(_with_quiet_credentials(dict(spec)), self.timeout)

@@ -8,7 +8,8 @@ found. tensorstore's Python API has no switch for them (its flags hold no absl l
 They come while a request looks for credentials: the first, and each retry until the store
 answers (a refused connection is retried); so a kvstore's requests until the first answered one
 are made inside :func:`sdk_logs_to_logger`, which points fd 2 at a temporary file
-for its duration, then writes every line that is not an absl log line back to stderr, and hands
+for its duration (a store's opening requests in one window: a lookup's last lines come as its
+request fails, while the next request has not begun), then writes every line that is not an absl log line back to stderr, and hands
 the log lines to the library's logger at DEBUG (``logging.getLogger("residual_store")``: an
 application that wants them configures logging, as for the library's own records).
 """
@@ -30,8 +31,10 @@ __all__ = ["sdk_logs_to_logger", "split_sdk_lines"]
 # absl's prefix: severity and date, time, thread id, then the source (the AWS SDK puts its log
 # subject there: "common-io:5]", "AuthCredentialsProvider:6146]")
 _ABSL_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6}\s+\d+ [^\]\s]+\] ")
-# one window at a time: fd 2 is the process's, and the window restores what it found
-_WINDOW = threading.Lock()
+# one window at a time: fd 2 is the process's, and the window restores what it found; the
+# thread holding it enters it again freely (``_depth``: its entries not yet left)
+_WINDOW = threading.RLock()
+_depth = 0
 
 
 def split_sdk_lines(text: bytes) -> tuple[list[bytes], bytes]:
@@ -49,9 +52,18 @@ def sdk_logs_to_logger() -> Iterator[None]:
     body's threads wrote there (in its order) but the SDKs' log lines, which go to the logger.
 
     Where fd 2 cannot be redirected (closed, or no temporary file can be made), the body runs
-    as it is. Another thread's window waits for this one to end.
+    as it is. Another thread's window waits for this one to end; a window opened inside one is
+    part of it (the outermost restores fd 2 and replays).
     """
+    global _depth
     with _WINDOW:
+        if _depth:
+            _depth += 1
+            try:
+                yield
+            finally:
+                _depth -= 1
+            return
         try:
             saved = os.dup(2)
         except OSError:
@@ -66,9 +78,11 @@ def sdk_logs_to_logger() -> Iterator[None]:
         with capture:
             _flush_stderr()
             os.dup2(capture.fileno(), 2)
+            _depth = 1
             try:
                 yield
             finally:
+                _depth = 0
                 _flush_stderr()
                 os.dup2(saved, 2)
                 os.close(saved)

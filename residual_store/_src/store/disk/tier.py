@@ -58,7 +58,7 @@ from residual_store._src.errors import (
 from residual_store._src.logs import event
 from residual_store._src.store.critical import StoreLock
 from residual_store._src.store.disk import forms, layout, paths
-from residual_store._src.store.disk.backends import open_backend
+from residual_store._src.store.disk.backends import open_backend, opening
 from residual_store._src.store.disk.buffers import ReadBuffers
 from residual_store._src.store.disk.damage import damaged_context, manifest_damage, size_damage, without_key
 from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost
@@ -99,7 +99,12 @@ class DiskTier:
         read_buffer_bytes: int = 0,
         timeout: float | None = None,
     ) -> None:
-        self.backend = open_backend(path, timeout=timeout)
+        with opening(path):  # the opening requests: one window for an object store's SDK lines
+            self.backend = open_backend(path, timeout=timeout)
+            self._open(create=create, read_only=read_only, read_buffer_bytes=read_buffer_bytes)
+
+    def _open(self, *, create: bool, read_only: bool, read_buffer_bytes: int) -> None:
+        """The tier's state, and the store's marker read (or written, making a new store)."""
         # how the medium makes writes atomic; holds this tier's recycled folders
         self.atomicity = self.backend.atomicity()
         self.read_only = bool(read_only)
