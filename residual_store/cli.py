@@ -654,7 +654,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line (``argv``: its arguments, else the program's own); returns the exit
     status. Run as the program, after a Ctrl-C once JAX is imported, the process ends here with
     status 130 instead (see :func:`~residual_store._src.interrupts.interrupted`)."""
-    command = ""
+    # the command the arguments name, before they are parsed (a Ctrl-C may come while they are)
+    command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), "")
     try:
         args = _parser().parse_args(argv)
         command = args.command

@@ -168,7 +168,11 @@ for _ in range(3):
     got = fwd.backward(ctx, cts)
 want = jax.vjp(f, p, x)[1](cts)
 for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+    # within 1e-6 of the leaf's largest gradient: a value summed from larger terms of either sign
+    # (rounded by the program's order) is not relatively as exact as they are
+    scale = float(np.max(np.abs(w)))
+    assert scale > 0
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6 * scale)
 print("ok", h.sharding.memory_kind)
 """
 

@@ -148,6 +148,16 @@ def plan_fields(save: str) -> dict[str, str] | None:
     return dict(part.partition("=")[::2] for part in save[len(PLAN_PREFIX):].split(";"))
 
 
+def computed_save(save: str) -> str:
+    """``save`` as far as it names what is computed: a plan's record without its device profile.
+    The profile only decides the plan, and the plan is in the forward and backward a signature
+    digests; so two processes whose profiles differ (one measured in each, by its noise) and
+    that plan alike make one signature, and a backward rebuilt in either fits the other's contexts."""
+    if plan_fields(save) is None:
+        return save
+    return ";".join(part for part in save.split(";") if not part.startswith("profile="))
+
+
 def plan_budget(save: str) -> tuple[int, int] | None:
     """The device budget and the microbatches sharing it that a ``save`` record's plan names:
     ``None`` for anything but a plan under a device budget; ``(0, 1)`` (the tightest) for one

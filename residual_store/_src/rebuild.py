@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from residual_store._src import placement, structure
-from residual_store._src.context import ResidualSpec, plan_fields
+from residual_store._src.context import ResidualSpec, computed_save, plan_fields
 from residual_store._src.errors import ResidualStoreError, SignatureMismatchError
 from residual_store._src.signature import is_current
 from residual_store._src.trace import Keywords, Options, Traced, trace
@@ -61,11 +61,12 @@ def inputs_of(opts: Options, spec: ResidualSpec) -> RecordedInputs:
             ": it was written by residual-store 0.1, whose signatures did not cover what is "
             "computed and recorded no input structure; run the forward again",
         )
+    # a plan's device profile aside: a split that plans alike from another profile rebuilds it
     mine = (opts.argnums_option, opts.weight_argnums, opts.static_argnums, opts.has_aux, opts.save.record)
     theirs = (call.argnums, call.weight_argnums, call.static_argnums, call.has_aux, call.save)
-    if mine != theirs:
+    if mine[:-1] != theirs[:-1] or computed_save(mine[-1]) != computed_save(theirs[-1]):
         diff = ", ".join(f"{n}={t!r} (this split: {m!r})" for n, m, t in zip(_OPTIONS, mine, theirs) if m != t)
-        raise mismatch(opts, spec, f": it was made by a split with {diff}{_profiles_differ(mine[-1], theirs[-1])}")
+        raise mismatch(opts, spec, f": it was made by a split with {diff}")
     if (call.differentiated is None) != (opts.filter is None):
         made, has = ("without", "has one") if call.differentiated is None else ("with", "has none")
         raise mismatch(opts, spec, f": it was made by a split {made} a filter, and this one {has}")
@@ -166,6 +167,8 @@ def check_signature(opts: Options, spec: ResidualSpec, traced: Traced) -> None:
     (and its residual avals, where the spec records them)."""
     got = traced.spec.signature
     if got != spec.signature or (spec.avals and traced.spec.avals != spec.avals):
+        if spec.call is not None and (hint := _profiles_differ(opts.save.record, spec.call.save)):
+            raise mismatch(opts, spec, f": on the inputs the context records, this split plans otherwise{hint}")
         raise mismatch(
             opts,
             spec,
@@ -190,13 +193,18 @@ def _enter_mesh(record: tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]
 
 
 def _profiles_differ(mine: str, theirs: str) -> str:
-    """What to do where two plans' records differ in their device profiles alone (a profile
-    measured in each process differs by the measurement's noise), else nothing."""
+    """Where two plans' records differ in their device profiles alone (a profile measured in
+    each process differs by the measurement's noise), why they planned otherwise and what to
+    do; else nothing."""
     a, b = plan_fields(mine), plan_fields(theirs)
-    if a is None or b is None or a.pop("profile", None) == b.pop("profile", None) or a != b:
+    if a is None or b is None:
+        return ""
+    ours, made = a.pop("profile", ""), b.pop("profile", "")
+    if ours == made or a != b:
         return ""
     return (
-        "; only the device profiles the two plans read differ (a profile measured in each process "
-        "differs by its noise): plan both with one rs.DeviceProfile, e.g. "
-        "rs.plan(..., profile=rs.device_profile(cache_dir=DIR)) with DIR shared by the processes"
+        f" (the device profiles the two plans read differ: the context's {made!r}, this split's "
+        f"{ours!r}): plan both with one rs.DeviceProfile, e.g. rs.plan(..., "
+        "profile=rs.device_profile(cache_dir=DIR)) with DIR shared by the processes, or run the "
+        "context's stored backward (rs.backward: no model needed)"
     )

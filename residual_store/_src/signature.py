@@ -5,7 +5,9 @@ A signature is ``"rs2-"`` and the first 128 bits (hex) of the SHA-256 of a canon
 
 1. the format tag ``residual-store/signature/2``, the JAX and jaxlib versions;
 2. the call: the number of positional arguments, ``argnums`` (an ``int`` and a 1-tuple return
-   differently shaped gradients), ``weight_argnums``, ``has_aux``, the static arguments' positions
+   differently shaped gradients), ``weight_argnums``, ``has_aux``, the ``save`` choice (a plan's
+   options; not the device profile it read, which only decides the plan, and the plan is in the
+   jaxprs below), the static arguments' positions
    and values, the names of the traced keyword arguments and the static ones' names and values
    (both only where a call passes keywords, so that the signatures of calls without them stay
    what they were), the abstract mesh the forward was traced under;
@@ -41,7 +43,7 @@ import jax
 import jaxlib
 
 from residual_store._src.canonical import canonicalizer, jaxpr_text
-from residual_store._src.context import CallSpec
+from residual_store._src.context import CallSpec, computed_save
 
 __all__ = ["SIGNATURE_PREFIX", "compute_signature", "is_current"]
 
@@ -98,7 +100,7 @@ def compute_signature(
     if call.differentiated is not None:
         add("differentiated", repr(call.differentiated))
     if call.save != "all":  # "all" adds nothing: the signatures of before stay
-        add("save", call.save)
+        add("save", computed_save(call.save))
     for index, value in statics:
         add("static", f"{index}={canon.value(value)}")
     if call.kwnames:

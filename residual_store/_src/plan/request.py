@@ -3,10 +3,10 @@
 ``rs.split(f, save=rs.plan(device_budget=..., microbatches=...))`` makes a split whose forward,
 per signature, keeps on the device, offloads to host memory or recomputes each value its
 backward needs (:mod:`residual_store._src.plan.choose`), the fastest choice whose contexts fit
-the budget together. The options (the budget in bytes, the microbatches, the device profile's
-digest, whether to offload) are the split's ``save`` record, so they are part of the signature
-and of every context's record: a context resumes in a split planned the same way, and the plan
-itself is in the forward and backward the signature digests.
+the budget together. The options (the budget in bytes, the microbatches, whether to offload, the
+device profile's kind and digest) are the split's ``save`` record, in every context's record; the
+signature digests the options but the profile, and the plan itself, which is in the forward and
+backward: a context resumes in a split planned the same way from any profile that plans alike.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class PlanOptions:
 
     @property
     def record(self) -> str:
-        """How a context's record spells these options (part of the signature)."""
+        """How a context's record spells these options (all but the profile part of the signature)."""
         kind = "".join(c if c.isalnum() else "-" for c in self.profile.kind)[:40]
         return plan_record(self.device_budget, self.microbatches, self.offload, f"{kind}.{self.profile.digest}")
 
@@ -99,7 +99,7 @@ def plan(
       offload: whether the plan may move values to host memory.
 
     Returns:
-      A :class:`PlanOptions`, hashable; its options are part of the split's signature.
+      A :class:`PlanOptions`, hashable; its options but the profile are part of the split's signature.
 
     Example:
       >>> import jax, jax.numpy as jnp, residual_store as rs
