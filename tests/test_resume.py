@@ -53,10 +53,6 @@ RESUMER = textwrap.dedent(
         lambda event, d, **kw: compiles.append(event)
         if counting[0] and event == "/jax/core/compile/backend_compile_duration" else None
     )
-    jax.monitoring.register_event_listener(
-        lambda event, **kw: compiles.append(event)
-        if counting[0] and event == "/jax/compilation_cache/cache_hits" else None
-    )
     report, grads = {{}}, {{}}
     with rs.Store(sys.argv[1], read_only=True) as store:
         for name, make in libraries.MAKERS.items():
