@@ -172,7 +172,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 #
 # The fast tier (``pytest -n 2 --dist loadfile -m "not slow"``, as the README runs it: two
 # pytest-xdist workers, each file's tests in one of them) aims at 90 s on 2 cores and takes about
-# 220 s (the README says what was last measured): no test in it starts another process, and none
+# 105 s (the README says what was last measured): no test in it starts another process, and none
 # takes more than a few seconds. A test that starts other processes pays their imports and
 # compiles, so it is slow by nature; the others that take seconds are marked ``slow`` where they
 # are defined (``--durations`` finds them). Each worker imports this module: its own temp folder

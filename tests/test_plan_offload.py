@@ -227,3 +227,27 @@ def test_real_models_offload_through_a_store_with_jax_grads_gradients(name):
     assert [back.residuals[i].sharding.memory_kind for i in ctx.spec.on_host] == [PINNED] * len(ctx.spec.on_host)
     _, _, want = lm.reference(case)(*args)
     assert_close_by_path(fwd.backward(back), want, f"{name} planned")
+
+
+def test_internals_the_stored_backward_takes_the_offloaded_residuals_in_host_memory():
+    """The exported backward is given the residuals the forward put in host memory there, as
+    the context holds them and as the backward inside moves them to the device: exported with
+    them in device memory, XLA's host offloading refused to compile it on a TPU v5e (E1200,
+    a tensor moved to host returned in device memory), so a process without the model could
+    not run an offloading plan's backward there."""
+    from jax import export as jax_export
+
+    from residual_store._src.backward import backward_of
+    from residual_store._src.store.backwards import serialize
+
+    fwd = rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=0, profile=LINKED))
+    p, x = inputs(23)
+    _, ctx = fwd(p, x)
+    assert ctx.spec.on_host
+    data, _ = serialize(backward_of(ctx)[0], ctx.spec.avals, None, ctx.spec.on_host)
+    artifact = jax_export.deserialize(bytearray(data))
+    spaces = [a.memory_space for a in artifact.in_avals[: len(ctx.residuals)]]
+    assert [i for i, s in enumerate(spaces) if s == jax.memory.Space.Host] == list(ctx.spec.on_host)
+    grads = artifact.call(list(ctx.residuals), [jnp.float32(1.0)])
+    for g, w in zip(grads, jax.tree.leaves(_grad(p, x)), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6 * float(np.max(np.abs(w))))

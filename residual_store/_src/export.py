@@ -50,24 +50,35 @@ class SerializedBackward:
     left_out: dict[str, str]
 
 
-def _plain_aval(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
+def _plain_aval(aval: Any, on_host: bool = False) -> jax.ShapeDtypeStruct:
+    """``aval``'s shape and dtype; in the pinned host memory of the default device where the
+    forward put the residual there itself (the backward moves it to the device inside: given
+    in device memory, XLA's host offloading refuses the program on a TPU)."""
+    if not on_host:
+        return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, sharding=host)
 
 
 def _why(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
 
 
-def export_backward(bwd: Backward, residual_avals: Sequence[Any], platforms: Sequence[str] = PLATFORMS) -> SerializedBackward:
-    """Serializes ``bwd``'s flat function for residuals of ``residual_avals``, lowered for the
-    current platform and every other of ``platforms`` it lowers for.
+def export_backward(
+    bwd: Backward, residual_avals: Sequence[Any], platforms: Sequence[str] = PLATFORMS, *, on_host: Sequence[int] = ()
+) -> SerializedBackward:
+    """Serializes ``bwd``'s flat function for residuals of ``residual_avals`` (those at
+    ``on_host`` in pinned host memory), lowered for the current platform and every other of
+    ``platforms`` it lowers for.
 
     Raises:
       BackwardUnavailableError: the current platform cannot lower it (host callbacks and the
         like); the message says why.
     """
     fn = jax.jit(bwd.flat_fn)
-    args = ([_plain_aval(a) for a in residual_avals], [_plain_aval(bwd.out_avals[i]) for i in bwd.float_leaves])
+    host = frozenset(on_host)
+    args = ([_plain_aval(a, i in host) for i, a in enumerate(residual_avals)],
+            [_plain_aval(bwd.out_avals[i]) for i in bwd.float_leaves])
     current = jax_export.default_export_platform()
     wanted = (current, *(p for p in platforms if p != current))
 

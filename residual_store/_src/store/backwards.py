@@ -100,7 +100,7 @@ def unavailable_manifest(signature: str, reason: str) -> bytes:
     return _manifest(signature, available=False, reason=reason)
 
 
-def serialize(bwd: Backward, avals: Sequence[Any], mesh: Any) -> tuple[bytes, bytes]:
+def serialize(bwd: Backward, avals: Sequence[Any], mesh: Any, on_host: Sequence[int] = ()) -> tuple[bytes, bytes]:
     """The exported backward and its manifest. A backward over residuals sharded with explicit
     axis types traces only inside their mesh: if the export fails, it is tried again under
     ``jax.set_mesh(mesh)`` (the artifact is then for that mesh's device count).
@@ -109,13 +109,13 @@ def serialize(bwd: Backward, avals: Sequence[Any], mesh: Any) -> tuple[bytes, by
       BackwardUnavailableError: ``jax.export`` cannot serialize it (the message says why).
     """
     try:
-        exported = export_backward(bwd, avals)
+        exported = export_backward(bwd, avals, on_host=on_host)
     except BackwardUnavailableError:
         set_mesh = getattr(jax, "set_mesh", None)
         if mesh is None or set_mesh is None:
             raise
         with set_mesh(mesh):
-            exported = export_backward(bwd, avals)
+            exported = export_backward(bwd, avals, on_host=on_host)
     data = exported.data
     manifest = _manifest(
         bwd.signature,
@@ -383,7 +383,7 @@ class BackwardSaver:
             self._writer.submit(functools.partial(self._record_unavailable, sig, reason), 0)
             return
         mesh = explicit_mesh(ctx.residuals)
-        self._writer.submit(functools.partial(self._export, sig, bwd, ctx.spec.avals, mesh), 0)
+        self._writer.submit(functools.partial(self._export, sig, bwd, ctx.spec.avals, mesh, ctx.spec.on_host), 0)
 
     def emit_warnings(self) -> None:
         """Warnings of background saves, on the caller's thread (stack level: its caller's call)."""
@@ -394,13 +394,13 @@ class BackwardSaver:
         for message in pending:  # export's own errors, which say what a process without the model meets
             _warn_unexportable(message)
 
-    def _export(self, sig: str, bwd: Backward, avals: Any, mesh: Any) -> None:
+    def _export(self, sig: str, bwd: Backward, avals: Any, mesh: Any, on_host: Sequence[int] = ()) -> None:
         """On the writer thread: exports the backward of ``sig`` and stores it, unless stored."""
         try:
             if is_stored(self._disk, sig):
                 return
             try:
-                data, manifest = serialize(bwd, avals, mesh)
+                data, manifest = serialize(bwd, avals, mesh, on_host)
             except BackwardUnavailableError as err:
                 with self._lock:
                     self._warnings.append(str(err))
