@@ -153,7 +153,7 @@ def computed_save(save: str) -> str:
     The profile only decides the plan, and the plan is in the forward and backward a signature
     digests; so two processes whose profiles differ (one measured in each, by its noise) and
     that plan alike make one signature, and a backward rebuilt in either fits the other's contexts."""
-    if plan_fields(save) is None:
+    if not save.startswith(PLAN_PREFIX):
         return save
     return ";".join(part for part in save.split(";") if not part.startswith("profile="))
 

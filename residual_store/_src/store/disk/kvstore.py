@@ -21,7 +21,6 @@ import residual_store_serializers as serializers
 from residual_store._src.errors import CorruptContextError, InvalidArgumentError, StoreUnavailableError
 from residual_store._src.store.disk.paths import STORE_MARKER
 from residual_store._src.store.disk.protocol import Backend, ContextWrite, Empty, StaleData, damaged
-from residual_store._src.store.disk.sdk_logs import sdk_logs_to_logger
 from residual_store_serializers.kv_errors import is_missing_bucket, ts_message
 
 __all__ = ["AtomicPuts", "DEFAULT_TIMEOUT_S", "KvBackend", "URL_SCHEMES", "is_remote", "url_spec"]
@@ -39,14 +38,7 @@ def _requests(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: KvBackend, *args: Any, **kwargs: Any) -> Any:
         try:
-            if not self.unanswered:
-                return method(self, *args, **kwargs)
-            # the SDKs look for credentials again at each retry until the store answers: their
-            # lines go where the first request's went (sdk_logs_to_logger)
-            with sdk_logs_to_logger():
-                result = method(self, *args, **kwargs)
-            self.unanswered = False
-            return result
+            return method(self, *args, **kwargs)
         except StoreUnavailableError:
             raise
         except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
@@ -130,12 +122,10 @@ class KvBackend:
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None and self.remote else timeout
         self.spec = _with_timeout(_with_quiet_credentials(dict(spec)), self.timeout)
         self.context = serializers.default_context()
-        self.unanswered = self.remote  # no request answered yet: the SDKs' lines kept off stderr
-        # the SDKs log while the first request looks for credentials: kept off the terminal
-        with sdk_logs_to_logger() if self.remote else contextlib.nullcontext():
-            if self.remote:
-                self._first_contact()
-            self.kv = self._open(self.spec)
+        # (the SDKs' log lines of these first requests: kept off stderr by backends.opening)
+        if self.remote:
+            self._first_contact()
+        self.kv = self._open(self.spec)
 
     def _open(self, spec: dict[str, Any]) -> Any:
         """The kvstore of ``spec``; :class:`InvalidArgumentError` for a spec tensorstore refuses."""
@@ -165,7 +155,6 @@ class KvBackend:
                 "opening the kvstore",
             )
             serializers.wait_request(kv.read(STORE_MARKER), self.timeout, f"reading {STORE_MARKER}")
-            self.unanswered = False
         except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError and others
             silent = isinstance(err, OSError) and err.errno == errno.ETIMEDOUT  # the whole timeout
             if silent or _unknown_host(err) or _no_credentials(err) or is_missing_bucket(err.__cause__ or err):

@@ -6,11 +6,11 @@ warning and up straight to file descriptor 2: nine lines where no credentials ar
 fails or goes on anonymously; its ``gcs`` driver writes one where no gcloud credentials file is
 found. tensorstore's Python API has no switch for them (its flags hold no absl log threshold).
 They come while a request looks for credentials: the first, and each retry until the store
-answers (a refused connection is retried); so a kvstore's requests until the first answered one
-are made inside :func:`sdk_logs_to_logger`, which points fd 2 at a temporary file
-for its duration (a store's opening requests in one window: a lookup's last lines come as its
-request fails, while the next request has not begun), then writes every line that is not an absl log line back to stderr, and hands
-the log lines to the library's logger at DEBUG (``logging.getLogger("residual_store")``: an
+answers (a refused connection is retried); so a store's opening requests, which end with the
+first answered one or with the error, are made in one window of :func:`sdk_logs_to_logger`
+(``backends.opening``: a lookup's last lines come as its request fails, before the next one
+begins). It points fd 2 at a temporary file for its duration, then writes every line that is
+not an absl log line back to stderr, and hands the log lines to the library's logger at DEBUG (``logging.getLogger("residual_store")``: an
 application that wants them configures logging, as for the library's own records).
 """
 
