@@ -24,7 +24,8 @@ Prints, in one run (docs/store.md records a TPU v5e's output):
    by hand, each put into a store at that budget, and a line a budget: the plan against the
    fastest of those and JAX's remat offload, and the two peaks); and the pressure case (contexts 1.5x the device's memory,
    ``device_budget="25%"``), for ``save="all"`` and ``"auto"``, and the fused step
-   (``jax.value_and_grad`` a microbatch). **Each row runs in a process of its own** (the chip
+   (``jax.value_and_grad`` a microbatch) and, in the plan part, the forward alone (the only
+   program in which a budget-0 plan's copies to host can ride). **Each row runs in a process of its own** (the chip
    serves one process at a time; a process's allocator peak is its own). Each row: ms a
    microbatch, the ratio to the list, the ratio to the **serial floor**, peak device GiB (the chip
    allocator's ``peak_bytes_in_use`` and ``bytes_in_use`` sampled every 0.5 ms by a thread) beside
@@ -66,19 +67,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stacks import add_trees, in_memory_step  # noqa: E402
+from bench_model import NAMES, add_trees, fused_step, init, make_loss  # noqa: E402
+from stacks import in_memory_step  # noqa: E402
 from timing import Case, interleaved_medians  # noqa: E402
 
 import residual_store as rs  # noqa: E402
 from residual_store._src.store.pinned import HostPool  # noqa: E402
 
 PARTS = ("copies", "free", "pipeline", "remat", "pressure", "plan", "curve")
-NAMES = ("attn_out", "mlp_hidden", "mlp_out")  # the intermediates remat offload moves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,46 +201,6 @@ def copy_paths(shapes: Shapes, repeats: int) -> dict[str, dict[str, float]]:
     return {"d2h": d2h, "h2d": h2d}
 
 
-# -- the model -------------------------------------------------------------------------------------
-
-
-def init(shapes: Shapes, seed: int = 0) -> dict[str, jax.Array]:
-    d, L = shapes.d, shapes.blocks
-    sizes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w1": (d, 4 * d), "w2": (4 * d, d)}
-    keys = dict(zip(sizes, jax.random.split(jax.random.key(seed), len(sizes))))
-    return {name: (jax.random.normal(keys[name], (L, *s)) / math.sqrt(s[0])).astype(jnp.bfloat16)
-            for name, s in sizes.items()}
-
-
-def _norm(x: jax.Array) -> jax.Array:
-    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
-
-
-def block(heads: int, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
-    """A pre-norm transformer block in bf16: causal attention of ``heads`` heads, a 4x MLP."""
-    b, t, d = h.shape
-    x = _norm(h)
-    q, k, v = ((x @ w[n]).reshape(b, t, heads, d // heads) for n in ("wq", "wk", "wv"))
-    causal = jnp.where(jnp.tril(jnp.ones((t, t), bool)), 0, -1e4).astype(h.dtype)
-    probs = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d // heads) + causal)
-    attn = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, d)
-    h = h + checkpoint_name(attn @ w["wo"], "attn_out")
-    hidden = checkpoint_name(jax.nn.gelu(_norm(h) @ w["w1"], approximate=False), "mlp_hidden")
-    return h + checkpoint_name(hidden @ w["w2"], "mlp_out")
-
-
-def make_loss(heads: int, policy: Any = None) -> Callable[[dict[str, jax.Array], jax.Array], jax.Array]:
-    step = functools.partial(block, heads)
-    if policy is not None:
-        step = jax.checkpoint(step, policy=policy)
-
-    def loss(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-        h, _ = jax.lax.scan(lambda h, w: (step(h, w), None), x, params)
-        return jnp.mean(h.astype(jnp.float32) ** 2)
-
-    return loss
-
-
 def own_bytes(ctx: rs.ResidualContext) -> int:
     return int(ctx.spec.own_nbytes)
 
@@ -314,14 +274,6 @@ def store_step(store: rs.Store, fwd: rs.Split, calls: list[tuple], ct: Any) -> A
     return jax.block_until_ready(grads)
 
 
-def fused_step(value_and_grad: Callable[..., Any], calls: list[tuple]) -> Any:
-    """One compiled ``value_and_grad`` a microbatch, the gradients summed."""
-    grads = None
-    for call in calls:
-        grads = add_trees(grads, value_and_grad(*call)[1])
-    return jax.block_until_ready(grads)
-
-
 def held_bytes(ctx: rs.ResidualContext) -> int:
     """Device bytes a context's own residuals hold: each buffer once (two residuals may be one
     buffer, which ``spec.own_nbytes`` counts twice)."""
@@ -374,9 +326,9 @@ whatever the row's ``save``), beside JAX's remat offload (``remat``, fused: no b
 
 def plan_rows(budgets: list[int]) -> list[str]:
     """The plan part's rows, each ``kind:k`` a store at a device budget of ``k`` contexts of
-    ``save="all"``: the fused step and the list, then per budget the baselines and ``plan:k``;
+    ``save="all"``: the fused step, the forward alone and the list, then per budget the baselines and ``plan:k``;
     then ``plan12:0`` (12 microbatches) and ``plankeep:0`` (a plan that never offloads)."""
-    rows = ["fused", "list"]
+    rows = ["fused", "forward", "list"]
     for k in budgets:
         rows += [b.format(k=k) for b in BASELINES] + [f"plan:{k}"]
     return [*rows, "plan12:0", "plankeep:0"]
@@ -555,7 +507,7 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
     # A context's own bytes: run for the rows that hold contexts (dropped at once; a planned one
     # is small), traced for the fused rows, which hold none (a run would leave a save="all"
     # context in their allocator's peak).
-    fused = row in ("fused", "remat")
+    fused = row in ("fused", "forward", "remat")
     size = all_bytes(shapes, params, xs[0]) if fused else own_bytes(fwd(*calls[0])[1])
     store: rs.Store | None = None
     budget: int | None = None
@@ -573,6 +525,10 @@ def run_row(shapes: Shapes, save: str, row: str, repeats: int, grads: Path) -> R
         vg = jax.jit(jax.value_and_grad(loss))
         fn = functools.partial(fused_step, vg, calls)
         name = "fused jax.value_and_grad a microbatch"
+    elif row == "forward":  # the only program a budget-0 plan's copies to host can ride in
+        forward = jax.jit(loss)
+        fn = functools.partial(lambda calls: jax.block_until_ready([forward(*c) for c in calls]), calls)
+        name = "the forward alone (jitted loss), a microbatch"
     elif row == "remat":
         policy = jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[], names_which_can_be_offloaded=list(NAMES),

@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_model import add_trees  # noqa: E402
 from timing import Case, interleaved_medians, timed  # noqa: E402
 
 import residual_store as rs  # noqa: E402
@@ -126,10 +127,6 @@ def measure_put_get(base: Path, blocks: int, repeats: int) -> dict[str, Any]:
              "get": timed(get, lambda: None, repeats), "raw get": timed(raw_get, lambda: None, repeats)}
     return {"blocks": blocks, "residuals": len(own), "bytes": len(raw), "files": created,
             "identical": identical, "t": t}
-
-
-def add_trees(a: Any, b: Any) -> Any:
-    return b if a is None else jax.tree.map(jnp.add, a, b)
 
 
 def in_memory_step(fwd: rs.Split, calls: list[tuple], ct: Any) -> Any:

@@ -1,11 +1,15 @@
 """benchmarks/accelerator.py's report: issue 51's verdict read both ways, the chart of a run's
-plan part, and the arguments its children share (one compilation cache a run)."""
+plan part, and the arguments its children share (one compilation cache a run); and its model,
+timed bare by benchmarks/bench_model.py."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
+import re
+import subprocess
 import sys
 import xml.dom.minidom
 from pathlib import Path
@@ -13,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import accelerator  # noqa: E402
+import pytest  # noqa: E402
 
 
 def _row(row: str, ms: float, gib: float) -> accelerator.Row:
@@ -60,3 +65,26 @@ def test_a_runs_json_is_drawn_with_a_line_a_baseline_and_gaps_where_a_row_did_no
     # two panels, each: plan and nothing_saveable joined over budgets 0 and 1; all a point alone; two flat lines
     assert len(doc.getElementsByTagName("polyline")) == 2 * 4
     assert len(doc.getElementsByTagName("circle")) == 2 * (2 + 2 + 1 + 2 + 2)
+
+
+@pytest.mark.slow
+def test_the_model_is_timed_bare_with_nothing_of_the_library_in_the_process():
+    """bench_model.py's floor is the fused step alone: the process that times it never imports
+    residual_store (nor the benchmark's sampler), and prints both steps' times."""
+    bench = Path(accelerator.__file__).resolve().parent / "bench_model.py"
+    script = "\n".join([
+        "import runpy, sys",
+        "sys.argv = ['bench_model.py', '--quick', '--repeats', '2']",
+        "try:",
+        f"    runpy.run_path({str(bench)!r}, run_name='__main__')",
+        "except SystemExit as ended:",
+        "    assert not ended.code, ended.code",
+        "print('IMPORTED', sorted(m for m in sys.modules if m.split('.')[0] == 'residual_store'))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "IMPORTED []" in done.stdout, done.stdout
+    times = re.findall(r"^(fused jax.value_and_grad|the forward alone) +([0-9.]+) ms a microbatch", done.stdout, re.M)
+    assert [name for name, _ in times] == ["fused jax.value_and_grad", "the forward alone"], done.stdout
+    assert all(float(ms) > 0 for _, ms in times)
