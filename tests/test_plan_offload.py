@@ -251,3 +251,54 @@ def test_internals_the_stored_backward_takes_the_offloaded_residuals_in_host_mem
     grads = artifact.call(list(ctx.residuals), [jnp.float32(1.0)])
     for g, w in zip(grads, jax.tree.leaves(_grad(p, x)), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6 * float(np.max(np.abs(w))))
+
+
+def test_threads_running_one_planned_split_at_once_never_share_a_live_buffer():
+    """Four threads each run a planned forward three times, holding the contexts until their
+    backwards: the pinned buffers the split lends are taken under its lock, so no two live
+    contexts write one buffer (each context's host values are as its forward wrote them when its
+    backward runs), and every gradient is ``jax.grad``'s. Buffers come back once dropped."""
+    import threading
+
+    fwd = _planned(loss)
+    seeds = [[100 + 10 * t + i for i in range(3)] for t in range(4)]
+    wants = {s: _grad(*inputs(s)) for row in seeds for s in row}
+    fwd(*inputs(99))  # (compiled before the threads start, so they race on buffers, not on a compile)
+    start = threading.Barrier(len(seeds))
+    errors: list[BaseException] = []
+    pointers: set[int] = set()
+    lock = threading.Lock()
+
+    def work(row):
+        try:
+            start.wait()
+            held = [(s, fwd(*inputs(s))[1]) for s in row]
+            written = [[np.asarray(ctx.residuals[i]) for i in ctx.spec.on_host] for _, ctx in held]
+            with lock:
+                for _, ctx in held:
+                    for i in ctx.spec.on_host:
+                        ptr = ctx.residuals[i].unsafe_buffer_pointer()
+                        assert ptr not in pointers, "two live contexts share a pinned buffer"
+                        pointers.add(ptr)
+            for (s, ctx), before in zip(reversed(held), reversed(written)):
+                for i, was in zip(ctx.spec.on_host, before):
+                    np.testing.assert_array_equal(np.asarray(ctx.residuals[i]), was)
+                _assert_grads(fwd.backward(ctx), wants[s])
+            with lock:  # (out of the live set before they are dropped: then another may take them)
+                pointers.difference_update(ctx.residuals[i].unsafe_buffer_pointer()
+                                           for _, ctx in held for i in ctx.spec.on_host)
+            held.clear()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(row,)) for row in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    pool = _scratch(fwd)
+    made = pool.made
+    assert 3 * len(pool.avals) <= made <= 13 * len(pool.avals)  # a thread's three alive at once at the least
+    _assert_grads(fwd.backward(fwd(*inputs(100))[1]), wants[100])
+    assert pool.made == made  # dropped, their buffers are lent again
