@@ -302,3 +302,59 @@ def test_threads_running_one_planned_split_at_once_never_share_a_live_buffer():
     assert 3 * len(pool.avals) <= made <= 13 * len(pool.avals)  # a thread's three alive at once at the least
     _assert_grads(fwd.backward(fwd(*inputs(100))[1]), wants[100])
     assert pool.made == made  # dropped, their buffers are lent again
+
+
+_SHARDED_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+sys.path.insert(0, {tests!r})
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import residual_store as rs
+from test_plan import LINKED, _grad, inputs, loss
+
+root, step = sys.argv[1], sys.argv[2]
+mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+p, x = inputs(31)
+p = jax.device_put(p, NamedSharding(mesh, P()))
+x = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+want = [np.asarray(w) for w in jax.tree.leaves(_grad(p, x))]
+
+def check(ctx, grads, where):
+    for i in ctx.spec.on_host:  # every offloaded value in host memory, on the forward's devices
+        s = ctx.residuals[i].sharding
+        assert s.memory_kind == "pinned_host" and s.device_set == set(mesh.devices.flat), (where, i, s)
+    for g, w in zip(jax.tree.leaves(grads), want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-6 * float(np.max(np.abs(w))))
+
+if step == "write":
+    fwd = rs.split(loss, argnums=(0, 1), save=rs.plan(device_budget=0, profile=LINKED))
+    _, ctx = fwd(p, x)
+    assert ctx.spec.on_host
+    check(ctx, fwd.backward(ctx), "made")
+    _, ctx = fwd(p, x)
+    with rs.Store(root, device_budget=0) as store:
+        store.put(ctx, "k")
+        store.flush()
+    with rs.Store(root) as store:  # read back from disk by a store that never held it
+        got = store.get("k")
+        check(got, fwd.backward(got), "read with the model")
+else:  # a fresh process, without the model's split
+    with rs.Store(root) as store:
+        got = store.get("k")
+        check(got, rs.backward(got), "read without the model")
+print("OK", step)
+"""
+
+
+@pytest.mark.subprocess
+def test_a_sharded_contexts_offloaded_values_come_back_in_host_memory_on_its_devices(tmp_path):
+    """A planned forward on two devices puts its offloaded values in their pinned host memory;
+    read back from disk (by the writer with its split, and by a fresh process without the
+    model), they are placed there again, sharded as they were, not in device memory (where a
+    store would count them and a TPU program expecting host memory would refuse them), and the
+    backward gives ``jax.grad``'s gradients."""
+    script = write_script(tmp_path, "sharded_offload.py", _SHARDED_SCRIPT.format(tests=str(TESTS_DIR)))
+    root = str(tmp_path / "store")
+    for step in ("write", "read"):
+        assert f"OK {step}" in run_python(script, root, step).stdout

@@ -23,7 +23,7 @@ from residual_store._src import _jax_internals
 from residual_store._src.context import SHARED_KINDS, ResidualContext, ResidualSpec, describe_residual
 from residual_store._src.errors import InvalidArgumentError
 from residual_store._src.placement import sharding_record
-from residual_store._src.scratch import pinned_sharding
+from residual_store._src.scratch import pinned_memory_kind, pinned_sharding
 from residual_store._src.store.disk.host_arrays import HostArrays, ShardedHost, chunk_index
 
 __all__ = [
@@ -146,20 +146,30 @@ def _sharded_host(x: jax.Array, record: dict[str, Any]) -> ShardedHost:
     return ShardedHost(record, shape, dtype, shard_shape, chunks)
 
 
-def to_device_sharded(host: ShardedHost) -> jax.Array:
+def to_device_sharded(host: ShardedHost, memory_kind: str | None = None) -> jax.Array:
     """Places a :class:`ShardedHost` read with a ``placement``: each device gets its chunk
     (``device_put`` per device, no whole array on any one device), assembled with
-    ``jax.make_array_from_single_device_arrays``."""
+    ``jax.make_array_from_single_device_arrays``; into the devices' ``memory_kind`` where given
+    (their pinned host memory, for a value the forward put there)."""
     sharding = host.placement
     assert sharding is not None
+    if memory_kind is not None:
+        sharding = sharding.with_memory_kind(memory_kind)
     if host.chunk_shape is None:
         assert host.whole is not None
         return _placed(jax.device_put(_placeable(host.whole), sharding), host.dtype)
     index_map = sharding.addressable_devices_indices_map(host.shape)
     devices = list(index_map)
     blocks = [_placeable(host.chunks[chunk_index(index_map[d], host.chunk_shape)]) for d in devices]
-    singles = jax.device_put(blocks, devices)
+    singles = jax.device_put(blocks, [SingleDeviceSharding(d, memory_kind=memory_kind) for d in devices])
     return _placed(jax.make_array_from_single_device_arrays(host.shape, sharding, singles), host.dtype)
+
+
+def _pinned_kind(host: ShardedHost) -> str | None:
+    """The pinned host memory kind of every device of ``host``'s placement, or ``None`` where
+    one lacks it."""
+    kinds = {pinned_memory_kind(d) for d in host.placement.device_set} if host.placement is not None else {None}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _deleted(ctx: ResidualContext, i: int, when: str) -> InvalidArgumentError:
@@ -414,8 +424,8 @@ def place(
     aligned NumPy buffer instead of copying), a
     sharded one block by block onto its devices, a shared one (a weight) from ``shared_array(i)``,
     which keeps one device array per stored weight; typed PRNG keys wrapped again. Those at
-    ``on_host`` (whole arrays the forward put in host memory) go to the device's pinned host
-    memory where it has one."""
+    ``on_host`` (arrays the forward put in host memory) go to the pinned host memory of their
+    devices where they have one, sharded ones as they were sharded."""
     own = [i for i, s in enumerate(shared) if not s]
     pinned = pinned_sharding(read_device(device)) if on_host else None
     hosted = [i for i in on_host if pinned is not None and not isinstance(arrays[i], ShardedHost)]
@@ -426,7 +436,7 @@ def place(
     for i in own:
         host = arrays[i]
         if isinstance(host, ShardedHost):
-            placed[i] = to_device_sharded(host)
+            placed[i] = to_device_sharded(host, _pinned_kind(host) if i in on_host else None)
     out = []
     for i, impl in enumerate(key_impls):
         x = placed[i] if i in placed else shared_array(i)
