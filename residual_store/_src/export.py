@@ -28,6 +28,7 @@ from jax import export as jax_export
 from residual_store._src.backward import Backward
 from residual_store._src.errors import BackwardUnavailableError, CorruptContextError
 from residual_store._src.keypaths import PathStructure
+from residual_store._src.scratch import pinned_sharding
 
 __all__ = ["PLATFORMS", "SerializedBackward", "export_backward", "load_backward"]
 
@@ -54,9 +55,7 @@ def _plain_aval(aval: Any, on_host: bool = False) -> jax.ShapeDtypeStruct:
     """``aval``'s shape and dtype; in the pinned host memory of the default device where the
     forward put the residual there itself (the backward moves it to the device inside: given
     in device memory, XLA's host offloading refuses the program on a TPU)."""
-    if not on_host:
-        return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    host = pinned_sharding(jax.devices()[0]) if on_host else None
     return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, sharding=host)
 
 
