@@ -3,10 +3,10 @@
 A ``lax.scan`` of pre-norm transformer blocks in bf16 (causal attention, a 4x MLP; three named
 intermediates for JAX's remat offload). This module imports JAX alone, not ``residual_store``:
 ``python benchmarks/bench_model.py`` times the fused step (one compiled ``jax.value_and_grad`` a
-microbatch, the gradients summed) and the forward alone, on issue 51's shapes (8 blocks, d=1024,
-T=1024, B=4, 3 microbatches; ``--quick`` for small ones), with nothing of the library or the
-benchmark's sampler thread in the process: the floor every row of ``accelerator.py --parts plan``
-is read against.
+microbatch, the gradients summed) and the forward alone, each also as a share of the fused step,
+on issue 51's shapes (8 blocks, d=1024, T=1024, B=4, 3 microbatches; ``--quick`` for small
+ones), with nothing of the library or the benchmark's sampler thread in the process: the floor
+every row of ``accelerator.py --parts plan`` is read against.
 """
 
 from __future__ import annotations
@@ -14,15 +14,18 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import statistics
 import sys
-import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import timed  # noqa: E402
 
 NAMES = ("attn_out", "mlp_hidden", "mlp_out")  # the intermediates remat offload moves
 
@@ -77,6 +80,12 @@ def fused_step(value_and_grad: Callable[..., Any], calls: list[tuple]) -> Any:
     return jax.block_until_ready(grads)
 
 
+def forward_step(forward: Callable[..., Any], calls: list[tuple]) -> Any:
+    """The compiled forward alone a microbatch: the only program a budget-0 plan's copies to
+    host can ride in."""
+    return jax.block_until_ready([forward(*call) for call in calls])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (a CPU, in seconds)")
@@ -89,19 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     keys = jax.random.split(jax.random.key(1), shapes.microbatches)
     calls = [(params, jax.random.normal(k, (shapes.batch, shapes.seq, shapes.d), jnp.bfloat16)) for k in keys]
     loss = make_loss(shapes.heads)
-    forward = jax.jit(loss)
     steps = {"fused jax.value_and_grad": functools.partial(fused_step, jax.jit(jax.value_and_grad(loss)), calls),
-             "the forward alone": lambda: jax.block_until_ready([forward(*c) for c in calls])}
+             "the forward alone": functools.partial(forward_step, jax.jit(loss), calls)}
     print(f"# {jax.devices()[0].device_kind} ({jax.default_backend()}), JAX {jax.__version__}; {shapes.blocks} blocks, "
           f"d={shapes.d}, T={shapes.seq}, B={shapes.batch}, {shapes.heads} heads, {shapes.microbatches} microbatches")
+    fused = None
     for name, step in steps.items():
-        step(), step()  # (the first compiles)
-        seconds = []
-        for _ in range(shapes.repeats):
-            start = time.perf_counter()
-            step()
-            seconds.append(time.perf_counter() - start)
-        print(f"{name:<28} {statistics.median(seconds) / shapes.microbatches * 1e3:8.2f} ms a microbatch (median of {shapes.repeats})")
+        step()  # (it compiles; timed runs one more untimed)
+        seconds = timed(step, lambda: None, shapes.repeats)
+        fused = fused or seconds
+        print(f"{name:<28} {seconds / shapes.microbatches * 1e3:8.2f} ms a microbatch (median of {shapes.repeats}), "
+              f"{seconds / fused:.3f}x the fused step")
     return 0
 
 
